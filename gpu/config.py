@@ -1,0 +1,164 @@
+"""Model configuration: the subset of a Hugging Face ``config.json`` the runtime needs.
+
+One frozen dataclass, validated in ``__post_init__``; derived values are properties.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ModelError(ValueError):
+    """A model folder, file or input that the runtime cannot use; the message names the problem."""
+
+
+# model_type -> architecture family knobs. Qwen2 puts biases on q/k/v; the rest have none.
+SUPPORTED_MODEL_TYPES: dict[str, dict[str, bool]] = {
+    "llama": {"qkv_bias": False},
+    "mistral": {"qkv_bias": False},
+    "qwen2": {"qkv_bias": True},
+}
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3.1 style frequency scaling ("rope_type": "llama3"); factor 1 means none."""
+
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    @classmethod
+    def from_hf(cls, raw: dict[str, Any] | None) -> RopeScaling:
+        if not raw:
+            return cls()
+        rope_type = str(raw.get("rope_type", raw.get("type", "default")))
+        if rope_type not in ("default", "llama3"):
+            raise ModelError(f"unsupported rope_scaling type {rope_type!r} (supported: llama3)")
+        if rope_type == "default":
+            return cls()
+        return cls(
+            rope_type=rope_type,
+            factor=float(raw["factor"]),
+            low_freq_factor=float(raw.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(raw.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(raw.get("original_max_position_embeddings", 8192)),
+        )
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    head_dim_override: int | None = None
+    tie_word_embeddings: bool = False
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    name: str = "model"
+
+    def __post_init__(self) -> None:
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ModelError(
+                f"unknown architecture {self.model_type!r}; supported model_type values: "
+                f"{', '.join(sorted(SUPPORTED_MODEL_TYPES))}"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ModelError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+        if self.head_dim_override is None and self.hidden_size % self.num_attention_heads:
+            raise ModelError("hidden_size is not a multiple of num_attention_heads")
+
+    @property
+    def head_dim(self) -> int:
+        return self.head_dim_override or self.hidden_size // self.num_attention_heads
+
+    @property
+    def qkv_bias(self) -> bool:
+        return SUPPORTED_MODEL_TYPES[self.model_type]["qkv_bias"]
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    @classmethod
+    def from_hf_dict(cls, raw: dict[str, Any], name: str = "model") -> ModelConfig:
+        model_type = raw.get("model_type")
+        if model_type is None:
+            archs = raw.get("architectures") or []
+            raise ModelError(f"config.json has no model_type (architectures={archs})")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ModelError(
+                f"unknown architecture {model_type!r} (architectures="
+                f"{raw.get('architectures')}); supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))}"
+            )
+        try:
+            eos = raw.get("eos_token_id")
+            eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+            return cls(
+                model_type=str(model_type),
+                vocab_size=int(raw["vocab_size"]),
+                hidden_size=int(raw["hidden_size"]),
+                intermediate_size=int(raw["intermediate_size"]),
+                num_hidden_layers=int(raw["num_hidden_layers"]),
+                num_attention_heads=int(raw["num_attention_heads"]),
+                num_key_value_heads=int(
+                    raw.get("num_key_value_heads") or raw["num_attention_heads"]
+                ),
+                max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(
+                    raw.get("rope_theta")
+                    or (raw.get("rope_parameters") or {}).get("rope_theta")
+                    or 10000.0
+                ),
+                head_dim_override=int(raw["head_dim"]) if raw.get("head_dim") else None,
+                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+                rope_scaling=RopeScaling.from_hf(_rope_scaling_dict(raw)),
+                bos_token_id=raw.get("bos_token_id"),
+                eos_token_ids=eos_ids,
+                name=name,
+            )
+        except KeyError as exc:
+            raise ModelError(f"config.json lacks required field {exc.args[0]!r}") from exc
+
+    @classmethod
+    def from_folder(cls, folder: Path) -> ModelConfig:
+        path = folder / "config.json"
+        if not path.is_file():
+            raise ModelError(f"{folder} has no config.json")
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ModelError(f"{path} is not valid JSON: {exc}") from exc
+        return cls.from_hf_dict(raw, name=folder.name)
+
+
+def _rope_scaling_dict(raw: dict[str, Any]) -> dict[str, Any] | None:
+    """transformers 5 moved rope settings into ``rope_parameters``; accept both spellings."""
+    scaling = raw.get("rope_scaling")
+    if scaling:
+        return dict(scaling)
+    params = raw.get("rope_parameters")
+    if params and params.get("rope_type", "default") != "default":
+        return dict(params)
+    return None

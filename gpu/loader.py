@@ -1,0 +1,69 @@
+"""Load a Hugging Face model folder (config.json + one or many *.safetensors) into ``CausalLM``.
+
+GGUF files are first converted to such a folder (``gpu.gguf``), so there is one load path.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from gpu.config import ModelConfig, ModelError
+from gpu.model import CausalLM, expected_shapes
+
+
+def weight_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError) as exc:
+            raise ModelError(f"{index} is not a valid safetensors index: {exc}") from exc
+        files = [folder / n for n in names]
+        absent = [f.name for f in files if not f.is_file()]
+        if absent:
+            raise ModelError(f"{folder}: weight files listed in the index are missing: {absent}")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelError(f"{folder} holds no *.safetensors weight files")
+    return files
+
+
+def load_weights(folder: Path, config: ModelConfig, progress: bool = True) -> dict[str, torch.Tensor]:
+    """Read only the tensors the model uses; a progress bar shows on a terminal."""
+    wanted = set(expected_shapes(config))
+    weights: dict[str, torch.Tensor] = {}
+    files = weight_files(folder)
+    show = progress and sys.stderr.isatty()
+    for path in tqdm(files, desc=f"loading {folder.name}", unit="file", disable=not show):
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    if name in wanted:
+                        weights[name] = f.get_tensor(name)
+        except Exception as exc:  # safetensors raises its own error types
+            raise ModelError(f"cannot read weight file {path}: {exc}") from exc
+    return weights
+
+
+def load_model(
+    folder: Path | str,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype | None = None,
+    progress: bool = True,
+) -> CausalLM:
+    """fp32 on CPU (bf16 matmul is ~500x slower on these CPUs), bf16 on CUDA unless given."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ModelError(f"model folder {folder} does not exist")
+    config = ModelConfig.from_folder(folder)
+    if dtype is None:
+        dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    weights = load_weights(folder, config, progress)
+    return CausalLM(config, weights, device=device, dtype=dtype)

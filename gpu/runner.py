@@ -1,0 +1,103 @@
+"""ModelRunner: one model replica, its KV pool and attention backend; runs one step's batch.
+
+The runner knows nothing about requests or scheduling: it gets sequences' page tables and new
+tokens, validates them, builds the metadata once, and returns logits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from gpu.attention.backend import AttentionBackend
+from gpu.attention.metadata import BatchMetadata, SeqChunk, build_batch_metadata
+from gpu.attention.torch_backend import TorchPagedAttention
+from gpu.config import ModelConfig, ModelError
+from gpu.kv_cache import KVCache, KVCacheSpec
+from gpu.model import CausalLM
+
+
+def make_backend(config: ModelConfig, device: torch.device) -> AttentionBackend:
+    if device.type == "cuda":
+        from gpu.attention.flashinfer_backend import FlashInferPagedAttention
+
+        return FlashInferPagedAttention(
+            config.num_attention_heads, config.num_key_value_heads, config.head_dim, device
+        )
+    return TorchPagedAttention(
+        config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    )
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: CausalLM,
+        num_pages: int,
+        page_size: int = 16,
+        backend: AttentionBackend | None = None,
+        kv_dtype: torch.dtype | None = None,
+    ) -> None:
+        self.model = model
+        self.config = model.config
+        self.device = model.device
+        spec = KVCacheSpec.for_model(model.config, num_pages, page_size, kv_dtype or model.dtype)
+        self.kv = KVCache(spec, self.device)
+        self.backend = backend or make_backend(model.config, self.device)
+
+    @property
+    def page_size(self) -> int:
+        return self.kv.spec.page_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_position_embeddings
+
+    def check_prompt(self, token_ids: Sequence[int]) -> None:
+        """Raise ``ModelError`` for a prompt the model cannot take."""
+        if len(token_ids) > self.max_model_len:
+            raise ModelError(
+                f"prompt has {len(token_ids)} tokens; the model's context length is "
+                f"{self.max_model_len}"
+            )
+        self.check_token_ids(token_ids)
+
+    def check_token_ids(self, token_ids: Sequence[int]) -> None:
+        vocab = self.config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ModelError(f"token ids out of range [0, {vocab}): {bad[:5]}")
+
+    def execute(
+        self,
+        chunks: list[SeqChunk],
+        new_tokens: list[Sequence[int]],
+        all_logits: bool = False,
+    ) -> torch.Tensor:
+        """Run one forward pass; logits of each sequence's last new token ``[B, V]``, or of
+        every new token ``[T, V]`` when ``all_logits`` (speculative verification, tests)."""
+        flat: list[int] = []
+        for chunk, tokens in zip(chunks, new_tokens, strict=True):
+            if len(tokens) != chunk.num_new:
+                raise ValueError(f"chunk expects {chunk.num_new} tokens, got {len(tokens)}")
+            if chunk.kv_len > self.max_model_len:
+                raise ModelError(
+                    f"sequence of {chunk.kv_len} tokens exceeds the context length "
+                    f"{self.max_model_len}"
+                )
+            flat.extend(tokens)
+        self.check_token_ids(flat)
+        meta = build_batch_metadata(chunks, self.page_size)
+        return self.forward(torch.tensor(flat, dtype=torch.int64), meta, all_logits)
+
+    @torch.inference_mode()
+    def forward(
+        self, input_ids: torch.Tensor, meta: BatchMetadata, all_logits: bool = False
+    ) -> torch.Tensor:
+        if self.device.type != "cpu":
+            meta = meta.to(self.device)
+            input_ids = input_ids.to(self.device, non_blocking=True)
+        self.backend.plan(meta)
+        indices = None if all_logits else meta.logits_indices
+        return self.model(input_ids, meta, self.backend, self.kv.layers, indices)

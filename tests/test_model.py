@@ -1,0 +1,165 @@
+"""The model runtime against transformers: logits and greedy continuations, batched and chunked."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpu.attention.metadata import SeqChunk
+from gpu.config import ModelError
+from gpu.loader import load_model
+from gpu.runner import ModelRunner
+from tests.models import hf_model
+
+PAGE = 4
+
+
+def run_chunked(runner: ModelRunner, prompts: list[list[int]], chunk_sizes: list[int]):
+    """Feed every prompt through shared batches, ``chunk_sizes[i]`` tokens of prompt i per step.
+
+    Returns every position's logits per prompt and each prompt's page table.
+    """
+    pages_per_seq = -(-max(len(p) for p in prompts) // PAGE) + 8
+    tables = [
+        tuple(range(i * pages_per_seq, (i + 1) * pages_per_seq)) for i in range(len(prompts))
+    ]
+    done = [0] * len(prompts)
+    logits: list[list[torch.Tensor]] = [[] for _ in prompts]
+    while any(d < len(p) for d, p in zip(done, prompts)):
+        active = [i for i, p in enumerate(prompts) if done[i] < len(p)]
+        chunks = [
+            SeqChunk(tables[i], done[i], min(chunk_sizes[i], len(prompts[i]) - done[i]))
+            for i in active
+        ]
+        out = runner.execute(
+            chunks, [prompts[i][done[i] : done[i] + c.num_new] for i, c in zip(active, chunks)], True
+        )
+        row = 0
+        for i, c in zip(active, chunks):
+            logits[i].append(out[row : row + c.num_new])
+            row += c.num_new
+            done[i] += c.num_new
+    return [torch.cat(x) for x in logits], tables
+
+
+def greedy_continue(runner, prompts, tables, first_tokens, steps):
+    """Batched greedy decode: one token per sequence per step, all sequences in one batch."""
+    outputs = [[t] for t in first_tokens]
+    lengths = [len(p) for p in prompts]
+    for _ in range(steps - 1):
+        chunks = [SeqChunk(tables[i], lengths[i], 1) for i in range(len(prompts))]
+        logits = runner.execute(chunks, [[o[-1]] for o in outputs])
+        for i, tok in enumerate(logits.argmax(-1).tolist()):
+            outputs[i].append(tok)
+            lengths[i] += 1
+    return outputs
+
+
+def random_prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def assert_close(ours: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
+    rel = ((ours - ref).abs().max() / ref.abs().max()).item()
+    assert rel < tol, f"relative error {rel:.2e} >= {tol:.0e}"
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "llama31"])
+def test_batched_chunked_logits_and_greedy_match_transformers(tiny_models, kind):
+    folder = tiny_models[kind]
+    runner = ModelRunner(load_model(folder), num_pages=256, page_size=PAGE)
+    oracle = hf_model(folder)
+    prompts = random_prompts(runner.config.vocab_size, [1, 3, 9, 30, 70])
+    # chunks smaller than a page (3), equal (4), larger (7, 10), and the whole prompt (100)
+    logits, tables = run_chunked(runner, prompts, [3, 4, 7, 10, 100])
+    steps = 12
+    firsts = [lg[-1].argmax().item() for lg in logits]
+    ours = greedy_continue(runner, prompts, tables, firsts, steps)
+    for prompt, lg, cont in zip(prompts, logits, ours):
+        with torch.no_grad():
+            ref = oracle(torch.tensor([prompt])).logits[0]
+            gen = oracle.generate(
+                torch.tensor([prompt]), max_new_tokens=steps, do_sample=False, min_new_tokens=steps
+            )[0, len(prompt) :].tolist()
+        assert_close(lg, ref, 1e-4)
+        assert cont == gen
+
+
+def test_llama3_rope_scaling_is_applied(tiny_models):
+    """The llama31 fixture must really differ from unscaled RoPE, or the test above is moot."""
+    from gpu.config import RopeScaling
+
+    model = load_model(tiny_models["llama31"])
+    assert model.config.rope_scaling.rope_type == "llama3"
+    unscaled = load_model(tiny_models["llama31"])
+    object.__setattr__(unscaled.config, "rope_scaling", RopeScaling())
+    from gpu.rope import RotaryEmbedding
+
+    unscaled.rope = RotaryEmbedding(unscaled.config, "cpu", torch.float32)
+    prompt = random_prompts(512, [60])[0]
+    a = ModelRunner(model, 64, PAGE).execute([SeqChunk(tuple(range(64)), 0, 60)], [prompt])
+    b = ModelRunner(unscaled, 64, PAGE).execute([SeqChunk(tuple(range(64)), 0, 60)], [prompt])
+    assert (a - b).abs().max() > 1e-3
+
+
+def test_unknown_architecture_is_named(tmp_path, tiny_llama):
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_llama, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["model_type"] = "gpt_neox"
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelError, match="unknown architecture 'gpt_neox'"):
+        load_model(folder)
+
+
+def test_missing_weight_files(tmp_path, tiny_llama):
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_llama, folder)
+    for f in folder.glob("*.safetensors"):
+        f.unlink()
+    with pytest.raises(ModelError, match="no \\*.safetensors"):
+        load_model(folder)
+    with pytest.raises(ModelError, match="does not exist"):
+        load_model(tmp_path / "nowhere")
+
+
+def test_mismatched_weights(tmp_path, tiny_llama):
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_llama, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["intermediate_size"] = 96
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelError, match=r"mlp.gate_proj.weight has shape \(128, 64\)"):
+        load_model(folder)
+
+
+def test_missing_tensor_is_named(tmp_path, tiny_llama):
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_llama, folder)
+    path = next(folder.glob("*.safetensors"))
+    tensors = load_file(path)
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, path)
+    with pytest.raises(ModelError, match="missing tensors: model.layers.1.mlp.up_proj.weight"):
+        load_model(folder)
+
+
+def test_prompt_too_long_and_bad_token_ids(tiny_llama):
+    runner = ModelRunner(load_model(tiny_llama), num_pages=128, page_size=PAGE)
+    with pytest.raises(ModelError, match="context length is 256"):
+        runner.check_prompt([5] * 300)
+    with pytest.raises(ModelError, match=r"out of range \[0, 512\): \[512, -1\]"):
+        runner.check_prompt([5, 512, -1])
+    with pytest.raises(ModelError, match="out of range"):
+        runner.execute([SeqChunk((0, 1), 0, 2)], [[3, 9999]])
+    with pytest.raises(ModelError, match="exceeds the context length"):
+        runner.execute([SeqChunk(tuple(range(128)), 250, 10)], [[3] * 10])
+    # the runner is still usable afterwards
+    assert runner.execute([SeqChunk((0, 1), 0, 2)], [[3, 4]]).shape == (1, 512)
