@@ -109,7 +109,8 @@ class ModelConfig:
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ModelError(
                 f"unknown architecture {model_type!r} (architectures="
-                f"{raw.get('architectures')}); supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))}"
+                f"{raw.get('architectures')}); supported: "
+                f"{', '.join(sorted(SUPPORTED_MODEL_TYPES))}"
             )
         try:
             eos = raw.get("eos_token_id")

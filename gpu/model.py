@@ -67,7 +67,8 @@ class DecoderLayer(nn.Module):
         x = F.rms_norm(hidden, (hidden.shape[-1],), self.post_attn_norm, self.eps)
         gate_up = self.gate_up_proj(x)
         x = F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :]
-        return hidden + self.down_proj(x)
+        out: torch.Tensor = hidden + self.down_proj(x)
+        return out
 
 
 class CausalLM(nn.Module):
@@ -120,7 +121,8 @@ class CausalLM(nn.Module):
         if logits_indices is not None:
             hidden = hidden[logits_indices]
         hidden = F.rms_norm(hidden, (hidden.shape[-1],), self.norm, self.config.rms_norm_eps)
-        return self.lm_head(hidden).float()
+        logits: torch.Tensor = self.lm_head(hidden).float()
+        return logits
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

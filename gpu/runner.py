@@ -72,7 +72,7 @@ class ModelRunner:
     def execute(
         self,
         chunks: list[SeqChunk],
-        new_tokens: list[Sequence[int]],
+        new_tokens: Sequence[Sequence[int]],
         all_logits: bool = False,
     ) -> torch.Tensor:
         """Run one forward pass; logits of each sequence's last new token ``[B, V]``, or of
@@ -100,4 +100,5 @@ class ModelRunner:
             input_ids = input_ids.to(self.device, non_blocking=True)
         self.backend.plan(meta)
         indices = None if all_logits else meta.logits_indices
-        return self.model(input_ids, meta, self.backend, self.kv.layers, indices)
+        logits: torch.Tensor = self.model(input_ids, meta, self.backend, self.kv.layers, indices)
+        return logits

@@ -63,6 +63,7 @@ def write_tiny_model(folder: Path, kind: str = "llama", seed: int = 0, **overrid
             else:
                 p.normal_(0, 0.08)
     model.save_pretrained(folder, safe_serialization=True)
+    write_tiny_tokenizer(folder, params["vocab_size"])
     return folder
 
 
@@ -73,3 +74,50 @@ def hf_model(folder: Path) -> Any:
         folder, torch_dtype=torch.float32, attn_implementation="eager"
     )
     return model.eval()
+
+
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
+    "message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog. Hello world, hello mesh!",
+    "Serving language models fast needs batching, paging and caching of keys and values.",
+    "你好，世界。今天天气很好。我们一起学习。",
+    "Emoji: 🙂 🚀 🎉 and accents: café, naïve, Zürich.",
+    "def main():\n    return 42\n",
+]
+
+
+def write_tiny_tokenizer(folder: Path, vocab_size: int = 512) -> None:
+    """A byte-level BPE (every UTF-8 string encodes) with ChatML specials at ids 0, 1, 2."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS * 20, trainer)
+    # pad to the model's vocabulary so every id the model can emit decodes (to nothing)
+    tok.add_special_tokens([f"<|reserved_{i}|>" for i in range(vocab_size - tok.get_vocab_size())])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": "<|im_start|>",
+                "eos_token": "<|im_end|>",
+                "chat_template": CHATML,
+                "tokenizer_class": "PreTrainedTokenizerFast",
+            }
+        )
+    )

@@ -14,6 +14,7 @@ Layout (as FlashInfer's ``BatchPrefillWithPagedKVCacheWrapper.plan`` expects, in
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -62,11 +63,12 @@ class BatchMetadata:
         return all(q == 1 for q in self.q_lens)
 
     def to(self, device: torch.device | str) -> BatchMetadata:
-        fields = {
-            name: (value.to(device, non_blocking=True) if isinstance(value, torch.Tensor) else value)
-            for name, value in self.__dict__.items()
+        moved = {
+            f.name: getattr(self, f.name).to(device, non_blocking=True)
+            for f in dataclasses.fields(self)
+            if isinstance(getattr(self, f.name), torch.Tensor)
         }
-        return BatchMetadata(**fields)
+        return dataclasses.replace(self, **moved)
 
 
 def build_batch_metadata(chunks: list[SeqChunk], page_size: int) -> BatchMetadata:

@@ -54,7 +54,7 @@ class TorchPagedAttention:
             q_len = meta.q_lens[members[0]]
             max_pages = max(kvp[b + 1] - kvp[b] for b in members)
             pages = torch.zeros((len(members), max_pages), dtype=torch.int64)
-            rows = []
+            rows: list[int] = []
             kv_lens = []
             for i, b in enumerate(members):
                 seq_pages = pages_all[kvp[b] : kvp[b + 1]]
@@ -99,9 +99,9 @@ class TorchPagedAttention:
 
     def _attend_group(self, q: torch.Tensor, group: _Group, kv_cache: torch.Tensor) -> torch.Tensor:
         b, t, hkv, g, d = group.batch, group.q_len, self.num_kv_heads, self.group, self.head_dim
-        kv = kv_cache[group.pages]  # [B, P, 2, ps, Hkv, D]
-        keys = kv[:, :, 0].reshape(b, group.kv_len, hkv, d).transpose(1, 2)
-        values = kv[:, :, 1].reshape(b, group.kv_len, hkv, d).transpose(1, 2)
+        # Indexing the strided K (or V) view by page gives a contiguous [B, P, ps, Hkv, D] copy.
+        keys = kv_cache[:, 0][group.pages].view(b, group.kv_len, hkv, d).transpose(1, 2)
+        values = kv_cache[:, 1][group.pages].view(b, group.kv_len, hkv, d).transpose(1, 2)
         # [B*T, Hq, D] -> [B, Hkv, G*T, D]: each KV head's query heads become extra rows.
         qg = q.view(b, t, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)
         mask = group.mask.expand(b, 1, t, group.kv_len)

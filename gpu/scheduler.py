@@ -1,0 +1,117 @@
+"""Which sequences run this step, and how many tokens each (vLLM v1's single rule).
+
+Decodes and unfinished prompt chunks of running sequences go first, in admission order, then
+waiting sequences are admitted while the token budget and the page pool allow (chunked prefill:
+a prompt larger than the remaining budget gets a chunk now and the rest in later steps). When a
+running sequence cannot get a page, the newest running sequence is preempted: its pages are
+released (their full pages stay in the prefix cache) and it waits at the queue's head to be
+recomputed.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from gpu.block_manager import BlockManager
+from gpu.sequence import SeqStatus, Sequence
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_new: int
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq]
+    preempted: list[Sequence]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager) -> None:
+        self.config = config
+        self.blocks = blocks
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out of the queues and free its pages (finish or abort)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free(seq.table)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        preempted: list[Sequence] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_pending, budget)
+            while not self.blocks.allocate(seq.table, seq.num_computed + num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                scheduled.append(ScheduledSeq(seq, num_new))
+                budget -= num_new
+                i += 1
+                continue
+            break  # seq itself was preempted: nothing after it remains in running
+        if not preempted:
+            budget = self._admit(budget, scheduled)
+        return SchedulerOutput(scheduled, preempted)
+
+    def _admit(self, budget: int, scheduled: list[ScheduledSeq]) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if not seq.table.pages:
+                cached = self.blocks.match_prefix(seq.table, seq.all_token_ids)
+                seq.num_computed = cached
+                if not seq.admitted:
+                    seq.num_cached_prompt_tokens = min(cached, len(seq.prompt_token_ids))
+            num_new = min(seq.num_pending, budget)
+            if not self.blocks.allocate(seq.table, seq.num_computed + num_new):
+                # Keep the matched prefix pages referenced while it waits: it is next in line.
+                break
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            seq.admitted = True
+            self.running.append(seq)
+            scheduled.append(ScheduledSeq(seq, num_new))
+            budget -= num_new
+        return budget
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.blocks.free(seq.table)
+        seq.num_computed = 0
+        seq.num_preemptions += 1
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)

@@ -1,0 +1,61 @@
+"""A request inside the engine: its tokens, how many are computed, and its pages."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from gpu.block_manager import PageTable
+from gpu.sampling import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # a stop token (EOS or the request's stop_token_ids); stop strings: detokenizer
+    LENGTH = "length"  # max_tokens, or the model's context length
+    ABORT = "abort"
+
+
+@dataclass
+class Sequence:
+    """``num_computed`` catches up with ``num_tokens`` (prompt + output): one rule for prefill
+    chunks, decodes, prefix hits (start at the cached length) and preemption (back to 0)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed: int = 0
+    num_cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache (first admit)
+    num_preemptions: int = 0
+    admitted: bool = False
+    finish_reason: FinishReason | None = None
+    table: PageTable = field(default_factory=PageTable)
+    generator: torch.Generator | None = None  # a seeded request's own, kept across steps
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens still to compute before the next sample."""
+        return self.num_tokens - self.num_computed
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
