@@ -35,7 +35,9 @@ def weight_files(folder: Path) -> list[Path]:
     return files
 
 
-def load_weights(folder: Path, config: ModelConfig, progress: bool = True) -> dict[str, torch.Tensor]:
+def load_weights(
+    folder: Path, config: ModelConfig, progress: bool = True
+) -> dict[str, torch.Tensor]:
     """Read only the tensors the model uses; a progress bar shows on a terminal."""
     wanted = set(expected_shapes(config))
     weights: dict[str, torch.Tensor] = {}

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,9 +23,7 @@ def run_chunked(runner: ModelRunner, prompts: list[list[int]], chunk_sizes: list
     Returns every position's logits per prompt and each prompt's page table.
     """
     pages_per_seq = -(-max(len(p) for p in prompts) // PAGE) + 8
-    tables = [
-        tuple(range(i * pages_per_seq, (i + 1) * pages_per_seq)) for i in range(len(prompts))
-    ]
+    tables = [tuple(range(i * pages_per_seq, (i + 1) * pages_per_seq)) for i in range(len(prompts))]
     done = [0] * len(prompts)
     logits: list[list[torch.Tensor]] = [[] for _ in prompts]
     while any(d < len(p) for d, p in zip(done, prompts)):
@@ -36,7 +33,9 @@ def run_chunked(runner: ModelRunner, prompts: list[list[int]], chunk_sizes: list
             for i in active
         ]
         out = runner.execute(
-            chunks, [prompts[i][done[i] : done[i] + c.num_new] for i, c in zip(active, chunks)], True
+            chunks,
+            [prompts[i][done[i] : done[i] + c.num_new] for i, c in zip(active, chunks)],
+            True,
         )
         row = 0
         for i, c in zip(active, chunks):
@@ -163,3 +162,51 @@ def test_prompt_too_long_and_bad_token_ids(tiny_llama):
         runner.execute([SeqChunk(tuple(range(128)), 250, 10)], [[3] * 10])
     # the runner is still usable afterwards
     assert runner.execute([SeqChunk((0, 1), 0, 2)], [[3, 4]]).shape == (1, 512)
+
+
+def test_gguf_and_hf_paths_give_the_same_logits(tmp_path):
+    """The same weights written as a GGUF file (llama.cpp layout) and as an HF folder."""
+    from gpu.gguf import resolve_model_path
+    from tests.models import write_tiny_model
+    from tests.test_gguf import train_byte_level_bpe, write_gguf
+
+    bpe = train_byte_level_bpe()
+    orig = write_tiny_model(tmp_path / "orig", "llama", vocab_size=bpe.get_vocab_size())
+    gguf_file = write_gguf(orig, tmp_path / "tiny.gguf", bpe)
+    via_gguf = ModelRunner(
+        load_model(resolve_model_path(str(gguf_file), cache_dir=tmp_path / "cache")), 64, PAGE
+    )
+    via_hf = ModelRunner(load_model(orig), 64, PAGE)
+    prompt = random_prompts(bpe.get_vocab_size(), [23])[0]
+    chunk = [SeqChunk(tuple(range(16)), 0, 23)]
+    a = via_gguf.execute(chunk, [prompt], all_logits=True)
+    b = via_hf.execute(chunk, [prompt], all_logits=True)
+    assert torch.equal(a, b)
+
+
+@pytest.mark.slow
+def test_default_smollm2_matches_transformers():
+    """The bundled SmolLM2-135M (from its GGUF), batched and chunked, against transformers."""
+    from common.tokenizer import Tokenizer
+    from gpu.gguf import resolve_model_path
+
+    folder = resolve_model_path(None)
+    tok = Tokenizer.from_folder(folder)
+    texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land"]
+    prompts = [tok.encode(t) for t in texts]
+    prompts.append(tok.encode(tok.apply_chat_template([{"role": "user", "content": "Hi!"}])))
+    runner = ModelRunner(load_model(folder, progress=False), num_pages=256, page_size=PAGE)
+    logits, tables = run_chunked(runner, prompts, [3, 5, 100, 8])
+    steps = 8
+    firsts = [lg[-1].argmax().item() for lg in logits]
+    ours = greedy_continue(runner, prompts, tables, firsts, steps)
+    oracle = hf_model(folder)
+    oracle.generation_config.eos_token_id = None
+    for prompt, lg, cont in zip(prompts, logits, ours):
+        with torch.no_grad():
+            ref = oracle(torch.tensor([prompt])).logits[0]
+            gen = oracle.generate(
+                torch.tensor([prompt]), max_new_tokens=steps, do_sample=False, pad_token_id=0
+            )[0, len(prompt) :].tolist()
+        assert_close(lg, ref, 1e-4)
+        assert cont == gen

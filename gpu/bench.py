@@ -1,0 +1,150 @@
+"""Throughput of the continuous-batching engine against sequential transformers ``generate()``.
+
+    python -m gpu.bench [--model PATH] [--concurrency 32] [--output-tokens 64]
+
+Runs, in one process and one run: (1) one request alone through the engine (single-stream
+decode tokens/s), (2) N concurrent requests through the engine, (3) the same N prompts through
+Hugging Face ``generate()`` one after another (greedy, same output length), and prints a table
+with tokens/s and the ratio. fp32 on CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass
+
+import torch
+
+from common.tokenizer import Tokenizer
+from gpu.engine import Engine, EngineConfig
+from gpu.gguf import resolve_model_path
+from gpu.loader import load_model
+from gpu.runner import ModelRunner
+from gpu.sampling import SamplingParams
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Explain photosynthesis in one paragraph.",
+    "Write a haiku about the sea.",
+    "How do vaccines work?",
+    "Give me three tips for learning to code.",
+    "What causes the seasons on Earth?",
+    "Summarise the plot of Romeo and Juliet.",
+    "Why is the sky blue?",
+]
+
+
+@dataclass(frozen=True)
+class Result:
+    name: str
+    requests: int
+    output_tokens: int
+    seconds: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+
+def chat_prompts(tokenizer: Tokenizer, n: int) -> list[list[int]]:
+    prompts = []
+    for i in range(n):
+        question = f"{QUESTIONS[i % len(QUESTIONS)]} (request {i})"
+        text = tokenizer.apply_chat_template([{"role": "user", "content": question}])
+        prompts.append(tokenizer.encode(text, add_special_tokens=False))
+    return prompts
+
+
+def run_engine(engine: Engine, prompts: list[list[int]], max_tokens: int, name: str) -> Result:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    outputs = engine.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    engine.blocks.reset_prefix_cache()  # no run profits from the previous one's cache
+    return Result(name, len(prompts), sum(len(o) for o in outputs), seconds)
+
+
+def run_decode_only(engine: Engine, prompt: list[int], max_tokens: int) -> Result:
+    """Single-stream decode speed: time from the first output token to the last."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    engine.add_request("decode-only", prompt, params)
+    engine.step()  # the prefill
+    start = time.perf_counter()
+    produced = 0
+    while engine.has_unfinished():
+        produced += sum(len(o.new_token_ids) for o in engine.step())
+    seconds = time.perf_counter() - start
+    engine.blocks.reset_prefix_cache()
+    return Result("engine, 1 stream, decode only", 1, produced, seconds)
+
+
+def run_hf_sequential(folder: str, prompts: list[list[int]], max_tokens: int) -> Result:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model.eval()  # type: ignore[no-untyped-call]
+    model.generation_config.eos_token_id = None
+    produced = 0
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for prompt in prompts:
+            out = model.generate(
+                torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, pad_token_id=0
+            )
+            produced += out.shape[1] - len(prompt)
+    seconds = time.perf_counter() - start
+    return Result("transformers generate(), sequential", len(prompts), produced, seconds)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=None, help="HF folder or .gguf (default: SmolLM2)")
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--output-tokens", type=int, default=64)
+    parser.add_argument(
+        "--hf-requests",
+        type=int,
+        default=None,
+        help="prompts for the sequential baseline (default: all)",
+    )
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    folder = resolve_model_path(args.model)
+    tokenizer = Tokenizer.from_folder(folder)
+    runner = ModelRunner(load_model(folder), num_pages=4096, page_size=16)
+    engine = Engine(
+        runner,
+        EngineConfig(max_num_batched_tokens=1024, max_num_seqs=max(64, args.concurrency)),
+        tokenizer.eos_token_ids,
+    )
+    prompts = chat_prompts(tokenizer, args.concurrency)
+    run_engine(engine, prompts[:2], 4, "warm-up")
+    single = run_decode_only(engine, prompts[0], args.output_tokens)
+    batched = run_engine(
+        engine, prompts, args.output_tokens, f"engine, {args.concurrency} concurrent"
+    )
+    hf_prompts = prompts[: args.hf_requests or len(prompts)]
+    hf = run_hf_sequential(str(folder), hf_prompts, args.output_tokens)
+    rows = [single, batched, hf]
+    print(
+        f"\nmodel {folder.name}, fp32 CPU, {torch.get_num_threads()} threads, "
+        f"{args.output_tokens} output tokens per request\n"
+    )
+    print(f"| {'run':<40} | requests | output tokens | seconds | tokens/s |")
+    print(f"|{'-' * 42}|----------|---------------|---------|----------|")
+    for r in rows:
+        print(
+            f"| {r.name:<40} | {r.requests:>8} | {r.output_tokens:>13} | "
+            f"{r.seconds:>7.2f} | {r.tokens_per_s:>8.1f} |"
+        )
+    print(
+        f"\nconcurrent engine / sequential transformers: "
+        f"{batched.tokens_per_s / hf.tokens_per_s:.1f}x"
+    )
+
+
+if __name__ == "__main__":
+    main()
