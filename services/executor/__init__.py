@@ -1,0 +1,1 @@
+"""The executor: one model replica driving the engine's step loop for the mesh."""

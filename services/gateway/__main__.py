@@ -1,0 +1,16 @@
+"""``python -m services.gateway --nats-url ... --port 8000 --served-model-name smollm2``."""
+
+from __future__ import annotations
+
+from common.runtime import run
+from services.gateway.app import serve
+from services.gateway.config import parse_args
+
+
+def main(argv: list[str] | None = None) -> None:
+    config = parse_args(argv)
+    run(lambda: serve(config))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,278 @@
+"""HTTP side of the gateway: aiohttp routes, OpenAI error middleware, SSE, server wiring.
+
+A request's life, top to bottom in ``Routes.generate``: read and validate the body, publish one
+``GenerateRequest`` per choice, wait for the first event (an error before the first byte is an
+HTTP error status), then either stream SSE chunks or aggregate one JSON response; whatever
+ends the request (done, error, timeout, client gone), ``MeshClient.release`` aborts what is
+still generating.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from common.messages import TextDelta
+from common.runtime import RequestError
+from services.gateway.config import GatewayConfig
+from services.gateway.mesh_client import MeshClient
+from services.gateway.protocol import ApiRequest, parse_chat, parse_completion
+from services.gateway.responses import (
+    DONE,
+    Json,
+    ResponseBuilder,
+    error_body,
+    error_from,
+    sse,
+)
+from services.gateway.streams import RequestStream
+
+log = logging.getLogger("meshserve.gateway")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+Parser = Callable[[Any, GatewayConfig], ApiRequest]
+
+SSE_HEADERS = {
+    "Content-Type": "text/event-stream",
+    "Cache-Control": "no-cache",
+    "X-Accel-Buffering": "no",  # tell proxies (nginx) not to buffer the stream
+}
+
+
+def error_response(status: int, body: Json, headers: dict[str, str] | None = None) -> web.Response:
+    return web.json_response(body, status=status, headers=headers)
+
+
+@web.middleware
+async def openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every failure leaves as an OpenAI error object; the gateway keeps serving."""
+    try:
+        return await handler(request)
+    except RequestError as exc:
+        return error_response(exc.status, error_from(exc))
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        message = (
+            f"Invalid URL ({request.method} {request.path})"
+            if exc.status in (404, 405)
+            else exc.text or exc.reason
+        )
+        allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
+        return error_response(exc.status, error_body(message, "invalid_request_error"), allow)
+    except Exception:
+        log.exception("gateway: unhandled error in %s %s", request.method, request.path)
+        message = "The server had an error while processing your request."
+        return error_response(500, error_body(message, "server_error"))
+
+
+def require_api_key(keys: tuple[str, ...]) -> Any:
+    @web.middleware
+    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path.startswith("/v1/"):
+            given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+            if not any(hmac.compare_digest(given.encode(), key.encode()) for key in keys):
+                raise RequestError("Incorrect API key provided.", 401, code="invalid_api_key")
+        return await handler(request)
+
+    return check
+
+
+async def read_json(request: web.Request, limit: int) -> Any:
+    too_large = RequestError(
+        f"The request body is larger than the limit of {limit} bytes.",
+        413,
+        "invalid_request_error",
+        None,
+        "request_too_large",
+    )
+    if request.content_length is not None and request.content_length > limit:
+        raise too_large
+    try:
+        raw = await request.read()  # aiohttp enforces client_max_size on bodies of unknown size
+    except web.HTTPRequestEntityTooLarge:
+        raise too_large from None
+    try:
+        return json.loads(raw)
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
+        raise RequestError(
+            f"We could not parse the JSON body of your request ({exc}).",
+            400,
+            "invalid_request_error",
+            None,
+            "invalid_json",
+        ) from None
+
+
+class Routes:
+    def __init__(self, config: GatewayConfig, mesh: MeshClient) -> None:
+        self.config = config
+        self.mesh = mesh
+        self.started = int(time.time())
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self.generate(request, parse_completion, "cmpl")
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self.generate(request, parse_chat, "chatcmpl")
+
+    async def generate(
+        self, request: web.Request, parse: Parser, id_prefix: str
+    ) -> web.StreamResponse:
+        api = parse(await read_json(request, self.config.max_body_bytes), self.config)
+        response_id = f"{id_prefix}-{uuid.uuid4().hex}"
+        builder = ResponseBuilder(api, response_id, int(time.time()))
+        stream = await self.mesh.submit(api, response_id)
+        try:
+            first = await anext(stream)  # nothing sent yet: a failure here is an HTTP error
+            if api.stream:
+                return await self.stream_sse(request, builder, stream, first)
+            builder.add(*first)
+            async for index, delta in stream:
+                builder.add(index, delta)
+            return web.json_response(builder.response(), headers={"X-Request-Id": response_id})
+        except Exception as exc:
+            stream.failure = stream.failure or f"gateway error: {exc!r}"
+            raise
+        finally:  # cancelled (client gone, shutdown) or failed: abort what still runs
+            await self.mesh.release(stream)
+
+    async def stream_sse(
+        self,
+        request: web.Request,
+        builder: ResponseBuilder,
+        stream: RequestStream,
+        first: tuple[int, TextDelta],
+    ) -> web.StreamResponse:
+        response = web.StreamResponse(headers={**SSE_HEADERS, "X-Request-Id": builder.head["id"]})
+        try:
+            await response.prepare(request)
+            await response.write(encode(builder.opening_chunks() + builder.add(*first)))
+            try:
+                async for index, delta in stream:
+                    chunks = builder.add(index, delta)
+                    if chunks:
+                        await response.write(encode(chunks))
+                tail = [builder.usage_chunk()] if builder.api.include_usage else []
+                await response.write(encode(tail) + DONE)
+            except RequestError as exc:  # a stage failed mid-stream: the error is a chunk
+                await response.write(sse(error_from(exc)) + DONE)
+            except Exception as exc:
+                log.exception("gateway: stream %s failed", builder.head["id"])
+                stream.failure = f"gateway error: {exc!r}"
+                body = error_body("The server had an error while streaming.", "server_error")
+                await response.write(sse(body) + DONE)
+            await response.write_eof()
+        except ConnectionResetError:  # the client went away; release() aborts the rest
+            log.info("gateway: client left stream %s", builder.head["id"])
+        return response
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [self.model_card()]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        name = request.match_info["model"]
+        if name != self.config.served_model_name:
+            raise RequestError(
+                f"The model `{name}` does not exist.", 404, param="model", code="model_not_found"
+            )
+        return web.json_response(self.model_card())
+
+    def model_card(self) -> Json:
+        name = self.config.served_model_name
+        return {
+            "id": name,
+            "object": "model",
+            "created": self.started,
+            "owned_by": "meshserve",
+            "root": name,
+            "max_model_len": self.config.max_model_len,
+        }
+
+    async def health(self, request: web.Request) -> web.Response:
+        problem = self.mesh.health_problem()
+        if problem is not None:
+            return web.json_response({"status": "unavailable", "reason": problem}, status=503)
+        return web.json_response({"status": "ok"})
+
+
+def encode(chunks: list[Json]) -> bytes:
+    return b"".join(sse(chunk) for chunk in chunks)
+
+
+def build_app(config: GatewayConfig, mesh: MeshClient) -> web.Application:
+    middlewares = [openai_errors]
+    if config.api_keys:
+        middlewares.append(require_api_key(config.api_keys))
+    app = web.Application(client_max_size=config.max_body_bytes, middlewares=middlewares)
+    routes = Routes(config, mesh)
+    app.router.add_post("/v1/completions", routes.completions)
+    app.router.add_post("/v1/chat/completions", routes.chat)
+    app.router.add_get("/v1/models", routes.models)
+    app.router.add_get("/v1/models/{model}", routes.model)
+    app.router.add_get("/health", routes.health)
+    return app
+
+
+class GatewayServer:
+    """The mesh client plus the HTTP server; ``start``/``stop`` serve both main and tests."""
+
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+        self.mesh = MeshClient(config)
+        self.app = build_app(config, self.mesh)
+        self._runner: web.AppRunner | None = None
+
+    @property
+    def port(self) -> int:
+        """The bound port (useful with ``port=0``)."""
+        if self._runner is None:
+            raise RuntimeError("gateway not started")
+        return int(self._runner.addresses[0][1])
+
+    async def start(self) -> None:
+        await self.mesh.start()
+        # handler_cancellation: a client that disconnects cancels its handler at once (even
+        # while it waits for tokens), and the handler's cleanup aborts the request mesh-wide.
+        runner = web.AppRunner(
+            self.app, handler_cancellation=True, shutdown_timeout=self.config.shutdown_timeout_s
+        )
+        await runner.setup()
+        await web.TCPSite(runner, self.config.host, self.config.port).start()
+        self._runner = runner
+        log.info(
+            "gateway %s serving %s on http://%s:%d",
+            self.config.mesh.instance_id,
+            self.config.served_model_name,
+            self.config.host,
+            self.port,
+        )
+
+    async def stop(self) -> None:
+        """Stop accepting connections, let in-flight requests finish (up to the shutdown
+        timeout; the rest are cancelled and aborted), then drain NATS."""
+        self.mesh.service.shutdown_requested.set()  # /health fails while we drain
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        await self.mesh.close()
+
+
+async def serve(config: GatewayConfig) -> None:
+    logging.getLogger().setLevel(config.mesh.log_level.upper())
+    log.info("gateway config: %s", config)
+    server = GatewayServer(config)
+    await server.start()
+    server.mesh.service.install_signal_handlers()
+    try:
+        await server.mesh.service.shutdown_requested.wait()  # SIGTERM / SIGINT
+        log.info("gateway: shutting down; in-flight requests get %gs", config.shutdown_timeout_s)
+    finally:
+        await server.stop()

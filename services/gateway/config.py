@@ -1,0 +1,123 @@
+"""The gateway's settings: one frozen dataclass built once from flags and environment."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+
+from common.config import MeshConfig, env
+
+# OpenAI's chat API defaults max_tokens to "the rest of the context". The gateway cannot count
+# prompt tokens (the tokenizer does), so it sends this cap instead; see ``chat_default_max_tokens``.
+CHAT_DEFAULT_MAX_TOKENS = 4096
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    host: str = "0.0.0.0"
+    port: int = 8000
+    served_model_name: str = "smollm2"
+    max_model_len: int = 8192
+    request_timeout_s: float = 600.0
+    max_n: int = 8
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_stop: int = 4
+    chat_max_tokens_cap: int = CHAT_DEFAULT_MAX_TOKENS
+    heartbeat_ttl_s: float = 5.0
+    shutdown_timeout_s: float = 30.0
+    api_keys: tuple[str, ...] = field(default=(), repr=False)  # empty: no authentication
+
+    def __post_init__(self) -> None:
+        checks = {
+            "port must be in 0..65535": 0 <= self.port <= 65535,
+            "served_model_name must not be empty": bool(self.served_model_name),
+            "max_model_len must be >= 2": self.max_model_len >= 2,
+            "request_timeout_s must be > 0": self.request_timeout_s > 0,
+            "max_n must be >= 1": self.max_n >= 1,
+            "max_body_bytes must be >= 1024": self.max_body_bytes >= 1024,
+            "max_stop must be >= 0": self.max_stop >= 0,
+            "chat_max_tokens_cap must be >= 1": self.chat_max_tokens_cap >= 1,
+            "heartbeat_ttl_s must be > 0": self.heartbeat_ttl_s > 0,
+            "shutdown_timeout_s must be >= 0": self.shutdown_timeout_s >= 0,
+        }
+        failed = [message for message, ok in checks.items() if not ok]
+        if failed:
+            raise ValueError("; ".join(failed))
+
+    @property
+    def max_completion_tokens(self) -> int:
+        """The largest max_tokens any request may ask for (the prompt takes at least one)."""
+        return self.max_model_len - 1
+
+    @property
+    def chat_default_max_tokens(self) -> int:
+        """max_tokens for a chat request that sets none: the context minus one, capped.
+
+        vLLM uses max_model_len - prompt_len here; the gateway does not know prompt_len, so it
+        caps the default instead, and a later stage that knows the prompt length should clamp
+        it to the remaining context rather than reject it.
+        """
+        return min(self.max_completion_tokens, self.chat_max_tokens_cap)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m services.gateway", description="meshserve OpenAI-compatible HTTP gateway"
+    )
+    MeshConfig.add_args(parser)
+    parser.add_argument("--host", default=env("HOST", "0.0.0.0"))
+    parser.add_argument("--port", type=int, default=int(env("PORT", "8000")))
+    parser.add_argument("--served-model-name", default=env("SERVED_MODEL_NAME", "smollm2"))
+    parser.add_argument("--max-model-len", type=int, default=int(env("MAX_MODEL_LEN", "8192")))
+    parser.add_argument(
+        "--request-timeout-s", type=float, default=float(env("REQUEST_TIMEOUT_S", "600"))
+    )
+    parser.add_argument("--max-n", type=int, default=int(env("MAX_N", "8")))
+    parser.add_argument(
+        "--max-body-bytes", type=int, default=int(env("MAX_BODY_BYTES", str(4 * 1024 * 1024)))
+    )
+    parser.add_argument("--max-stop", type=int, default=int(env("MAX_STOP", "4")))
+    parser.add_argument(
+        "--chat-max-tokens-cap",
+        type=int,
+        default=int(env("CHAT_MAX_TOKENS_CAP", str(CHAT_DEFAULT_MAX_TOKENS))),
+        help="cap on the default max_tokens of a chat request that sets none",
+    )
+    parser.add_argument(
+        "--heartbeat-ttl-s",
+        type=float,
+        default=float(env("HEARTBEAT_TTL_S", "5")),
+        help="/health fails when no executor heartbeat arrived for this long",
+    )
+    parser.add_argument(
+        "--shutdown-timeout-s", type=float, default=float(env("SHUTDOWN_TIMEOUT_S", "30"))
+    )
+    parser.add_argument(
+        "--api-key",
+        action="append",
+        dest="api_keys",
+        default=None,
+        help="accepted bearer token (repeatable; env MESHSERVE_API_KEYS, comma-separated)",
+    )
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> GatewayConfig:
+    args = build_parser().parse_args(argv)
+    keys = args.api_keys or [k for k in env("API_KEYS", "").split(",") if k.strip()]
+    return GatewayConfig(
+        mesh=MeshConfig.from_args(args),
+        host=args.host,
+        port=args.port,
+        served_model_name=args.served_model_name,
+        max_model_len=args.max_model_len,
+        request_timeout_s=args.request_timeout_s,
+        max_n=args.max_n,
+        max_body_bytes=args.max_body_bytes,
+        max_stop=args.max_stop,
+        chat_max_tokens_cap=args.chat_max_tokens_cap,
+        heartbeat_ttl_s=args.heartbeat_ttl_s,
+        shutdown_timeout_s=args.shutdown_timeout_s,
+        api_keys=tuple(k.strip() for k in keys),
+    )

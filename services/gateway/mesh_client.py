@@ -1,0 +1,125 @@
+"""The gateway's side of the mesh: submit requests, receive their events, abort, liveness.
+
+Outbound: one ``GenerateRequest`` per choice on ``tokenizer.encode``, ``AbortRequests`` on
+``requests.abort``. Inbound: this instance's inbox (text deltas and errors for its requests)
+and executor heartbeats (for /health).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from nats.aio.msg import Msg
+
+from common.messages import AbortRequests, GenerateRequest, Heartbeat
+from common.runtime import RequestError, Service
+from services.gateway.config import GatewayConfig
+from services.gateway.health import ExecutorLiveness
+from services.gateway.protocol import ApiRequest
+from services.gateway.streams import Inbox, RequestStream
+
+log = logging.getLogger("meshserve.gateway")
+
+
+class MeshClient:
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+        self.service = Service("gateway", config.mesh)
+        self.subjects = config.mesh.subjects
+        self.inbox_subject = self.subjects.gateway_inbox(config.mesh.instance_id)
+        self.inbox = Inbox()
+        self.executors = ExecutorLiveness(config.heartbeat_ttl_s)
+        self._aborts: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        await self.service.connect()
+
+        # The inbox carries two message kinds (TextDeltas, ErrorEvent), so it is a raw
+        # subscription routed by ``Inbox.deliver`` rather than ``Service.subscribe``.
+        async def on_inbox(msg: Msg) -> None:
+            self.inbox.deliver(msg.data)
+
+        await self.service.nc.subscribe(self.inbox_subject, cb=on_inbox)
+        await self.service.subscribe(
+            self.subjects.executor_heartbeat, Heartbeat, self._on_heartbeat
+        )
+
+    async def _on_heartbeat(self, heartbeat: Heartbeat) -> None:
+        self.executors.saw(heartbeat)
+
+    def health_problem(self) -> str | None:
+        """Why this gateway cannot serve now, or None when it can."""
+        if self.service.shutdown_requested.is_set():
+            return "shutting down"
+        if not self.service.nc.is_connected:
+            return "not connected to NATS"
+        return self.executors.problem()
+
+    async def submit(self, api: ApiRequest, base_id: str) -> RequestStream:
+        """Publish the request's n choices; their events arrive on the returned stream."""
+        if not self.service.nc.is_connected:
+            raise RequestError("The gateway is not connected to the mesh.", 503, "server_error")
+        request_ids = [f"{base_id}-{i}" for i in range(api.n)]
+        stream = self.inbox.open(request_ids, self.config.request_timeout_s)
+        now = time.time()
+        try:
+            for i, request_id in enumerate(request_ids):
+                request = GenerateRequest(
+                    request_id=request_id,
+                    reply_to=self.inbox_subject,
+                    params=api.choice_params(i),
+                    prompt=api.prompt,
+                    prompt_token_ids=api.prompt_token_ids,
+                    messages=api.messages,
+                    priority=api.priority,
+                    deadline=now + self.config.request_timeout_s,
+                    arrival_time=now,
+                )
+                await self.service.publish(self.subjects.tokenizer_encode, request)
+        except asyncio.CancelledError:  # the client left while we published
+            await self.release(stream)
+            raise
+        except Exception as exc:
+            log.exception("gateway: could not publish %s", base_id)
+            stream.failure = f"gateway failed to submit the request: {exc!r}"
+            await self.release(stream)
+            raise RequestError(
+                "The gateway could not reach the mesh.", 503, "server_error"
+            ) from exc
+        return stream
+
+    async def release(self, stream: RequestStream, reason: str | None = None) -> None:
+        """Stop routing ``stream``'s events; abort the choices that are still generating.
+
+        Called from ``finally`` blocks, including when the handler was cancelled (the client
+        went away, or shutdown outlasted its timeout), so the abort is published from a task
+        of its own that a second cancellation of the handler cannot interrupt.
+        """
+        self.inbox.close(stream)
+        unfinished = stream.unfinished
+        if not unfinished:
+            return
+        if reason is None:
+            reason = stream.failure or (
+                "gateway shutting down"
+                if self.service.shutdown_requested.is_set()
+                else "client disconnected"
+            )
+        log.info("gateway: aborting %s (%s)", ", ".join(unfinished), reason)
+        task = asyncio.create_task(self._publish_abort(unfinished, reason))
+        self._aborts.add(task)
+        task.add_done_callback(self._aborts.discard)
+        await asyncio.shield(task)
+
+    async def _publish_abort(self, request_ids: list[str], reason: str) -> None:
+        try:
+            await self.service.publish(self.subjects.abort, AbortRequests(request_ids, reason))
+        except Exception:
+            log.exception("gateway: could not publish abort for %s", request_ids)
+
+    async def close(self) -> None:
+        if self._aborts:
+            await asyncio.gather(*self._aborts, return_exceptions=True)
+        await self.service.close()

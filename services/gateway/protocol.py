@@ -1,0 +1,397 @@
+"""OpenAI request bodies -> one typed ``ApiRequest``, or a ``RequestError`` naming the field.
+
+Validation follows the OpenAI API (and vLLM where OpenAI is silent): optional fields may be
+absent or null; a wrong type or an out-of-range value is a 400 whose ``param`` names the field;
+an unknown ``model`` is a 404 ``model_not_found``. Unknown fields are ignored (clients send
+extras), but known features the mesh does not implement (tools, echo, logit_bias, ...) are
+rejected rather than silently dropped. ``model`` may be omitted (it defaults to the served
+model, as in vLLM).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from common.messages import ChatMessage, SamplingSpec
+from common.runtime import RequestError
+from services.gateway.config import GatewayConfig
+
+Kind = Literal["completion", "chat"]
+
+MAX_TOKEN_ID = 2**31 - 1
+MAX_INT = 2**31 - 1
+SEED_RANGE = (-(2**63), 2**63 - 1)
+
+# developer is OpenAI's newer name for system; chat templates only know the classic roles.
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+@dataclass(frozen=True)
+class ApiRequest:
+    """A validated completions or chat request; ``n`` choices share ``params``."""
+
+    kind: Kind
+    model: str
+    n: int
+    stream: bool
+    include_usage: bool
+    params: SamplingSpec
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[ChatMessage] | None = None
+    priority: int = 0
+
+    def choice_params(self, index: int) -> SamplingSpec:
+        """Choice ``index`` samples with seed + index, so n seeded choices differ yet repeat."""
+        if self.params.seed is None or index == 0:
+            return self.params
+        return dataclasses.replace(self.params, seed=self.params.seed + index)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> RequestError:
+    return RequestError(message, 400, "invalid_request_error", param, code)
+
+
+def json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    return "an object"
+
+
+def wrong_type(param: str, expected: str, value: Any) -> RequestError:
+    return bad_request(
+        f"Invalid type for '{param}': expected {expected}, but got {json_type(value)} instead.",
+        param,
+        "invalid_type",
+    )
+
+
+def out_of_range(param: str, value: Any, allowed: str) -> RequestError:
+    return bad_request(f"'{param}' must be {allowed}, got {value!r}.", param, "invalid_value")
+
+
+class Body:
+    """Typed reads of a request body's fields; null counts as absent."""
+
+    def __init__(self, raw: Any) -> None:
+        if not isinstance(raw, dict):
+            raise bad_request(f"The request body must be a JSON object, got {json_type(raw)}.")
+        self.raw: dict[str, Any] = raw
+
+    def get(self, name: str) -> Any:
+        return self.raw.get(name)
+
+    def boolean(self, name: str, default: bool) -> bool:
+        value = self.raw.get(name)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise wrong_type(name, "a boolean", value)
+        return value
+
+    def optional_integer(self, name: str, lo: int, hi: int) -> int | None:
+        value = self.raw.get(name)
+        if value is None:
+            return None
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)  # 16.0 is 16, as pydantic (vLLM) reads it
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise wrong_type(name, "an integer", value)
+        if not lo <= value <= hi:
+            raise out_of_range(name, value, f"between {lo} and {hi}")
+        return value
+
+    def integer(self, name: str, default: int, lo: int, hi: int) -> int:
+        value = self.optional_integer(name, lo, hi)
+        return default if value is None else value
+
+    def number(
+        self, name: str, default: float, lo: float, hi: float, *, lo_open: bool = False
+    ) -> float:
+        value = self.raw.get(name)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise wrong_type(name, "a number", value)
+        ok = (lo < value if lo_open else lo <= value) and value <= hi
+        if not ok:  # NaN fails here too
+            bracket = "(" if lo_open else "["
+            raise out_of_range(name, value, f"in {bracket}{lo:g}, {hi:g}]")
+        return float(value)
+
+    def string(self, name: str) -> str | None:
+        value = self.raw.get(name)
+        if value is not None and not isinstance(value, str):
+            raise wrong_type(name, "a string", value)
+        return value
+
+
+# --- the two endpoints ----------------------------------------------------------------------------
+
+
+def parse_completion(raw: Any, config: GatewayConfig) -> ApiRequest:
+    body = Body(raw)
+    model = parse_model(body, config)
+    prompt, token_ids = parse_prompt(body.get("prompt"))
+    if body.boolean("echo", False):
+        raise bad_request("'echo' is not supported.", "echo", "unsupported_parameter")
+    if body.get("suffix"):
+        raise bad_request("'suffix' is not supported.", "suffix", "unsupported_parameter")
+    n = body.integer("n", 1, 1, config.max_n)
+    best_of = body.optional_integer("best_of", 1, config.max_n)
+    if best_of is not None and best_of != n:
+        raise bad_request("'best_of' is only supported equal to 'n'.", "best_of")
+    max_tokens = body.integer("max_tokens", 16, 1, config.max_completion_tokens)
+    if token_ids is not None:
+        check_context(len(token_ids), max_tokens, "max_tokens", config)
+    logprobs = body.optional_integer("logprobs", 0, 5)
+    return finish(body, "completion", model, n, max_tokens, logprobs, config, prompt, token_ids)
+
+
+def parse_chat(raw: Any, config: GatewayConfig) -> ApiRequest:
+    body = Body(raw)
+    model = parse_model(body, config)
+    messages = parse_messages(body.get("messages"))
+    reject_tools(body)
+    n = body.integer("n", 1, 1, config.max_n)
+    limit = config.max_completion_tokens
+    # max_completion_tokens replaces the deprecated max_tokens; either is honoured.
+    max_tokens = body.optional_integer("max_completion_tokens", 1, limit)
+    if max_tokens is None:
+        max_tokens = body.integer("max_tokens", config.chat_default_max_tokens, 1, limit)
+    want_logprobs = body.boolean("logprobs", False)
+    top_logprobs = body.optional_integer("top_logprobs", 0, 20)
+    if top_logprobs is not None and not want_logprobs:
+        raise bad_request("'logprobs' must be true when 'top_logprobs' is set.", "top_logprobs")
+    logprobs = (top_logprobs or 0) if want_logprobs else None
+    return finish(body, "chat", model, n, max_tokens, logprobs, config, messages=messages)
+
+
+def finish(
+    body: Body,
+    kind: Kind,
+    model: str,
+    n: int,
+    max_tokens: int,
+    logprobs: int | None,
+    config: GatewayConfig,
+    prompt: str | None = None,
+    prompt_token_ids: list[int] | None = None,
+    messages: list[ChatMessage] | None = None,
+) -> ApiRequest:
+    """The fields both endpoints share: streaming and sampling."""
+    stream = body.boolean("stream", False)
+    include_usage = parse_stream_options(body, stream)
+    body.string("user")  # accepted and ignored, but it must be a string
+    params = parse_sampling(body, config, max_tokens, logprobs)
+    priority = body.integer("priority", 0, -MAX_INT, MAX_INT)  # vLLM extension
+    return ApiRequest(
+        kind, model, n, stream, include_usage, params, prompt, prompt_token_ids, messages, priority
+    )
+
+
+# --- fields -------------------------------------------------------------------------------------
+
+
+def parse_model(body: Body, config: GatewayConfig) -> str:
+    model = body.string("model")
+    if model is None:
+        return config.served_model_name
+    if model != config.served_model_name:
+        raise RequestError(
+            f"The model `{model}` does not exist.",
+            404,
+            "invalid_request_error",
+            "model",
+            "model_not_found",
+        )
+    return model
+
+
+def parse_prompt(value: Any) -> tuple[str | None, list[int] | None]:
+    """A string or a list of token ids; a one-element batch of either is unwrapped."""
+    if value is None:
+        raise bad_request("Missing required parameter: 'prompt'.", "prompt", "missing_required")
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
+        value = value[0]
+    if isinstance(value, str):
+        return value, None
+    if not isinstance(value, list):
+        raise wrong_type("prompt", "a string or an array of token ids", value)
+    if not value:
+        raise bad_request("'prompt' must not be empty.", "prompt", "invalid_value")
+    if any(isinstance(v, str | list) for v in value):
+        raise bad_request(
+            "Batched prompts are not supported: send one prompt per request.",
+            "prompt",
+            "unsupported_value",
+        )
+    for i, token in enumerate(value):
+        if isinstance(token, bool) or not isinstance(token, int):
+            raise wrong_type(f"prompt[{i}]", "a token id (integer)", token)
+        if not 0 <= token <= MAX_TOKEN_ID:
+            raise out_of_range(f"prompt[{i}]", token, "a non-negative token id")
+    return None, list(value)
+
+
+def check_context(prompt_tokens: int, max_tokens: int, param: str, config: GatewayConfig) -> None:
+    if prompt_tokens + max_tokens > config.max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {config.max_model_len} tokens. However, "
+            f"you requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, "
+            f"{max_tokens} for the completion). Please reduce the prompt or {param}.",
+            "prompt" if prompt_tokens >= config.max_model_len else param,
+            "context_length_exceeded",
+        )
+
+
+def parse_messages(value: Any) -> list[ChatMessage]:
+    if value is None:
+        raise bad_request("Missing required parameter: 'messages'.", "messages", "missing_required")
+    if not isinstance(value, list):
+        raise wrong_type("messages", "an array", value)
+    if not value:
+        raise bad_request("'messages' must not be empty.", "messages", "invalid_value")
+    return [parse_message(m, f"messages[{i}]") for i, m in enumerate(value)]
+
+
+def parse_message(value: Any, where: str) -> ChatMessage:
+    if not isinstance(value, dict):
+        raise wrong_type(where, "an object", value)
+    role = value.get("role")
+    if not isinstance(role, str):
+        raise wrong_type(f"{where}.role", "a string", role)
+    if role not in ROLES:
+        raise bad_request(
+            f"Unsupported role '{role}' in '{where}.role': use one of {', '.join(ROLES)}.",
+            f"{where}.role",
+            "invalid_value",
+        )
+    content = value.get("content")
+    param = f"{where}.content"
+    if content is None and role == "assistant":
+        content = ""  # an assistant turn may carry no content
+    if isinstance(content, list):
+        parts = [parse_text_part(part, f"{param}[{i}]") for i, part in enumerate(content)]
+        content = "\n".join(parts)
+    if not isinstance(content, str):
+        raise wrong_type(param, "a string or an array of text parts", content)
+    return ChatMessage(ROLES[role], content)
+
+
+def parse_text_part(part: Any, where: str) -> str:
+    if not isinstance(part, dict):
+        raise wrong_type(where, "an object", part)
+    if part.get("type") != "text":
+        raise bad_request(
+            f"Only text content parts are supported, got type {part.get('type')!r}.",
+            f"{where}.type",
+            "unsupported_value",
+        )
+    text = part.get("text")
+    if not isinstance(text, str):
+        raise wrong_type(f"{where}.text", "a string", text)
+    return text
+
+
+def reject_tools(body: Body) -> None:
+    for name in ("tools", "functions"):
+        if body.get(name):
+            raise bad_request(f"'{name}' is not supported.", name, "unsupported_parameter")
+    if body.get("tool_choice") not in (None, "none", "auto"):  # without tools, auto is none
+        raise bad_request("'tool_choice' is not supported.", "tool_choice", "unsupported_parameter")
+    response_format = body.get("response_format")
+    if response_format is not None and response_format != {"type": "text"}:
+        raise bad_request(
+            'Only response_format {"type": "text"} is supported.',
+            "response_format",
+            "unsupported_value",
+        )
+
+
+def parse_stream_options(body: Body, stream: bool) -> bool:
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not stream:
+        raise bad_request(
+            "'stream_options' is only allowed when 'stream' is true.", "stream_options"
+        )
+    if not isinstance(options, dict):
+        raise wrong_type("stream_options", "an object", options)
+    include_usage = options.get("include_usage")
+    if include_usage is None:
+        return False
+    if not isinstance(include_usage, bool):
+        raise wrong_type("stream_options.include_usage", "a boolean", include_usage)
+    return include_usage
+
+
+def parse_stop(body: Body, max_stop: int) -> list[str]:
+    value = body.get("stop")
+    if value is None:
+        return []
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise wrong_type("stop", "a string or an array of strings", value)
+    if len(stops) > max_stop:
+        raise bad_request(
+            f"'stop' may hold at most {max_stop} sequences, got {len(stops)}.",
+            "stop",
+            "invalid_value",
+        )
+    if any(not s for s in stops):
+        raise bad_request("'stop' sequences must not be empty.", "stop", "invalid_value")
+    return list(stops)
+
+
+def parse_token_ids(body: Body, name: str) -> list[int]:
+    value = body.get(name)
+    if value is None:
+        return []
+    ok = isinstance(value, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_TOKEN_ID for t in value
+    )
+    if not ok:
+        raise wrong_type(name, "an array of token ids", value)
+    return list(value)
+
+
+def parse_logit_bias(body: Body) -> None:
+    if body.get("logit_bias"):
+        raise bad_request("'logit_bias' is not supported.", "logit_bias", "unsupported_parameter")
+
+
+def parse_sampling(
+    body: Body, config: GatewayConfig, max_tokens: int, logprobs: int | None
+) -> SamplingSpec:
+    parse_logit_bias(body)
+    top_k = body.integer("top_k", -1, -1, MAX_INT)
+    return SamplingSpec(
+        max_tokens=max_tokens,
+        temperature=body.number("temperature", 1.0, 0.0, 2.0),
+        top_p=body.number("top_p", 1.0, 0.0, 1.0, lo_open=True),
+        top_k=-1 if top_k == 0 else top_k,  # 0 and -1 both mean "no top-k", as in vLLM
+        min_p=body.number("min_p", 0.0, 0.0, 1.0),
+        seed=body.optional_integer("seed", SEED_RANGE[0], SEED_RANGE[1] - config.max_n),
+        presence_penalty=body.number("presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=body.number("frequency_penalty", 0.0, -2.0, 2.0),
+        repetition_penalty=body.number("repetition_penalty", 1.0, 0.0, 2.0, lo_open=True),
+        stop=parse_stop(body, config.max_stop),
+        stop_token_ids=parse_token_ids(body, "stop_token_ids"),
+        ignore_eos=body.boolean("ignore_eos", False),
+        logprobs=logprobs,
+        skip_special_tokens=body.boolean("skip_special_tokens", True),
+    )

@@ -1,0 +1,114 @@
+"""Per-request fan-in: the gateway's one inbox subscription -> one queue per HTTP request.
+
+Every stage replies to the same inbox subject (``subjects.gateway_inbox(instance_id)``), so one
+subscription serves all requests; ``Inbox.deliver`` routes each ``TextDelta`` / ``ErrorEvent``
+by its ``request_id`` to the ``RequestStream`` of the HTTP request that owns it (one HTTP
+request with ``n`` choices owns ``n`` request ids).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from common.messages import ErrorEvent, MessageError, TextDelta, TextDeltas, decode_any
+from common.runtime import RequestError
+
+log = logging.getLogger("meshserve.gateway")
+
+InboxEvent = TextDelta | ErrorEvent
+
+
+class RequestStream:
+    """The events of one HTTP request's sub-requests, in arrival order.
+
+    Iterating yields ``(choice_index, TextDelta)`` until every choice has a finish_reason. An
+    ``ErrorEvent`` for any choice raises ``RequestError`` (the request fails as a whole, so
+    the caller aborts the other choices); passing the deadline raises a 504 ``RequestError``.
+    ``failure`` then says why, for the abort reason.
+    """
+
+    def __init__(self, request_ids: list[str], deadline: float) -> None:
+        self.request_ids = tuple(request_ids)
+        self.deadline = deadline  # event-loop time
+        self.failure: str | None = None
+        self._index = {rid: i for i, rid in enumerate(request_ids)}
+        self._open = set(request_ids)
+        self._queue: asyncio.Queue[InboxEvent] = asyncio.Queue()
+
+    @property
+    def unfinished(self) -> list[str]:
+        """Sub-requests that are still generating (the ones to abort if the client leaves)."""
+        return [rid for rid in self.request_ids if rid in self._open]
+
+    def put(self, event: InboxEvent) -> None:
+        self._queue.put_nowait(event)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> tuple[int, TextDelta]:
+        while self._open:
+            event = await self._next_event()
+            if event.request_id not in self._open:
+                continue  # a late event for a choice that already ended
+            if isinstance(event, ErrorEvent):
+                self._open.discard(event.request_id)  # the failing stage has dropped it
+                self.failure = f"another choice failed: {event.message}"
+                raise RequestError(event.message, event.status, event.type, event.param, event.code)
+            if event.finish_reason is not None:
+                self._open.discard(event.request_id)
+            return self._index[event.request_id], event
+        raise StopAsyncIteration
+
+    async def _next_event(self) -> InboxEvent:
+        try:
+            async with asyncio.timeout_at(self.deadline):
+                return await self._queue.get()
+        except TimeoutError:
+            self.failure = "request timed out"
+            raise RequestError(
+                "The request timed out before generation finished.",
+                504,
+                "timeout_error",
+                None,
+                "request_timeout",
+            ) from None
+
+
+class Inbox:
+    """Routes inbox messages to the open ``RequestStream`` of each request id."""
+
+    def __init__(self) -> None:
+        self._streams: dict[str, RequestStream] = {}
+
+    def __len__(self) -> int:
+        """How many HTTP requests are in flight."""
+        return len(set(self._streams.values()))
+
+    def open(self, request_ids: list[str], timeout_s: float) -> RequestStream:
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        stream = RequestStream(request_ids, deadline)
+        for rid in request_ids:
+            self._streams[rid] = stream
+        return stream
+
+    def close(self, stream: RequestStream) -> None:
+        for rid in stream.request_ids:
+            self._streams.pop(rid, None)
+
+    def deliver(self, payload: bytes) -> None:
+        try:
+            message = decode_any(payload, TextDeltas, ErrorEvent)
+        except MessageError as exc:
+            log.error("gateway: dropping bad inbox message: %s", exc)
+            return
+        events: list[InboxEvent] = (
+            list(message.deltas) if isinstance(message, TextDeltas) else [message]  # type: ignore[list-item]
+        )
+        for event in events:
+            stream = self._streams.get(event.request_id)
+            if stream is not None:
+                stream.put(event)
+            # else: the request already ended (finished, aborted, timed out); late events are
+            # expected after an abort and are dropped.

@@ -1,0 +1,1 @@
+"""The scheduler: global queue, admission, routing across executors."""

@@ -1,0 +1,1 @@
+"""The tokenizer service: chat template, encode, prompt block hashes."""

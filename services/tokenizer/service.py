@@ -1,0 +1,116 @@
+"""Tokenizer handlers: render the chat template, encode, hash full pages, forward to the scheduler.
+
+Stateless; run any number of replicas in the ``tokenizer`` queue group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import zlib
+from dataclasses import dataclass
+
+from common.block_hash import page_hashes
+from common.config import MeshConfig, env
+from common.messages import GenerateRequest, TokenizedRequest
+from common.runtime import RequestError, Service
+from common.tokenizer import Tokenizer, TokenizerError
+from gpu.config import ModelConfig
+from gpu.gguf import resolve_model_path
+
+
+@dataclass(frozen=True)
+class TokenizerConfig:
+    mesh: MeshConfig
+    model: str | None
+    page_size: int = 16
+    detok_shards: int = 1
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1 or self.detok_shards < 1:
+            raise ValueError("page_size and detok_shards must be >= 1")
+
+
+def parse_args(argv: list[str] | None = None) -> TokenizerConfig:
+    p = argparse.ArgumentParser("python -m services.tokenizer")
+    MeshConfig.add_args(p)
+    p.add_argument("--model", default=env("MODEL", "") or None)
+    p.add_argument("--page-size", type=int, default=int(env("PAGE_SIZE", "16")))
+    p.add_argument("--detok-shards", type=int, default=int(env("DETOK_SHARDS", "1")))
+    a = p.parse_args(argv)
+    return TokenizerConfig(MeshConfig.from_args(a), a.model, a.page_size, a.detok_shards)
+
+
+def detok_shard(request_id: str, shards: int) -> int:
+    """Stable across processes (``hash`` is salted per process)."""
+    return zlib.crc32(request_id.encode()) % shards
+
+
+class TokenizerService:
+    def __init__(self, config: TokenizerConfig) -> None:
+        folder = resolve_model_path(config.model)
+        self.config = config
+        self.tokenizer = Tokenizer.from_folder(folder)
+        self.max_model_len = ModelConfig.from_folder(folder).max_position_embeddings
+        self.svc = Service("tokenizer", config.mesh)
+
+    async def start(self) -> None:
+        await self.svc.connect()
+        subjects = self.svc.subjects
+        await self.svc.subscribe(
+            subjects.tokenizer_encode, GenerateRequest, self.on_request, queue="tokenizer"
+        )
+
+    def encode(self, req: GenerateRequest) -> tuple[list[int], str]:
+        """The prompt's token ids, and the request field they came from (for error params)."""
+        try:
+            if req.messages is not None:
+                text = self.tokenizer.apply_chat_template(
+                    [{"role": m.role, "content": m.content} for m in req.messages]
+                )
+                return self.tokenizer.encode(text, add_special_tokens=False), "messages"
+            if req.prompt_token_ids is not None:
+                vocab = self.tokenizer.vocab_size
+                bad = [t for t in req.prompt_token_ids if not 0 <= t < vocab]
+                if bad:
+                    raise RequestError(
+                        f"prompt token ids out of range [0, {vocab}): {bad[:5]}", param="prompt"
+                    )
+                return list(req.prompt_token_ids), "prompt"
+            if req.prompt is not None:
+                return self.tokenizer.encode(req.prompt), "prompt"
+        except TokenizerError as exc:
+            raise RequestError(str(exc), param="messages") from exc
+        raise RequestError("the request has neither a prompt nor messages", param="prompt")
+
+    async def on_request(self, req: GenerateRequest) -> None:
+        ids, field = self.encode(req)
+        if not ids:
+            raise RequestError("the prompt is empty", param=field)
+        if len(ids) >= self.max_model_len:
+            raise RequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"your {field} resulted in {len(ids)} tokens.",
+                param=field,
+                code="context_length_exceeded",
+            )
+        params = req.params
+        room = self.max_model_len - len(ids)
+        if params.max_tokens > room:
+            # As vLLM does for chat defaults: never ask for more than the context allows;
+            # the output then ends with finish_reason "length".
+            params = dataclasses.replace(params, max_tokens=room)
+        await self.svc.publish(
+            self.svc.subjects.scheduler_submit,
+            TokenizedRequest(
+                request_id=req.request_id,
+                reply_to=req.reply_to,
+                params=params,
+                prompt_token_ids=ids,
+                block_hashes=page_hashes(ids, self.config.page_size),
+                detok_shard=detok_shard(req.request_id, self.config.detok_shards),
+                priority=req.priority,
+                deadline=req.deadline,
+                arrival_time=req.arrival_time,
+            ),
+        )

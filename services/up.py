@@ -1,0 +1,156 @@
+"""``meshserve up``: a local nats-server plus every service as its own process.
+
+The model (default: the bundled SmolLM2) is resolved and converted once here, so every service
+loads the same folder. Ctrl-C (or SIGTERM) stops every process this started; a service that
+dies takes the whole local mesh down with a message rather than leaving it half-alive.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from common.nats_server import LocalNatsServer
+
+
+@dataclass
+class LocalMesh:
+    args: argparse.Namespace
+    model_folder: Path
+    nats: LocalNatsServer | None = None
+    procs: list[tuple[str, subprocess.Popen[bytes]]] = field(default_factory=list)
+
+    @property
+    def nats_url(self) -> str:
+        if self.args.nats_url:
+            return str(self.args.nats_url)
+        assert self.nats is not None
+        return self.nats.url
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.args.host}:{self.args.port}"
+
+    def spawn(self, name: str, module: str, *flags: str) -> None:
+        cmd = [sys.executable, "-m", module, "--nats-url", self.nats_url, *flags]
+        self.procs.append((name, subprocess.Popen(cmd)))
+
+    def start(self) -> None:
+        a = self.args
+        if not a.nats_url:
+            self.nats = LocalNatsServer.start()
+        model = ["--model", str(self.model_folder)]
+        common = ["--page-size", str(a.page_size), "--detok-shards", str(a.detok_shards)]
+        self.spawn("tokenizer", "services.tokenizer", *model, *common)
+        self.spawn("scheduler", "services.scheduler", "--router", a.router)
+        for shard in range(a.detok_shards):
+            self.spawn(
+                f"detokenizer-{shard}", "services.detokenizer", *model, "--shard", str(shard)
+            )
+        for i in range(a.executors):
+            self.spawn(
+                f"executor-{i}",
+                "services.executor",
+                *model,
+                *common,
+                "--instance-id", f"executor-{i}",
+                "--device", a.device,
+                "--kv-cache-tokens", str(a.kv_cache_tokens),
+                "--max-num-seqs", str(a.max_num_seqs),
+                "--max-num-batched-tokens", str(a.max_num_batched_tokens),
+            )  # fmt: skip
+        config = json.loads((self.model_folder / "config.json").read_text())
+        self.spawn(
+            "gateway",
+            "services.gateway",
+            "--host", a.host,
+            "--port", str(a.port),
+            "--served-model-name", a.served_model_name or self.model_folder.name,
+            "--max-model-len", str(config.get("max_position_embeddings", 2048)),
+        )  # fmt: skip
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.check_alive()
+            with (
+                contextlib.suppress(OSError),
+                urllib.request.urlopen(f"{self.base_url}/health", timeout=1) as resp,
+            ):
+                if resp.status == 200:
+                    return
+            time.sleep(0.25)
+        raise TimeoutError(f"the mesh was not healthy within {timeout:.0f} s")
+
+    def check_alive(self) -> None:
+        for name, proc in self.procs:
+            if proc.poll() is not None:
+                raise RuntimeError(f"service {name} exited with code {proc.returncode}")
+
+    def stop(self) -> None:
+        for _, proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        for _, proc in self.procs:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if self.nats is not None:
+            self.nats.stop()
+
+
+def add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("up", help="start nats-server and every service locally")
+    p.add_argument("--model", default=None, help="HF folder or .gguf file (default: SmolLM2)")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--executors", type=int, default=1)
+    p.add_argument("--detok-shards", type=int, default=1)
+    p.add_argument("--nats-url", default=None, help="use this NATS server instead of starting one")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--router", default="least-load")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--kv-cache-tokens", type=int, default=65536)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--ready-timeout", type=float, default=600)
+    p.set_defaults(func=run_up)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def run_up(args: argparse.Namespace) -> int:
+    from gpu.gguf import resolve_model_path
+
+    mesh = LocalMesh(args, resolve_model_path(args.model))
+    # Ctrl-C reaches the children too (same process group); they drain and exit.
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        mesh.start()
+        mesh.wait_ready(args.ready_timeout)
+        print(f"meshserve is up: {mesh.base_url}/v1  (Ctrl-C stops it)", flush=True)
+        while True:
+            mesh.check_alive()
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        print("stopping...", file=sys.stderr)
+        return 0
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"meshserve up: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        mesh.stop()

@@ -1,0 +1,110 @@
+"""An in-process mesh for tests: a real nats-server, every service on one background loop.
+
+Services are the same classes the processes run; only the process boundary is skipped, so a
+test starts in a second instead of five interpreters importing torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from common.config import MeshConfig
+from common.nats_server import LocalNatsServer, free_port
+from services.detokenizer.service import DetokenizerConfig, DetokenizerService
+from services.executor.config import ExecutorConfig
+from services.executor.service import ExecutorService, build_engine
+from services.scheduler.service import SchedulerService, SchedulerServiceConfig
+from services.tokenizer.service import TokenizerConfig, TokenizerService
+
+
+@dataclass
+class MeshHarness:
+    model: Path
+    executors: int = 1
+    kv_cache_tokens: int = 4096
+    page_size: int = 16
+    max_num_seqs: int = 64
+    router: str = "least-load"
+    with_gateway: bool = True
+    nats: LocalNatsServer | None = None
+    loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.new_event_loop)
+    thread: threading.Thread | None = None
+    services: list[Any] = field(default_factory=list)
+    executor_services: list[ExecutorService] = field(default_factory=list)
+    port: int = 0
+
+    def mesh_config(self, name: str) -> MeshConfig:
+        assert self.nats is not None
+        return MeshConfig(nats_url=self.nats.url, instance_id=name)
+
+    def call(self, coro: Coroutine[Any, Any, Any], timeout: float = 60) -> Any:
+        fut: Future[Any] = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        return fut.result(timeout)
+
+    def start(self) -> MeshHarness:
+        self.nats = LocalNatsServer.start()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.call(self._start_services(), timeout=300)
+        return self
+
+    async def _start_services(self) -> None:
+        model = str(self.model)
+        tok = TokenizerService(TokenizerConfig(self.mesh_config("tok"), model, self.page_size))
+        sched = SchedulerService(SchedulerServiceConfig(self.mesh_config("sched"), self.router))
+        detok = DetokenizerService(DetokenizerConfig(self.mesh_config("detok"), model))
+        self.services = [tok, sched, detok]
+        for i in range(self.executors):
+            config = ExecutorConfig(
+                self.mesh_config(f"executor-{i}"),
+                model,
+                page_size=self.page_size,
+                kv_cache_tokens=self.kv_cache_tokens,
+                max_num_seqs=self.max_num_seqs,
+            )
+            ex = ExecutorService(config, build_engine(config))
+            self.executor_services.append(ex)
+            self.services.append(ex)
+        if self.with_gateway:
+            from services.gateway.app import GatewayServer
+            from services.gateway.config import GatewayConfig
+
+            self.port = free_port()
+            gw = GatewayServer(
+                GatewayConfig(
+                    mesh=self.mesh_config("gw"),
+                    host="127.0.0.1",
+                    port=self.port,
+                    served_model_name="tiny",
+                    max_model_len=256,
+                )
+            )
+            self.services.append(gw)
+        for svc in self.services:
+            await svc.start()
+        await asyncio.sleep(0.6)  # first heartbeats reach the scheduler and gateway
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def stop(self) -> None:
+        async def close_all() -> None:
+            for svc in reversed(self.services):
+                closer = getattr(svc, "stop", None) or svc.svc.close
+                await closer()
+
+        try:
+            self.call(close_all(), timeout=30)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            if self.thread:
+                self.thread.join(5)
+            if self.nats:
+                self.nats.stop()

@@ -1,0 +1,109 @@
+"""The detokenizer service over a real nats-server: UTF-8 safe deltas and stop strings."""
+
+from __future__ import annotations
+
+import asyncio
+
+import nats
+import pytest
+
+from common.config import MeshConfig
+from common.messages import (
+    AbortRequests,
+    SeqTokens,
+    StepTokens,
+    StreamStart,
+    TextDeltas,
+    decode_any,
+)
+from common.nats_server import LocalNatsServer
+from common.tokenizer import Tokenizer
+from services.detokenizer.service import DetokenizerConfig, DetokenizerService
+from services.detokenizer.stops import StopMatcher
+
+TEXT = "数据中心的服务器😀🌍 über Ærø, 模型推理 ✨"  # not in the tiny tokenizer's corpus
+
+
+@pytest.fixture(scope="module")
+def nats_server():
+    server = LocalNatsServer.start(jetstream=False)
+    yield server
+    server.stop()
+
+
+async def run_stream(nats_server, model, token_ids, stop, tokens_per_step=1):
+    """Send ``token_ids`` through a detokenizer shard; return (deltas, aborts)."""
+    svc = DetokenizerService(DetokenizerConfig(MeshConfig(nats_server.url), str(model)))
+    await svc.start()
+    nc = await nats.connect(nats_server.url)
+    deltas, aborts = [], []
+
+    async def on_inbox(msg):
+        deltas.extend(decode_any(msg.data, TextDeltas).deltas)  # type: ignore[attr-defined]
+
+    async def on_abort(msg):
+        aborts.extend(AbortRequests.decode(msg.data).request_ids)
+
+    await nc.subscribe("test.inbox", cb=on_inbox)
+    await nc.subscribe(svc.svc.subjects.abort, cb=on_abort)
+    steps = [token_ids[i : i + tokens_per_step] for i in range(0, len(token_ids), tokens_per_step)]
+    for i, chunk in enumerate(steps):
+        last = i == len(steps) - 1
+        start = StreamStart(stop, True, 3, 0) if i == 0 else None
+        seq = SeqTokens(
+            "r1",
+            "test.inbox",
+            chunk,
+            "length" if last else None,
+            min((i + 1) * tokens_per_step, len(token_ids)),
+            start,
+        )
+        await nc.publish(svc.svc.subjects.detok(0), StepTokens("ex", [seq]).encode())
+    await nc.flush()
+    for _ in range(100):
+        if any(d.finish_reason for d in deltas):
+            break
+        await asyncio.sleep(0.02)
+    await asyncio.sleep(0.05)
+    await nc.close()
+    await svc.svc.close()
+    return deltas, aborts
+
+
+@pytest.mark.parametrize("per_step", [1, 3])
+async def test_multibyte_text_streams_without_replacement_chars(nats_server, tiny_llama, per_step):
+    tok = Tokenizer.from_folder(tiny_llama)
+    ids = tok.encode(TEXT, add_special_tokens=False)
+    # characters really are split across tokens (a token alone decodes to U+FFFD)
+    assert any("\ufffd" in tok.decode([i]) for i in ids)
+    deltas, _ = await run_stream(nats_server, tiny_llama, ids, [], per_step)
+    pieces = [d.text for d in deltas]
+    assert "".join(pieces) == TEXT
+    assert all("\ufffd" not in p for p in pieces)
+    assert deltas[-1].finish_reason == "length"
+    assert deltas[-1].usage is not None and deltas[-1].usage.completion_tokens == len(ids)
+
+
+async def test_stop_string_across_tokens_is_cut_and_aborts(nats_server, tiny_llama):
+    tok = Tokenizer.from_folder(tiny_llama)
+    text = "The quick brown fox jumps over the lazy dog."
+    ids = tok.encode(text, add_special_tokens=False)
+    deltas, aborts = await run_stream(nats_server, tiny_llama, ids, ["fox jum"])
+    out = "".join(d.text for d in deltas)
+    assert out == "The quick brown "
+    assert deltas[-1].finish_reason == "stop"
+    assert aborts == ["r1"]
+
+
+def test_stop_matcher_holds_back_partial_matches():
+    m = StopMatcher(["</end>", "STOP"])
+    assert m.feed("hello </") == "hello "
+    assert m.feed("en") == ""
+    assert m.feed("x more") == "</enx more"
+    assert m.feed(" ST") == " "
+    assert m.feed("OP and more") == ""
+    assert m.stopped and m.feed("later") == ""
+    m2 = StopMatcher(["abc"])
+    assert m2.feed("xxab") == "xx"
+    assert m2.flush() == "ab"
+    assert StopMatcher([]).feed("anything") == "anything"

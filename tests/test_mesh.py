@@ -1,0 +1,217 @@
+"""The whole mesh (real nats-server, every service, tiny model) through the OpenAI client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import aiohttp
+import openai
+import pytest
+
+from common.tokenizer import Tokenizer
+from gpu.engine import Engine, EngineConfig
+from gpu.loader import load_model
+from gpu.runner import ModelRunner
+from gpu.sampling import SamplingParams
+from tests.mesh import MeshHarness
+
+PROMPTS = ["Hello world", "The quick brown fox", "Serving language models", "café 你好"]
+
+
+@pytest.fixture(scope="module")
+def mesh(tiny_llama):
+    harness = MeshHarness(tiny_llama, executors=2, kv_cache_tokens=2048).start()
+    yield harness
+    harness.stop()
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_llama):
+    """The in-process engine and tokenizer: what the mesh must reproduce at temperature 0."""
+    tok = Tokenizer.from_folder(tiny_llama)
+    engine = Engine(
+        ModelRunner(load_model(tiny_llama, progress=False), 256, 16),
+        EngineConfig(),
+        tok.eos_token_ids,
+    )
+
+    def greedy(prompt_ids: list[int], max_tokens: int) -> str:
+        out = engine.generate([prompt_ids], SamplingParams(temperature=0.0, max_tokens=max_tokens))
+        return tok.decode(out[0])
+
+    return tok, greedy
+
+
+@pytest.fixture
+def client(mesh):
+    return openai.AsyncOpenAI(base_url=mesh.base_url, api_key="unused", max_retries=0)
+
+
+async def stream_text(client, **kwargs):
+    chunks = [c async for c in await client.completions.create(stream=True, **kwargs)]
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    return text, chunks
+
+
+async def test_completion_equals_offline_greedy(client, offline):
+    tok, greedy = offline
+    for prompt in PROMPTS:
+        expected = greedy(tok.encode(prompt), 12)
+        full = await client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=12, temperature=0
+        )
+        streamed, chunks = await stream_text(
+            client, model="tiny", prompt=prompt, max_tokens=12, temperature=0
+        )
+        assert full.choices[0].text == expected == streamed
+        assert "\ufffd" not in streamed or "\ufffd" in expected
+        assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+
+async def test_chat_equals_offline_greedy(client, offline):
+    tok, greedy = offline
+    messages = [{"role": "user", "content": "Tell me about batching"}]
+    ids = tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
+    expected = greedy(ids, 10)
+    full = await client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=10, temperature=0
+    )
+    assert full.choices[0].message.content == expected
+    assert full.choices[0].message.role == "assistant"
+    stream = await client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        max_tokens=10,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = [c async for c in stream]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == expected
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage.prompt_tokens == len(ids)
+    assert usage.completion_tokens == full.usage.completion_tokens
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == full.choices[0].finish_reason and all(f is None for f in finishes[:-1])
+
+
+async def test_n_seed_and_logprobs(client):
+    kwargs = dict(
+        model="tiny",
+        prompt="Hello",
+        max_tokens=8,
+        temperature=1.0,
+        seed=7,
+        extra_body={"ignore_eos": True},
+    )
+    a = await client.completions.create(n=2, **kwargs)
+    b = await client.completions.create(n=2, **kwargs)
+    assert sorted(c.index for c in a.choices) == [0, 1]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert a.choices[0].text != a.choices[1].text  # choices are sampled independently
+    assert a.usage.completion_tokens == 16  # both choices are counted
+    lp = await client.completions.create(
+        model="tiny", prompt="Hello", max_tokens=4, temperature=0, logprobs=3
+    )
+    info = lp.choices[0].logprobs
+    assert len(info.tokens) == len(info.token_logprobs) == lp.usage.completion_tokens
+    assert all(v <= 0 for v in info.token_logprobs)
+    assert all(len(top) >= 1 for top in info.top_logprobs)
+
+
+async def test_stop_string_spanning_tokens_never_reaches_client(client, offline):
+    tok, greedy = offline
+    prompt = "The quick brown fox"
+    ids = tok.encode(prompt)
+    # find a stop string that spans a token boundary in the greedy continuation
+    text = greedy(ids, 16)
+    visible = text.replace("\ufffd", "")
+    assert len(visible) >= 6, "the tiny model should produce some visible text"
+    start = max(1, len(visible) // 2 - 2)
+    stop = visible[start : start + 3]
+    expected = text[: text.index(stop)]
+    streamed, chunks = await stream_text(
+        client, model="tiny", prompt=prompt, max_tokens=16, temperature=0, stop=[stop]
+    )
+    assert streamed == expected and stop not in streamed
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+async def test_64_concurrent_streams(client, offline):
+    tok, greedy = offline
+    prompts = [f"{PROMPTS[i % 4]} {i}" for i in range(64)]
+    expected = [greedy(tok.encode(p), 6) for p in prompts]
+    results = await asyncio.gather(
+        *(stream_text(client, model="tiny", prompt=p, max_tokens=6, temperature=0) for p in prompts)
+    )
+    assert [r[0] for r in results] == expected
+
+
+async def test_requests_spread_over_two_executors(client, mesh):
+    before = [e.engine.num_steps for e in mesh.executor_services]
+    await asyncio.gather(
+        *(
+            client.completions.create(model="tiny", prompt=f"spread {i}", max_tokens=8)
+            for i in range(16)
+        )
+    )
+    after = [e.engine.num_steps for e in mesh.executor_services]
+    assert all(a > b for a, b in zip(after, before)), (before, after)
+
+
+async def test_disconnect_frees_sequence_and_pages(mesh):
+    url = mesh.base_url + "/completions"
+    body = {
+        "model": "tiny",
+        "prompt": "Hello",
+        "max_tokens": 200,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    async with aiohttp.ClientSession() as session:
+        resp = await session.post(url, json=body)
+        await resp.content.readline()  # the stream has started
+        resp.close()  # the client goes away mid-stream
+    deadline = time.monotonic() + 1.5
+    while time.monotonic() < deadline:
+        busy = [e for e in mesh.executor_services if e.engine.has_unfinished()]
+        if not busy:
+            break
+        await asyncio.sleep(0.05)
+    for ex in mesh.executor_services:
+        assert not ex.engine.has_unfinished()
+        assert ex.engine.blocks.num_free == ex.engine.blocks.num_pages
+
+
+@pytest.mark.parametrize(
+    "body,status,param",
+    [
+        ({"model": "tiny", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+        ({"model": "tiny", "prompt": "x", "max_tokens": "ten"}, 400, "max_tokens"),
+        ({"model": "tiny"}, 400, "prompt"),
+        ({"model": "tiny", "prompt": "x", "temperature": 5}, 400, "temperature"),
+        ({"model": "nope", "prompt": "x"}, 404, "model"),
+        ({"model": "tiny", "prompt": "word " * 400, "max_tokens": 4}, 400, "prompt"),
+    ],
+)
+async def test_bad_input_gets_openai_errors_and_mesh_keeps_serving(
+    mesh, client, body, status, param
+):
+    async with aiohttp.ClientSession() as session:
+        async with session.post(mesh.base_url + "/completions", json=body) as resp:
+            assert resp.status == status
+            err = (await resp.json())["error"]
+            assert err["message"] and err["type"] and err.get("param") == param
+        async with session.post(
+            mesh.base_url + "/completions",
+            data=b"{not json",
+            headers={"Content-Type": "application/json"},
+        ) as resp:
+            assert resp.status == 400
+            assert "error" in json.loads(await resp.text())
+    ok = await client.completions.create(model="tiny", prompt="still alive", max_tokens=3)
+    assert ok.choices[0].finish_reason in ("stop", "length")
