@@ -231,6 +231,10 @@ class Heartbeat(Message):
     pending_tokens: int  # prompt tokens still to prefill plus one per running decode
     draining: bool = False
     sent_at: float = 0.0
+    # Which requests the executor holds, and which of those have streamed tokens: if the
+    # executor dies, the scheduler re-routes the others and fails these with a clear error.
+    request_ids: list[str] = field(default_factory=list)
+    started_ids: list[str] = field(default_factory=list)
 
 
 # --- executor -> detokenizer ----------------------------------------------------------------------
@@ -251,6 +255,9 @@ class StreamStart(Message):
     skip_special_tokens: bool
     prompt_tokens: int
     cached_tokens: int
+    # The request's W3C trace context (traceparent/tracestate): a StepTokens message carries
+    # many requests, so their contexts travel here rather than in the NATS headers.
+    trace: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -314,3 +321,78 @@ class ErrorEvent(Message):
     type: str = "invalid_request_error"
     code: str | None = None
     param: str | None = None
+
+
+# --- executor -> prefix-cache index (JetStream) -> scheduler ------------------------------------
+
+
+@dataclass(frozen=True)
+class KVEventBatch(Message):
+    """Changes to one executor's prefix cache, in order; one batch per executor step.
+
+    ``seq`` counts an executor's batches from 1 since it started; a gap tells the index it
+    missed changes. Apply in this order: ``cleared`` (forget everything the executor held),
+    then ``evicted``, then ``stored`` (``(page_hash, parent_hash)``, chained hashes from
+    ``common.block_hash``; the parent of a prompt's first page is ``ROOT_HASH``). A batch with
+    ``cleared`` followed by stored pages is a full snapshot of the executor's cache.
+    """
+
+    executor_id: str
+    seq: int
+    cleared: bool = False
+    evicted: list[int] = field(default_factory=list)
+    stored: list[tuple[int, int]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class IndexMatchRequest(Message):
+    """Scheduler -> index: how much of this prompt does each executor hold?"""
+
+    block_hashes: list[int]
+    request_id: str = ""
+
+
+@dataclass(frozen=True)
+class IndexMatchReply(Message):
+    """Pages of the prompt's prefix (leading block hashes) each executor holds; absent = 0."""
+
+    overlaps: dict[str, int]
+    num_executors: int = 0
+
+
+# --- executor -> speculator (request/reply) -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DraftSeq(Message):
+    """One decoding sequence to draft for. ``token_ids`` are all its accepted tokens (prompt,
+    then output): any speculator replica can answer, reusing whatever prefix it holds."""
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    num_draft: int  # at most this many tokens
+    params: SamplingSpec
+
+
+@dataclass(frozen=True)
+class ProposeRequest(Message):
+    seqs: list[DraftSeq]
+    released: list[str] = field(default_factory=list)  # finished since the last call: forget
+
+
+@dataclass(frozen=True)
+class DraftTokens(Message):
+    """Draft tokens; for sampled requests, the (truncated) distribution each was drawn from
+    as ``q_ids[j]``/``q_probs[j]`` (absent: each token was chosen deterministically)."""
+
+    request_id: str
+    token_ids: list[int]
+    q_ids: list[list[int]] | None = None
+    q_probs: list[list[float]] | None = None
+
+
+@dataclass(frozen=True)
+class ProposeReply(Message):
+    drafts: list[DraftTokens]
+    speculator_id: str = ""

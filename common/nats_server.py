@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,12 +42,15 @@ class LocalNatsServer:
         return f"nats://127.0.0.1:{self.port}"
 
     @classmethod
-    def start(cls, port: int | None = None, jetstream: bool = True) -> LocalNatsServer:
+    def start(
+        cls, port: int | None = None, jetstream: bool = True, extra_args: Sequence[str] = ()
+    ) -> LocalNatsServer:
         port = port or free_port()
         store = Path(tempfile.mkdtemp(prefix="meshserve-nats-"))
         cmd = [nats_server_binary(), "-a", "127.0.0.1", "-p", str(port)]
         if jetstream:
             cmd += ["-js", "-sd", str(store)]
+        cmd += list(extra_args)  # e.g. --user/--pass, --tls...
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         server = cls(port, proc, store)
         deadline = time.monotonic() + 10

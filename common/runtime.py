@@ -12,16 +12,24 @@ import asyncio
 import contextlib
 import logging
 import signal
+import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 import nats
+import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from nats.js.api import DeliverPolicy
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.trace import Status, StatusCode, Tracer
 
 from common.config import MeshConfig
-from common.messages import ErrorEvent, Message, MessageError
+from common.messages import ErrorEvent, Message, MessageError, decode_any
+from common.metrics import MetricsServer, ServiceMetrics, new_registry
+from common.telemetry import Tracing, extract, inject
 
 log = logging.getLogger("meshserve")
 
@@ -49,6 +57,10 @@ class RequestError(Exception):
         return ErrorEvent(request_id, self.status, str(self), self.type, self.code, self.param)
 
 
+class NoAnswer(Exception):
+    """A request/reply call got no usable answer (timeout, no responder, bad or error reply)."""
+
+
 class Service:
     def __init__(self, name: str, mesh: MeshConfig) -> None:
         self.name = name
@@ -59,6 +71,27 @@ class Service:
         self._tasks: list[asyncio.Task[None]] = []
         self.shutdown_requested = asyncio.Event()  # SIGTERM/SIGINT: begin draining
         self.stopping = asyncio.Event()  # close(): background loops end
+        # Run when the connection to NATS is lost (before nats.py reconnects): e.g. the gateway
+        # fails its in-flight requests rather than letting clients wait for lost messages.
+        self.disconnect_callbacks: list[Callable[[], Awaitable[None]]] = []
+        # Observability: this service's tracer and metrics registry (common/telemetry.py,
+        # common/metrics.py); /metrics + /health on mesh.metrics_port when one is set.
+        self.tracing = Tracing(name, mesh.instance_id, mesh.otlp_endpoint)
+        self.registry = new_registry()
+        self.metrics = ServiceMetrics(self.registry, name)
+        self.metrics_server: MetricsServer | None = None
+
+    @property
+    def tracer(self) -> Tracer:
+        return self.tracing.tracer
+
+    def health_problem(self) -> str | None:
+        """Why this service cannot work now, or None when it can (``/health``)."""
+        if self.shutdown_requested.is_set():
+            return "shutting down"
+        if self._nc is None or not self._nc.is_connected:
+            return "not connected to NATS"
+        return None
 
     @property
     def nc(self) -> Client:
@@ -67,26 +100,53 @@ class Service:
         return self._nc
 
     async def connect(self) -> None:
+        """Connect, retrying while the server is unreachable (it may start after us), but
+        failing at once with a clear error when the server rejects our credentials."""
+        rejected: asyncio.Future[Exception] = asyncio.get_running_loop().create_future()
+
         async def on_error(exc: Exception) -> None:
+            if "authorization" in str(exc).lower() and not rejected.done():
+                rejected.set_result(exc)
             log.warning("%s: nats error: %s", self.name, exc)
 
         async def on_disconnect() -> None:
+            if self.stopping.is_set():
+                return  # our own close(), not a failure
             log.warning("%s: disconnected from nats", self.name)
+            for callback in self.disconnect_callbacks:
+                await callback()
 
         async def on_reconnect() -> None:
             log.info("%s: reconnected to nats", self.name)
 
-        self._nc = await nats.connect(
-            servers=[self.mesh.nats_url],
-            name=f"{self.name}-{self.mesh.instance_id}",
-            max_reconnect_attempts=-1,
-            reconnect_time_wait=0.5,
-            connect_timeout=5,
-            error_cb=on_error,
-            disconnected_cb=on_disconnect,
-            reconnected_cb=on_reconnect,
+        connecting = asyncio.ensure_future(
+            nats.connect(
+                servers=[self.mesh.nats_url],
+                name=f"{self.name}-{self.mesh.instance_id}",
+                max_reconnect_attempts=-1,
+                reconnect_time_wait=0.5,
+                connect_timeout=5,
+                error_cb=on_error,
+                disconnected_cb=on_disconnect,
+                reconnected_cb=on_reconnect,
+                **self.mesh.auth.connect_options(),
+            )
         )
+        waiters: set[asyncio.Future[Any]] = {connecting, rejected}
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        if not connecting.done():
+            connecting.cancel()
+            raise PermissionError(
+                f"{self.name}: NATS at {self.mesh.nats_url} rejected our credentials "
+                f"({rejected.result()}); check --nats-user/--nats-password/--nats-creds"
+            )
+        self._nc = connecting.result()
         log.info("%s %s connected to %s", self.name, self.mesh.instance_id, self.mesh.nats_url)
+        if self.mesh.metrics_port is not None and self.metrics_server is None:
+            self.metrics_server = MetricsServer(
+                self.registry, self.health_problem, self.mesh.metrics_host, self.mesh.metrics_port
+            )
+            await self.metrics_server.start()
 
     async def subscribe(
         self,
@@ -94,8 +154,13 @@ class Service:
         kind: type[M],
         handler: Callable[[M], Awaitable[None]],
         queue: str = "",
+        span: str | None = None,
     ) -> None:
-        """Deliver decoded ``kind`` messages to ``handler``; errors never kill the service."""
+        """Deliver decoded ``kind`` messages to ``handler``; errors never kill the service.
+
+        The handler runs inside the sender's trace context (from the message headers), in a
+        span named ``span`` when one is given, so what it publishes continues the trace.
+        """
 
         async def on_msg(msg: Msg) -> None:
             try:
@@ -103,18 +168,100 @@ class Service:
             except MessageError as exc:
                 log.error("%s: dropping bad message on %s: %s", self.name, msg.subject, exc)
                 return
-            await self.guarded(decoded, handler)
+            started = time.perf_counter()
+            with self.tracing.handling(span, extract(msg.headers), decoded):
+                await self.guarded(decoded, handler)
+            self.metrics.handled(kind.__name__, time.perf_counter() - started)
 
         self._subs.append(await self.nc.subscribe(subject, queue=queue, cb=on_msg))
+
+    async def serve(
+        self,
+        subject: str,
+        kind: type[M],
+        handler: Callable[[M], Awaitable[Message]],
+        queue: str = "",
+    ) -> None:
+        """Request/reply: answer each decoded ``kind`` request with ``handler``'s message.
+
+        A bad request or a failing handler is answered with an ``ErrorEvent``, so the asker
+        learns at once (``request`` raises ``NoAnswer``) instead of waiting for its timeout.
+        """
+
+        async def on_msg(msg: Msg) -> None:
+            if not msg.reply:
+                return
+            try:
+                decoded = kind.decode(msg.data)
+                with self.tracing.handling(None, extract(msg.headers), decoded):
+                    answer = await handler(decoded)
+            except MessageError as exc:
+                answer = ErrorEvent("", 400, str(exc))
+            except Exception as exc:
+                log.exception("%s: handler for %s failed", self.name, subject)
+                answer = ErrorEvent("", 500, f"internal error: {exc}", "server_error")
+            await self.nc.publish(msg.reply, answer.encode())
+
+        self._subs.append(await self.nc.subscribe(subject, queue=queue, cb=on_msg))
+
+    async def request(
+        self, subject: str, message: Message, reply_kind: type[M], timeout: float
+    ) -> M:
+        """Ask and wait; ``NoAnswer`` on timeout, no responder, or a bad or error reply."""
+        try:
+            msg = await self.nc.request(
+                subject, message.encode(), timeout=timeout, headers=inject(None)
+            )
+        except (TimeoutError, nats.errors.Error) as exc:
+            raise NoAnswer(f"{subject}: {type(exc).__name__}") from exc
+        try:
+            answer = decode_any(msg.data, reply_kind, ErrorEvent)
+        except MessageError as exc:
+            raise NoAnswer(f"{subject}: {exc}") from exc
+        if not isinstance(answer, reply_kind):
+            raise NoAnswer(f"{subject}: {getattr(answer, 'message', answer)}")
+        return answer
+
+    async def replay(
+        self, subject: str, kind: type[M], handler: Callable[[M, int], Awaitable[None]]
+    ) -> None:
+        """Every message of the JetStream stream over ``subject``, from its first, then new
+        ones as they arrive, in order (an ordered consumer: nothing to acknowledge, and a gap
+        is re-fetched by the client). ``handler`` gets each decoded message and how many
+        stream messages were still undelivered behind it (0: caught up). A bad message or a
+        failing handler is logged and skipped."""
+
+        async def on_msg(msg: Msg) -> None:
+            try:
+                await handler(kind.decode(msg.data), msg.metadata.num_pending)
+            except MessageError as exc:
+                log.error("%s: skipping bad message on %s: %s", self.name, msg.subject, exc)
+            except Exception:
+                log.exception("%s: handler for %s failed", self.name, msg.subject)
+
+        js = self.nc.jetstream()
+        self._subs.append(
+            await js.subscribe(
+                subject,
+                cb=on_msg,
+                ordered_consumer=True,
+                deliver_policy=DeliverPolicy.ALL,
+                idle_heartbeat=5.0,
+            )
+        )
 
     async def guarded(self, message: M, handler: Callable[[M], Awaitable[None]]) -> None:
         """Run ``handler``; turn its failure into an error reply for the request."""
         try:
             await handler(message)
         except RequestError as exc:
+            trace.get_current_span().set_status(Status(StatusCode.ERROR, str(exc)))
             await self.reply_error(message, exc)
         except Exception as exc:
             log.exception("%s: handler failed", self.name)
+            span = trace.get_current_span()
+            span.record_exception(exc)
+            span.set_status(Status(StatusCode.ERROR, repr(exc)))
             await self.reply_error(
                 message, RequestError(f"internal error: {exc}", 500, "server_error")
             )
@@ -123,12 +270,18 @@ class Service:
         request_id = getattr(message, "request_id", None)
         reply_to = getattr(message, "reply_to", None)
         if request_id and reply_to:
+            self.metrics.error_reply(error.status)
             await self.publish(reply_to, error.event(request_id))
 
     async def publish(
-        self, subject: str, message: Message, headers: dict[str, str] | None = None
+        self,
+        subject: str,
+        message: Message,
+        headers: dict[str, str] | None = None,
+        context: Context | None = None,
     ) -> None:
-        await self.nc.publish(subject, message.encode(), headers=headers)
+        """Publish with the W3C trace context of ``context`` (default: the current one)."""
+        await self.nc.publish(subject, message.encode(), headers=inject(headers, context))
 
     def spawn(self, coro: Awaitable[None], name: str) -> None:
         """Run a background loop for the service's lifetime; a crash is logged, not silent."""
@@ -164,6 +317,10 @@ class Service:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        if self.metrics_server is not None:
+            await self.metrics_server.stop()
+        # Flushing spans may wait on the network: not on the event loop.
+        await asyncio.to_thread(self.tracing.shutdown)
 
     def install_signal_handlers(self) -> None:
         loop = asyncio.get_running_loop()

@@ -56,6 +56,11 @@ class Subjects:
         return f"{self.prefix}.kv.events.>"
 
     @property
+    def kv_events_stream(self) -> str:
+        """The JetStream stream over ``kv_events_all`` (a name, not a subject: no dots)."""
+        return "KV_EVENTS_" + "".join(c if c.isalnum() else "_" for c in self.prefix).upper()
+
+    @property
     def index_match(self) -> str:
         return f"{self.prefix}.index.match"
 

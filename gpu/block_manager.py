@@ -46,6 +46,8 @@ class BlockManager:
         self.free_pages: list[int] = list(range(num_pages - 1, -1, -1))  # pop() gives page 0 first
         self.evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; LRU first
         self.events: list[KVEvent] = []
+        # Prefix-cache metrics, counted once per request at its first admission (see
+        # record_lookup), so hits / queries is the hit rate clients see in usage.cached_tokens.
         self.queries = 0  # prompt tokens looked up in the prefix cache
         self.hits = 0  # of which served from it
 
@@ -73,7 +75,6 @@ class BlockManager:
         compute, since the step that computes it also produces the next token's logits.
         """
         assert not table.pages, "match_prefix needs an empty page table"
-        self.queries += len(tokens)
         if not self.enable_prefix_caching:
             return 0
         parent = ROOT_HASH
@@ -86,9 +87,13 @@ class BlockManager:
             table.pages.append(page)
             table.hashes.append(h)
             parent = h
-        cached = len(table.pages) * self.page_size
-        self.hits += cached
-        return cached
+        return len(table.pages) * self.page_size
+
+    def record_lookup(self, prompt_tokens: int, cached_tokens: int) -> None:
+        """Count a request's lookup once: a lookup repeated while it waits for pages, or after
+        a preemption, is not a new query (nor its recomputed prefix a new hit)."""
+        self.queries += prompt_tokens
+        self.hits += cached_tokens
 
     def commit_full_pages(self, table: PageTable, tokens: list[int], num_computed: int) -> None:
         """Hash every page whose tokens are now all computed, making it shareable."""
@@ -118,16 +123,27 @@ class BlockManager:
 
     def free(self, table: PageTable) -> None:
         """Drop a sequence's references; last-referenced pages go to the back of the LRU."""
+        self._release_tail(table, 0)
+        table.hashes.clear()
+
+    def truncate(self, table: PageTable, num_tokens: int) -> None:
+        """Release the pages past the first ``num_tokens`` tokens (the pages of rejected
+        speculative tokens). Only full pages of accepted tokens carry hashes; those stay."""
+        keep = -(-num_tokens // self.page_size)
+        if keep < len(table.hashes):
+            raise ValueError(f"cannot truncate below {len(table.hashes)} hashed pages")
+        self._release_tail(table, keep)
+
+    def _release_tail(self, table: PageTable, keep: int) -> None:
         # Free the tail first so that, among one sequence's pages, later pages evict first.
-        for page in reversed(table.pages):
+        for page in reversed(table.pages[keep:]):
             self.ref_counts[page] -= 1
             if self.ref_counts[page] == 0:
                 if self.page_hash[page] is not None:
                     self.evictable[page] = None
                 else:
                     self.free_pages.append(page)
-        table.pages.clear()
-        table.hashes.clear()
+        del table.pages[keep:]
 
     def drain_events(self) -> list[KVEvent]:
         events, self.events = self.events, []

@@ -1,13 +1,22 @@
 """The continuous-batching engine: add requests any time, abort any time, ``step()`` until done.
 
-One step reads top to bottom: schedule -> build the batch -> forward -> sample -> postprocess.
-No NATS here; the executor service drives ``step()`` off its event loop.
+One step reads top to bottom: (propose) -> schedule -> build the batch -> forward -> sample or
+verify -> postprocess. No NATS here; the executor service drives ``step()`` off its event loop.
+
+Speculative decoding (``num_speculative_tokens`` > 0): before a step, every sequence that will
+decode gets a draft of up to k tokens (``draft_requests`` -> a proposer -> ``set_drafts``). An
+in-process proposer passed to the engine is called by ``step()`` itself; a remote one (the
+speculator service) is awaited by the executor between steps, which then calls ``set_drafts``
+and ``step()``, so the worker thread never waits on the network. A draft raises the
+sequence's target, the scheduler computes it like any chunk, and ``gpu.spec_decode.verify``
+accepts a prefix of it; the rejected positions fall back off ``num_computed`` and their pages
+are released.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -19,6 +28,7 @@ from gpu.runner import ModelRunner
 from gpu.sampling import Sampler, SamplerInput, SamplingParams, make_generator
 from gpu.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from gpu.sequence import FinishReason, SeqStatus, Sequence
+from gpu.spec_decode import DraftLength, DraftRequest, Proposal, Proposer, SpecStats, verify
 
 
 @dataclass(frozen=True)
@@ -26,6 +36,12 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
     enable_prefix_caching: bool = True
+    num_speculative_tokens: int = 0  # k: draft tokens verified per decode step (0: off)
+    adaptive_speculation: bool = True  # per-sequence k falls when drafts are rejected
+
+    def __post_init__(self) -> None:
+        if self.num_speculative_tokens < 0:
+            raise ValueError("num_speculative_tokens must be >= 0")
 
     @property
     def scheduler(self) -> SchedulerConfig:
@@ -58,9 +74,14 @@ class Engine:
         runner: ModelRunner,
         config: EngineConfig | None = None,
         eos_token_ids: Iterable[int] = (),
+        proposer: Proposer | None = None,
     ) -> None:
         self.runner = runner
         self.config = config or EngineConfig()
+        if proposer is not None and not self.config.num_speculative_tokens:
+            raise ValueError("a proposer needs num_speculative_tokens >= 1")
+        self.proposer = proposer
+        self.spec = SpecStats()
         self.blocks = BlockManager(
             runner.kv.spec.num_pages, runner.page_size, self.config.enable_prefix_caching
         )
@@ -69,6 +90,8 @@ class Engine:
         self.eos_token_ids = frozenset(eos_token_ids or runner.config.eos_token_ids)
         self.seqs: dict[str, Sequence] = {}
         self.num_steps = 0
+        self.num_forward_passes = 0  # target forward passes (a step that ran the model)
+        self._draft_limits: dict[str, int] = {}  # the last draft_requests' k per sequence
         self._offline_ids = itertools.count()
 
     @property
@@ -92,6 +115,8 @@ class Engine:
             )
         seq = Sequence(request_id, list(prompt_token_ids), params)
         seq.generator = make_generator(params, self.runner.device)
+        if self.config.num_speculative_tokens:
+            seq.draft_length = DraftLength(self.config.num_speculative_tokens)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
 
@@ -103,6 +128,8 @@ class Engine:
         self.scheduler.remove(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = FinishReason.ABORT
+        if self.proposer is not None:
+            self.proposer.release([request_id])
         return True
 
     def has_unfinished(self) -> bool:
@@ -111,74 +138,231 @@ class Engine:
     def drain_kv_events(self) -> list[KVEvent]:
         return self.blocks.drain_events()
 
+    # -- speculation ----------------------------------------------------------------------------
+    def draft_requests(self) -> list[DraftRequest]:
+        """The running sequences that decode next step, each with the draft length it may use
+        (its adaptive k, capped so a draft never outruns ``max_tokens`` or the context, and so
+        drafts only take pages that are free now: a draft never preempts a sequence)."""
+        if not self.config.num_speculative_tokens:
+            return []
+        requests = []
+        self._draft_limits = {}
+        free = self.blocks.num_free
+        for seq in self.scheduler.running:
+            if seq.num_pending != 1 or seq.draft_length is None:
+                continue
+            k = (
+                seq.draft_length.next()
+                if self.config.adaptive_speculation
+                else seq.draft_length.max_k
+            )
+            k = min(k, self._draft_room(seq))
+            decode = self.blocks.pages_needed(seq.table, seq.num_tokens)
+            free -= decode  # the sequence's own decode comes first
+            while k > 0 and self.blocks.pages_needed(seq.table, seq.num_tokens + k) - decode > free:
+                k -= 1
+            if k > 0:
+                free -= self.blocks.pages_needed(seq.table, seq.num_tokens + k) - decode
+                self._draft_limits[seq.request_id] = k
+                requests.append(
+                    DraftRequest(
+                        seq.request_id, seq.all_token_ids, len(seq.prompt_token_ids), k, seq.params
+                    )
+                )
+        return requests
+
+    def set_drafts(self, proposals: Mapping[str, Proposal]) -> None:
+        """Attach drafts to the sequences ``draft_requests`` asked for, cut to the length it
+        allowed. A draft for a sequence that was not asked for, is gone or changed since, or
+        holds out-of-range ids is dropped."""
+        for request_id, proposal in proposals.items():
+            seq = self.seqs.get(request_id)
+            if seq is None or seq.status is not SeqStatus.RUNNING or seq.num_pending != 1:
+                continue
+            proposal = proposal.truncated(self._draft_limits.get(request_id, 0))
+            try:
+                self.runner.check_token_ids(proposal.token_ids)
+            except ModelError:
+                continue
+            seq.draft = proposal if len(proposal) else None
+
+    def _draft_room(self, seq: Sequence) -> int:
+        """Draft tokens that can still be used: the step emits at most k + 1 tokens, and the k
+        drafts occupy positions up to ``num_tokens + k - 1``."""
+        room_out = seq.params.max_tokens - len(seq.output_token_ids) - 1
+        return max(0, min(room_out, self.max_seq_len - seq.num_tokens))
+
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
+        if self.proposer is not None:
+            requests = self.draft_requests()
+            if requests:
+                self.set_drafts(self.proposer.propose(requests))
         plan = self.scheduler.schedule()
+        for seq in plan.preempted:
+            seq.draft = None  # recomputed from scratch; a new draft comes when it decodes
         if not plan.scheduled:
             return []
         logits = self._forward(plan)
         return self._postprocess(plan, logits)
 
+    @staticmethod
+    def _logits_rows(seq: Sequence, num_new: int) -> int:
+        """Logits rows a scheduled chunk needs: its last token's, plus one per draft token the
+        chunk reaches (verified this step; a draft cut short by the budget is truncated)."""
+        end = seq.num_computed + num_new
+        if seq.draft is None or end < seq.num_tokens:
+            return 1
+        return end - seq.num_tokens + 1
+
     def _forward(self, plan: SchedulerOutput) -> torch.Tensor:
         chunks = []
         tokens: list[list[int]] = []
+        rows = []
         for item in plan.scheduled:
             seq = item.seq
             chunks.append(SeqChunk(tuple(seq.table.pages), seq.num_computed, item.num_new))
-            start = seq.num_computed
-            tokens.append(seq.all_token_ids[start : start + item.num_new])
-        return self.runner.execute(chunks, tokens)
+            tokens.append(seq.token_ids_at(seq.num_computed, item.num_new))
+            rows.append(self._logits_rows(seq, item.num_new))
+        spec = any(n > 1 for n in rows)
+        self.num_forward_passes += 1
+        return self.runner.execute(chunks, tokens, num_logits=rows if spec else None)
 
     def _postprocess(self, plan: SchedulerOutput, logits: torch.Tensor) -> list[StepOutput]:
-        # Only sequences that caught up with their target sample; a prompt chunk that is not
-        # the last one just advances num_computed.
-        rows = []
-        for row, item in enumerate(plan.scheduled):
+        # Only sequences that caught up with their real tokens sample (or verify their draft);
+        # a prompt chunk that is not the last one just advances num_computed.
+        plain: list[tuple[Sequence, int]] = []  # (sequence, its logits row)
+        spec: list[tuple[Sequence, int]] = []  # (sequence, its first logits row)
+        row = 0
+        for item in plan.scheduled:
             seq = item.seq
+            num_rows = self._logits_rows(seq, item.num_new)
             seq.num_computed += item.num_new
-            self.blocks.commit_full_pages(seq.table, seq.all_token_ids, seq.num_computed)
-            if seq.num_pending == 0:
-                rows.append(row)
-        if not rows:
+            self.blocks.commit_full_pages(
+                seq.table, seq.all_token_ids, min(seq.num_computed, seq.num_tokens)
+            )
+            if seq.num_computed >= seq.num_tokens:
+                if num_rows > 1 and seq.draft is not None:
+                    seq.draft = seq.draft.truncated(num_rows - 1)
+                    spec.append((seq, row))
+                else:
+                    seq.draft = None
+                    plain.append((seq, row + num_rows - 1))
+            row += num_rows
+        if not plain and not spec:
             return []
-        seqs = [plan.scheduled[r].seq for r in rows]
+        outputs = self._sample(plain, logits) + self._verify(spec, logits)
+        self.num_steps += 1
+        return outputs
+
+    def _sample(self, plain: list[tuple[Sequence, int]], logits: torch.Tensor) -> list[StepOutput]:
+        if not plain:
+            return []
+        seqs = [s for s, _ in plain]
+        rows = [r for _, r in plain]
         sampled = self.sampler(
-            logits[rows] if len(rows) < logits.shape[0] else logits,
-            SamplerInput(
-                params=[s.params for s in seqs],
-                prompt_token_ids=[s.prompt_token_ids for s in seqs],
-                output_token_ids=[s.output_token_ids for s in seqs],
-                generators=[s.generator for s in seqs],
-            ),
+            logits[rows] if len(rows) < logits.shape[0] else logits, self._sampler_input(seqs)
         )
         token_ids = sampled.token_ids.tolist()
         outputs = []
         for i, seq in enumerate(seqs):
-            token = token_ids[i]
-            seq.output_token_ids.append(token)
-            reason = self._finish_reason(seq, token)
             logprobs = None
             if seq.params.logprobs is not None and sampled.logprobs is not None:
                 top = sampled.top_logprobs[i] if sampled.top_logprobs else []
-                logprobs = [TokenLogprob(token, float(sampled.logprobs[i]), top)]
-            outputs.append(
-                StepOutput(
-                    request_id=seq.request_id,
-                    new_token_ids=[token],
-                    finish_reason=reason,
-                    prompt_tokens=len(seq.prompt_token_ids),
-                    output_tokens=len(seq.output_token_ids),
-                    cached_tokens=seq.num_cached_prompt_tokens,
-                    logprobs=logprobs,
-                )
-            )
-            if reason is not None:
-                seq.status = SeqStatus.FINISHED
-                seq.finish_reason = reason
-                self.scheduler.remove(seq)
-                del self.seqs[seq.request_id]
-        self.num_steps += 1
+                logprobs = [TokenLogprob(token_ids[i], float(sampled.logprobs[i]), top)]
+            outputs.append(self._emit(seq, [token_ids[i]], logprobs))
         return outputs
+
+    def _verify(self, spec: list[tuple[Sequence, int]], logits: torch.Tensor) -> list[StepOutput]:
+        if not spec:
+            return []
+        seqs = [s for s, _ in spec]
+        drafts = [s.draft for s in seqs if s.draft is not None]
+        rows = [r + j for (s, r), d in zip(spec, drafts, strict=True) for j in range(len(d) + 1)]
+        result = verify(self.sampler, logits[rows], drafts, self._sampler_input(seqs))
+        logprobs = self._spec_logprobs(seqs, result.token_ids, result.processed, result.row_starts)
+        outputs = []
+        for i, seq in enumerate(seqs):
+            num_draft, accepted = len(drafts[i]), result.num_accepted[i]
+            self.spec.record(num_draft, accepted, accepted + 1)
+            if seq.draft_length is not None and self.config.adaptive_speculation:
+                seq.draft_length.update(num_draft, accepted)
+            # KV is valid for the real tokens and the accepted drafts; the rejected positions
+            # are recomputed (rolled back) and their pages released.
+            seq.num_computed = seq.num_tokens + accepted
+            seq.draft = None
+            outputs.append(self._emit(seq, result.token_ids[i], logprobs[i]))
+            if seq.finish_reason is None:
+                self.blocks.truncate(seq.table, seq.num_tokens)
+                self.blocks.commit_full_pages(seq.table, seq.all_token_ids, seq.num_computed)
+        return outputs
+
+    def _spec_logprobs(
+        self,
+        seqs: list[Sequence],
+        token_ids: list[list[int]],
+        processed: torch.Tensor,
+        row_starts: list[int],
+    ) -> list[list[TokenLogprob] | None]:
+        want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        out: list[list[TokenLogprob] | None] = [None] * len(seqs)
+        if not want:
+            return out
+        rows = [row_starts[i] + j for i in want for j in range(len(token_ids[i]))]
+        flat = [t for i in want for t in token_ids[i]]
+        params = [seqs[i].params for i in want for _ in token_ids[i]]
+        lp = self.sampler.logprobs(
+            processed[rows], torch.tensor(flat, device=processed.device), params
+        )
+        assert lp.logprobs is not None and lp.top_logprobs is not None
+        values = lp.logprobs.tolist()
+        k = 0
+        for i in want:
+            entries = []
+            for t in token_ids[i]:
+                entries.append(TokenLogprob(t, float(values[k]), lp.top_logprobs[k]))
+                k += 1
+            out[i] = entries
+        return out
+
+    @staticmethod
+    def _sampler_input(seqs: list[Sequence]) -> SamplerInput:
+        return SamplerInput(
+            params=[s.params for s in seqs],
+            prompt_token_ids=[s.prompt_token_ids for s in seqs],
+            output_token_ids=[s.output_token_ids for s in seqs],
+            generators=[s.generator for s in seqs],
+        )
+
+    def _emit(
+        self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None
+    ) -> StepOutput:
+        """Append tokens up to the first that finishes the sequence; the rest are dropped."""
+        reason = None
+        for n, token in enumerate(tokens, start=1):
+            seq.output_token_ids.append(token)
+            reason = self._finish_reason(seq, token)
+            if reason is not None:
+                tokens = tokens[:n]
+                logprobs = logprobs[:n] if logprobs is not None else None
+                break
+        output = StepOutput(
+            request_id=seq.request_id,
+            new_token_ids=tokens,
+            finish_reason=reason,
+            prompt_tokens=len(seq.prompt_token_ids),
+            output_tokens=len(seq.output_token_ids),
+            cached_tokens=seq.num_cached_prompt_tokens,
+            logprobs=logprobs,
+        )
+        if reason is not None:
+            seq.status = SeqStatus.FINISHED
+            seq.finish_reason = reason
+            self.scheduler.remove(seq)
+            del self.seqs[seq.request_id]
+            if self.proposer is not None:
+                self.proposer.release([seq.request_id])
+        return output
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         params = seq.params

@@ -1,31 +1,223 @@
 """One linear-layer interface; weight formats plug in behind it.
 
-The model only calls ``Linear.forward``; how the weight is stored (fp32/bf16 today, int8 or
-fp8 with scales later) is the layer's business, chosen once at load time.
+The model only calls ``Linear.forward`` (``y = x @ W.T + b``); how the weight is stored is
+the layer's business, chosen once at load time by :func:`make_linear`:
+
+- fp32 / bf16 (``DenseLinear``): on CPU stored transposed ``[K, N]`` and run as ``x @ W_t``
+  (MKL streams that layout at ~2x the bandwidth of ``[N, K]`` at batch 1); ``F.linear`` on CUDA.
+- int8 (``Int8Linear``): int8 ``[N, K]`` + one fp32 scale per output channel, weight-only.
+  CPU: the AVX2 kernel of ``gpu.cpu_kernels``; CUDA: ``torch._weight_int8pack_mm`` where the
+  torch build has it; else (and as the reference) dequantize + matmul.
+- fp8 (``Fp8Linear``): e4m3 ``[N, K]`` + one fp32 scale per output channel, activations cast
+  to e4m3 per token, ``torch._scaled_mm`` with row-wise scales (Ada/Hopper tensor cores; torch
+  also runs it on CPU, slowly: tests and quality reports).
+
+Every format keeps each output row a function of its own input row only (no per-batch
+activation scales), so a request's output does not depend on what shares its batch.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gpu.cpu_kernels import CpuKernels
+from gpu.quant import (
+    check_quantization,
+    fp8_matmul_supported,
+    quantize_fp8,
+    quantize_fp8_rows,
+    quantize_int8,
+)
+
+logger = logging.getLogger(__name__)
+
 
 class Linear(nn.Module):
-    """``y = x @ W.T + b`` with a dense floating-point weight ``[out_features, in_features]``."""
+    """The interface: ``forward(x [..., K]) -> [..., N]``, plus what reports and tests read."""
+
+    format = "abstract"
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+
+    def weight_bytes(self) -> int:
+        """Bytes read from memory per forward pass for the weight (and its scales)."""
+        return sum(t.numel() * t.element_size() for t in self.buffers())
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The weight this layer effectively multiplies by, ``[N, K]`` fp32."""
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features} -> {self.out_features}, {self.format}"
+
+
+class DenseLinear(Linear):
+    """fp32/bf16 weight. On CPU it is stored transposed (``[K, N]``, contiguous): MKL's kernel
+    for ``x @ W_t`` streams that layout at close to memory bandwidth, ``F.linear`` with
+    ``[N, K]`` at about half of it (batch 1, SmolLM2 shapes)."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)
-        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-
-    @property
-    def in_features(self) -> int:
-        return int(self.weight.shape[1])
-
-    @property
-    def out_features(self) -> int:
-        return int(self.weight.shape[0])
+        super().__init__(int(weight.shape[1]), int(weight.shape[0]))
+        self.format = {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(weight.dtype, "dense")
+        self.transposed = weight.device.type == "cpu"
+        stored = weight.t().contiguous() if self.transposed else weight.contiguous()
+        self.register_buffer("weight", stored)
+        self.register_buffer("bias", bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        if not self.transposed:
+            return F.linear(x, self.weight, self.bias)
+        x2 = x.reshape(-1, self.in_features)
+        y = (
+            torch.mm(x2, self.weight)
+            if self.bias is None
+            else torch.addmm(self.bias, x2, self.weight)
+        )
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        w = self.weight.t() if self.transposed else self.weight
+        return w.to(torch.float32)
+
+
+class Int8Linear(Linear):
+    """int8 weight-only, one fp32 scale per output channel (see ``gpu.quant.quantize_int8``)."""
+
+    format = "int8"
+    qweight: torch.Tensor
+    scale: torch.Tensor
+    scale_x: torch.Tensor | None
+    bias: torch.Tensor | None
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        kernels: CpuKernels | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__(int(weight.shape[1]), int(weight.shape[0]))
+        q, scale = quantize_int8(weight)
+        self.register_buffer("qweight", q)
+        self.register_buffer("scale", scale)
+        self.register_buffer("bias", None if bias is None else bias.to(torch.float32))
+        device = weight.device
+        self.kernels = kernels if device.type == "cpu" else None
+        self.int8pack = device.type == "cuda" and _int8pack_mm_works(device, dtype)
+        # The scale in the activations' dtype, as torch._weight_int8pack_mm wants it.
+        self.register_buffer("scale_x", scale.to(dtype) if self.int8pack else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        if self.kernels is not None and x2.dtype == torch.float32:
+            y = self.kernels.int8_linear(x2, self.qweight, self.scale, self.bias)
+        elif self.int8pack and self.scale_x is not None:
+            y = torch._weight_int8pack_mm(x2.contiguous(), self.qweight, self.scale_x)
+            if self.bias is not None:
+                y = y + self.bias.to(y.dtype)
+        else:  # reference: dequantize, then a dense matmul
+            y = F.linear(x2, self.qweight.to(x2.dtype)) * self.scale.to(x2.dtype)
+            if self.bias is not None:
+                y = y + self.bias.to(y.dtype)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return self.qweight.to(torch.float32) * self.scale[:, None]
+
+
+class Fp8Linear(Linear):
+    """e4m3 weight with per-output-channel scales; activations quantized to e4m3 per token, then
+    one ``torch._scaled_mm`` with row-wise scales (fp32 accumulation)."""
+
+    format = "fp8"
+    qweight: torch.Tensor
+    scale: torch.Tensor  # [1, N]
+    bias: torch.Tensor | None
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__(int(weight.shape[1]), int(weight.shape[0]))
+        q, scale = quantize_fp8(weight)
+        self.register_buffer("qweight", q)
+        self.register_buffer("scale", scale.view(1, -1).contiguous())
+        self.register_buffer("bias", bias)
+        # cuBLASLt's fp8 GEMM needs K and N in multiples of 16; other shapes dequantize.
+        self.scaled_mm = weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        xq, x_scale = quantize_fp8_rows(x2)
+        # Row-wise scaling on CUDA produces bf16; on CPU fp32 is allowed (and exact).
+        out_dtype = torch.float32 if x2.device.type == "cpu" else torch.bfloat16
+        if self.scaled_mm:
+            y = torch._scaled_mm(
+                xq, self.qweight.t(), scale_a=x_scale, scale_b=self.scale, out_dtype=out_dtype
+            )
+        else:
+            y = (xq.to(torch.float32) @ self.qweight.to(torch.float32).t()) * x_scale * self.scale
+        y = y.to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return self.qweight.to(torch.float32) * self.scale.view(-1, 1)
+
+
+def make_linear(
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    quantization: str = "none",
+    kernels: CpuKernels | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> Linear:
+    """The layer for ``weight`` ``[N, K]`` (already on its device) in the chosen format.
+
+    ``dtype`` is the activations' (and, for ``none``, the weight's) dtype; quantized formats
+    take ``weight`` in any float dtype and quantize it from fp32.
+    """
+    check_quantization(quantization)
+    if quantization == "int8":
+        return Int8Linear(weight, bias, kernels, dtype)
+    if quantization == "fp8":
+        if not fp8_matmul_supported(weight.device):
+            from gpu.config import ModelError
+
+            raise ModelError(
+                "fp8 weights need an fp8 GPU (compute capability >= 8.9, e.g. Hopper) or the CPU"
+            )
+        return Fp8Linear(weight, None if bias is None else bias.to(dtype))
+    return DenseLinear(weight.to(dtype), None if bias is None else bias.to(dtype))
+
+
+_INT8PACK_OK: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def _int8pack_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether this torch build has ``_weight_int8pack_mm`` for ``device`` and ``dtype``
+    (CUDA support arrived after the CPU one); probed once with a tiny call."""
+    key = (str(device), dtype)
+    if key not in _INT8PACK_OK:
+        try:
+            g = torch.Generator().manual_seed(0)
+            x = torch.randint(-4, 5, (3, 64), generator=g).to(device, dtype)
+            w = torch.randint(-127, 128, (48, 64), generator=g, dtype=torch.int8).to(device)
+            s = (torch.rand(48, generator=g) + 0.5).to(device, dtype)
+            got = torch._weight_int8pack_mm(x, w, s).float()
+            want = (x.float() @ w.float().t()) * s.float()
+            ok = bool(torch.allclose(got, want, rtol=2e-2, atol=1e-2 * float(want.abs().max())))
+        except (RuntimeError, NotImplementedError):
+            ok = False
+        if not ok:
+            logger.info("torch._weight_int8pack_mm unavailable on %s: int8 dequantizes", device)
+        _INT8PACK_OK[key] = ok
+    return _INT8PACK_OK[key]

@@ -15,6 +15,7 @@ from tqdm import tqdm
 
 from gpu.config import ModelConfig, ModelError
 from gpu.model import CausalLM, expected_shapes
+from gpu.quant import check_quantization
 
 
 def weight_files(folder: Path) -> list[Path]:
@@ -59,13 +60,26 @@ def load_model(
     device: torch.device | str = "cpu",
     dtype: torch.dtype | None = None,
     progress: bool = True,
+    quantization: str = "none",
+    cpu_kernels: bool = True,
 ) -> CausalLM:
-    """fp32 on CPU (bf16 matmul is ~500x slower on these CPUs), bf16 on CUDA unless given."""
+    """fp32 on CPU (bf16 matmul is ~500x slower on these CPUs), bf16 on CUDA unless given.
+
+    ``quantization`` (``none`` | ``int8`` | ``fp8``) quantizes every linear layer at load time,
+    from whatever the checkpoint holds. ``cpu_kernels`` uses the fused kernels of
+    ``gpu.cpu_kernels`` on CPU where they build (False: plain torch ops, the reference).
+    """
+    check_quantization(quantization)
     folder = Path(folder)
     if not folder.is_dir():
         raise ModelError(f"model folder {folder} does not exist")
     config = ModelConfig.from_folder(folder)
     if dtype is None:
         dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    kernels = None
+    if cpu_kernels and torch.device(device).type == "cpu":
+        from gpu import cpu_kernels as kernels_module
+
+        kernels = kernels_module.load()
     weights = load_weights(folder, config, progress)
-    return CausalLM(config, weights, device=device, dtype=dtype)
+    return CausalLM(config, weights, device, dtype, quantization, kernels)

@@ -4,9 +4,17 @@ The forward pass takes one flat batch of new tokens from many sequences (prompt 
 decodes mixed) described by ``BatchMetadata``; attention goes through an ``AttentionBackend``
 so the same model runs on plain torch (CPU) or FlashInfer (CUDA). q/k/v and gate/up are fused
 into one matmul each at load time: fewer, larger matmuls per layer.
+
+Linear layers come from ``gpu.linear.make_linear`` in the chosen weight format (fp32/bf16,
+int8, fp8); norms, rotary and SwiGLU go through ``gpu.ops`` (plain torch, or fused CPU
+kernels). The residual stream is one tensor updated in place: each layer returns its MLP
+output, which the next layer's input norm adds in (vLLM's fused add + RMSNorm).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -15,64 +23,77 @@ from torch import nn
 from gpu.attention.backend import AttentionBackend
 from gpu.attention.metadata import BatchMetadata
 from gpu.config import ModelConfig, ModelError
-from gpu.linear import Linear
+from gpu.cpu_kernels import CpuKernels
+from gpu.linear import Linear, make_linear
+from gpu.ops import RopeStep, TorchOps, make_ops
 from gpu.rope import RotaryEmbedding
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, w: dict[str, torch.Tensor], prefix: str) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        w: dict[str, torch.Tensor],
+        prefix: str,
+        linear: Callable[..., Linear],
+        ops: TorchOps,
+    ) -> None:
         super().__init__()
         attn, mlp = f"{prefix}.self_attn", f"{prefix}.mlp"
         qkv_bias = None
         if config.qkv_bias:
             qkv_bias = torch.cat([w[f"{attn}.{n}_proj.bias"] for n in ("q", "k", "v")])
-        self.qkv_proj = Linear(
+        self.qkv_proj = linear(
             torch.cat([w[f"{attn}.{n}_proj.weight"] for n in ("q", "k", "v")]), qkv_bias
         )
-        self.o_proj = Linear(w[f"{attn}.o_proj.weight"])
-        self.gate_up_proj = Linear(
+        self.o_proj = linear(w[f"{attn}.o_proj.weight"])
+        self.gate_up_proj = linear(
             torch.cat([w[f"{mlp}.gate_proj.weight"], w[f"{mlp}.up_proj.weight"]])
         )
-        self.down_proj = Linear(w[f"{mlp}.down_proj.weight"])
+        self.down_proj = linear(w[f"{mlp}.down_proj.weight"])
         self.input_norm = nn.Parameter(w[f"{prefix}.input_layernorm.weight"], requires_grad=False)
         self.post_attn_norm = nn.Parameter(
             w[f"{prefix}.post_attention_layernorm.weight"], requires_grad=False
         )
+        self.ops = ops
         self.eps = config.rms_norm_eps
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.q_size = config.q_size
         self.kv_size = config.kv_size
-        self.intermediate = config.intermediate_size
 
     def forward(
         self,
         hidden: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        delta: torch.Tensor | None,
+        rope: RopeStep,
         backend: AttentionBackend,
         kv_cache: torch.Tensor,
     ) -> torch.Tensor:
-        t = hidden.shape[0]
-        x = F.rms_norm(hidden, (hidden.shape[-1],), self.input_norm, self.eps)
+        """Adds ``delta`` (the previous layer's output) into ``hidden`` in place; returns this
+        layer's MLP output, to be added in by the next layer (or the final norm)."""
+        t, d, ops = hidden.shape[0], self.head_dim, self.ops
+        x = ops.add_rms_norm(hidden, delta, self.input_norm, self.eps)
         qkv = self.qkv_proj(x)
-        qk = qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, -1)
-        qk = RotaryEmbedding.apply(qk, cos, sin)
-        q = qk[:, : self.num_heads]
-        k = qk[:, self.num_heads :]
-        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
+        ops.rope_(qkv, self.num_heads + self.num_kv_heads, d, rope)
+        q = qkv[:, : self.q_size].view(t, self.num_heads, d)
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.num_kv_heads, d)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, d)
         attn = backend.attend(q, k, v, kv_cache)
-        hidden = hidden + self.o_proj(attn.reshape(t, self.q_size))
-        x = F.rms_norm(hidden, (hidden.shape[-1],), self.post_attn_norm, self.eps)
-        gate_up = self.gate_up_proj(x)
-        x = F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :]
-        out: torch.Tensor = hidden + self.down_proj(x)
+        attn_out = self.o_proj(attn.reshape(t, self.q_size))
+        x = ops.add_rms_norm(hidden, attn_out, self.post_attn_norm, self.eps)
+        out: torch.Tensor = self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
         return out
 
 
 class CausalLM(nn.Module):
-    """Token ids in, logits out; the KV cache and attention backend are passed per call."""
+    """Token ids in, logits out; the KV cache and attention backend are passed per call.
+
+    ``quantization`` (``none`` | ``int8`` | ``fp8``) picks the format of every linear layer,
+    the LM head included; ``kernels`` (CPU only) switches the decoder's small ops and int8
+    matmuls to the fused kernels of ``gpu.cpu_kernels``.
+    """
 
     def __init__(
         self,
@@ -80,18 +101,28 @@ class CausalLM(nn.Module):
         weights: dict[str, torch.Tensor],
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        quantization: str = "none",
+        kernels: CpuKernels | None = None,
     ) -> None:
         super().__init__()
         check_weights(config, weights)
+        device = torch.device(device)
+        if device.type != "cpu":
+            kernels = None
         w = {name: t.to(device=device, dtype=dtype) for name, t in weights.items()}
         self.config = config
+        self.quantization = quantization
+        self.kernels = kernels
+        self.ops = make_ops(kernels)
+        linear = partial(make_linear, quantization=quantization, kernels=kernels, dtype=dtype)
         self.embed_tokens = nn.Parameter(w["model.embed_tokens.weight"], requires_grad=False)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, w, f"model.layers.{i}") for i in range(config.num_hidden_layers)
+            DecoderLayer(config, w, f"model.layers.{i}", linear, self.ops)
+            for i in range(config.num_hidden_layers)
         )
         self.norm = nn.Parameter(w["model.norm.weight"], requires_grad=False)
         head = w["model.embed_tokens.weight"] if config.tie_word_embeddings else w["lm_head.weight"]
-        self.lm_head = Linear(head)
+        self.lm_head = linear(head)
         self.rope = RotaryEmbedding(config, device, dtype)
 
     @property
@@ -115,12 +146,14 @@ class CausalLM(nn.Module):
         ``backend.plan(meta)`` must have been called for this step.
         """
         hidden = F.embedding(input_ids, self.embed_tokens)
-        cos, sin = self.rope.cos_sin(meta.positions)
+        rope = self.ops.rope_step(self.rope, meta.positions)
+        delta = None
         for layer, kv_cache in zip(self.layers, kv_layers, strict=True):
-            hidden = layer(hidden, cos, sin, backend, kv_cache)
+            delta = layer(hidden, delta, rope, backend, kv_cache)
         if logits_indices is not None:
             hidden = hidden[logits_indices]
-        hidden = F.rms_norm(hidden, (hidden.shape[-1],), self.norm, self.config.rms_norm_eps)
+            delta = None if delta is None else delta[logits_indices]
+        hidden = self.ops.add_rms_norm(hidden, delta, self.norm, self.config.rms_norm_eps)
         logits: torch.Tensor = self.lm_head(hidden).float()
         return logits
 

@@ -14,11 +14,16 @@ from gpu.attention.backend import AttentionBackend
 from gpu.attention.metadata import BatchMetadata, SeqChunk, build_batch_metadata
 from gpu.attention.torch_backend import TorchPagedAttention
 from gpu.config import ModelConfig, ModelError
+from gpu.cpu_kernels import CpuKernels
 from gpu.kv_cache import KVCache, KVCacheSpec
 from gpu.model import CausalLM
+from gpu.quant import FP8
 
 
-def make_backend(config: ModelConfig, device: torch.device) -> AttentionBackend:
+def make_backend(
+    config: ModelConfig, device: torch.device, kernels: CpuKernels | None = None
+) -> AttentionBackend:
+    """FlashInfer on CUDA; plain torch elsewhere (with the fused decode kernel if given)."""
     if device.type == "cuda":
         from gpu.attention.flashinfer_backend import FlashInferPagedAttention
 
@@ -26,7 +31,7 @@ def make_backend(config: ModelConfig, device: torch.device) -> AttentionBackend:
             config.num_attention_heads, config.num_key_value_heads, config.head_dim, device
         )
     return TorchPagedAttention(
-        config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        config.num_attention_heads, config.num_key_value_heads, config.head_dim, kernels
     )
 
 
@@ -44,7 +49,15 @@ class ModelRunner:
         self.device = model.device
         spec = KVCacheSpec.for_model(model.config, num_pages, page_size, kv_dtype or model.dtype)
         self.kv = KVCache(spec, self.device)
-        self.backend = backend or make_backend(model.config, self.device)
+        # The fused decode-attention kernel reads fp32 queries and an fp32 cache.
+        fp32 = model.dtype == torch.float32 and spec.dtype == torch.float32
+        kernels = model.kernels if fp32 else None
+        if backend is None and spec.dtype == FP8:
+            # FlashInfer here attends over fp16/bf16 pages only; fp8 pages take the torch
+            # backend (converted on append and gather) on any device.
+            c = model.config
+            backend = TorchPagedAttention(c.num_attention_heads, c.num_key_value_heads, c.head_dim)
+        self.backend = backend or make_backend(model.config, self.device, kernels)
 
     @property
     def page_size(self) -> int:
@@ -74,9 +87,12 @@ class ModelRunner:
         chunks: list[SeqChunk],
         new_tokens: Sequence[Sequence[int]],
         all_logits: bool = False,
+        num_logits: Sequence[int] | None = None,
     ) -> torch.Tensor:
         """Run one forward pass; logits of each sequence's last new token ``[B, V]``, or of
-        every new token ``[T, V]`` when ``all_logits`` (speculative verification, tests)."""
+        every new token ``[T, V]`` when ``all_logits`` (tests), or of each sequence's last
+        ``num_logits[b]`` new tokens, concatenated in batch order (speculative verification:
+        the last real token and the drafts after it; the lm_head runs on those rows only)."""
         flat: list[int] = []
         for chunk, tokens in zip(chunks, new_tokens, strict=True):
             if len(tokens) != chunk.num_new:
@@ -89,16 +105,41 @@ class ModelRunner:
             flat.extend(tokens)
         self.check_token_ids(flat)
         meta = build_batch_metadata(chunks, self.page_size)
-        return self.forward(torch.tensor(flat, dtype=torch.int64), meta, all_logits)
+        indices = None
+        if num_logits is not None and not all_logits:
+            indices = _trailing_indices(chunks, num_logits)
+        return self.forward(torch.tensor(flat, dtype=torch.int64), meta, all_logits, indices)
 
     @torch.inference_mode()
     def forward(
-        self, input_ids: torch.Tensor, meta: BatchMetadata, all_logits: bool = False
+        self,
+        input_ids: torch.Tensor,
+        meta: BatchMetadata,
+        all_logits: bool = False,
+        logits_indices: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if self.device.type != "cpu":
             meta = meta.to(self.device)
             input_ids = input_ids.to(self.device, non_blocking=True)
+            if logits_indices is not None:
+                logits_indices = logits_indices.to(self.device, non_blocking=True)
         self.backend.plan(meta)
         indices = None if all_logits else meta.logits_indices
+        if logits_indices is not None:
+            indices = logits_indices
         logits: torch.Tensor = self.model(input_ids, meta, self.backend, self.kv.layers, indices)
         return logits
+
+
+def _trailing_indices(chunks: list[SeqChunk], num_logits: Sequence[int]) -> torch.Tensor:
+    """Flat token indices of each chunk's last ``num_logits[b]`` new tokens."""
+    if len(num_logits) != len(chunks):
+        raise ValueError(f"num_logits has {len(num_logits)} entries for {len(chunks)} sequences")
+    indices: list[int] = []
+    end = 0
+    for chunk, n in zip(chunks, num_logits, strict=True):
+        end += chunk.num_new
+        if not 1 <= n <= chunk.num_new:
+            raise ValueError(f"num_logits {n} is outside [1, {chunk.num_new}]")
+        indices.extend(range(end - n, end))
+    return torch.tensor(indices, dtype=torch.int64)

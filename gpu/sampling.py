@@ -414,17 +414,7 @@ class Sampler:
             # exact and monotone, so no cast either).
             return SamplerOutput(logits.argmax(dim=-1), None, None)
 
-        # 1. fp32 working logits; the only full copy, and only when something must be written.
-        work = logits.to(torch.float32, copy=bool(pen_rows), memory_format=torch.contiguous_format)
-        owned = bool(pen_rows) or logits.dtype != torch.float32
-        if pen_rows:
-            apply_penalties(work, params, inp.prompt_token_ids, inp.output_token_ids)
-
-        # 2. temperature (greedy rows divide by 1, which is exact).
-        temps = [1.0 if p.is_greedy else float(p.temperature) for p in params]
-        if any(t != 1.0 for t in temps):
-            t = torch.tensor(temps, dtype=torch.float32, device=device).unsqueeze(1)
-            work = work.div_(t) if owned else work / t
+        work = self._processed(logits, inp, copy=False)  # 1-2: penalties, temperature
 
         # 3. greedy rows.
         token_ids = torch.empty(batch, dtype=torch.int64, device=device)
@@ -451,6 +441,67 @@ class Sampler:
                 token_ids[s_idx] = sampled
 
         return self._logprobs(work, token_ids, params)
+
+    @staticmethod
+    def _processed(logits: torch.Tensor, inp: SamplerInput, copy: bool) -> torch.Tensor:
+        """Steps 1-2: fp32 logits with penalties and temperature applied. ``logits`` is never
+        written; it may be returned as is (fp32, nothing to apply) unless ``copy``."""
+        params = inp.params
+        pen_rows = any(p.has_penalties for p in params)
+        # The only full copy, and only when something must be written.
+        work = logits.to(
+            torch.float32, copy=copy or pen_rows, memory_format=torch.contiguous_format
+        )
+        owned = copy or pen_rows or logits.dtype != torch.float32
+        if pen_rows:
+            apply_penalties(work, params, inp.prompt_token_ids, inp.output_token_ids)
+        # Temperature (greedy rows divide by 1, which is exact).
+        temps = [1.0 if p.is_greedy else float(p.temperature) for p in params]
+        if any(t != 1.0 for t in temps):
+            t = torch.tensor(temps, dtype=torch.float32, device=logits.device).unsqueeze(1)
+            work = work.div_(t) if owned else work / t
+        return work
+
+    def distributions(
+        self, logits: torch.Tensor, inp: SamplerInput
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What ``__call__`` would sample from, as numbers: ``(processed, probs)``.
+
+        ``processed``: fp32 ``[B, V]`` logits after penalties and temperature (greedy rows take
+        its argmax; logprobs are its ``log_softmax``). ``probs``: fp32 ``[B, V]``, each sampled
+        row's distribution after top-k/top-p/min-p, renormalised to sum to 1; greedy rows are
+        one-hot at their argmax. None when every row is greedy. Speculative verification needs
+        these to accept or reject draft tokens (``gpu.spec_decode``).
+        """
+        if logits.dim() != 2 or logits.shape[0] != len(inp.params):
+            raise ValueError(
+                f"logits {tuple(logits.shape)} do not match {len(inp.params)} parameter rows"
+            )
+        params = inp.params
+        processed = self._processed(logits, inp, copy=False)
+        if all(p.is_greedy for p in params):
+            return processed, None
+        probs = torch.softmax(processed, dim=-1)
+        cutoff = _filter_cutoffs(processed, probs, params)
+        if cutoff is not None:
+            probs.masked_fill_(processed < cutoff.unsqueeze(1), 0.0)
+            probs.div_(probs.sum(dim=-1, keepdim=True))
+        greedy = [i for i, p in enumerate(params) if p.is_greedy]
+        if greedy:
+            idx = torch.tensor(greedy, dtype=torch.int64, device=logits.device)
+            top = processed.index_select(0, idx).argmax(dim=-1, keepdim=True)
+            one_hot = torch.zeros(
+                (len(greedy), probs.shape[1]), dtype=probs.dtype, device=probs.device
+            )
+            probs[idx] = one_hot.scatter_(1, top, 1.0)
+        return processed, probs
+
+    def logprobs(
+        self, processed: torch.Tensor, token_ids: torch.Tensor, params: Sequence[SamplingParams]
+    ) -> SamplerOutput:
+        """Logprobs of ``token_ids`` (and top-N) under ``log_softmax(processed)`` for the rows
+        whose params ask, as ``__call__`` reports them."""
+        return self._logprobs(processed, token_ids, params)
 
     def _noise(
         self,

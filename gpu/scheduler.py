@@ -102,6 +102,8 @@ class Scheduler:
                 # Keep the matched prefix pages referenced while it waits: it is next in line.
                 break
             self.waiting.popleft()
+            if not seq.admitted:
+                self.blocks.record_lookup(len(seq.prompt_token_ids), seq.num_cached_prompt_tokens)
             seq.status = SeqStatus.RUNNING
             seq.admitted = True
             self.running.append(seq)

@@ -10,6 +10,7 @@ import torch
 
 from gpu.block_manager import PageTable
 from gpu.sampling import SamplingParams
+from gpu.spec_decode import DraftLength, Proposal
 
 
 class SeqStatus(enum.Enum):
@@ -26,8 +27,10 @@ class FinishReason(enum.StrEnum):
 
 @dataclass
 class Sequence:
-    """``num_computed`` catches up with ``num_tokens`` (prompt + output): one rule for prefill
-    chunks, decodes, prefix hits (start at the cached length) and preemption (back to 0)."""
+    """``num_computed`` catches up with the target ``num_tokens + len(draft)`` (prompt +
+    output + draft tokens): one rule for prefill chunks, decodes, prefix hits (start at the
+    cached length), preemption (back to 0) and speculative verification (the draft's positions
+    are computed like any chunk, then the rejected ones fall back off ``num_computed``)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -42,6 +45,8 @@ class Sequence:
     finish_reason: FinishReason | None = None
     table: PageTable = field(default_factory=PageTable)
     generator: torch.Generator | None = None  # a seeded request's own, kept across steps
+    draft: Proposal | None = None  # speculative tokens to verify in the next step
+    draft_length: DraftLength | None = None  # adaptive k (speculation on)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -52,9 +57,21 @@ class Sequence:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
+    def num_draft(self) -> int:
+        return len(self.draft) if self.draft is not None else 0
+
+    @property
     def num_pending(self) -> int:
-        """Tokens still to compute before the next sample."""
-        return self.num_tokens - self.num_computed
+        """Tokens still to compute before the next sample (drafts included)."""
+        return self.num_tokens + self.num_draft - self.num_computed
+
+    def token_ids_at(self, start: int, n: int) -> list[int]:
+        """``n`` tokens of prompt + output + draft from position ``start``."""
+        tokens = self.all_token_ids[start : start + n]
+        if len(tokens) < n and self.draft is not None:
+            offset = max(0, start - self.num_tokens)
+            tokens += self.draft.token_ids[offset : offset + n - len(tokens)]
+        return tokens
 
     @property
     def is_finished(self) -> bool:

@@ -99,6 +99,8 @@ class RequestResult:
     itl_s: list[float] = field(default_factory=list)
     e2e_s: float | None = None
     prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    """Prompt tokens served from the server's prefix cache (usage.prompt_tokens_details)."""
     output_tokens: int = 0
     usage_reported: bool = False
     content_chunks: int = 0
@@ -133,6 +135,7 @@ class RequestResult:
             "e2e_ms": ms(self.e2e_s),
             "itl_ms": [round(x * 1000.0, 4) for x in self.itl_s],
             "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
             "output_tokens": self.output_tokens,
             "usage_reported": self.usage_reported,
             "content_chunks": self.content_chunks,
@@ -184,6 +187,9 @@ class StreamParser:
             pt, ct = usage.get("prompt_tokens"), usage.get("completion_tokens")
             if isinstance(pt, int):
                 self.result.prompt_tokens = pt
+            details = usage.get("prompt_tokens_details")
+            if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+                self.result.cached_tokens = details["cached_tokens"]
             if isinstance(ct, int):
                 self._completion_tokens = ct
                 self.result.usage_reported = True

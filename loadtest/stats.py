@@ -96,6 +96,9 @@ def summarize(
     good = sum(1 for r in ok if meets_slo(r, slo))
     out_tokens = sum(r.output_tokens for r in ok)
     in_tokens = sum(r.prompt_tokens or 0 for r in ok)
+    with_cache = [r for r in ok if r.cached_tokens is not None and r.prompt_tokens]
+    cache_queries = sum(r.prompt_tokens or 0 for r in with_cache)
+    cached_tokens = sum(r.cached_tokens or 0 for r in with_cache)
     errors = Counter(r.error_kind or "unknown" for r in results if not r.success)
     return {
         "total": len(results),
@@ -112,6 +115,10 @@ def summarize(
         "total_input_tokens": in_tokens,
         "total_output_tokens": out_tokens,
         "usage_reported": sum(1 for r in ok if r.usage_reported),
+        "total_cached_tokens": cached_tokens,
+        # Prompt tokens the server reported as served from its prefix cache, over the prompt
+        # tokens of the requests that report it (None when the server reports none).
+        "prefix_cache_hit_rate": round(cached_tokens / cache_queries, 4) if with_cache else None,
         "max_in_flight": max_in_flight,
         "ttft_ms": describe(_ms(r.ttft_s for r in ok)),
         "tpot_ms": describe(_ms(r.tpot_s for r in ok)),

@@ -19,6 +19,7 @@ SUMMARY_ROWS: list[tuple[str, tuple[str, ...]]] = [
     ("request throughput (req/s)", ("request_throughput",)),
     ("output throughput (tok/s)", ("output_token_throughput",)),
     ("input throughput (tok/s)", ("input_token_throughput",)),
+    ("prefix cache hit rate", ("prefix_cache_hit_rate",)),
     ("goodput (req/s)", ("goodput",)),
     ("max in flight", ("max_in_flight",)),
 ] + [(f"{_METRIC_NAMES[m]} {s} (ms)", (m, s)) for m in LATENCY_METRICS for s in _STAT_NAMES]

@@ -1,4 +1,5 @@
-"""``meshserve``: the command line (``generate`` offline; ``up`` starts the mesh)."""
+"""``meshserve``: the command line (``generate`` offline; ``up`` starts the mesh; ``distill``
+builds a draft model for speculative decoding)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,27 @@ def add_generate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    add_model_format_args(p)
     p.set_defaults(func=run_generate)
+
+
+def add_model_format_args(p: argparse.ArgumentParser) -> None:
+    """``--quantization`` and ``--kv-cache-dtype`` (shared by ``generate`` and ``up``)."""
+    from gpu.quant import KV_CACHE_DTYPES, QUANTIZATIONS
+
+    p.add_argument(
+        "--quantization",
+        choices=QUANTIZATIONS,
+        default="none",
+        help="weight format, quantized at load time (int8: weight-only, per channel; "
+        "fp8: e4m3, Hopper/Ada or CPU emulation)",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default="auto",
+        help="KV cache storage (auto: the model's dtype)",
+    )
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -35,7 +56,14 @@ def run_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, seed=args.seed, max_tokens=args.max_tokens
     )
-    runner = ModelRunner(load_model(folder), num_pages=-(-(len(prompt) + args.max_tokens) // 16))
+    from gpu.quant import kv_cache_dtype
+
+    model = load_model(folder, quantization=args.quantization)
+    runner = ModelRunner(
+        model,
+        num_pages=-(-(len(prompt) + args.max_tokens) // 16),
+        kv_dtype=kv_cache_dtype(args.kv_cache_dtype, model.dtype),
+    )
     engine = Engine(runner, eos_token_ids=tokenizer.eos_token_ids)
     output = engine.generate([prompt], params)[0]
     print(tokenizer.decode(output))
@@ -46,9 +74,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="meshserve", description="LLM serving on a NATS mesh")
     sub = parser.add_subparsers(dest="command", required=True)
     add_generate(sub)
+    from services.distill import add_distill
     from services.up import add_up
 
     add_up(sub)
+    add_distill(sub)
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.nats_server import LocalNatsServer
+from services.scheduler.router import POLICIES
 
 
 @dataclass
@@ -27,6 +28,7 @@ class LocalMesh:
     model_folder: Path
     nats: LocalNatsServer | None = None
     procs: list[tuple[str, subprocess.Popen[bytes]]] = field(default_factory=list)
+    metrics_urls: dict[str, str] = field(default_factory=dict)  # service -> its /metrics
 
     @property
     def nats_url(self) -> str:
@@ -36,25 +38,56 @@ class LocalMesh:
         return self.nats.url
 
     @property
+    def router(self) -> str:
+        """Cache-aware routing pays off only when there is a choice of executor."""
+        if self.args.router:
+            return str(self.args.router)
+        return "kv" if self.args.executors > 1 else "least-load"
+
+    @property
     def base_url(self) -> str:
         return f"http://{self.args.host}:{self.args.port}"
 
     def spawn(self, name: str, module: str, *flags: str) -> None:
-        cmd = [sys.executable, "-m", module, "--nats-url", self.nats_url, *flags]
+        telemetry = self.telemetry_flags(name, module)
+        cmd = [sys.executable, "-m", module, "--nats-url", self.nats_url, *telemetry, *flags]
         self.procs.append((name, subprocess.Popen(cmd)))
+
+    def telemetry_flags(self, name: str, module: str) -> list[str]:
+        """Traces to --otlp-endpoint (children also inherit OTEL_* variables); /metrics on
+        consecutive ports from --metrics-port (the gateway serves it on its HTTP port)."""
+        a = self.args
+        flags = ["--otlp-endpoint", a.otlp_endpoint] if a.otlp_endpoint else []
+        if module == "services.gateway":
+            self.metrics_urls[name] = f"{self.base_url}/metrics"
+        elif a.metrics_port is not None:
+            port = a.metrics_port + len([n for n in self.metrics_urls if n != "gateway"])
+            self.metrics_urls[name] = f"http://127.0.0.1:{port}/metrics"
+            flags += ["--metrics-port", str(port), "--metrics-host", "127.0.0.1"]
+        return flags
 
     def start(self) -> None:
         a = self.args
+        speculator, k = self.speculation  # a bad combination fails before anything starts
         if not a.nats_url:
             self.nats = LocalNatsServer.start()
         model = ["--model", str(self.model_folder)]
         common = ["--page-size", str(a.page_size), "--detok-shards", str(a.detok_shards)]
         self.spawn("tokenizer", "services.tokenizer", *model, *common)
-        self.spawn("scheduler", "services.scheduler", "--router", a.router)
+        self.spawn("prefix-index", "services.prefix_index")
+        self.spawn("scheduler", "services.scheduler", "--router", self.router)
         for shard in range(a.detok_shards):
             self.spawn(
                 f"detokenizer-{shard}", "services.detokenizer", *model, "--shard", str(shard)
             )
+        if speculator == "remote":
+            self.spawn(
+                "speculator",
+                "services.speculator",
+                "--draft-model", str(self.draft_folder),
+                "--device", a.device,
+                "--page-size", str(a.page_size),
+            )  # fmt: skip
         for i in range(a.executors):
             self.spawn(
                 f"executor-{i}",
@@ -66,6 +99,10 @@ class LocalMesh:
                 "--kv-cache-tokens", str(a.kv_cache_tokens),
                 "--max-num-seqs", str(a.max_num_seqs),
                 "--max-num-batched-tokens", str(a.max_num_batched_tokens),
+                "--speculator", speculator,
+                "--num-speculative-tokens", str(k),
+                "--quantization", a.quantization,
+                "--kv-cache-dtype", a.kv_cache_dtype,
             )  # fmt: skip
         config = json.loads((self.model_folder / "config.json").read_text())
         self.spawn(
@@ -76,6 +113,21 @@ class LocalMesh:
             "--served-model-name", a.served_model_name or self.model_folder.name,
             "--max-model-len", str(config.get("max_position_embeddings", 2048)),
         )  # fmt: skip
+
+    @property
+    def speculation(self) -> tuple[str, int]:
+        """(speculator, k): a draft model implies the speculator service; off means k = 0."""
+        a = self.args
+        mode = a.speculator or ("remote" if a.draft_model else "off")
+        if mode == "remote" and not a.draft_model:
+            raise ValueError("--speculator remote needs --draft-model PATH")
+        return mode, (a.num_speculative_tokens if mode != "off" else 0)
+
+    @property
+    def draft_folder(self) -> Path:
+        from gpu.gguf import resolve_model_path
+
+        return resolve_model_path(self.args.draft_model)
 
     def wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -120,12 +172,43 @@ def add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--detok-shards", type=int, default=1)
     p.add_argument("--nats-url", default=None, help="use this NATS server instead of starting one")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--router", default="least-load")
+    p.add_argument(
+        "--router",
+        choices=POLICIES,
+        default=None,
+        help="kv (cache-aware; the default with several executors), least-load, round-robin",
+    )
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--kv-cache-tokens", type=int, default=65536)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument(
+        "--draft-model",
+        default=None,
+        help="speculative decoding: a draft model (same tokenizer) served by the speculator",
+    )
+    p.add_argument(
+        "--speculator",
+        choices=("off", "ngram", "remote"),
+        default=None,
+        help="remote: the draft model (the default with --draft-model); ngram: prompt lookup",
+    )
+    p.add_argument("--num-speculative-tokens", type=int, default=4, help="draft tokens, k")
+    from services.cli import add_model_format_args
+
+    add_model_format_args(p)  # --quantization, --kv-cache-dtype (passed on to each executor)
     p.add_argument("--ready-timeout", type=float, default=600)
+    p.add_argument(
+        "--otlp-endpoint",
+        default=None,
+        help="send every service's traces to this OTLP/HTTP base URL (e.g. http://localhost:4318)",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve each non-gateway service's /metrics on consecutive ports from this one",
+    )
     p.set_defaults(func=run_up)
 
 
@@ -143,6 +226,8 @@ def run_up(args: argparse.Namespace) -> int:
         mesh.start()
         mesh.wait_ready(args.ready_timeout)
         print(f"meshserve is up: {mesh.base_url}/v1  (Ctrl-C stops it)", flush=True)
+        for name, url in mesh.metrics_urls.items():
+            print(f"  metrics of {name}: {url}", flush=True)
         while True:
             mesh.check_alive()
             time.sleep(0.5)

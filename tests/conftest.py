@@ -1,11 +1,14 @@
 from __future__ import annotations
 
+import argparse
 import os
 from pathlib import Path
 
 import pytest
 import torch
 
+from common.nats_server import free_port
+from services.up import LocalMesh, add_up
 from tests.models import write_tiny_model
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
@@ -21,3 +24,28 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_models: dict[str, Path]) -> Path:
     return tiny_models["llama"]
+
+
+def up_args(model, **overrides) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_up(parser.add_subparsers())
+    argv = ["up", "--model", str(model), "--port", str(free_port()), "--served-model-name", "tiny"]
+    for key, value in overrides.items():
+        argv += [f"--{key.replace('_', '-')}", str(value)]
+    return parser.parse_args(argv)
+
+
+@pytest.fixture
+def process_mesh(tiny_llama):
+    meshes = []
+
+    def start(**overrides):
+        mesh = LocalMesh(up_args(tiny_llama, **overrides), tiny_llama)
+        meshes.append(mesh)
+        mesh.start()
+        mesh.wait_ready(120)
+        return mesh
+
+    yield start
+    for mesh in meshes:
+        mesh.stop()

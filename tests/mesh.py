@@ -14,11 +14,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common.config import MeshConfig
+from common.config import MeshConfig, NatsAuth
 from common.nats_server import LocalNatsServer, free_port
 from services.detokenizer.service import DetokenizerConfig, DetokenizerService
 from services.executor.config import ExecutorConfig
 from services.executor.service import ExecutorService, build_engine
+from services.prefix_index.service import PrefixIndexConfig, PrefixIndexService
 from services.scheduler.service import SchedulerService, SchedulerServiceConfig
 from services.tokenizer.service import TokenizerConfig, TokenizerService
 
@@ -32,6 +33,19 @@ class MeshHarness:
     max_num_seqs: int = 64
     router: str = "least-load"
     with_gateway: bool = True
+    scheduler_options: dict[str, Any] = field(default_factory=dict)
+    index: PrefixIndexService | None = None
+    max_queue: int = 1024
+    request_timeout_s: float = 120.0
+    nats_args: tuple[str, ...] = ()
+    auth: NatsAuth = field(default_factory=NatsAuth)
+    otlp_endpoint: str = ""  # export every service's spans here (OTLP/HTTP base URL)
+    serve_metrics: bool = False  # /metrics on a free loopback port for non-gateway services
+    # Speculative decoding: executors' --speculator/--num-speculative-tokens; a draft model
+    # folder starts a speculator service too.
+    speculator: str = "off"
+    num_speculative_tokens: int = 0
+    draft_model: Path | None = None
     nats: LocalNatsServer | None = None
     loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.new_event_loop)
     thread: threading.Thread | None = None
@@ -41,14 +55,21 @@ class MeshHarness:
 
     def mesh_config(self, name: str) -> MeshConfig:
         assert self.nats is not None
-        return MeshConfig(nats_url=self.nats.url, instance_id=name)
+        return MeshConfig(
+            nats_url=self.nats.url,
+            instance_id=name,
+            auth=self.auth,
+            otlp_endpoint=self.otlp_endpoint,
+            metrics_port=0 if self.serve_metrics else None,
+            metrics_host="127.0.0.1",
+        )
 
     def call(self, coro: Coroutine[Any, Any, Any], timeout: float = 60) -> Any:
         fut: Future[Any] = asyncio.run_coroutine_threadsafe(coro, self.loop)
         return fut.result(timeout)
 
     def start(self) -> MeshHarness:
-        self.nats = LocalNatsServer.start()
+        self.nats = LocalNatsServer.start(extra_args=self.nats_args)
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.call(self._start_services(), timeout=300)
@@ -57,9 +78,14 @@ class MeshHarness:
     async def _start_services(self) -> None:
         model = str(self.model)
         tok = TokenizerService(TokenizerConfig(self.mesh_config("tok"), model, self.page_size))
-        sched = SchedulerService(SchedulerServiceConfig(self.mesh_config("sched"), self.router))
+        sched = SchedulerService(
+            SchedulerServiceConfig(
+                self.mesh_config("sched"), self.router, self.max_queue, **self.scheduler_options
+            )
+        )
         detok = DetokenizerService(DetokenizerConfig(self.mesh_config("detok"), model))
-        self.services = [tok, sched, detok]
+        self.index = PrefixIndexService(PrefixIndexConfig(self.mesh_config("index-0")))
+        self.services = [tok, self.index, sched, detok]
         for i in range(self.executors):
             config = ExecutorConfig(
                 self.mesh_config(f"executor-{i}"),
@@ -67,10 +93,23 @@ class MeshHarness:
                 page_size=self.page_size,
                 kv_cache_tokens=self.kv_cache_tokens,
                 max_num_seqs=self.max_num_seqs,
+                speculator=self.speculator,
+                num_speculative_tokens=self.num_speculative_tokens,
             )
             ex = ExecutorService(config, build_engine(config))
             self.executor_services.append(ex)
             self.services.append(ex)
+        if self.draft_model is not None:
+            from services.speculator.service import (
+                SpeculatorConfig,
+                SpeculatorService,
+                build_proposer,
+            )
+
+            spec_config = SpeculatorConfig(
+                self.mesh_config("speculator-0"), str(self.draft_model), page_size=self.page_size
+            )
+            self.services.append(SpeculatorService(spec_config, build_proposer(spec_config)))
         if self.with_gateway:
             from services.gateway.app import GatewayServer
             from services.gateway.config import GatewayConfig
@@ -83,6 +122,7 @@ class MeshHarness:
                     port=self.port,
                     served_model_name="tiny",
                     max_model_len=256,
+                    request_timeout_s=self.request_timeout_s,
                 )
             )
             self.services.append(gw)

@@ -11,6 +11,8 @@ import argparse
 from collections import defaultdict
 from dataclasses import dataclass
 
+from opentelemetry.trace import Span
+
 from common.config import MeshConfig, env
 from common.messages import (
     AbortRequests,
@@ -23,6 +25,7 @@ from common.messages import (
     Usage,
 )
 from common.runtime import Service
+from common.telemetry import Attr, extract
 from common.tokenizer import IncrementalDetokenizer, Tokenizer
 from gpu.gguf import resolve_model_path
 from services.detokenizer.stops import StopMatcher
@@ -54,6 +57,7 @@ class Stream:
     stops: StopMatcher
     prompt_tokens: int
     cached_tokens: int
+    span: Span  # detokenizer.stream: first tokens -> last delta (child of executor.decode)
     output_tokens: int = 0
 
 
@@ -99,6 +103,15 @@ class DetokenizerService:
                 stops=StopMatcher(list(seq.start.stop)),
                 prompt_tokens=seq.start.prompt_tokens,
                 cached_tokens=seq.start.cached_tokens,
+                span=self.svc.tracer.start_span(
+                    "detokenizer.stream",
+                    context=extract(seq.start.trace),
+                    attributes={
+                        Attr.REQUEST_ID: rid,
+                        Attr.PROMPT_TOKENS: seq.start.prompt_tokens,
+                        Attr.CACHED_TOKENS: seq.start.cached_tokens,
+                    },
+                ),
             )
             self.streams[rid] = stream
         stream.output_tokens = seq.output_tokens
@@ -116,6 +129,9 @@ class DetokenizerService:
                 return None  # nothing the client can see yet (a held-back partial character)
             return TextDelta(rid, text, logprobs=self.logprobs(seq.logprobs))
         del self.streams[rid]
+        stream.span.set_attribute(Attr.OUTPUT_TOKENS, stream.output_tokens)
+        stream.span.set_attribute(Attr.FINISH_REASON, finish)
+        stream.span.end()
         usage = Usage(stream.prompt_tokens, stream.output_tokens, stream.cached_tokens)
         return TextDelta(rid, text, finish, usage, self.logprobs(seq.logprobs))
 

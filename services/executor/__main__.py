@@ -24,7 +24,7 @@ async def main(argv: list[str] | None = None) -> None:
     await service.drain()
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(_until_idle(service), timeout=30)
-    await service.svc.close()
+    await service.stop()
 
 
 async def _until_idle(service: ExecutorService) -> None:

@@ -4,6 +4,9 @@ import argparse
 from dataclasses import dataclass
 
 from common.config import MeshConfig, env
+from gpu.quant import KV_CACHE_DTYPES, QUANTIZATIONS
+
+SPECULATORS = ("off", "ngram", "remote")
 
 
 @dataclass(frozen=True)
@@ -18,8 +21,23 @@ class ExecutorConfig:
     enable_prefix_caching: bool = True
     detok_shards: int = 1
     heartbeat_s: float = 0.25
+    # Speculative decoding: "off", "ngram" (prompt lookup, in process) or "remote" (the
+    # speculator service's draft model); k draft tokens per decode step at most.
+    speculator: str = "off"
+    num_speculative_tokens: int = 0
+    speculator_timeout_s: float = 2.0
+    quantization: str = "none"  # weight format: none | int8 | fp8 (gpu.quant)
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8
 
     def __post_init__(self) -> None:
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}")
+        if self.speculator not in SPECULATORS:
+            raise ValueError(f"speculator must be one of {', '.join(SPECULATORS)}")
+        if self.speculator != "off" and self.num_speculative_tokens < 1:
+            raise ValueError("a speculator needs --num-speculative-tokens >= 1")
         if self.kv_cache_tokens < self.page_size:
             raise ValueError("kv_cache_tokens must hold at least one page")
         if self.detok_shards < 1:
@@ -47,6 +65,17 @@ def parse_args(argv: list[str] | None = None) -> ExecutorConfig:
     p.add_argument("--max-num-seqs", type=int, default=int(env("MAX_NUM_SEQS", "64")))
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--detok-shards", type=int, default=int(env("DETOK_SHARDS", "1")))
+    p.add_argument("--speculator", choices=SPECULATORS, default=env("SPECULATOR", "off"))
+    p.add_argument(
+        "--num-speculative-tokens", type=int, default=int(env("NUM_SPECULATIVE_TOKENS", "0"))
+    )
+    p.add_argument(
+        "--speculator-timeout", type=float, default=float(env("SPECULATOR_TIMEOUT", "2.0"))
+    )
+    p.add_argument("--quantization", choices=QUANTIZATIONS, default=env("QUANTIZATION", "none"))
+    p.add_argument(
+        "--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=env("KV_CACHE_DTYPE", "auto")
+    )
     a = p.parse_args(argv)
     return ExecutorConfig(
         mesh=MeshConfig.from_args(a),
@@ -58,4 +87,9 @@ def parse_args(argv: list[str] | None = None) -> ExecutorConfig:
         max_num_seqs=a.max_num_seqs,
         enable_prefix_caching=not a.no_prefix_caching,
         detok_shards=a.detok_shards,
+        speculator=a.speculator,
+        num_speculative_tokens=a.num_speculative_tokens if a.speculator != "off" else 0,
+        speculator_timeout_s=a.speculator_timeout,
+        quantization=a.quantization,
+        kv_cache_dtype=a.kv_cache_dtype,
     )

@@ -29,13 +29,20 @@ from common.messages import (
     TokenizedRequest,
     TokenLogprobs,
 )
+from common.metrics import EngineSnapshot, ExecutorMetrics
 from common.runtime import Service
 from gpu.engine import Engine, EngineConfig, StepOutput
 from gpu.gguf import resolve_model_path
 from gpu.loader import load_model
+from gpu.proposers import NgramProposer
+from gpu.quant import kv_cache_dtype
 from gpu.runner import ModelRunner
 from gpu.sampling import SamplingParams
+from gpu.sequence import Sequence
 from services.executor.config import ExecutorConfig
+from services.executor.kv_events import KVEventPublisher
+from services.executor.speculation import RemoteProposer
+from services.executor.timeline import Timelines
 
 log = logging.getLogger("meshserve.executor")
 
@@ -71,6 +78,13 @@ class ExecutorService:
         self.wake = asyncio.Event()
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="step")
         self.draining = False
+        self.load = (0, 0, engine.blocks.num_free, 0)  # running, waiting, free pages, pending
+        self.kv_events = KVEventPublisher(self.svc, config.executor_id)
+        self.metrics = ExecutorMetrics(self.svc.registry, config.executor_id, self.engine_state)
+        self.timelines = Timelines(self.svc.tracer, self.metrics, config.executor_id)
+        self.remote: RemoteProposer | None = None  # drafts from the speculator service
+        if config.speculator == "remote":
+            self.remote = RemoteProposer(self.svc, config.speculator_timeout_s)
 
     async def start(self) -> None:
         await self.svc.connect()
@@ -78,11 +92,13 @@ class ExecutorService:
             self.subjects.executor_submit(self.config.executor_id), TokenizedRequest, self.on_submit
         )
         await self.svc.subscribe(self.subjects.abort, AbortRequests, self.on_abort)
+        await self.kv_events.start()  # before the first step: the index starts from "cleared"
         self.svc.spawn(self.step_loop(), "step-loop")
         self.svc.spawn(self.svc.every(self.config.heartbeat_s, self.heartbeat), "heartbeat")
 
     # -- handlers ---------------------------------------------------------------------------
     async def on_submit(self, req: TokenizedRequest) -> None:
+        self.timelines.received(req.request_id, len(req.prompt_token_ids))
         self.pending_adds.append(req)
         self.wake.set()
 
@@ -92,24 +108,53 @@ class ExecutorService:
             self.pending_aborts.update(msg.request_ids)
             self.wake.set()
 
-    async def heartbeat(self) -> None:
+    def snapshot_load(self) -> None:
+        """Read the engine's load; only between steps (the step thread mutates it)."""
         sched = self.engine.scheduler
-        pending = sum(s.num_pending for s in sched.waiting) + sum(
+        pending = sum(self.to_compute(s) for s in sched.waiting) + sum(
             s.num_pending for s in sched.running
         )
+        self.load = (len(sched.running), len(sched.waiting), self.engine.blocks.num_free, pending)
+
+    def cached_prefix_tokens(self, req: TokenizedRequest) -> int:
+        """Prompt tokens the prefix cache would serve ``req`` now. Load reports count only the
+        rest: a waiting cache hit is not a full prefill, and the kv router must not see it as
+        one (it would push requests away from the executor holding their prefix)."""
+        cache = self.engine.blocks.hash_to_page
+        pages = 0
+        for page_hash in req.block_hashes:  # dict lookups only: safe while a step runs
+            if page_hash not in cache:
+                break
+            pages += 1
+        return min(pages * self.config.page_size, len(req.prompt_token_ids) - 1)
+
+    def to_compute(self, seq: Sequence) -> int:
+        req = self.requests.get(seq.request_id)
+        if seq.table.pages or req is None:  # admitted (or matched) already: exact
+            return seq.num_pending
+        return max(1, seq.num_pending - self.cached_prefix_tokens(req))
+
+    async def heartbeat(self) -> None:
+        running, waiting, free_pages, pending = self.load
         await self.svc.publish(
             self.subjects.executor_heartbeat,
             Heartbeat(
                 executor_id=self.config.executor_id,
-                running=len(sched.running),
-                waiting=len(sched.waiting) + len(self.pending_adds),
-                free_pages=self.engine.blocks.num_free,
+                running=running,
+                waiting=waiting + len(self.pending_adds),
+                free_pages=free_pages,
                 total_pages=self.engine.blocks.num_pages,
                 page_size=self.config.page_size,
                 max_num_seqs=self.config.max_num_seqs,
-                pending_tokens=pending,
+                pending_tokens=pending
+                + sum(
+                    len(r.prompt_token_ids) - self.cached_prefix_tokens(r)
+                    for r in self.pending_adds
+                ),
                 draining=self.draining,
                 sent_at=time.time(),
+                request_ids=[*self.requests, *(r.request_id for r in self.pending_adds)],
+                started_ids=list(self.started),
             ),
         )
 
@@ -118,25 +163,59 @@ class ExecutorService:
         loop = asyncio.get_running_loop()
         while True:
             await self.apply_pending()
+            await self.expire_deadlines()
+            self.snapshot_load()
             if not self.engine.has_unfinished():
                 if self.draining:
                     return
                 self.wake.clear()
                 await self.wake.wait()
                 continue
+            if self.remote is not None:
+                await self.propose_drafts(self.remote)
+            started_ns = time.time_ns()
             outputs = await loop.run_in_executor(self.worker, self.engine.step)
+            self.timelines.stepped(started_ns, time.time_ns(), outputs, self.admitted)
+            self.kv_events.add(self.engine.drain_kv_events())
             await self.publish_outputs(outputs)
+
+    async def propose_drafts(self, remote: RemoteProposer) -> None:
+        """Drafts for the coming step from the speculator (see ``speculation.py``); the engine
+        is idle meanwhile, and submits/aborts arriving now wait for the next iteration."""
+        specs = {rid: req.params for rid, req in self.requests.items()}
+        self.engine.set_drafts(await remote.propose(self.engine.draft_requests(), specs))
+
+    async def expire_deadlines(self) -> None:
+        """A request past its deadline stops here too (its pages are freed), not only at the
+        gateway that gave up on it."""
+        now = time.time()
+        expired = [r for r in self.requests.values() if r.deadline and r.deadline < now]
+        for req in expired:
+            self.engine.abort(req.request_id)
+            self.forget(req.request_id, "timeout")
+            await self.svc.publish(
+                req.reply_to,
+                ErrorEvent(
+                    req.request_id,
+                    504,
+                    "The request timed out.",
+                    "timeout_error",
+                    "request_timeout",
+                ),
+            )
 
     async def apply_pending(self) -> None:
         adds, self.pending_adds = self.pending_adds, []
         aborts, self.pending_aborts = self.pending_aborts, set()
         for req in adds:
             if req.request_id in aborts:
+                self.timelines.finished(req.request_id, "abort")
                 continue
             try:
                 params = sampling_params(req, self.engine.eos_token_ids)
                 self.engine.add_request(req.request_id, req.prompt_token_ids, params)
             except ValueError as exc:  # ModelError included: the request, not the executor
+                self.timelines.finished(req.request_id, "error")
                 await self.svc.publish(req.reply_to, ErrorEvent(req.request_id, 400, str(exc)))
                 continue
             self.requests[req.request_id] = req
@@ -144,9 +223,32 @@ class ExecutorService:
             if self.engine.abort(rid):
                 self.forget(rid)
 
-    def forget(self, request_id: str) -> None:
+    def forget(self, request_id: str, reason: str = "abort") -> None:
         self.requests.pop(request_id, None)
         self.started.discard(request_id)
+        self.timelines.finished(request_id, reason)
+        if self.remote is not None:
+            self.remote.release([request_id])
+
+    def admitted(self, request_id: str) -> bool:
+        """Has the engine scheduled this request at least once (or already dropped it)?"""
+        seq = self.engine.seqs.get(request_id)
+        return seq is None or seq.admitted
+
+    def engine_state(self) -> EngineSnapshot:
+        """Read at scrape time, possibly mid-step: only atomic reads (lengths and ints)."""
+        blocks, sched, spec = self.engine.blocks, self.engine.scheduler, self.engine.spec
+        return EngineSnapshot(
+            running=len(sched.running),
+            waiting=len(sched.waiting) + len(self.pending_adds),
+            kv_cache_usage=1.0 - blocks.num_free / blocks.num_pages,
+            prefix_cache_queries=blocks.queries,
+            prefix_cache_hits=blocks.hits,
+            spec_drafts=spec.num_spec_steps,
+            spec_draft_tokens=spec.num_draft_tokens,
+            spec_accepted_tokens=spec.num_accepted_tokens,
+            spec_accepted_per_pos=tuple(spec.accepted_at),
+        )
 
     async def publish_outputs(self, outputs: list[StepOutput]) -> None:
         by_shard: dict[int, list[SeqTokens]] = defaultdict(list)
@@ -162,6 +264,7 @@ class ExecutorService:
                     skip_special_tokens=req.params.skip_special_tokens,
                     prompt_tokens=out.prompt_tokens,
                     cached_tokens=out.cached_tokens,
+                    trace=self.timelines.carrier(out.request_id),
                 )
             logprobs = None
             if out.logprobs is not None:
@@ -178,7 +281,7 @@ class ExecutorService:
                 )
             )
             if out.finish_reason is not None:
-                self.forget(out.request_id)
+                self.forget(out.request_id, out.finish_reason.value)
         for shard, seqs in by_shard.items():
             await self.svc.publish(
                 self.subjects.detok(shard), StepTokens(self.config.executor_id, seqs)
@@ -190,18 +293,34 @@ class ExecutorService:
         await self.heartbeat()
         self.wake.set()
 
+    async def stop(self) -> None:
+        """Leave the mesh: the index forgets this executor's cache, then NATS drains."""
+        try:
+            await asyncio.wait_for(self.kv_events.close(), 5)
+        except Exception as exc:  # NATS gone: the index expires us by heartbeat instead
+            log.warning("executor: could not clear its KV events: %s", exc)
+        await self.svc.close()
+
 
 def build_engine(config: ExecutorConfig) -> Engine:
     folder = resolve_model_path(config.model)
     device = torch.device(config.device)
-    model = load_model(folder, device=device)
-    runner = ModelRunner(model, num_pages=config.num_pages, page_size=config.page_size)
+    model = load_model(folder, device=device, quantization=config.quantization)
+    runner = ModelRunner(
+        model,
+        num_pages=config.num_pages,
+        page_size=config.page_size,
+        kv_dtype=kv_cache_dtype(config.kv_cache_dtype, model.dtype),
+    )
     engine_config = EngineConfig(
         max_num_batched_tokens=config.max_num_batched_tokens,
         max_num_seqs=config.max_num_seqs,
         enable_prefix_caching=config.enable_prefix_caching,
+        num_speculative_tokens=config.num_speculative_tokens,
     )
     from common.tokenizer import Tokenizer
 
     eos = Tokenizer.from_folder(folder).eos_token_ids
-    return Engine(runner, engine_config, eos_token_ids=eos)
+    # "remote": the step loop fetches drafts from the speculator service before each step.
+    proposer = NgramProposer() if config.speculator == "ngram" else None
+    return Engine(runner, engine_config, eos_token_ids=eos, proposer=proposer)

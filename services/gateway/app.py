@@ -20,9 +20,13 @@ from typing import Any
 from aiohttp import web
 
 from common.messages import TextDelta
+from common.metrics import metrics_handler
 from common.runtime import RequestError
+from common.telemetry import Attr
 from services.gateway.config import GatewayConfig
 from services.gateway.mesh_client import MeshClient
+from services.gateway.observe import request_span
+from services.gateway.openapi import SPEC
 from services.gateway.protocol import ApiRequest, parse_chat, parse_completion
 from services.gateway.responses import (
     DONE,
@@ -56,7 +60,10 @@ async def openai_errors(request: web.Request, handler: Handler) -> web.StreamRes
     try:
         return await handler(request)
     except RequestError as exc:
-        return error_response(exc.status, error_from(exc))
+        # Overload and unavailability are temporary: tell clients (and the openai SDK, which
+        # honours it) when to retry.
+        retry = {"Retry-After": "1"} if exc.status in (429, 503) else None
+        return error_response(exc.status, error_from(exc), retry)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -124,6 +131,15 @@ class Routes:
         return await self.generate(request, parse_chat, "chatcmpl")
 
     async def generate(
+        self, request: web.Request, parse: Parser, id_prefix: str
+    ) -> web.StreamResponse:
+        """The request's trace root, ``gateway.request``, around everything it causes."""
+        with request_span(self.mesh.service.tracer, request.headers, request.path) as span:
+            response = await self.respond(request, parse, id_prefix)
+            span.set_attribute(Attr.HTTP_STATUS, response.status)
+            return response
+
+    async def respond(
         self, request: web.Request, parse: Parser, id_prefix: str
     ) -> web.StreamResponse:
         api = parse(await read_json(request, self.config.max_body_bytes), self.config)
@@ -218,7 +234,13 @@ def build_app(config: GatewayConfig, mesh: MeshClient) -> web.Application:
     app.router.add_get("/v1/models", routes.models)
     app.router.add_get("/v1/models/{model}", routes.model)
     app.router.add_get("/health", routes.health)
+    app.router.add_get("/metrics", metrics_handler(mesh.service.registry))
+    app.router.add_get("/openapi.json", openapi)
     return app
+
+
+async def openapi(request: web.Request) -> web.Response:
+    return web.json_response(SPEC)
 
 
 class GatewayServer:

@@ -12,11 +12,15 @@ import logging
 import time
 
 from nats.aio.msg import Msg
+from opentelemetry import trace
 
 from common.messages import AbortRequests, GenerateRequest, Heartbeat
+from common.metrics import GatewayMetrics
 from common.runtime import RequestError, Service
+from common.telemetry import Attr
 from services.gateway.config import GatewayConfig
 from services.gateway.health import ExecutorLiveness
+from services.gateway.observe import RequestObserver
 from services.gateway.protocol import ApiRequest
 from services.gateway.streams import Inbox, RequestStream
 
@@ -27,6 +31,7 @@ class MeshClient:
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
         self.service = Service("gateway", config.mesh)
+        self.metrics = GatewayMetrics(self.service.registry, config.served_model_name)
         self.subjects = config.mesh.subjects
         self.inbox_subject = self.subjects.gateway_inbox(config.mesh.instance_id)
         self.inbox = Inbox()
@@ -44,6 +49,14 @@ class MeshClient:
         await self.service.nc.subscribe(self.inbox_subject, cb=on_inbox)
         await self.service.subscribe(
             self.subjects.executor_heartbeat, Heartbeat, self._on_heartbeat
+        )
+        self.service.disconnect_callbacks.append(self._fail_in_flight)
+
+    async def _fail_in_flight(self) -> None:
+        """The bus is gone: messages for in-flight requests may be lost, so end them now with
+        a clear error instead of letting clients wait for their deadline."""
+        self.inbox.fail_all(
+            "The gateway lost its connection to the message bus; retry the request.", 503
         )
 
     async def _on_heartbeat(self, heartbeat: Heartbeat) -> None:
@@ -63,6 +76,17 @@ class MeshClient:
             raise RequestError("The gateway is not connected to the mesh.", 503, "server_error")
         request_ids = [f"{base_id}-{i}" for i in range(api.n)]
         stream = self.inbox.open(request_ids, self.config.request_timeout_s)
+        span = trace.get_current_span()  # gateway.request, opened by the HTTP handler
+        span.set_attributes(
+            {
+                Attr.REQUEST_ID: base_id,
+                Attr.MODEL: api.model,
+                Attr.N: api.n,
+                Attr.STREAM: api.stream,
+                Attr.MAX_TOKENS: api.params.max_tokens,
+            }
+        )
+        stream.observer = RequestObserver(self.metrics, span)
         now = time.time()
         try:
             for i, request_id in enumerate(request_ids):

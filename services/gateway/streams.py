@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import TYPE_CHECKING
 
 from common.messages import ErrorEvent, MessageError, TextDelta, TextDeltas, decode_any
 from common.runtime import RequestError
+
+if TYPE_CHECKING:
+    from services.gateway.observe import RequestObserver
 
 log = logging.getLogger("meshserve.gateway")
 
@@ -35,6 +39,7 @@ class RequestStream:
         self._index = {rid: i for i, rid in enumerate(request_ids)}
         self._open = set(request_ids)
         self._queue: asyncio.Queue[InboxEvent] = asyncio.Queue()
+        self.observer: RequestObserver | None = None  # latency metrics, fed as events are taken
 
     @property
     def unfinished(self) -> list[str]:
@@ -55,10 +60,15 @@ class RequestStream:
             if isinstance(event, ErrorEvent):
                 self._open.discard(event.request_id)  # the failing stage has dropped it
                 self.failure = f"another choice failed: {event.message}"
-                raise RequestError(event.message, event.status, event.type, event.param, event.code)
+                raise self._failed(
+                    RequestError(event.message, event.status, event.type, event.param, event.code)
+                )
             if event.finish_reason is not None:
                 self._open.discard(event.request_id)
-            return self._index[event.request_id], event
+            index = self._index[event.request_id]
+            if self.observer is not None:
+                self.observer.delta(index, event)
+            return index, event
         raise StopAsyncIteration
 
     async def _next_event(self) -> InboxEvent:
@@ -67,13 +77,20 @@ class RequestStream:
                 return await self._queue.get()
         except TimeoutError:
             self.failure = "request timed out"
-            raise RequestError(
-                "The request timed out before generation finished.",
-                504,
-                "timeout_error",
-                None,
-                "request_timeout",
+            raise self._failed(
+                RequestError(
+                    "The request timed out before generation finished.",
+                    504,
+                    "timeout_error",
+                    None,
+                    "request_timeout",
+                )
             ) from None
+
+    def _failed(self, error: RequestError) -> RequestError:
+        if self.observer is not None:
+            self.observer.failed(error)
+        return error
 
 
 class Inbox:
@@ -96,6 +113,11 @@ class Inbox:
     def close(self, stream: RequestStream) -> None:
         for rid in stream.request_ids:
             self._streams.pop(rid, None)
+
+    def fail_all(self, message: str, status: int) -> None:
+        """End every open request with an error event (e.g. the bus connection was lost)."""
+        for rid, stream in list(self._streams.items()):
+            stream.put(ErrorEvent(rid, status, message, "server_error", "mesh_unavailable"))
 
     def deliver(self, payload: bytes) -> None:
         try:

@@ -1,17 +1,43 @@
-"""Pick an executor for a request from the executors' reported load (pure; no NATS).
+"""Pick an executor for a request from the executors' load and prefix-cache overlap (pure; no
+NATS).
 
-Cost of sending a request to executor e (as Dynamo's KV router scores workers):
-    overlap_weight * (request pages not cached on e) + (sequences on e) + (pages e must prefill)
-lowest wins. Without prefix-cache knowledge every executor has zero overlap and the rule
-reduces to least load. Executors are only offered work while they have room (late binding): a
-request waits in the scheduler's global queue, where priority and fairness are decided, rather
-than in an executor's local queue.
+Policies (``--router``):
+
+- ``kv``, cache-aware, as NVIDIA Dynamo's KV router scores workers::
+
+      cost(e) = overlap_weight * (request pages not cached on e) + load(e)
+
+  lowest wins. A page cached on ``e`` is a page ``e`` need not prefill, so the first term is
+  the prefill work this request would add there; ``load(e)`` is the work ``e`` already has
+  (below), both in pages of tokens to compute. The default weight is 2, not 1: a hit also
+  spares the mesh a second copy of the prefix (which would evict some other prefix), and load
+  reports lag (a request that just finished still counts as queued work until the executor's
+  next heartbeat), so at 1 a request often leaves the executor holding its prefix for a tie.
+  Load-imbalance guard: an executor whose load exceeds the least-loaded executor's by more than
+  ``max_imbalance`` pages is skipped however much of the prompt it holds, so a hot prefix
+  spills onto a second executor instead of queueing everything behind the first.
+- ``least-load``: lowest ``load(e)``.
+- ``round-robin``: in turn.
+
+``load(e)`` = the executor's running and waiting tokens still to compute (prompt tokens to
+prefill plus one per decoding sequence, from its heartbeat, plus the uncached tokens sent to it
+since) in pages, plus one per sequence.
+
+Overlap is what the prefix index reports, or, if larger, what this router sent to ``e`` in the
+last ``recent_ttl_s`` seconds: those pages are being prefilled there but not reported yet, and
+without this a burst sharing a new prefix would spread over every executor before the first
+request's pages reach the index.
+
+Executors are only offered work while they have room (late binding): a request waits in the
+scheduler's global queue, where priority and fairness are decided, rather than in an
+executor's local queue.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from common.messages import Heartbeat, TokenizedRequest
@@ -24,7 +50,7 @@ class ExecutorState:
     heartbeat: Heartbeat
     last_seen: float = field(default_factory=time.monotonic)
     assigned_since_heartbeat: int = 0
-    assigned_tokens_since_heartbeat: int = 0
+    assigned_tokens_since_heartbeat: int = 0  # tokens it must compute for them (uncached)
 
     @property
     def sequences(self) -> int:
@@ -36,6 +62,10 @@ class ExecutorState:
         tokens = self.heartbeat.pending_tokens + self.assigned_tokens_since_heartbeat
         return tokens / self.heartbeat.page_size
 
+    @property
+    def load(self) -> float:
+        return self.pending_pages + self.sequences
+
     def has_room(self, slack: float) -> bool:
         return not self.heartbeat.draining and self.sequences < self.heartbeat.max_num_seqs * (
             1 + slack
@@ -43,17 +73,53 @@ class ExecutorState:
 
 
 @dataclass
+class RecentRoutes:
+    """The block hashes of requests routed in the last ``ttl_s`` seconds, per executor."""
+
+    ttl_s: float = 10.0
+    expiry: dict[int, dict[str, float]] = field(default_factory=dict)  # hash -> executor -> t
+    _pruned_at: float = 0.0
+
+    def add(self, executor: str, block_hashes: Sequence[int], now: float) -> None:
+        until = now + self.ttl_s
+        for page_hash in block_hashes:
+            self.expiry.setdefault(page_hash, {})[executor] = until
+        if now - self._pruned_at > 1.0:
+            self.prune(now)
+
+    def overlap(self, executor: str, block_hashes: Sequence[int], now: float) -> int:
+        """Leading pages of ``block_hashes`` recently routed to ``executor``."""
+        for depth, page_hash in enumerate(block_hashes):
+            if self.expiry.get(page_hash, {}).get(executor, 0.0) < now:
+                return depth
+        return len(block_hashes)
+
+    def prune(self, now: float) -> None:
+        self._pruned_at = now
+        for page_hash, executors in list(self.expiry.items()):
+            for executor, until in list(executors.items()):
+                if until < now:
+                    del executors[executor]
+            if not executors:
+                del self.expiry[page_hash]
+
+
+@dataclass
 class Router:
     policy: str = "least-load"
-    overlap_weight: float = 1.0
+    overlap_weight: float = 2.0  # see the module docstring
+    max_imbalance: float = 256.0  # pages of load; see the module docstring
     heartbeat_timeout_s: float = 2.0
     slack: float = 0.25  # how far past max_num_seqs an executor's local queue may grow
     executors: dict[str, ExecutorState] = field(default_factory=dict)
+    recent: RecentRoutes = field(default_factory=RecentRoutes)
     _rr: itertools.count[int] = field(default_factory=itertools.count)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"unknown router policy {self.policy!r}; choose from {POLICIES}")
+        if self.overlap_weight < 0 or self.max_imbalance < 0:
+            raise ValueError("overlap_weight and max_imbalance must be >= 0")
 
     def observe(self, hb: Heartbeat) -> None:
         state = self.executors.get(hb.executor_id)
@@ -80,27 +146,57 @@ class Router:
             del self.executors[eid]
         return dead
 
+    def candidates(self) -> list[str]:
+        """Live executors with room now, in a stable order."""
+        return sorted(e for e in self.alive() if self.executors[e].has_room(self.slack))
+
+    @property
+    def wants_overlaps(self) -> bool:
+        return self.policy == "kv"
+
+    def overlap(self, executor: str, req: TokenizedRequest, reported: dict[str, int]) -> int:
+        recent = self.recent.overlap(executor, req.block_hashes, time.monotonic())
+        return max(reported.get(executor, 0), recent)
+
     def cost(self, state: ExecutorState, req: TokenizedRequest, overlap_pages: int) -> float:
-        page_size = state.heartbeat.page_size
-        request_pages = -(-len(req.prompt_token_ids) // page_size)
+        request_pages = -(-len(req.prompt_token_ids) // state.heartbeat.page_size)
         uncached = max(0, request_pages - overlap_pages)
-        weight = self.overlap_weight if self.policy == "kv" else 1.0
-        return weight * uncached + state.sequences + state.pending_pages
+        return self.overlap_weight * uncached + state.load
 
     def pick(self, req: TokenizedRequest, overlaps: dict[str, int] | None = None) -> str | None:
-        """The executor to send ``req`` to now, or None if none has room (it keeps waiting)."""
-        candidates = sorted(e for e in self.alive() if self.executors[e].has_room(self.slack))
+        """The executor to send ``req`` to now, or None if none has room (it keeps waiting).
+
+        ``overlaps``: pages of the prompt's prefix each executor holds (the index's answer).
+        """
+        candidates = self.candidates()
         if not candidates:
             return None
+        # Ties go to the executors in turn, not always to the first name: equal executors then
+        # share new prefixes (and round-robin is all ties).
+        turn = next(self._rr)
+        rank = {e: (i - turn) % len(candidates) for i, e in enumerate(candidates)}
         if self.policy == "round-robin":
-            return candidates[next(self._rr) % len(candidates)]
-        overlaps = overlaps or {}
+            return min(candidates, key=rank.__getitem__)
+        if self.policy == "least-load":
+            return min(candidates, key=lambda e: (self.executors[e].load, rank[e]))
+        lightest = min(self.executors[e].load for e in candidates)
+        within = [e for e in candidates if self.executors[e].load <= lightest + self.max_imbalance]
+        reported = overlaps or {}
         return min(
-            candidates,
-            key=lambda e: (self.cost(self.executors[e], req, overlaps.get(e, 0)), e),
+            within,
+            key=lambda e: (
+                self.cost(self.executors[e], req, self.overlap(e, req, reported)),
+                rank[e],
+            ),
         )
 
-    def assigned(self, executor_id: str, req: TokenizedRequest) -> None:
+    def assigned(
+        self, executor_id: str, req: TokenizedRequest, overlaps: dict[str, int] | None = None
+    ) -> None:
         state = self.executors[executor_id]
+        cached = 0
+        if self.policy == "kv":
+            cached = self.overlap(executor_id, req, overlaps or {}) * state.heartbeat.page_size
+            self.recent.add(executor_id, req.block_hashes, time.monotonic())
         state.assigned_since_heartbeat += 1
-        state.assigned_tokens_since_heartbeat += len(req.prompt_token_ids)
+        state.assigned_tokens_since_heartbeat += max(0, len(req.prompt_token_ids) - cached)

@@ -7,13 +7,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import time
 import zlib
 from dataclasses import dataclass
+
+from opentelemetry import trace
 
 from common.block_hash import page_hashes
 from common.config import MeshConfig, env
 from common.messages import GenerateRequest, TokenizedRequest
 from common.runtime import RequestError, Service
+from common.telemetry import Attr
 from common.tokenizer import Tokenizer, TokenizerError
 from gpu.config import ModelConfig
 from gpu.gguf import resolve_model_path
@@ -58,7 +62,11 @@ class TokenizerService:
         await self.svc.connect()
         subjects = self.svc.subjects
         await self.svc.subscribe(
-            subjects.tokenizer_encode, GenerateRequest, self.on_request, queue="tokenizer"
+            subjects.tokenizer_encode,
+            GenerateRequest,
+            self.on_request,
+            queue="tokenizer",
+            span="tokenizer.encode",
         )
 
     def encode(self, req: GenerateRequest) -> tuple[list[int], str]:
@@ -84,7 +92,10 @@ class TokenizerService:
         raise RequestError("the request has neither a prompt nor messages", param="prompt")
 
     async def on_request(self, req: GenerateRequest) -> None:
+        if req.deadline and req.deadline < time.time():
+            raise RequestError("The request timed out.", 504, "timeout_error", None, "timeout")
         ids, field = self.encode(req)
+        trace.get_current_span().set_attribute(Attr.PROMPT_TOKENS, len(ids))
         if not ids:
             raise RequestError("the prompt is empty", param=field)
         if len(ids) >= self.max_model_len:

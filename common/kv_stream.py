@@ -1,0 +1,46 @@
+"""The JetStream stream of prefix-cache events: executors publish to it, index replicas replay it.
+
+Events are deltas, so a replay is only right if it starts from a full picture. Each executor
+therefore publishes, now and then, a snapshot of its whole cache as a *rollup*
+(``Nats-Rollup: sub``): the server then drops that executor's older messages. The stream holds
+at most one snapshot plus the deltas since, per executor, and a restarted index rebuilds the
+exact view by replaying it from the start. A byte cap (discarding the oldest) bounds what
+executors that died without clearing leave behind.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from nats.js.api import DiscardPolicy, StorageType, StreamConfig
+from nats.js.client import JetStreamContext
+from nats.js.errors import BadRequestError
+
+from common.subjects import Subjects
+
+log = logging.getLogger("meshserve.kv_stream")
+
+MAX_BYTES = 1 << 30  # far above (executors x snapshot + deltas); only dead executors hit it
+ROLLUP = {"Nats-Rollup": "sub"}  # this message replaces every earlier one on its subject
+
+
+def kv_stream_config(subjects: Subjects) -> StreamConfig:
+    return StreamConfig(
+        name=subjects.kv_events_stream,
+        description="meshserve prefix-cache events (KVEventBatch), one subject per executor",
+        subjects=[subjects.kv_events_all],
+        storage=StorageType.FILE,
+        discard=DiscardPolicy.OLD,
+        max_bytes=MAX_BYTES,
+        allow_rollup_hdrs=True,
+    )
+
+
+async def ensure_kv_stream(js: JetStreamContext, subjects: Subjects) -> None:
+    """Create the stream, or bring an existing one to this config (idempotent, race-safe)."""
+    config = kv_stream_config(subjects)
+    try:
+        await js.add_stream(config)
+    except BadRequestError:  # it exists with another config (e.g. an older limit)
+        log.info("updating stream %s to the current config", config.name)
+        await js.update_stream(config)

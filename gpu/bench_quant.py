@@ -1,0 +1,349 @@
+"""Quality and speed of each weight format against the unquantized model (fp32; bf16 on CUDA).
+
+    python -m gpu.bench_quant [--model PATH] [--formats none,int8,fp8] [--repeats 3]
+                              [--concurrency 32] [--output-tokens 64] [--linear]
+
+Quality (teacher-forced): the fp32 model first continues every prompt of a fixed set greedily
+(``--quality-tokens`` tokens each); then each format reads prompt + that continuation in one
+pass, and at every continuation position its next-token distribution is compared with fp32's:
+mean KL(fp32 || format) in nats, and top-1 agreement. Teacher forcing keeps one early flip from
+derailing the rest, so every position measures the format itself.
+
+Speed (engine, as ``gpu.bench`` measures it): single-stream decode tokens/s (first output token
+to last, one request alone) and throughput with ``--concurrency`` requests at once, each run
+``--repeats`` times (best and median). On CPU, fp8 runs through ``torch._scaled_mm``'s slow CPU
+path and is left out of the speed table unless asked for with ``--speed-formats``.
+
+``--linear`` adds a micro-benchmark of the CPU matmul options for the model's layer shapes.
+``--device cuda`` runs the same report on a GPU (reference: the bf16 model), fp8 included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from common.tokenizer import Tokenizer
+from gpu.attention.metadata import SeqChunk
+from gpu.bench import chat_prompts, run_decode_only, run_engine
+from gpu.engine import Engine, EngineConfig
+from gpu.gguf import resolve_model_path
+from gpu.loader import load_model
+from gpu.model import CausalLM
+from gpu.runner import ModelRunner
+from gpu.sampling import SamplingParams
+
+# A fixed prompt set: chat questions (the model is an instruct model) and plain text.
+QUALITY_QUESTIONS = [
+    "What is the capital of France?",
+    "Explain photosynthesis in one paragraph.",
+    "Write a haiku about the sea.",
+    "How do vaccines work?",
+    "Give me three tips for learning to code.",
+    "What causes the seasons on Earth?",
+    "Summarise the plot of Romeo and Juliet.",
+    "Why is the sky blue?",
+    "Write a Python function that reverses a string.",
+    "What is the difference between weather and climate?",
+]
+QUALITY_TEXTS = [
+    "The history of the Roman Empire begins",
+    "def fibonacci(n):\n",
+    "Once upon a time, in a small village by the mountains,",
+    "The three laws of thermodynamics are",
+    "To make a good cup of tea, first",
+    "In machine learning, overfitting means",
+]
+
+
+def emit(line: str = "") -> None:
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+def quality_prompts(tokenizer: Tokenizer) -> list[list[int]]:
+    prompts = []
+    for q in QUALITY_QUESTIONS:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": q}])
+        prompts.append(tokenizer.encode(text, add_special_tokens=False))
+    prompts.extend(tokenizer.encode(t) for t in QUALITY_TEXTS)
+    return prompts
+
+
+@dataclass(frozen=True)
+class Quality:
+    name: str
+    mean_kl: float  # nats, KL(reference || candidate) averaged over positions
+    top1_agreement: float
+    positions: int
+
+
+def greedy_continuations(model: CausalLM, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """The reference's own greedy continuation of each prompt (EOS ignored)."""
+    pages = sum(-(-(len(p) + n) // 16) for p in prompts) + 8
+    engine = Engine(ModelRunner(model, pages, 16), EngineConfig(4096, len(prompts)))
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    return engine.generate(prompts, params)
+
+
+def next_token_logprobs(
+    model: CausalLM, prompts: list[list[int]], continuations: list[list[int]]
+) -> list[torch.Tensor]:
+    """Per prompt: log-softmax of the logits that predict each continuation token ``[n, V]``
+    (teacher-forced: prompt + continuation read in one pass)."""
+    out = []
+    for prompt, cont in zip(prompts, continuations, strict=True):
+        tokens = prompt + cont
+        runner = ModelRunner(model, -(-len(tokens) // 16), 16)
+        logits = runner.execute(
+            [SeqChunk(tuple(range(runner.kv.spec.num_pages)), 0, len(tokens))],
+            [tokens],
+            all_logits=True,
+        )
+        rows = logits[len(prompt) - 1 : len(tokens) - 1]
+        out.append(torch.log_softmax(rows.float(), dim=-1))
+    return out
+
+
+def compare(name: str, ref: list[torch.Tensor], cand: list[torch.Tensor]) -> Quality:
+    kls, agree, total = [], 0, 0
+    for r, c in zip(ref, cand, strict=True):
+        kls.append((r.exp() * (r - c)).sum(dim=-1))
+        agree += int((r.argmax(-1) == c.argmax(-1)).sum())
+        total += r.shape[0]
+    return Quality(name, float(torch.cat(kls).mean()), agree / total, total)
+
+
+def quality_report(
+    load: Callable[[str], CausalLM], formats: Sequence[str], prompts: list[list[int]], n: int
+) -> list[Quality]:
+    """Teacher-forced quality of each format against ``load("none")`` (fp32 on CPU)."""
+    ref_model = load("none")
+    continuations = greedy_continuations(ref_model, prompts, n)
+    ref = next_token_logprobs(ref_model, prompts, continuations)
+    del ref_model
+    results = []
+    for fmt in formats:
+        model = load(fmt)
+        results.append(compare(fmt, ref, next_token_logprobs(model, prompts, continuations)))
+        del model
+        gc.collect()
+    return results
+
+
+@dataclass(frozen=True)
+class Speed:
+    name: str
+    weight_mb: float
+    single: list[float]  # tokens/s of each repeat
+    concurrent: list[float]
+
+
+def speed_report(
+    model: CausalLM, tokenizer: Tokenizer, concurrency: int, output_tokens: int, repeats: int
+) -> tuple[list[float], list[float]]:
+    runner = ModelRunner(model, num_pages=4096, page_size=16)
+    engine = Engine(
+        runner,
+        EngineConfig(max_num_batched_tokens=1024, max_num_seqs=max(64, concurrency)),
+        tokenizer.eos_token_ids,
+    )
+    prompts = chat_prompts(tokenizer, concurrency)
+    run_engine(engine, prompts[:2], 4, "warm-up")
+    single, batched = [], []
+    for _ in range(repeats):
+        single.append(run_decode_only(engine, prompts[0], output_tokens).tokens_per_s)
+        batched.append(run_engine(engine, prompts, output_tokens, "batch").tokens_per_s)
+    return single, batched
+
+
+def weight_mb(model: CausalLM) -> float:
+    """MB of weights a decode step reads: every linear layer (the LM head included)."""
+    from gpu.linear import Linear
+
+    total = sum(m.weight_bytes() for m in model.modules() if isinstance(m, Linear))
+    return total / 1e6
+
+
+# --------------------------------------------------------------------------- linear options
+
+
+def linear_options() -> dict[
+    str, tuple[Callable[[torch.Tensor], object], Callable[..., torch.Tensor]]
+]:
+    """CPU ways to multiply by a weight ``[N, K]``: (prepare once, call per step)."""
+    from gpu import cpu_kernels
+    from gpu.quant import quantize_int8
+
+    opts: dict[str, tuple[Callable[[torch.Tensor], object], Callable[..., torch.Tensor]]] = {
+        "fp32 F.linear [N,K]": (lambda w: w, lambda x, w: F.linear(x, w)),
+        "fp32 x @ W_t [K,N]": (lambda w: w.t().contiguous(), lambda x, w: x @ w),
+    }
+    kernels = cpu_kernels.load()
+    if kernels is not None:
+        opts["int8 meshserve kernel"] = (
+            quantize_int8,
+            lambda x, p: kernels.int8_linear(x, p[0], p[1]),
+        )
+    opts["int8 torch._weight_int8pack_mm"] = (
+        quantize_int8,
+        lambda x, p: torch._weight_int8pack_mm(x, p[0], p[1]),
+    )
+
+    def fbgemm_prepack(w: torch.Tensor) -> object:
+        q, s = quantize_int8(w)
+        zero = torch.zeros(w.shape[0], dtype=torch.int64)
+        qw = torch._make_per_channel_quantized_tensor(q, s.double(), zero, 0)
+        return torch.ops.quantized.linear_prepack(qw, None)
+
+    opts["int8 fbgemm dynamic (W8A8, per-tensor act)"] = (
+        fbgemm_prepack,
+        lambda x, p: torch.ops.quantized.linear_dynamic(x, p, True),
+    )
+    opts["fp16 fbgemm dynamic"] = (
+        lambda w: torch.ops.quantized.linear_prepack_fp16(w, None),
+        lambda x, p: torch.ops.quantized.linear_dynamic_fp16(x, p),
+    )
+    return opts
+
+
+def linear_report(shapes: list[tuple[str, int, int]], batches: Sequence[int]) -> None:
+    """Time each option per shape; weights in several copies so they come from DRAM, as in a
+    real decode step (one layer's weights fit in L3, thirty do not)."""
+    copies_for = {name: 1 if n * k > 8_000_000 else 30 for name, n, k in shapes}
+    emit("| option | " + " | ".join(f"{n} M={m}" for n, _, _ in shapes for m in batches) + " |")
+    emit("|---" * (1 + len(shapes) * len(batches)) + "|")
+    torch.backends.quantized.engine = "fbgemm"
+    for option, (prepare, call) in linear_options().items():
+        cells: list[str] = []
+        for name, n, k in shapes:
+            ws = [torch.randn(n, k) * 0.05 for _ in range(copies_for[name])]
+            try:
+                prepared = [prepare(w) for w in ws]
+            except (RuntimeError, NotImplementedError):
+                cells.extend("n/a" for _ in batches)
+                continue
+            for m in batches:
+                x = torch.randn(m, k)
+                try:
+                    call(x, prepared[0])
+                    best = min(_time_all(call, x, prepared) for _ in range(5))
+                    cells.append(f"{best * 1e6:.0f} us")
+                except (RuntimeError, NotImplementedError):
+                    cells.append("n/a")
+        emit(f"| {option} | " + " | ".join(cells) + " |")
+
+
+def _time_all(call: Callable[..., torch.Tensor], x: torch.Tensor, prepared: list[object]) -> float:
+    start = time.perf_counter()
+    for p in prepared:
+        call(x, p)
+    return (time.perf_counter() - start) / len(prepared)
+
+
+# --------------------------------------------------------------------------- main
+
+
+def _fmt_runs(values: list[float]) -> str:
+    return f"{max(values):.1f} / {statistics.median(values):.1f}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=None, help="HF folder or .gguf (default: SmolLM2)")
+    parser.add_argument("--formats", default="int8,fp8", help="formats compared with fp32")
+    parser.add_argument("--speed-formats", default=None, help="default: none,int8 on CPU")
+    parser.add_argument("--quality-tokens", type=int, default=32)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--output-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--no-quality", action="store_true")
+    parser.add_argument("--no-speed", action="store_true")
+    parser.add_argument("--linear", action="store_true", help="CPU matmul micro-benchmark")
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    folder = resolve_model_path(args.model)
+    tokenizer = Tokenizer.from_folder(folder)
+    device = torch.device(args.device)
+    formats = [f for f in args.formats.split(",") if f]
+    speed_formats = (
+        args.speed_formats or ("none,int8" if device.type == "cpu" else args.formats)
+    ).split(",")
+
+    def load(fmt: str) -> CausalLM:
+        return load_model(Path(folder), device=device, progress=False, quantization=fmt)
+
+    load_avg = _load_average()
+    emit(
+        f"\nmodel {folder.name}, {device.type}, {torch.get_num_threads()} threads, "
+        f"load average at start {load_avg}\n"
+    )
+    if not args.no_quality:
+        prompts = quality_prompts(tokenizer)
+        emit(
+            f"quality: {len(prompts)} prompts, teacher-forced on {args.quality_tokens} greedy "
+            "reference tokens each\n"
+        )
+        ref = "fp32" if device.type == "cpu" else "bf16"
+        emit(f"| format | mean KL vs {ref} (nats) | top-1 agreement vs {ref} | positions |")
+        emit("|---|---|---|---|")
+        for q in quality_report(load, formats, prompts, args.quality_tokens):
+            emit(f"| {q.name} | {q.mean_kl:.4f} | {q.top1_agreement:.2%} | {q.positions} |")
+        emit()
+    if not args.no_speed:
+        emit(
+            f"speed: engine, {args.output_tokens} output tokens per request, best / median of "
+            f"{args.repeats} runs\n"
+        )
+        emit(
+            f"| format | weights read per token (MB) | 1 stream decode tokens/s | "
+            f"{args.concurrency} concurrent tokens/s |"
+        )
+        emit("|---|---|---|---|")
+        for fmt in speed_formats:
+            model = load(fmt)
+            single, batched = speed_report(
+                model, tokenizer, args.concurrency, args.output_tokens, args.repeats
+            )
+            name = ("fp32" if device.type == "cpu" else "bf16") if fmt == "none" else fmt
+            emit(
+                f"| {name} | {weight_mb(model):.0f} | {_fmt_runs(single)} | {_fmt_runs(batched)} |"
+            )
+            del model
+            gc.collect()
+        emit(f"\nload average at end {_load_average()}")
+    if args.linear:
+        emit("\nCPU matmul options, per call (best of 5), SmolLM2-135M layer shapes:\n")
+        linear_report(
+            [
+                ("qkv 576x960", 960, 576),
+                ("o 576x576", 576, 576),
+                ("gate_up 576x3072", 3072, 576),
+                ("down 1536x576", 576, 1536),
+                ("lm_head 576x49152", 49152, 576),
+            ],
+            (1, 32),
+        )
+
+
+def _load_average() -> str:
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "n/a"
+
+
+if __name__ == "__main__":
+    main()

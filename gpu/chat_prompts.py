@@ -1,0 +1,65 @@
+"""Fixed chat prompts: a distillation set and a disjoint held-out set for benchmarks.
+
+The distillation prompts are every (task, topic) pair below, in a fixed shuffled order; the
+held-out prompts use other topics and other phrasings, so a draft distilled on the first set is
+measured on text it was not trained on.
+"""
+
+from __future__ import annotations
+
+import random
+
+TASKS = [
+    "Explain {} to a curious teenager.",
+    "Write a short paragraph about {}.",
+    "What are three common misconceptions about {}?",
+    "Give me a step-by-step introduction to {}.",
+    "Summarise the history of {} in a few sentences.",
+    "What are the pros and cons of {}?",
+    "Write a friendly email to a colleague about {}.",
+    "List five interesting facts about {}.",
+]
+
+TOPICS = [
+    "black holes", "the French Revolution", "compound interest", "machine learning",
+    "the water cycle", "volcanoes", "the Roman Empire", "climate change", "electric cars",
+    "the human immune system", "bees and pollination", "the stock market", "jazz music",
+    "renewable energy", "the printing press", "plate tectonics", "sleep and memory",
+    "the internet", "coral reefs", "ancient Egypt", "quantum computing", "the Olympic Games",
+    "coffee", "recycling", "the moon landing", "dinosaurs", "public libraries", "chess",
+    "the Great Wall of China", "antibiotics", "cloud computing", "meditation",
+    "the Renaissance", "honeybees in winter", "solar panels", "the Amazon rainforest",
+    "credit cards", "sourdough bread", "the periodic table", "team sports", "minimalism",
+    "the Silk Road", "3D printing", "earthquakes", "urban gardening", "the piano",
+    "Mars exploration", "vaccines and herd immunity",
+]  # fmt: skip
+
+HELD_OUT = [
+    "What is the capital of France, and what is it famous for?",
+    "How do I make a good cup of tea?",
+    "Write a haiku about the sea, then explain it.",
+    "Why is the sky blue?",
+    "Give me three tips for learning to code.",
+    "What causes the seasons on Earth?",
+    "Summarise the plot of Romeo and Juliet.",
+    "How does a bicycle stay upright?",
+    "What should I pack for a weekend hiking trip?",
+    "Explain how a refrigerator keeps food cold.",
+    "What is the difference between weather and climate?",
+    "Describe how to plant a tomato seedling.",
+    "How do airplanes fly?",
+    "What are good habits for staying healthy while working from home?",
+    "Tell me about the life of Marie Curie.",
+    "How do I write a good cover letter?",
+]
+
+
+def distill_prompts(n: int | None = None, seed: int = 0) -> list[str]:
+    """The first ``n`` of the (task, topic) prompts in a fixed order (all when None)."""
+    prompts = [task.format(topic) for topic in TOPICS for task in TASKS]
+    random.Random(seed).shuffle(prompts)
+    return prompts if n is None else prompts[:n]
+
+
+def held_out_prompts(n: int | None = None) -> list[str]:
+    return HELD_OUT if n is None else HELD_OUT[:n]

@@ -1,0 +1,260 @@
+"""Speculative decoding: proposals, lossless verification, and how many tokens to draft.
+
+A proposer (``gpu.proposers``: prompt lookup or a draft model) drafts ``k`` tokens for a
+decoding sequence. The draft joins the sequence's target (``num_tokens + k``, DESIGN.md "The
+step loop"), so the scheduler computes the last real token and the ``k`` drafts in one forward
+pass like any other chunk; the ``k + 1`` logits rows are then verified here by the rejection
+rule of Leviathan et al. (2023) and Chen et al. (2023):
+
+- draft token ``x_j ~ q_j`` is accepted with probability ``min(1, p_j(x_j) / q_j(x_j))``;
+- at the first rejection the token is drawn from ``norm(max(0, p_j - q_j))`` and the rest of
+  the draft is dropped;
+- when all ``k`` are accepted a bonus token is drawn from ``p_k``.
+
+Every emitted token is then distributed exactly as the target's own sampler would draw it
+(``p`` is ``Sampler.distributions``: penalties, temperature, top-k/top-p/min-p), whatever the
+draft. Greedy requests have ``p`` one-hot at the target's argmax: drafts are accepted while
+they equal it and the correction is the argmax, so the tokens are those of plain greedy
+decoding. A deterministic proposer (prompt lookup, a greedy draft model) has ``q`` one-hot at
+its token: acceptance probability ``p(x)``, residual ``p`` without ``x``.
+
+The random draws come from the request's own generator when it is seeded, so a seeded request
+is reproducible for a given proposer; it is distributed like, but not token-for-token equal
+to, the same request decoded without speculation (the draws are spent differently).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from gpu.sampling import Sampler, SamplerInput, SamplingParams
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """Draft tokens for one sequence, and the distribution each was drawn from.
+
+    ``q_ids[j]``/``q_probs[j]``: the support of the draft's distribution at draft position
+    ``j`` and its probabilities (a truncated, renormalised distribution is exact as long as the
+    token was drawn from it). None: every token was chosen deterministically (greedy draft,
+    prompt lookup), i.e. ``q`` is one-hot on it.
+    """
+
+    token_ids: list[int]
+    q_ids: list[list[int]] | None = None
+    q_probs: list[list[float]] | None = None
+
+    def __post_init__(self) -> None:
+        if (self.q_ids is None) != (self.q_probs is None):
+            raise ValueError("q_ids and q_probs come together")
+        if self.q_ids is None or self.q_probs is None:
+            return
+        k = len(self.token_ids)
+        if len(self.q_ids) != k or len(self.q_probs) != k:
+            raise ValueError(f"{k} draft tokens need {k} draft distributions")
+        for j, (tok, ids, probs) in enumerate(
+            zip(self.token_ids, self.q_ids, self.q_probs, strict=True)
+        ):
+            if len(ids) != len(probs):
+                raise ValueError(f"draft distribution {j}: {len(ids)} ids, {len(probs)} probs")
+            if not any(t == tok and q > 0 for t, q in zip(ids, probs, strict=True)):
+                raise ValueError(f"draft token {j} ({tok}) has no probability under its q")
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def truncated(self, n: int) -> Proposal:
+        if n >= len(self.token_ids):
+            return self
+        if self.q_ids is None or self.q_probs is None:
+            return Proposal(self.token_ids[:n])
+        return Proposal(self.token_ids[:n], self.q_ids[:n], self.q_probs[:n])
+
+
+@dataclass(frozen=True)
+class DraftRequest:
+    """One sequence that will decode next step: everything a proposer needs to draft for it.
+
+    ``token_ids`` are the sequence's accepted tokens (prompt, then output); ``num_draft`` is
+    how many tokens to propose (at most; fewer or none is always fine).
+    """
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    num_draft: int
+    params: SamplingParams
+
+
+class Proposer(Protocol):
+    """Drafts tokens for a batch of sequences; may keep per-sequence state between calls."""
+
+    def propose(self, requests: list[DraftRequest]) -> dict[str, Proposal]:
+        """A proposal per request id it has one for (a missing id just decodes normally)."""
+        ...
+
+    def release(self, request_ids: Iterable[str]) -> None:
+        """Forget finished or aborted sequences."""
+        ...
+
+
+@dataclass
+class SpecStats:
+    """Counters since start (Prometheus-style: monotonically increasing)."""
+
+    num_spec_steps: int = 0  # sequence-steps that verified at least one draft token
+    num_draft_tokens: int = 0  # draft tokens verified
+    num_accepted_tokens: int = 0  # of which accepted
+    num_emitted_tokens: int = 0  # tokens those steps produced (accepted + one per step)
+    accepted_at: list[int] = field(default_factory=list)  # accepted_at[j]: draft position j
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens per verifying target step for one sequence (1 + accepted drafts)."""
+        return self.num_emitted_tokens / self.num_spec_steps if self.num_spec_steps else 0.0
+
+    def record(self, num_draft: int, num_accepted: int, num_emitted: int) -> None:
+        self.num_spec_steps += 1
+        self.num_draft_tokens += num_draft
+        self.num_accepted_tokens += num_accepted
+        self.num_emitted_tokens += num_emitted
+        while len(self.accepted_at) < num_accepted:
+            self.accepted_at.append(0)
+        for j in range(num_accepted):
+            self.accepted_at[j] += 1
+
+
+@dataclass
+class DraftLength:
+    """How many tokens to draft for one sequence next time: ``k`` adapts to its acceptance.
+
+    All accepted: one more (up to ``max_k``). A rejection: one fewer (down to 1). Nothing
+    accepted at ``k == 1``: no drafts for ``PAUSE_STEPS`` steps, then try 1 again, so a draft
+    that cannot follow a sequence stops costing proposer time and verification positions.
+    """
+
+    max_k: int
+    k: int = -1
+    paused: int = 0
+
+    PAUSE_STEPS = 8
+
+    def __post_init__(self) -> None:
+        if self.k < 0:
+            self.k = self.max_k
+
+    def next(self) -> int:
+        """The draft length for the coming step (0: do not draft)."""
+        if self.paused > 0:
+            self.paused -= 1
+            return 0
+        return self.k
+
+    def update(self, num_draft: int, num_accepted: int) -> None:
+        if num_accepted == num_draft:
+            self.k = min(self.max_k, self.k + 1)
+        elif num_accepted == 0 and self.k <= 1:
+            self.paused = self.PAUSE_STEPS
+        else:
+            self.k = max(1, self.k - 1)
+
+
+@dataclass(frozen=True)
+class Verification:
+    """Per sequence the tokens to append (accepted drafts, then one target token); and the
+    processed logits rows (``rows[i] + j`` is sequence ``i``'s position ``j``) for logprobs."""
+
+    token_ids: list[list[int]]
+    num_accepted: list[int]
+    processed: torch.Tensor
+    row_starts: list[int]
+
+
+def verify(
+    sampler: Sampler, logits: torch.Tensor, drafts: Sequence[Proposal], inp: SamplerInput
+) -> Verification:
+    """Verify each sequence's draft against the target logits of its ``len(draft) + 1``
+    positions (``logits`` rows in batch order). ``inp`` has one row per sequence: its params,
+    tokens so far and generator. Penalties at draft position ``j`` see the drafts before it.
+    """
+    rows = [len(d) + 1 for d in drafts]
+    if sum(rows) != logits.shape[0]:
+        raise ValueError(f"{logits.shape[0]} logits rows for drafts needing {sum(rows)}")
+    row_inp = SamplerInput([], [], [], [])
+    starts = []
+    for i, draft in enumerate(drafts):
+        starts.append(len(row_inp.params))
+        for j in range(len(draft) + 1):
+            row_inp.params.append(inp.params[i])
+            row_inp.prompt_token_ids.append(inp.prompt_token_ids[i])
+            row_inp.output_token_ids.append(inp.output_token_ids[i] + draft.token_ids[:j])
+            row_inp.generators.append(inp.generators[i])
+    processed, probs = sampler.distributions(logits, row_inp)
+    argmax = processed.argmax(dim=-1).tolist()
+    tokens, accepted = [], []
+    for i, draft in enumerate(drafts):
+        r0 = starts[i]
+        if inp.params[i].is_greedy or probs is None:
+            out = _verify_greedy(draft.token_ids, argmax[r0 : r0 + rows[i]])
+        else:
+            gen = inp.generators[i] or sampler.generator
+            out = _verify_sampled(draft, probs[r0 : r0 + rows[i]], gen)
+        tokens.append(out)
+        accepted.append(len(out) - 1)
+    return Verification(tokens, accepted, processed, starts)
+
+
+def _verify_greedy(draft: list[int], argmax: list[int]) -> list[int]:
+    for j, tok in enumerate(draft):
+        if argmax[j] != tok:
+            return [*draft[:j], argmax[j]]
+    return [*draft, argmax[len(draft)]]
+
+
+def _verify_sampled(
+    draft: Proposal, probs: torch.Tensor, generator: torch.Generator | None
+) -> list[int]:
+    """Rejection sampling for one sequence; ``probs`` ``[k + 1, V]``."""
+    k = len(draft)
+    device = probs.device
+    ids = torch.tensor(draft.token_ids, dtype=torch.int64, device=device)
+    p_x = probs[:k].gather(1, ids.unsqueeze(1)).squeeze(1)
+    q_x = torch.ones(k, dtype=probs.dtype, device=device)
+    if draft.q_ids is not None and draft.q_probs is not None:
+        q_x = torch.tensor(
+            [
+                sum(q for t, q in zip(qi, qp, strict=True) if t == tok)
+                for tok, qi, qp in zip(draft.token_ids, draft.q_ids, draft.q_probs, strict=True)
+            ],
+            dtype=probs.dtype,
+            device=device,
+        )
+    u = torch.rand(k, generator=generator, device=device, dtype=probs.dtype)
+    # accept iff u < p/q, written without the division (p = 0 always rejects)
+    rejected = (u * q_x >= p_x).tolist()
+    n = rejected.index(True) if True in rejected else k
+    if n == k:
+        dist = probs[k]
+    else:
+        dist = probs[n].clone()
+        if draft.q_ids is None or draft.q_probs is None:
+            dist[draft.token_ids[n]] = 0.0
+        else:
+            q = torch.zeros_like(dist).index_put_(
+                (torch.tensor(draft.q_ids[n], dtype=torch.int64, device=device),),
+                torch.tensor(draft.q_probs[n], dtype=dist.dtype, device=device),
+                accumulate=True,
+            )
+            dist = (dist - q).clamp_(min=0.0)
+        if not bool(dist.sum() > 0):  # p <= q everywhere: only when p == q, so p itself
+            dist = probs[n]
+    token = int(torch.multinomial(dist, 1, generator=generator).item())
+    return [*draft.token_ids[:n], token]

@@ -1,0 +1,68 @@
+"""The executor's client of the speculator service.
+
+How the executor and the speculator meet: ``engine.step()`` runs on a worker thread and must
+not wait on the network, so the step loop asks before each step. Between steps (the engine is
+idle, on the event-loop thread) it takes ``engine.draft_requests()`` -- the sequences that will
+decode next, each with its adaptive draft length -- sends them in ONE ``ProposeRequest`` to
+``speculator.propose`` (queue group: any replica), awaits the ``ProposeReply`` for at most
+``timeout_s``, hands the drafts to ``engine.set_drafts`` and then runs the step, which
+verifies them in the same forward pass as everything else. No answer in time (no speculator,
+a slow or failed one) means this step decodes without drafts, and the proposer is skipped for
+``backoff_s`` so a dead speculator costs one timeout, not one per step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Mapping
+
+from common.messages import ProposeReply, ProposeRequest, SamplingSpec
+from common.runtime import NoAnswer, Service
+from gpu.spec_decode import DraftRequest, Proposal
+from services.speculator.wire import draft_seq, proposal
+
+log = logging.getLogger("meshserve.executor")
+
+
+class RemoteProposer:
+    def __init__(self, svc: Service, timeout_s: float, backoff_s: float = 5.0) -> None:
+        self.svc = svc
+        self.timeout_s = timeout_s
+        self.backoff_s = backoff_s
+        self.released: list[str] = []
+        self.backoff_until = 0.0
+
+    def release(self, request_ids: Iterable[str]) -> None:
+        """Sent with the next call, so the speculator frees those sequences' draft pages."""
+        self.released.extend(request_ids)
+
+    async def propose(
+        self, requests: list[DraftRequest], specs: Mapping[str, SamplingSpec]
+    ) -> dict[str, Proposal]:
+        if not requests or time.monotonic() < self.backoff_until:
+            return {}
+        message = ProposeRequest(
+            [draft_seq(r, specs[r.request_id]) for r in requests if r.request_id in specs],
+            self.released,
+        )
+        self.released = []
+        try:
+            reply = await self.svc.request(
+                self.svc.subjects.speculator_propose, message, ProposeReply, self.timeout_s
+            )
+        except NoAnswer as exc:
+            log.warning(
+                "executor: no draft from the speculator (%s); decoding without drafts for %.0f s",
+                exc,
+                self.backoff_s,
+            )
+            self.backoff_until = time.monotonic() + self.backoff_s
+            return {}
+        drafts = {}
+        for tokens in reply.drafts:
+            try:
+                drafts[tokens.request_id] = proposal(tokens)
+            except ValueError as exc:
+                log.warning("executor: ignoring a bad draft for %s: %s", tokens.request_id, exc)
+        return drafts

@@ -1,0 +1,101 @@
+"""Where the client's latency is measured: the root span and the per-request observer.
+
+``request_span`` opens ``gateway.request``, the root of the request's trace (or a child of the
+client's own ``traceparent``), around everything the HTTP request causes. ``RequestObserver``
+is fed every text delta as the handler takes it from the stream, i.e. when it is written to
+the client, and records per choice:
+
+- time to first token: arrival -> first text delta
+- inter-token latency: between consecutive text deltas (one per executor step; a delta that
+  the detokenizer held back, e.g. half a UTF-8 character, merges two steps)
+- time per output token: (last delta - first delta) / (completion tokens - 1), when > 1 token
+- end-to-end latency: arrival -> last delta, plus prompt/generation lengths and the finish
+  reason, and the request's totals as attributes of the root span.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
+
+from common.messages import TextDelta
+from common.metrics import GatewayMetrics
+from common.runtime import RequestError
+from common.telemetry import Attr, extract, trace_id_hex
+
+
+@contextmanager
+def request_span(tracer: Tracer, http_headers: Mapping[str, str], route: str) -> Iterator[Span]:
+    with tracer.start_as_current_span(
+        "gateway.request",
+        context=extract(http_headers),
+        kind=SpanKind.SERVER,
+        attributes={"http.request.method": "POST", "http.route": route},
+    ) as span:
+        try:
+            yield span
+        except RequestError as exc:
+            span.set_attribute(Attr.HTTP_STATUS, exc.status)
+            raise
+
+
+class RequestObserver:
+    def __init__(self, metrics: GatewayMetrics, span: Span) -> None:
+        self.metrics = metrics
+        self.span = span
+        self.started = time.perf_counter()
+        trace_id = trace_id_hex(span)
+        self.exemplar = {"trace_id": trace_id} if trace_id else None
+        self.first: dict[int, float] = {}
+        self.last: dict[int, float] = {}
+        self.prompt_tokens = 0
+        self.output_tokens = 0
+        self.cached_tokens = 0
+        self.finish_reasons: list[str] = []
+
+    def delta(self, index: int, delta: TextDelta) -> None:
+        now = time.perf_counter()
+        if index not in self.first:
+            self.first[index] = now
+            ttft = now - self.started
+            self.metrics.ttft.observe(ttft, self.exemplar)
+            if index == 0:
+                self.span.set_attribute(Attr.TTFT, ttft)
+        else:
+            self.metrics.itl.observe(now - self.last[index])
+        self.last[index] = now
+        if delta.finish_reason is not None:
+            self.finished(index, delta, now)
+
+    def finished(self, index: int, delta: TextDelta, now: float) -> None:
+        assert delta.finish_reason is not None
+        self.metrics.e2e.observe(now - self.started, self.exemplar)
+        self.metrics.finished(delta.finish_reason)
+        self.finish_reasons.append(delta.finish_reason)
+        if delta.usage is not None:
+            tokens = delta.usage.completion_tokens
+            self.metrics.prompt_tokens.observe(delta.usage.prompt_tokens)
+            self.metrics.generation_tokens.observe(tokens)
+            if tokens > 1:
+                self.metrics.tpot.observe((now - self.first[index]) / (tokens - 1))
+            self.prompt_tokens += delta.usage.prompt_tokens
+            self.output_tokens += tokens
+            self.cached_tokens += delta.usage.cached_tokens
+        self.span.set_attributes(
+            {
+                Attr.PROMPT_TOKENS: self.prompt_tokens,
+                Attr.OUTPUT_TOKENS: self.output_tokens,
+                Attr.CACHED_TOKENS: self.cached_tokens,
+                Attr.FINISH_REASON: self.finish_reasons,
+                Attr.E2E: now - self.started,
+            }
+        )
+
+    def failed(self, error: RequestError) -> None:
+        """A stage failed the request (or it timed out) after it entered the mesh."""
+        self.metrics.failed(error.status)
+        self.span.set_attribute("error.type", error.code or error.type)
+        self.span.set_status(Status(StatusCode.ERROR, str(error)))

@@ -1,0 +1,145 @@
+"""The gateway's OpenAPI 3 description (served at ``/openapi.json``; the fuzz test reads it).
+
+It states what the gateway accepts; anything else is a 4xx with an OpenAI error object.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_NUMBER = {"type": "number"}
+_STOP = {
+    "oneOf": [
+        {"type": "string"},
+        {"type": "array", "items": {"type": "string"}, "maxItems": 4},
+        {"type": "null"},
+    ]
+}
+_COMMON: dict[str, Any] = {
+    "model": {"type": "string"},
+    "max_tokens": {"type": "integer", "minimum": 1},
+    "temperature": {**_NUMBER, "minimum": 0, "maximum": 2},
+    "top_p": {**_NUMBER, "exclusiveMinimum": 0, "maximum": 1},
+    "top_k": {"type": "integer"},
+    "min_p": {**_NUMBER, "minimum": 0, "maximum": 1},
+    "n": {"type": "integer", "minimum": 1},
+    "seed": {"type": "integer"},
+    "stop": _STOP,
+    "stream": {"type": "boolean"},
+    "stream_options": {
+        "type": "object",
+        "properties": {"include_usage": {"type": "boolean"}},
+    },
+    "presence_penalty": {**_NUMBER, "minimum": -2, "maximum": 2},
+    "frequency_penalty": {**_NUMBER, "minimum": -2, "maximum": 2},
+    "repetition_penalty": {**_NUMBER, "exclusiveMinimum": 0},
+    "ignore_eos": {"type": "boolean"},
+    "user": {"type": "string"},
+}
+_ERROR = {
+    "description": "An OpenAI error object",
+    "content": {
+        "application/json": {
+            "schema": {
+                "type": "object",
+                "required": ["error"],
+                "properties": {
+                    "error": {
+                        "type": "object",
+                        "required": ["message", "type"],
+                        "properties": {
+                            "message": {"type": "string"},
+                            "type": {"type": "string"},
+                            "param": {"type": ["string", "null"]},
+                            "code": {"type": ["string", "null"]},
+                        },
+                    }
+                },
+            }
+        }
+    },
+}
+_RESPONSES = {
+    "200": {"description": "A completion (JSON), or an SSE stream when stream is true"},
+    "400": _ERROR,
+    "401": _ERROR,
+    "404": _ERROR,
+    "413": _ERROR,
+    "429": _ERROR,
+    "503": _ERROR,
+    "504": _ERROR,
+}
+
+
+def _body(properties: dict[str, Any], required: list[str]) -> dict[str, Any]:
+    schema = {"type": "object", "properties": properties, "required": required}
+    return {"required": True, "content": {"application/json": {"schema": schema}}}
+
+
+SPEC: dict[str, Any] = {
+    "openapi": "3.1.0",
+    "info": {"title": "meshserve", "version": "1"},
+    "paths": {
+        "/v1/completions": {
+            "post": {
+                "operationId": "createCompletion",
+                "requestBody": _body(
+                    {
+                        **_COMMON,
+                        "prompt": {
+                            "oneOf": [
+                                {"type": "string"},
+                                {"type": "array", "items": {"type": "integer", "minimum": 0}},
+                            ]
+                        },
+                        "logprobs": {"type": "integer", "minimum": 0, "maximum": 5},
+                    },
+                    ["prompt"],
+                ),
+                "responses": _RESPONSES,
+            }
+        },
+        "/v1/chat/completions": {
+            "post": {
+                "operationId": "createChatCompletion",
+                "requestBody": _body(
+                    {
+                        **_COMMON,
+                        "messages": {
+                            "type": "array",
+                            "minItems": 1,
+                            "items": {
+                                "type": "object",
+                                "required": ["role", "content"],
+                                "properties": {
+                                    "role": {
+                                        "type": "string",
+                                        "enum": ["system", "user", "assistant"],
+                                    },
+                                    "content": {"type": "string"},
+                                },
+                            },
+                        },
+                        "max_completion_tokens": {"type": "integer", "minimum": 1},
+                        "logprobs": {"type": "boolean"},
+                        "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
+                    },
+                    ["messages"],
+                ),
+                "responses": _RESPONSES,
+            }
+        },
+        "/v1/models": {
+            "get": {
+                "operationId": "listModels",
+                "responses": {"200": {"description": "The served model"}},
+            }
+        },
+        "/health": {
+            "get": {
+                "operationId": "health",
+                "responses": {"200": {"description": "ready"}, "503": {"description": "not"}},
+            }
+        },
+    },
+}

@@ -1,0 +1,113 @@
+"""Prefix-index handlers: mirror every executor's prefix cache from its KV events, and answer
+``index.match`` with each executor's overlap for a prompt's block hashes.
+
+The state is the KV-event stream's: a replica replays the stream from its first message (one
+snapshot plus the deltas since, per executor; see ``common.kv_stream``), so a restarted
+replica converges to the same view, and any number of replicas answer in the ``index`` queue
+group. A replica answers while it replays (a partial view only costs routing quality);
+``caught_up`` is set once it has applied everything the stream held when it started.
+
+Each executor numbers its batches; a gap (a lost batch) is logged and heals at that
+executor's next snapshot. An executor that sends neither heartbeats nor events for
+``executor_timeout_s`` (it died without clearing) is forgotten.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+from common.config import MeshConfig, env
+from common.kv_stream import ensure_kv_stream
+from common.messages import Heartbeat, IndexMatchReply, IndexMatchRequest, KVEventBatch
+from common.runtime import Service
+from services.prefix_index.radix import RadixTree
+
+log = logging.getLogger("meshserve.prefix_index")
+
+
+@dataclass(frozen=True)
+class PrefixIndexConfig:
+    mesh: MeshConfig
+    executor_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.executor_timeout_s <= 0:
+            raise ValueError("executor_timeout_s must be > 0")
+
+
+def parse_args(argv: list[str] | None = None) -> PrefixIndexConfig:
+    p = argparse.ArgumentParser("python -m services.prefix_index")
+    MeshConfig.add_args(p)
+    p.add_argument(
+        "--executor-timeout", type=float, default=float(env("INDEX_EXECUTOR_TIMEOUT", "30"))
+    )
+    a = p.parse_args(argv)
+    return PrefixIndexConfig(MeshConfig.from_args(a), a.executor_timeout)
+
+
+class PrefixIndexService:
+    def __init__(self, config: PrefixIndexConfig) -> None:
+        self.config = config
+        self.svc = Service("prefix-index", config.mesh)
+        self.tree = RadixTree()
+        self.last_seq: dict[str, int] = {}
+        self.last_seen: dict[str, float] = {}  # monotonic time of the last heartbeat or event
+        self.caught_up = asyncio.Event()
+        self.batches = 0
+        self.gaps = 0
+
+    async def start(self) -> None:
+        await self.svc.connect()
+        s = self.svc.subjects
+        js = self.svc.nc.jetstream()
+        await ensure_kv_stream(js, s)
+        if (await js.stream_info(s.kv_events_stream)).state.messages == 0:
+            self.caught_up.set()
+        await self.svc.replay(s.kv_events_all, KVEventBatch, self.on_events)
+        await self.svc.serve(s.index_match, IndexMatchRequest, self.on_match, queue="index")
+        await self.svc.subscribe(s.executor_heartbeat, Heartbeat, self.on_heartbeat)
+        period = self.config.executor_timeout_s / 4
+        self.svc.spawn(self.svc.every(period, self.expire_silent), "expire")
+
+    # -- handlers -------------------------------------------------------------------------------
+    async def on_events(self, batch: KVEventBatch, pending: int) -> None:
+        executor = batch.executor_id
+        last = self.last_seq.get(executor)
+        if batch.cleared:
+            self.tree.clear(executor)
+        elif last is None:
+            log.info("joining %s's events at batch %d: partial view until its next snapshot",
+                     executor, batch.seq)  # fmt: skip
+        elif batch.seq != last + 1:
+            self.gaps += 1
+            log.warning("missed batches %d..%d of %s: view may be off until its next snapshot",
+                        last + 1, batch.seq - 1, executor)  # fmt: skip
+        for page_hash in batch.evicted:
+            self.tree.evict(executor, page_hash)
+        for page_hash, parent_hash in batch.stored:
+            self.tree.store(executor, page_hash, parent_hash)
+        self.last_seq[executor] = batch.seq
+        self.last_seen[executor] = time.monotonic()
+        self.batches += 1
+        if pending == 0:
+            self.caught_up.set()
+
+    async def on_match(self, req: IndexMatchRequest) -> IndexMatchReply:
+        return IndexMatchReply(self.tree.match(req.block_hashes), len(self.tree.held))
+
+    async def on_heartbeat(self, hb: Heartbeat) -> None:
+        self.last_seen[hb.executor_id] = time.monotonic()
+
+    async def expire_silent(self) -> None:
+        now = time.monotonic()
+        for executor, seen in list(self.last_seen.items()):
+            if now - seen > self.config.executor_timeout_s:
+                pages = self.tree.clear(executor)
+                del self.last_seen[executor]
+                self.last_seq.pop(executor, None)
+                log.info("forgot executor %s (%d pages): silent for %.0f s",
+                         executor, pages, now - seen)  # fmt: skip

@@ -1,0 +1,49 @@
+"""Speculation on the wire: ``gpu.spec_decode`` types <-> ``common.messages``.
+
+Used by both ends: the executor's ``RemoteProposer`` and the speculator service.
+"""
+
+from __future__ import annotations
+
+from common.messages import DraftSeq, DraftTokens, SamplingSpec
+from gpu.sampling import SamplingParams
+from gpu.spec_decode import DraftRequest, Proposal
+
+
+def params_from_spec(spec: SamplingSpec) -> SamplingParams:
+    """What a draft needs of a request's settings (raises ``ValueError`` if out of range)."""
+    return SamplingParams(
+        temperature=spec.temperature,
+        top_p=spec.top_p,
+        top_k=spec.top_k,
+        min_p=spec.min_p,
+        seed=spec.seed,
+        presence_penalty=spec.presence_penalty,
+        frequency_penalty=spec.frequency_penalty,
+        repetition_penalty=spec.repetition_penalty,
+        max_tokens=spec.max_tokens,
+        ignore_eos=spec.ignore_eos,
+    )
+
+
+def draft_seq(req: DraftRequest, spec: SamplingSpec) -> DraftSeq:
+    return DraftSeq(req.request_id, req.token_ids, req.num_prompt_tokens, req.num_draft, spec)
+
+
+def draft_request(seq: DraftSeq) -> DraftRequest:
+    return DraftRequest(
+        seq.request_id,
+        seq.token_ids,
+        seq.num_prompt_tokens,
+        seq.num_draft,
+        params_from_spec(seq.params),
+    )
+
+
+def draft_tokens(request_id: str, proposal: Proposal) -> DraftTokens:
+    return DraftTokens(request_id, proposal.token_ids, proposal.q_ids, proposal.q_probs)
+
+
+def proposal(tokens: DraftTokens) -> Proposal:
+    """Raises ``ValueError`` for an inconsistent draft (the executor then ignores it)."""
+    return Proposal(tokens.token_ids, tokens.q_ids, tokens.q_probs)

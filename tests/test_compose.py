@@ -1,0 +1,311 @@
+"""compose.yaml, the Dockerfile and deploy/ checked against the code they deploy (no Docker).
+
+- compose.yaml is valid against the Compose Specification's JSON schema (vendored from
+  compose-spec/compose-spec in deploy/schema/), after ``${VAR:-default}`` interpolation;
+- every ``depends_on``, volume and mounted file exists; every service has a health check;
+  executors each reserve their own GPU;
+- every meshserve service's command parses with that service's real argparse parser under the
+  environment compose gives it, every MESHSERVE_* variable it sets is one the service reads,
+  and every OTEL_* variable is one OpenTelemetry defines;
+- health checks, Prometheus scrape jobs and the services agree on ports;
+- the Grafana dashboard queries only metrics the services export, through provisioned
+  datasources.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import re
+import tomllib
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import jsonschema
+import opentelemetry.environment_variables
+import opentelemetry.sdk.environment_variables
+import pytest
+import yaml
+
+from common.metrics import all_metric_names
+
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOY = ROOT / "deploy"
+INTERPOLATION = re.compile(
+    r"\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?])(?P<arg>[^}]*))?\}"
+)
+OTEL_VARIABLES = {
+    name
+    for module in (opentelemetry.environment_variables, opentelemetry.sdk.environment_variables)
+    for name in dir(module)
+    if name.startswith("OTEL_")
+}
+SAMPLERS = {
+    "always_on",
+    "always_off",
+    "traceidratio",
+    "parentbased_always_on",
+    "parentbased_always_off",
+    "parentbased_traceidratio",
+}
+
+
+def interpolate(value: Any) -> Any:
+    """Compose's variable substitution with an empty environment: every default applies."""
+    if isinstance(value, str):
+        replaced = INTERPOLATION.sub(lambda m: m.group("arg") or "", value)
+        return replaced.replace("$$", "$")
+    if isinstance(value, list):
+        return [interpolate(v) for v in value]
+    if isinstance(value, dict):
+        return {k: interpolate(v) for k, v in value.items()}
+    return value
+
+
+def load_yaml(path: Path) -> Any:
+    return yaml.safe_load(path.read_text())
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    loaded: dict[str, Any] = interpolate(load_yaml(ROOT / "compose.yaml"))
+    return loaded
+
+
+def mesh_services(compose: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The services that run a meshserve module (``python -m services.<x>``)."""
+    return {
+        name: svc
+        for name, svc in compose["services"].items()
+        if svc.get("command", [])[:2] == ["python", "-m"]
+    }
+
+
+def health_port(svc: dict[str, Any]) -> int:
+    probe = " ".join(svc["healthcheck"]["test"])
+    match = re.search(r"http://127\.0\.0\.1:(\d+)/health", probe)
+    assert match, f"health check does not probe /health: {probe}"
+    return int(match.group(1))
+
+
+def gpu_devices(svc: dict[str, Any]) -> list[str]:
+    devices = svc.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
+    ids = []
+    for device in devices:
+        assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
+        ids += device["device_ids"]
+    return ids
+
+
+def test_compose_matches_the_compose_schema(compose):
+    schema = json.loads((DEPLOY / "schema" / "compose-spec.json").read_text())
+    errors = sorted(
+        jsonschema.Draft7Validator(schema).iter_errors(compose), key=lambda e: list(e.path)
+    )
+    assert not errors, "\n".join(f"{list(e.path)}: {e.message}" for e in errors)
+
+
+def test_compose_structure_and_references(compose):
+    services = compose["services"]
+    expected = {"nats", "jaeger", "prometheus", "grafana", "gateway", "tokenizer"}
+    expected |= {"prefix-index", "scheduler", "executor-0", "speculator", "detokenizer"}
+    assert expected <= set(services)
+    assert "-js" in services["nats"]["command"] and "-m" in services["nats"]["command"]
+    volumes = set(compose.get("volumes", {}))
+    for name, svc in services.items():
+        for dependency in svc.get("depends_on", {}):
+            assert dependency in services, f"{name} depends on unknown {dependency}"
+        if name != "jaeger":  # its image has no shell tool to probe with
+            assert "healthcheck" in svc, f"{name} has no health check"
+        for volume in svc.get("volumes", []):
+            source = volume.split(":")[0]
+            if source.startswith("./deploy"):
+                assert (ROOT / source).exists(), f"{name} mounts missing {source}"
+            elif not source.startswith((".", "/")):
+                assert source in volumes, f"{name} uses undeclared volume {source}"
+    mesh = mesh_services(compose)
+    assert set(mesh) >= expected - {"nats", "jaeger", "prometheus", "grafana"}
+    for name, svc in mesh.items():
+        for dependency, condition in svc.get("depends_on", {}).items():
+            assert condition["condition"] == "service_healthy", (name, dependency)
+
+
+def test_executors_each_reserve_their_own_gpu(compose):
+    mesh = mesh_services(compose)
+    executors = {n: s for n, s in mesh.items() if s["command"][2] == "services.executor"}
+    assert len(executors) >= 2
+    devices = [gpu_devices(svc) for svc in executors.values()]
+    assert all(len(d) == 1 for d in devices), devices
+    assert len({d[0] for d in devices}) == len(devices), "two executors share a GPU"
+    ids = [svc["environment"]["MESHSERVE_INSTANCE_ID"] for svc in executors.values()]
+    assert sorted(ids) == sorted(executors), "an executor's id differs from its service name"
+    assert all(svc["environment"]["MESHSERVE_DEVICE"] == "cuda" for svc in executors.values())
+    assert gpu_devices(mesh["speculator"]), "the speculator's draft model needs a GPU"
+
+
+class RecordingEnviron(dict[str, str]):
+    """``os.environ`` stand-in that remembers which variables were looked up."""
+
+    def __init__(self, values: dict[str, str]) -> None:
+        super().__init__(values)
+        self.read: set[str] = set()
+
+    def get(self, key: str, default: Any = None) -> Any:
+        self.read.add(key)
+        return super().get(key, default)
+
+    def __getitem__(self, key: str) -> str:
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def __contains__(self, key: object) -> bool:
+        self.read.add(str(key))
+        return super().__contains__(key)
+
+
+def compose_mesh_services() -> list[str]:
+    return sorted(mesh_services(interpolate(load_yaml(ROOT / "compose.yaml"))))
+
+
+@pytest.mark.parametrize("name", compose_mesh_services())
+def test_command_and_environment_match_the_service_cli(compose, name, monkeypatch):
+    svc = mesh_services(compose)[name]
+    module = svc["command"][2]
+    try:
+        entry = importlib.import_module(f"{module}.__main__")
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and module.startswith(exc.name):
+            pytest.skip(f"{module} is not written yet")
+        raise
+    environment = {k: str(v) for k, v in svc.get("environment", {}).items()}
+    recording = RecordingEnviron(environment)
+    monkeypatch.setattr(os, "environ", recording)
+    try:
+        config = entry.parse_args(svc["command"][3:])
+    except (SystemExit, ValueError) as exc:  # argparse exits; config checks raise
+        pytest.fail(f"{name}: {svc['command']} with its environment is rejected ({exc})")
+    monkeypatch.undo()
+
+    unread = {k for k in environment if k.startswith("MESHSERVE_")} - recording.read
+    assert not unread, f"{name} sets variables the service never reads: {sorted(unread)}"
+    unknown = {k for k in environment if not k.startswith("MESHSERVE_")} - OTEL_VARIABLES
+    assert not unknown, f"{name} sets variables nothing reads: {sorted(unknown)}"
+    assert environment.get("OTEL_TRACES_SAMPLER", "always_on") in SAMPLERS
+
+    assert config.mesh.nats_url == "nats://nats:4222"
+    endpoint = urlparse(environment["OTEL_EXPORTER_OTLP_ENDPOINT"])
+    assert endpoint.hostname in compose["services"] and endpoint.port == 4318
+    if module == "services.gateway":
+        assert health_port(svc) == config.port
+        assert any(str(p).endswith(f":{config.port}") for p in svc["ports"])
+    else:
+        assert config.mesh.metrics_port is not None, f"{name} serves no /metrics"
+        assert health_port(svc) == config.mesh.metrics_port
+
+
+def test_tokenizer_executors_and_detokenizers_agree_on_the_layout(compose, monkeypatch):
+    mesh = mesh_services(compose)
+    by_module: dict[str, list[dict[str, str]]] = {}
+    for svc in mesh.values():
+        by_module.setdefault(svc["command"][2], []).append(svc.get("environment", {}))
+    layouts = {
+        (env["MESHSERVE_PAGE_SIZE"], env["MESHSERVE_DETOK_SHARDS"])
+        for module in ("services.tokenizer", "services.executor")
+        for env in by_module[module]
+    }
+    assert len(layouts) == 1, f"page size / detokenizer shards disagree: {layouts}"
+    ((_, shards),) = layouts
+    served = sorted(int(env["MESHSERVE_DETOK_SHARD"]) for env in by_module["services.detokenizer"])
+    assert served == list(range(int(shards))), "every detokenizer shard must be served once"
+
+
+def test_prometheus_scrapes_every_service_where_it_serves(compose):
+    config = load_yaml(DEPLOY / "prometheus" / "prometheus.yml")
+    targets: dict[str, int] = {}
+    for job in config["scrape_configs"]:
+        for sd in job.get("dns_sd_configs", []):
+            for host in sd["names"]:
+                targets[host] = sd["port"]
+    for name, svc in mesh_services(compose).items():
+        assert name in targets, f"Prometheus does not scrape {name}"
+        assert targets[name] == health_port(svc), f"{name} is scraped on the wrong port"
+    unknown = set(targets) - set(compose["services"])
+    assert not unknown, f"Prometheus scrapes services compose does not define: {unknown}"
+    command = compose["services"]["prometheus"]["command"]
+    assert "--config.file=/etc/prometheus/prometheus.yml" in command
+    assert "--enable-feature=exemplar-storage" in command
+
+
+def test_grafana_is_provisioned_with_the_dashboard_and_datasources(compose):
+    grafana = compose["services"]["grafana"]
+    mounts = dict(v.split(":")[:2] for v in grafana["volumes"] if v.startswith("./"))
+    provisioning = ROOT / next(s for s, t in mounts.items() if t == "/etc/grafana/provisioning")
+    datasources = load_yaml(provisioning / "datasources" / "datasources.yaml")["datasources"]
+    uids = {ds["uid"]: ds for ds in datasources}
+    assert uids["prometheus"]["type"] == "prometheus" and uids["jaeger"]["type"] == "jaeger"
+    assert urlparse(uids["prometheus"]["url"]).hostname == "prometheus"
+    assert urlparse(uids["jaeger"]["url"]).hostname == "jaeger"
+    exemplars = uids["prometheus"]["jsonData"]["exemplarTraceIdDestinations"]
+    assert exemplars == [{"name": "trace_id", "datasourceUid": "jaeger"}]
+
+    provider = load_yaml(provisioning / "dashboards" / "dashboards.yaml")["providers"][0]
+    folder = provider["options"]["path"]
+    source = [s for s, t in mounts.items() if t == folder]
+    assert source, f"no mount provides the dashboards folder {folder}"
+    home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert (ROOT / source[0] / Path(home).relative_to(folder)).is_file()
+
+
+def dashboard_exprs(dashboard: dict[str, Any]) -> list[str]:
+    return [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+
+
+def test_dashboard_queries_only_exported_metrics():
+    dashboard = json.loads((DEPLOY / "grafana" / "dashboards" / "meshserve.json").read_text())
+    exported = all_metric_names()
+    used = set()
+    for expr in dashboard_exprs(dashboard):
+        for name in re.findall(r"meshserve:[A-Za-z0-9_:]+", expr):
+            base = re.sub(r"_(bucket|count|sum)$", "", name)
+            used.add(base)
+            assert base in exported, f"the dashboard queries {name}, which nothing exports"
+    for family in (
+        "meshserve:time_to_first_token_seconds",
+        "meshserve:inter_token_latency_seconds",
+        "meshserve:time_per_output_token_seconds",
+        "meshserve:e2e_request_latency_seconds",
+        "meshserve:num_requests_waiting",
+        "meshserve:kv_cache_usage_perc",
+        "meshserve:prefix_cache_hits_total",
+        "meshserve:spec_decode_num_accepted_tokens_total",
+    ):
+        assert family in used, f"the dashboard has no panel on {family}"
+    variables = {v["name"] for v in dashboard["templating"]["list"]}
+    for expr in dashboard_exprs(dashboard):
+        for var in re.findall(r"\$([a-z_]+)", expr):
+            assert var in variables or var.startswith("__"), f"undefined variable ${var}"
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids))
+    for panel in dashboard["panels"]:
+        pos = panel["gridPos"]
+        assert pos["x"] + pos["w"] <= 24
+        if panel["type"] != "row":
+            assert panel.get("description"), f"panel {panel['title']!r} has no description"
+            assert panel["datasource"]["uid"] == "prometheus"
+
+
+def test_dockerfile_builds_on_cuda_pytorch_with_flashinfer(compose):
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    base = re.search(r"ARG BASE_IMAGE=(\S+)", dockerfile)
+    assert base and base.group(1).startswith("pytorch/pytorch:") and "cuda" in base.group(1)
+    assert "-devel" in base.group(1), "FlashInfer's JIT needs nvcc: a devel image"
+    assert "pip install '.[cuda]'" in dockerfile
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert any(d.startswith("flashinfer") for d in extras["optional-dependencies"]["cuda"])
+    exposed = {int(p) for p in re.findall(r"EXPOSE ([\d ]+)", dockerfile)[0].split()}
+    ports = {health_port(svc) for svc in mesh_services(compose).values()}
+    assert ports <= exposed
+    for svc in mesh_services(compose).values():
+        assert svc["build"]["dockerfile"] == "Dockerfile"

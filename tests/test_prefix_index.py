@@ -1,0 +1,271 @@
+"""The prefix-cache index: its radix tree, its view against the executors' real caches over
+NATS/JetStream, and its rebuild from the stream after a restart."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import aiohttp
+import openai
+import pytest
+
+from common.block_hash import ROOT_HASH, page_hashes
+from common.config import MeshConfig
+from common.messages import KVEventBatch
+from gpu.engine import Engine, EngineConfig
+from gpu.loader import load_model
+from gpu.runner import ModelRunner
+from gpu.sampling import SamplingParams
+from services.executor.kv_events import batch_events
+from services.prefix_index.radix import RadixTree
+from services.prefix_index.service import PrefixIndexConfig, PrefixIndexService
+from tests.mesh import MeshHarness
+
+PAGE = 16
+
+
+def contiguous_overlap(cached: set[int], hashes: list[int]) -> int:
+    """What an executor's own prefix cache would reuse: leading pages without a gap."""
+    n = 0
+    while n < len(hashes) and hashes[n] in cached:
+        n += 1
+    return n
+
+
+def random_prompts(rng: random.Random, count: int, prefixes: list[list[int]]) -> list[list[int]]:
+    prompts = []
+    for _ in range(count):
+        head = rng.choice(prefixes)
+        cut = rng.randrange(len(head) // 2, len(head) + 1)  # share part or all of a prefix
+        prompts.append(head[:cut] + [rng.randrange(3, 500) for _ in range(rng.randrange(1, 40))])
+    return prompts
+
+
+# -- the radix tree alone ------------------------------------------------------------------------
+
+
+def test_radix_tree_matches_a_brute_force_model_under_random_operations():
+    rng = random.Random(0)
+    chains = [page_hashes([rng.randrange(500) for _ in range(8 * 4)], 4) for _ in range(6)]
+    # Chains share prefixes: chain i continues chain i // 2's first pages.
+    for i in range(1, len(chains)):
+        base = chains[i // 2][: rng.randrange(1, 5)]
+        tail = page_hashes([rng.randrange(500) for _ in range(4 * 4)], 4, parent=base[-1])
+        chains[i] = base + tail
+    parent_of = {h: (c[i - 1] if i else ROOT_HASH) for c in chains for i, h in enumerate(c)}
+    tree = RadixTree()
+    model: dict[str, set[int]] = {e: set() for e in "abc"}
+    for _ in range(3000):
+        executor, op = rng.choice("abc"), rng.random()
+        if op < 0.55:
+            h = rng.choice(list(parent_of))
+            tree.store(executor, h, parent_of[h])
+            model[executor].add(h)
+        elif op < 0.97 and model[executor]:
+            h = rng.choice(sorted(model[executor]))
+            assert tree.evict(executor, h)
+            model[executor].discard(h)
+        else:
+            tree.clear(executor)
+            model[executor].clear()
+        tree.check()
+        assert tree.view() == {e: s for e, s in model.items() if s}
+        chain = rng.choice(chains)
+        expected = {e: contiguous_overlap(s, chain) for e, s in model.items()}
+        assert tree.match(chain) == {e: n for e, n in expected.items() if n}
+    for executor in "abc":
+        tree.clear(executor)
+    assert tree.num_nodes == 0  # nothing held, nothing left over
+
+
+def test_a_page_stored_before_its_parent_is_found_once_the_parent_is():
+    a, b = page_hashes(list(range(8)), 4)
+    tree = RadixTree()
+    tree.store("x", b, a)  # the parent page is not known yet
+    assert tree.match([a, b]) == {}
+    tree.store("y", a, ROOT_HASH)
+    assert tree.match([a, b]) == {"y": 1}
+    tree.store("x", a, ROOT_HASH)
+    assert tree.match([a, b]) == {"x": 2, "y": 1}
+    tree.check()
+
+
+# -- the index against real engines (no NATS) ------------------------------------------------------
+
+
+async def test_index_view_equals_engine_caches_step_by_step(tiny_llama):
+    """Two engines under random load with evictions; after every step the index, fed the
+    batches an executor would publish, holds exactly each engine's cache."""
+    rng = random.Random(1)
+    model = load_model(tiny_llama, progress=False)
+    engines = {
+        f"ex{i}": Engine(ModelRunner(model, num_pages=24, page_size=PAGE), EngineConfig(128, 8))
+        for i in range(2)
+    }
+    index = PrefixIndexService(PrefixIndexConfig(MeshConfig(instance_id="t")))
+    seq = dict.fromkeys(engines, 0)
+    for executor in engines:  # what an executor publishes when it starts
+        seq[executor] += 1
+        await index.on_events(KVEventBatch(executor, seq[executor], cleared=True), 0)
+    prefixes = [[rng.randrange(3, 500) for _ in range(80)] for _ in range(5)]
+    stored = evicted = 0
+    for n, prompt in enumerate(random_prompts(rng, 60, prefixes)):
+        engine = engines[rng.choice(list(engines))]
+        engine.add_request(f"r{n}", prompt, SamplingParams(max_tokens=rng.randrange(1, 6)))
+        for _ in range(rng.randrange(0, 4)):
+            for executor, eng in engines.items():
+                eng.step()
+                events = eng.drain_kv_events()
+                stored += sum(e.kind == "stored" for e in events)
+                evicted += sum(e.kind == "evicted" for e in events)
+                for ev, st in batch_events(events):
+                    seq[executor] += 1
+                    await index.on_events(KVEventBatch(executor, seq[executor], False, ev, st), 0)
+                assert index.tree.pages_of(executor) == set(eng.blocks.hash_to_page)
+        hashes = page_hashes(prompt, PAGE)
+        overlaps = (await index.on_match(_match(hashes))).overlaps
+        for executor, eng in engines.items():
+            expected = contiguous_overlap(set(eng.blocks.hash_to_page), hashes)
+            assert overlaps.get(executor, 0) == expected
+    assert stored > 48 and evicted > 0, (stored, evicted)  # the pools really turned over
+    assert index.gaps == 0
+    index.tree.check()
+
+
+def _match(hashes: list[int]):  # the scheduler's question
+    from common.messages import IndexMatchRequest
+
+    return IndexMatchRequest(hashes)
+
+
+# -- over NATS: executors publish, the index replays -----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mesh(tiny_llama):
+    # 32 pages per executor and prompts of up to ~7 pages: caches turn over all the time.
+    harness = MeshHarness(tiny_llama, executors=2, kv_cache_tokens=512, router="kv").start()
+    yield harness
+    harness.stop()
+
+
+async def _views(mesh: MeshHarness, index: PrefixIndexService):
+    """(each executor's real cache, the index's view of it), read together on the mesh loop."""
+
+    async def read():
+        busy = any(
+            ex.engine.has_unfinished() or ex.pending_adds or not ex.kv_events.idle.is_set()
+            for ex in mesh.executor_services
+        )
+        actual = {
+            ex.config.executor_id: set(ex.engine.blocks.hash_to_page)
+            for ex in mesh.executor_services
+        }
+        seen = {e: index.tree.pages_of(e) for e in actual}
+        return busy, actual, seen
+
+    return mesh.call(read())
+
+
+async def wait_for_agreement(mesh: MeshHarness, index: PrefixIndexService, timeout: float = 15):
+    deadline = time.monotonic() + timeout
+    while True:
+        busy, actual, seen = await _views(mesh, index)
+        if not busy and actual == seen:
+            return actual
+        if time.monotonic() > deadline:
+            missing = {e: len(actual[e] - seen[e]) for e in actual}
+            extra = {e: len(seen[e] - actual[e]) for e in actual}
+            pytest.fail(f"index disagrees: busy={busy} missing={missing} extra={extra}")
+        await asyncio.sleep(0.05)
+
+
+async def run_random_traffic(mesh: MeshHarness, seed: int, count: int) -> int:
+    """Random prompts sharing prefixes, some clients hanging up mid-stream; returns how many
+    distinct full pages the prompts hold (far more than the executors can keep)."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(3, 500) for _ in range(rng.randrange(40, 110))] for _ in range(16)]
+    prompts = random_prompts(rng, count, prefixes)
+    client = openai.AsyncOpenAI(base_url=mesh.base_url, api_key="x", max_retries=0)
+
+    async def complete(prompt: list[int]) -> None:
+        await client.completions.create(
+            model="tiny",
+            prompt=prompt,
+            max_tokens=rng.randrange(1, 12),
+            extra_body={"ignore_eos": True},
+        )
+
+    async def hang_up(prompt: list[int]) -> None:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 60, "stream": True}
+        async with aiohttp.ClientSession() as session:
+            resp = await session.post(mesh.base_url + "/completions", json=body)
+            await resp.content.readline()
+            resp.close()
+
+    for start in range(0, len(prompts), 8):
+        batch = prompts[start : start + 8]
+        await asyncio.gather(*(hang_up(p) if rng.random() < 0.15 else complete(p) for p in batch))
+    return len({h for p in prompts for h in page_hashes(p, PAGE)})
+
+
+async def test_index_view_equals_the_union_of_executor_caches(mesh):
+    pages = await run_random_traffic(mesh, seed=2, count=64)
+    assert pages > 2 * (2 * 32)  # twice what both caches hold: evictions happened
+    actual = await wait_for_agreement(mesh, mesh.index)
+    assert all(actual.values()), "both executors should hold something"
+    mesh.index.tree.check()
+    assert mesh.index.gaps == 0
+
+
+async def test_index_rebuilds_from_the_stream_after_a_restart(mesh):
+    old = mesh.index
+    await run_random_traffic(mesh, seed=3, count=24)
+    actual = await wait_for_agreement(mesh, old)
+    mesh.call(old.svc.close())
+    await run_random_traffic(mesh, seed=4, count=24)  # changes the index never saw live
+    # Snapshots roll up often here, so the replay starts from one.
+    for ex in mesh.executor_services:
+        ex.kv_events.min_deltas_between_snapshots = 16
+
+    async def start_replicas():
+        replicas = [
+            PrefixIndexService(PrefixIndexConfig(mesh.mesh_config(f"index-{i}"))) for i in (1, 2)
+        ]
+        for r in replicas:
+            await r.start()
+        await asyncio.wait_for(asyncio.gather(*(r.caught_up.wait() for r in replicas)), 10)
+        return replicas
+
+    await run_random_traffic(mesh, seed=5, count=24)
+    replicas = mesh.call(start_replicas())
+    mesh.index = replicas[0]
+    try:
+        actual = await wait_for_agreement(mesh, replicas[0])
+        await wait_for_agreement(mesh, replicas[1])
+        assert replicas[0].tree.view() == replicas[1].tree.view()
+        assert all(actual.values())
+        client = openai.AsyncOpenAI(base_url=mesh.base_url, api_key="x", max_retries=0)
+        out = await client.completions.create(model="tiny", prompt="still routing", max_tokens=2)
+        assert out.choices[0].finish_reason in ("stop", "length")
+        # The stream stays small: one snapshot plus recent deltas per executor.
+        js = mesh.executor_services[0].svc.nc.jetstream()
+        info = mesh.call(js.stream_info(mesh.executor_services[0].svc.subjects.kv_events_stream))
+        assert info.state.messages < 200, info.state
+    finally:
+        for r in replicas[1:]:
+            mesh.call(r.svc.close())
+
+
+async def test_executor_leaving_clears_its_pages(mesh):
+    await run_random_traffic(mesh, seed=6, count=8)
+    await wait_for_agreement(mesh, mesh.index)
+    ex = mesh.executor_services[1]
+    assert mesh.index.tree.pages_of(ex.config.executor_id)
+    mesh.call(ex.kv_events.close())  # what ExecutorService.stop() sends first
+    deadline = time.monotonic() + 5
+    while mesh.index.tree.pages_of(ex.config.executor_id):
+        assert time.monotonic() < deadline, "the index kept a departed executor's pages"
+        await asyncio.sleep(0.05)
