@@ -182,7 +182,7 @@ def linear_options() -> dict[
 ]:
     """CPU ways to multiply by a weight ``[N, K]``: (prepare once, call per step)."""
     from gpu import cpu_kernels
-    from gpu.quant import quantize_int8
+    from gpu.quant import pack_row_blocks, quantize_int8
 
     opts: dict[str, tuple[Callable[[torch.Tensor], object], Callable[..., torch.Tensor]]] = {
         "fp32 F.linear [N,K]": (lambda w: w, lambda x, w: F.linear(x, w)),
@@ -190,10 +190,12 @@ def linear_options() -> dict[
     }
     kernels = cpu_kernels.load()
     if kernels is not None:
-        opts["int8 meshserve kernel"] = (
-            quantize_int8,
-            lambda x, p: kernels.int8_linear(x, p[0], p[1]),
-        )
+
+        def packed(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            q, s = quantize_int8(w)
+            return pack_row_blocks(q), s
+
+        opts["int8 meshserve kernel"] = (packed, lambda x, p: kernels.int8_linear(x, p[0], p[1]))
     opts["int8 torch._weight_int8pack_mm"] = (
         quantize_int8,
         lambda x, p: torch._weight_int8pack_mm(x, p[0], p[1]),
@@ -217,9 +219,11 @@ def linear_options() -> dict[
 
 
 def linear_report(shapes: list[tuple[str, int, int]], batches: Sequence[int]) -> None:
-    """Time each option per shape; weights in several copies so they come from DRAM, as in a
-    real decode step (one layer's weights fit in L3, thirty do not)."""
-    copies_for = {name: 1 if n * k > 8_000_000 else 30 for name, n, k in shapes}
+    """Time each option per shape: the median of single calls over weights kept in several
+    copies, so they come from DRAM as in a real decode step (one layer's weights fit in L3,
+    thirty do not). The median of single calls shrugs off a busy machine's stalls better than
+    the mean of a loop does."""
+    copies_for = {name: 2 if n * k > 8_000_000 else 30 for name, n, k in shapes}
     emit("| option | " + " | ".join(f"{n} M={m}" for n, _, _ in shapes for m in batches) + " |")
     emit("|---" * (1 + len(shapes) * len(batches)) + "|")
     torch.backends.quantized.engine = "fbgemm"
@@ -236,18 +240,23 @@ def linear_report(shapes: list[tuple[str, int, int]], batches: Sequence[int]) ->
                 x = torch.randn(m, k)
                 try:
                     call(x, prepared[0])
-                    best = min(_time_all(call, x, prepared) for _ in range(5))
-                    cells.append(f"{best * 1e6:.0f} us")
+                    times = _call_times(call, x, prepared, rounds=5 if n * k > 8_000_000 else 3)
+                    cells.append(f"{statistics.median(times) * 1e6:.0f} us")
                 except (RuntimeError, NotImplementedError):
                     cells.append("n/a")
         emit(f"| {option} | " + " | ".join(cells) + " |")
 
 
-def _time_all(call: Callable[..., torch.Tensor], x: torch.Tensor, prepared: list[object]) -> float:
-    start = time.perf_counter()
-    for p in prepared:
-        call(x, p)
-    return (time.perf_counter() - start) / len(prepared)
+def _call_times(
+    call: Callable[..., torch.Tensor], x: torch.Tensor, prepared: list[object], rounds: int
+) -> list[float]:
+    times = []
+    for _ in range(rounds):
+        for p in prepared:
+            start = time.perf_counter()
+            call(x, p)
+            times.append(time.perf_counter() - start)
+    return times
 
 
 # --------------------------------------------------------------------------- main
@@ -325,7 +334,7 @@ def main(argv: list[str] | None = None) -> None:
             gc.collect()
         emit(f"\nload average at end {_load_average()}")
     if args.linear:
-        emit("\nCPU matmul options, per call (best of 5), SmolLM2-135M layer shapes:\n")
+        emit("\nCPU matmul options, median time per call, SmolLM2-135M layer shapes:\n")
         linear_report(
             [
                 ("qkv 576x960", 960, 576),

@@ -132,13 +132,17 @@ def main(argv: list[str] | None = None) -> None:
     draft_runner = ModelRunner(load_model(args.draft, device=device, progress=False), pages, 16)
     if draft_runner.config.vocab_size != target.config.vocab_size:
         raise SystemExit("the draft's vocabulary differs from the target's")
-    warm = prompts[:1]
-    run("warm-up", target, eos, warm, argparse.Namespace(**{**vars(args), "max_tokens": 4}))
-    results = [run("no speculation", target, eos, prompts, args)]
     draft = DraftModelProposer(draft_runner, generator=torch.Generator(device).manual_seed(0))
-    results.append(run(f"draft model, k={args.k}", target, eos, prompts, args, draft))
+    runs: list[tuple[str, Proposer | None]] = [
+        ("no speculation", None),
+        (f"draft model, k={args.k}", draft),
+    ]
     if not args.no_ngram:
-        results.append(run(f"n-gram, k={args.k}", target, eos, prompts, args, NgramProposer()))
+        runs.append((f"n-gram, k={args.k}", NgramProposer()))
+    warm = argparse.Namespace(**{**vars(args), "max_tokens": 16})
+    for _, proposer in runs:  # first calls of new shapes are slow (allocator, kernels)
+        run("warm-up", target, eos, prompts[:1], warm, proposer)
+    results = [run(name, target, eos, prompts, args, proposer) for name, proposer in runs]
     base = results[0]
     out = sys.stdout
     out.write(

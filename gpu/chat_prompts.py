@@ -22,7 +22,7 @@ TASKS = [
 
 TOPICS = [
     "black holes", "the French Revolution", "compound interest", "machine learning",
-    "the water cycle", "volcanoes", "the Roman Empire", "climate change", "electric cars",
+    "the water cycle", "volcanoes", "the Roman Empire", "rivers and deltas", "electric cars",
     "the human immune system", "bees and pollination", "the stock market", "jazz music",
     "renewable energy", "the printing press", "plate tectonics", "sleep and memory",
     "the internet", "coral reefs", "ancient Egypt", "quantum computing", "the Olympic Games",
@@ -31,7 +31,16 @@ TOPICS = [
     "the Renaissance", "honeybees in winter", "solar panels", "the Amazon rainforest",
     "credit cards", "sourdough bread", "the periodic table", "team sports", "minimalism",
     "the Silk Road", "3D printing", "earthquakes", "urban gardening", "the piano",
-    "Mars exploration", "vaccines and herd immunity",
+    "Mars exploration", "vaccines and herd immunity", "origami", "the Byzantine Empire",
+    "submarines", "cheese making", "the Industrial Revolution", "wind turbines", "octopuses",
+    "the Cold War", "blockchain", "marathon running", "tsunamis", "the human heart",
+    "penguins", "the Mongol Empire", "opera", "nuclear fusion", "desert ecosystems",
+    "smartphones", "photography", "volunteering", "the Aztecs", "video games",
+    "rock climbing", "the Nile river", "electric guitars", "yoga", "robotics",
+    "the Black Death", "hurricanes", "composting", "the Vikings", "telescopes", "board games",
+    "wolves", "cryptography", "pottery", "mushrooms", "skyscrapers", "public speaking",
+    "bridges", "bird migration", "DNA", "ocean tides", "glassblowing", "the Ottoman Empire",
+    "glaciers", "spices", "the metric system",
 ]  # fmt: skip
 
 HELD_OUT = [

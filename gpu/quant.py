@@ -61,6 +61,23 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.contiguous(), scale
 
 
+def pack_row_blocks(w: torch.Tensor) -> torch.Tensor:
+    """``[N, K]`` -> ``[ceil(N/8), ceil(K/8), 8, 8]`` (zero padded, same dtype): blocks of 8
+    output rows, each a sequence of 8-row x 8-column tiles, the layout the CPU linear kernels
+    stream (see ``gpu.cpu_kernels``)."""
+    n, k = w.shape
+    np_, kp = -(-n // 8) * 8, -(-k // 8) * 8
+    padded = torch.zeros((np_, kp), dtype=w.dtype, device=w.device)
+    padded[:n, :k] = w
+    return padded.view(np_ // 8, 8, kp // 8, 8).permute(0, 2, 1, 3).contiguous()
+
+
+def unpack_row_blocks(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The inverse of :func:`pack_row_blocks`: ``[n, k]``."""
+    nb, kb = packed.shape[:2]
+    return packed.permute(0, 2, 1, 3).reshape(nb * 8, kb * 8)[:n, :k]
+
+
 def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``[N, K]`` float -> (e4m3 ``[N, K]``, fp32 scales ``[N]``), per output row."""
     w = weight.to(torch.float32)

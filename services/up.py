@@ -179,7 +179,7 @@ def add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="kv (cache-aware; the default with several executors), least-load, round-robin",
     )
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--kv-cache-tokens", type=int, default=65536)
+    p.add_argument("--kv-cache-tokens", type=int, default=16384)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument(

@@ -22,6 +22,13 @@ from gpu.runner import ModelRunner
 from gpu.sampling import SamplingParams
 
 KERNELS = cpu_kernels.load()
+
+
+def kernels() -> cpu_kernels.CpuKernels:
+    assert KERNELS is not None
+    return KERNELS
+
+
 needs_kernels = pytest.mark.skipif(
     KERNELS is None, reason="CPU kernels need AVX2/FMA and a C compiler"
 )
@@ -37,14 +44,16 @@ def weight_and_input(n: int, k: int, m: int, seed: int = 0) -> tuple[torch.Tenso
 # -- each linear format against fp32 ---------------------------------------------------------
 
 
+@pytest.mark.parametrize("use_kernels", [False, pytest.param(True, marks=needs_kernels)])
 @pytest.mark.parametrize("shape", [(96, 64), (37, 13), (576, 192)])
 @pytest.mark.parametrize("m", [1, 3, 32, 70])
-def test_dense_linear_matches_f_linear(shape, m):
-    w, x = weight_and_input(*shape, m)
+def test_dense_linear_matches_f_linear(use_kernels, shape, m):
+    w, x = weight_and_input(shape[0], shape[1], m)
     bias = torch.randn(shape[0])
-    layer = DenseLinear(w, bias)
-    assert layer.weight.shape == (shape[1], shape[0])  # stored [K, N] on CPU
+    layer = DenseLinear(w, bias, KERNELS if use_kernels else None)
+    assert layer.layout == ("packed" if use_kernels else "kn")
     torch.testing.assert_close(layer(x), F.linear(x, w, bias), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(layer.dequantized_weight(), w, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("use_kernels", [False, pytest.param(True, marks=needs_kernels)])
@@ -53,7 +62,7 @@ def test_dense_linear_matches_f_linear(shape, m):
 def test_int8_linear_within_its_rounding_bound(use_kernels, shape, m):
     """Rounding each weight to its row's int8 grid moves it by at most scale/2, so each output
     moves by at most (scale/2) * sum|x| (plus fp32 rounding)."""
-    w, x = weight_and_input(*shape, m)
+    w, x = weight_and_input(shape[0], shape[1], m)
     bias = torch.randn(shape[0])
     layer = Int8Linear(w, bias, KERNELS if use_kernels else None)
     y = layer(x)
@@ -101,13 +110,14 @@ def test_fp8_linear_matches_its_emulation_and_fp32():
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_a_row_does_not_depend_on_its_batch(fmt):
     """No per-batch activation scales: each output row is a function of its own input row.
-    On the int8 kernel it is the same bits (fixed summation order whatever the batch)."""
+    On the CPU kernels (fp32, int8) it is the same bits (a fixed summation order whatever the
+    batch and however the work is split across threads)."""
     w, x = weight_and_input(130, 64, 40)
     layer = make_linear(w, quantization=fmt, kernels=KERNELS)
     full = layer(x)
     for rows in (slice(0, 1), slice(5, 6), slice(3, 20)):
         part = layer(x[rows])
-        if fmt == "int8" and KERNELS is not None:
+        if fmt in ("none", "int8") and KERNELS is not None:
             assert torch.equal(part, full[rows])
         else:
             torch.testing.assert_close(part, full[rows], rtol=1e-5, atol=1e-6)
@@ -126,7 +136,7 @@ def test_unknown_format_is_named():
 @pytest.mark.parametrize("t", [1, 5])
 def test_fused_ops_match_torch_ops(t):
     g = torch.Generator().manual_seed(1)
-    ref, fused = TorchOps(), KernelOps(KERNELS)
+    ref, fused = TorchOps(), KernelOps(kernels())
     hidden, delta = torch.randn(t, 68, generator=g), torch.randn(t, 68, generator=g)
     weight = torch.rand(68, generator=g) + 0.5
     h_ref, h_fused = hidden.clone(), hidden.clone()
@@ -155,7 +165,7 @@ def test_fused_rope_matches_torch(tiny_llama, head_dim):
     qkv = torch.randn(4, 7 * head_dim + 5)[:, 2:]  # strided rows, like a view of qkv output
     a, b = qkv.clone(), qkv.clone()
     TorchOps().rope_(a, 5, head_dim, TorchOps().rope_step(rope, positions))
-    fused = KernelOps(KERNELS)
+    fused = KernelOps(kernels())
     fused.rope_(b, 5, head_dim, fused.rope_step(rope, positions))
     torch.testing.assert_close(a, b)
     assert torch.equal(a[:, 5 * head_dim :], qkv[:, 5 * head_dim :])  # v untouched

@@ -15,7 +15,7 @@ class ExecutorConfig:
     model: str | None
     device: str = "cpu"
     page_size: int = 16
-    kv_cache_tokens: int = 65536
+    kv_cache_tokens: int = 16384
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
     enable_prefix_caching: bool = True
@@ -58,7 +58,7 @@ def parse_args(argv: list[str] | None = None) -> ExecutorConfig:
     p.add_argument("--model", default=env("MODEL", "") or None)
     p.add_argument("--device", default=env("DEVICE", "cpu"))
     p.add_argument("--page-size", type=int, default=int(env("PAGE_SIZE", "16")))
-    p.add_argument("--kv-cache-tokens", type=int, default=int(env("KV_CACHE_TOKENS", "65536")))
+    p.add_argument("--kv-cache-tokens", type=int, default=int(env("KV_CACHE_TOKENS", "16384")))
     p.add_argument(
         "--max-num-batched-tokens", type=int, default=int(env("MAX_NUM_BATCHED_TOKENS", "512"))
     )
