@@ -666,16 +666,26 @@ def _build(out: Path) -> None:
 
 @cache
 def load() -> CpuKernels | None:
-    """The kernels, compiled on first use (about a second) and cached on disk; None where they
-    cannot run here (no AVX2/FMA, no compiler) or ``MESHSERVE_CPU_KERNELS=0``."""
-    if os.environ.get("MESHSERVE_CPU_KERNELS", "1") == "0" or not _cpu_supported():
+    """The kernels for this process, compiled on first use (about a second) and cached on disk
+    under ``$MESHSERVE_CACHE/kernels``; None where they cannot run here (no AVX2/FMA, no
+    compiler or Python headers) or with ``MESHSERVE_CPU_KERNELS=0``."""
+    if os.environ.get("MESHSERVE_CPU_KERNELS", "1") == "0":
         return None
     from gpu.gguf import cache_root
 
+    return build(cache_root() / "kernels")
+
+
+def build(folder: Path) -> CpuKernels | None:
+    """Compile (unless ``folder`` already holds this source's build) and load the kernels;
+    None, with a warning naming why, where that fails."""
+    if not _cpu_supported():
+        logger.info("CPU kernels need AVX2 and FMA; using plain torch ops")
+        return None
     key = SOURCE + " ".join(FLAGS) + sys.version + sysconfig.get_paths()["include"]
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
-    path = cache_root() / "kernels" / f"{MODULE}.{digest}{suffix}"
+    path = folder / f"{MODULE}.{digest}{suffix}"
     try:
         if not path.is_file():
             _build(path)

@@ -123,6 +123,18 @@ def test_a_row_does_not_depend_on_its_batch(fmt):
             torch.testing.assert_close(part, full[rows], rtol=1e-5, atol=1e-6)
 
 
+def test_kernels_degrade_to_torch_without_a_compiler(tmp_path, monkeypatch, tiny_llama, caplog):
+    """No C compiler: ``build`` says why and returns None, and a model loads on plain torch."""
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    if KERNELS is None:
+        pytest.skip("no kernels on this machine to begin with")
+    assert cpu_kernels.build(tmp_path / "kernels") is None
+    assert "CPU kernels unavailable" in caplog.text
+    model = load_model(tiny_llama, quantization="int8", cpu_kernels=False)
+    assert model.kernels is None and not isinstance(model.ops, KernelOps)
+    assert ModelRunner(model, 4, 4).execute([SeqChunk((0,), 0, 1)], [[3]]).shape == (1, 512)
+
+
 def test_unknown_format_is_named():
     w, _ = weight_and_input(16, 16, 1)
     with pytest.raises(ModelError, match="unknown quantization 'int4'"):
