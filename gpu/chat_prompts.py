@@ -1,7 +1,7 @@
 """Fixed chat prompts: a distillation set and a disjoint held-out set for benchmarks.
 
 The distillation prompts are every (task, topic) pair below, in a fixed shuffled order; the
-held-out prompts use other topics and other phrasings, so a draft distilled on the first set is
+held-out prompts use other topics and are not among them, so a draft distilled on the first set is
 measured on text it was not trained on.
 """
 
@@ -18,6 +18,28 @@ TASKS = [
     "What are the pros and cons of {}?",
     "Write a friendly email to a colleague about {}.",
     "List five interesting facts about {}.",
+]
+
+# More phrasings (questions, creative and casual requests), so a draft does not learn the
+# answer style of eight templates only. Listed after TASKS' prompts: a run with fewer prompts
+# keeps its data when it is resumed with more.
+MORE_TASKS = [
+    "What is {}?",
+    "How does {} work?",
+    "Why does {} matter?",
+    "Can you explain {} in simple terms?",
+    "Tell me something surprising about {}.",
+    "I'm new to {}. Where should I start?",
+    "Write a short poem about {}.",
+    "Describe {} in three sentences.",
+    "What would the world be like without {}?",
+    "Give me a quick quiz with three questions about {}.",
+    "How would you explain {} to a five-year-old?",
+    "What are the most important things to know about {}?",
+    "Write a tweet about {}.",
+    "What do people often get wrong about {}?",
+    "Create a short story that involves {}.",
+    "Compare {} with something from everyday life.",
 ]
 
 TOPICS = [
@@ -64,9 +86,13 @@ HELD_OUT = [
 
 
 def distill_prompts(n: int | None = None, seed: int = 0) -> list[str]:
-    """The first ``n`` of the (task, topic) prompts in a fixed order (all when None)."""
-    prompts = [task.format(topic) for topic in TOPICS for task in TASKS]
-    random.Random(seed).shuffle(prompts)
+    """The first ``n`` of the (task, topic) prompts in a fixed order (all when None): every
+    TASKS prompt, shuffled, then every MORE_TASKS prompt, shuffled."""
+    prompts = []
+    for i, tasks in enumerate((TASKS, MORE_TASKS)):
+        group = [task.format(topic) for topic in TOPICS for task in tasks]
+        random.Random(seed + i).shuffle(group)
+        prompts += group
     return prompts if n is None else prompts[:n]
 
 

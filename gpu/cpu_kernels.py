@@ -41,6 +41,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 from types import ModuleType
@@ -292,19 +293,69 @@ void silu_mul(const float* gu, i64 T, i64 I, float* out, int nthreads) {
 
 /* ---------------------------------------------------------------- paged decode attention */
 
+/* q . k over D (a multiple of 8) with 4 partial sums (a short FMA chain), combined in a
+   fixed order. */
 static inline float dot(const float* a, const float* b, i64 D) {
-    __m256 acc = _mm256_setzero_ps();
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                     _mm256_setzero_ps()};
     for (i64 d = 0; d < D; d += 8)
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc);
-    return hsum8(acc);
+        acc[(d >> 3) & 3] =
+            _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc[(d >> 3) & 3]);
+    return hsum8(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+}
+
+/* p[0:L] <- exp(p - max), returns the sum. */
+static float softmax_numerators(float* p, i64 L, float mx) {
+    __m256 sum8 = _mm256_setzero_ps(), mxv = _mm256_set1_ps(mx);
+    i64 t = 0;
+    for (; t + 8 <= L; t += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + t), mxv));
+        _mm256_storeu_ps(p + t, e);
+        sum8 = _mm256_add_ps(sum8, e);
+    }
+    float sum = hsum8(sum8);
+    for (; t < L; ++t) {
+        p[t] = exp1(p[t] - mx);
+        sum += p[t];
+    }
+    return sum;
+}
+
+/* o[0:D] = sum_t p[t] * V[t] / sum over the sequence's pages (V rows at vbase + page, slot). */
+static void weighted_values(const float* p, const float* cache, const int32_t* pages,
+                            i64 L, i64 ps, i64 page_stride, i64 tok, i64 voff, i64 D,
+                            float inv, float* o) {
+    if (D == 64) {  /* the common head size: the 8 accumulators stay in registers */
+        __m256 a[8];
+        for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
+        for (i64 t = 0; t < L; ++t) {
+            const float* vp = cache + (i64)pages[t / ps] * page_stride + (t % ps) * tok + voff;
+            __m256 pt = _mm256_set1_ps(p[t]);
+            for (int i = 0; i < 8; ++i)
+                a[i] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vp + 8 * i), a[i]);
+        }
+        __m256 iv = _mm256_set1_ps(inv);
+        for (int i = 0; i < 8; ++i) _mm256_storeu_ps(o + 8 * i, _mm256_mul_ps(a[i], iv));
+        return;
+    }
+    for (i64 d = 0; d < D; ++d) o[d] = 0.0f;
+    for (i64 t = 0; t < L; ++t) {
+        const float* vp = cache + (i64)pages[t / ps] * page_stride + (t % ps) * tok + voff;
+        __m256 pt = _mm256_set1_ps(p[t]);
+        for (i64 d = 0; d < D; d += 8)
+            _mm256_storeu_ps(o + d, _mm256_fmadd_ps(pt, _mm256_loadu_ps(vp + d),
+                                                    _mm256_loadu_ps(o + d)));
+    }
+    for (i64 d = 0; d < D; ++d) o[d] *= inv;
 }
 
 /*
  * One query token per sequence. rows[b]: the token row of sequence b in q/k/v/out (rows of
  * ld floats; heads of D floats inside a row). cache: [num_pages, 2, ps, Hkv, D]. The new
- * token's K/V is written to (append_pages[b], append_offsets[b]) first, then query head h of
- * sequence b attends to all L_b keys (pages kv_indices[kv_indptr[b]:kv_indptr[b+1]], the last
- * one holding last_len[b] keys). D must be a multiple of 8.
+ * token's K/V is written to (append_pages[b], append_offsets[b]) first, then each query head
+ * of sequence b attends to all L_b keys (pages kv_indices[kv_indptr[b]:kv_indptr[b+1]], the
+ * last one holding last_len[b] keys). D must be a multiple of 8. Work items are (sequence,
+ * KV head): the G query heads sharing a KV head score each key while it is in L1.
  */
 void paged_decode_attention(const float* q, i64 q_ld, const float* k, const float* v, i64 kv_ld,
                             float* out, i64 out_ld, const i64* rows, i64 B, float* cache,
@@ -312,7 +363,7 @@ void paged_decode_attention(const float* q, i64 q_ld, const float* k, const floa
                             const int32_t* kv_indptr, const int32_t* kv_indices,
                             const int32_t* last_len, i64 Hq, i64 Hkv, i64 D, i64 ps, float scale,
                             int nthreads) {
-    const i64 tok = Hkv * D, page_stride = 2 * ps * tok;
+    const i64 tok = Hkv * D, page_stride = 2 * ps * tok, G = Hq / Hkv;
     i64 max_len = 1, work = 0;
     for (i64 b = 0; b < B; ++b) {
         i64 r = rows[b];
@@ -323,54 +374,37 @@ void paged_decode_attention(const float* q, i64 q_ld, const float* k, const floa
         if (L > max_len) max_len = L;
         work += L;
     }
-    const i64 G = Hq / Hkv;
     int parallel = nthreads > 1 && work * Hq * D >= 65536;
     #pragma omp parallel num_threads(nthreads) if (parallel)
     {
-        float* p = (float*)malloc((max_len + 8) * sizeof(float));
-        float* acc = (float*)malloc(D * sizeof(float));
+        float* p = (float*)malloc(G * (max_len + 8) * sizeof(float));
         i64 lo, hi;
-        split(B * Hq, 1, omp_get_thread_num(), omp_get_num_threads(), &lo, &hi);
+        split(B * Hkv, 1, omp_get_thread_num(), omp_get_num_threads(), &lo, &hi);
         for (i64 item = lo; item < hi; ++item) {
-            i64 b = item / Hq, h = item % Hq, kvh = h / G;
-            const float* qv = q + rows[b] * q_ld + h * D;
+            i64 b = item / Hkv, kvh = item % Hkv;
             const int32_t* pages = kv_indices + kv_indptr[b];
             i64 npages = kv_indptr[b + 1] - kv_indptr[b];
             i64 L = (npages - 1) * ps + last_len[b];
-            float mx = -INFINITY;
-            for (i64 t = 0; t < L; ++t) {
-                const float* kp =
-                    cache + (i64)pages[t / ps] * page_stride + (t % ps) * tok + kvh * D;
-                float s = dot(qv, kp, D) * scale;
-                p[t] = s;
-                if (s > mx) mx = s;
+            const float* q0 = q + rows[b] * q_ld + kvh * G * D;
+            float mx[64];  /* G <= 64 (checked by the caller) */
+            for (i64 g = 0; g < G; ++g) mx[g] = -INFINITY;
+            for (i64 pg = 0, t = 0; pg < npages; ++pg) {
+                const float* kbase = cache + (i64)pages[pg] * page_stride + kvh * D;
+                i64 n = imin(ps, L - pg * ps);
+                for (i64 o = 0; o < n; ++o, ++t)
+                    for (i64 g = 0; g < G; ++g) {
+                        float s = dot(q0 + g * D, kbase + o * tok, D) * scale;
+                        p[g * (max_len + 8) + t] = s;
+                        if (s > mx[g]) mx[g] = s;
+                    }
             }
-            __m256 sum8 = _mm256_setzero_ps(), mxv = _mm256_set1_ps(mx);
-            i64 t = 0;
-            for (; t + 8 <= L; t += 8) {
-                __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + t), mxv));
-                _mm256_storeu_ps(p + t, e);
-                sum8 = _mm256_add_ps(sum8, e);
+            for (i64 g = 0; g < G; ++g) {
+                float* pg_ = p + g * (max_len + 8);
+                float sum = softmax_numerators(pg_, L, mx[g]);
+                weighted_values(pg_, cache, pages, L, ps, page_stride, tok, ps * tok + kvh * D, D,
+                                1.0f / sum, out + rows[b] * out_ld + (kvh * G + g) * D);
             }
-            float sum = hsum8(sum8);
-            for (; t < L; ++t) {
-                p[t] = exp1(p[t] - mx);
-                sum += p[t];
-            }
-            for (i64 d = 0; d < D; ++d) acc[d] = 0.0f;
-            for (t = 0; t < L; ++t) {
-                const float* vp =
-                    cache + (i64)pages[t / ps] * page_stride + (ps + t % ps) * tok + kvh * D;
-                __m256 pt = _mm256_set1_ps(p[t]);
-                for (i64 d = 0; d < D; d += 8)
-                    _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(pt, _mm256_loadu_ps(vp + d),
-                                                              _mm256_loadu_ps(acc + d)));
-            }
-            float inv = 1.0f / sum;
-            float* o = out + rows[b] * out_ld + h * D;
-            for (i64 d = 0; d < D; ++d) o[d] = acc[d] * inv;
         }
-        free(acc);
         free(p);
     }
 }
@@ -485,8 +519,128 @@ def _check(t: torch.Tensor, dtype: torch.dtype, name: str) -> None:
         raise ValueError(f"{name} must be a CPU {dtype} tensor, got {t.dtype} on {t.device}")
 
 
+class PackedLinear:
+    """``x @ W.T (* scale) (+ bias)`` for one weight packed by ``gpu.quant.pack_row_blocks``
+    (int8 with per-row ``scale``, or fp32 without): checked once here, so a call costs one
+    allocation and one C call."""
+
+    def __init__(
+        self,
+        fn: Callable[..., None],
+        weight: torch.Tensor,
+        n: int,
+        k: int,
+        scale: torch.Tensor | None,
+        bias: torch.Tensor | None,
+    ) -> None:
+        if weight.shape != (-(-n // 8), -(-k // 8), 8, 8) or not weight.is_contiguous():
+            raise ValueError(f"packed weight {tuple(weight.shape)} does not hold [{n}, {k}]")
+        _check(weight, torch.int8 if scale is not None else torch.float32, "weight")
+        for name, t in (("scale", scale), ("bias", bias)):
+            if t is not None:
+                _check(t, torch.float32, name)
+                if t.shape != (n,) or not t.is_contiguous():
+                    raise ValueError(f"{name} must be contiguous [{n}], got {tuple(t.shape)}")
+        self._fn = fn
+        self.weight, self.scale, self.bias = weight, scale, bias  # keeps the pointers valid
+        self.n, self.k = n, k
+        self._pointers = (weight.data_ptr(), n, _ptr(scale), _ptr(bias))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32 or not x.is_cpu or x.dim() != 2 or x.shape[1] != self.k:
+            raise ValueError(f"x must be CPU fp32 [M, {self.k}], got {x.dtype} {tuple(x.shape)}")
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        m = x.shape[0]
+        y = torch.empty((m, self.n), dtype=torch.float32)
+        w, n, scale, bias = self._pointers
+        self._fn(
+            x.data_ptr(), m, self.k, x.stride(0), w, n, scale, bias, y.data_ptr(), n,
+            torch.get_num_threads(),
+        )  # fmt: skip
+        return y
+
+
+class DecodeAttention:
+    """One step's decode metadata for ``paged_decode_attention``, checked once per step; each
+    layer then calls it with its q/k/v views, output and cache.
+
+    Decode ``b`` has its single query at token ``rows[b]``; its K/V go to
+    ``(append_pages[b], append_offsets[b])`` of the cache first; its pages are
+    ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``, the last holding ``last_page_len[b]`` keys.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., None],
+        rows: torch.Tensor,
+        append_pages: torch.Tensor,
+        append_offsets: torch.Tensor,
+        kv_indptr: torch.Tensor,
+        kv_indices: torch.Tensor,
+        last_page_len: torch.Tensor,
+        scale: float,
+    ) -> None:
+        b = rows.numel()
+        i64s = (("rows", rows), ("append_pages", append_pages), ("append_offsets", append_offsets))
+        for name, t in i64s:
+            _check(t, torch.int64, name)
+            if t.shape != (b,) or not t.is_contiguous():
+                raise ValueError(f"{name} must be contiguous [{b}]")
+        i32s = (("kv_indptr", kv_indptr), ("kv_indices", kv_indices))
+        for name, t in (*i32s, ("last_page_len", last_page_len)):
+            _check(t, torch.int32, name)
+            if not t.is_contiguous():
+                raise ValueError(f"{name} must be contiguous")
+        if kv_indptr.shape != (b + 1,) or last_page_len.shape != (b,):
+            raise ValueError("kv_indptr must be [B + 1] and last_page_len [B]")
+        self._fn = fn
+        self._tensors = (rows, append_pages, append_offsets, kv_indptr, kv_indices, last_page_len)
+        self._meta = tuple(t.data_ptr() for t in self._tensors)
+        self.rows = rows
+        self.num_seqs = b
+        self.max_row = int(rows.max()) if b else -1
+        self.max_page = int(append_pages.max()) if b else -1
+        if kv_indices.numel():
+            self.max_page = max(self.max_page, int(kv_indices.max()))
+        self.scale = scale
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        kv_cache: torch.Tensor,
+    ) -> None:
+        """``q``/``out`` ``[T, Hq, D]``, ``k``/``v`` ``[T, Hkv, D]`` (heads contiguous, rows may
+        be strided), ``kv_cache`` one layer's ``[pages, 2, page_size, Hkv, D]``, all fp32."""
+        hq, d = q.shape[1], q.shape[2]
+        hkv = k.shape[1]
+        for name, t in (("q", q), ("k", k), ("v", v), ("out", out), ("kv_cache", kv_cache)):
+            if t.dtype != torch.float32 or not t.is_cpu:
+                raise ValueError(f"{name} must be a CPU fp32 tensor")
+        if d % 8 or hq % hkv or hq // hkv > 64 or kv_cache.shape[3:] != (hkv, d):
+            raise ValueError("paged_decode_attention needs head_dim % 8 == 0, GQA group <= 64")
+        if (
+            (q.stride(1), q.stride(2), k.stride(1), k.stride(2), out.stride(1), out.stride(2))
+            != (d, 1, d, 1, d, 1)
+            or v.stride() != k.stride()
+            or not kv_cache.is_contiguous()
+        ):
+            raise ValueError("paged_decode_attention needs contiguous heads and cache")
+        if self.max_row >= min(q.shape[0], out.shape[0]) or self.max_page >= kv_cache.shape[0]:
+            raise ValueError("decode rows or pages out of range for these tensors")
+        rows, pages, offsets, indptr, indices, last = self._meta
+        self._fn(
+            q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0), out.data_ptr(),
+            out.stride(0), rows, self.num_seqs, kv_cache.data_ptr(), pages, offsets, indptr,
+            indices, last, hq, hkv, d, kv_cache.shape[2], self.scale, torch.get_num_threads(),
+        )  # fmt: skip
+
+
 class CpuKernels:
-    """Typed wrappers; every method checks what the C code relies on (dtype, layout)."""
+    """Typed entry points; each checks what the C code relies on (dtype, shape, layout)."""
 
     def __init__(self, module: ModuleType, path: Path) -> None:
         self.path = path
@@ -497,6 +651,18 @@ class CpuKernels:
         self._silu_mul = module.silu_mul
         self._attention = module.paged_decode_attention
 
+    def packed_linear(
+        self,
+        weight: torch.Tensor,
+        n: int,
+        k: int,
+        scale: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
+    ) -> PackedLinear:
+        """A prepared ``[n, k]`` linear over a packed weight: int8 with ``scale``, else fp32."""
+        fn = self._int8_linear if scale is not None else self._f32_linear
+        return PackedLinear(fn, weight, n, k, scale, bias)
+
     def int8_linear(
         self,
         x: torch.Tensor,
@@ -504,47 +670,32 @@ class CpuKernels:
         scale: torch.Tensor,
         bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``(x @ W.T) * scale + bias`` for fp32 ``x`` ``[M, K]`` (rows may be strided), int8
-        ``W`` ``[N, K]`` given packed by ``gpu.quant.pack_row_blocks`` (``weight``:
-        ``[ceil(N/8), ceil(K/8), 8, 8]``) and fp32 ``scale`` ``[N]``."""
-        _check(x, torch.float32, "x")
-        _check(weight, torch.int8, "weight")
-        _check(scale, torch.float32, "scale")
-        if bias is not None:
-            _check(bias, torch.float32, "bias")
-        if x.dim() != 2 or x.stride(1) != 1:
-            x = x.reshape(-1, x.shape[-1]).contiguous()
-        m, k = x.shape
-        n = scale.shape[0]
-        if weight.shape != (-(-n // 8), -(-k // 8), 8, 8) or not weight.is_contiguous():
-            raise ValueError(f"packed weight {tuple(weight.shape)} does not fit x {tuple(x.shape)}")
-        y = torch.empty((m, n), dtype=torch.float32)
-        self._int8_linear(
-            _ptr(x), m, k, x.stride(0), _ptr(weight), n, _ptr(scale), _ptr(bias), _ptr(y), n,
-            torch.get_num_threads(),
-        )  # fmt: skip
-        return y
+        """``(x @ W.T) * scale + bias`` for fp32 ``x`` ``[M, K]``, int8 ``W`` ``[N, K]`` packed
+        by ``gpu.quant.pack_row_blocks`` and fp32 ``scale`` ``[N]`` (one-off; layers keep a
+        :class:`PackedLinear`)."""
+        return self.packed_linear(weight, scale.shape[0], x.shape[-1], scale, bias)(x)
 
     def f32_linear(
         self, x: torch.Tensor, weight: torch.Tensor, n: int, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """``x @ W.T + bias`` for fp32 ``x`` ``[M, K]`` and fp32 ``W`` ``[n, K]`` given packed by
-        ``gpu.quant.pack_row_blocks``."""
-        _check(x, torch.float32, "x")
-        _check(weight, torch.float32, "weight")
-        if bias is not None:
-            _check(bias, torch.float32, "bias")
-        if x.dim() != 2 or x.stride(1) != 1:
-            x = x.reshape(-1, x.shape[-1]).contiguous()
-        m, k = x.shape
-        if weight.shape != (-(-n // 8), -(-k // 8), 8, 8) or not weight.is_contiguous():
-            raise ValueError(f"packed weight {tuple(weight.shape)} does not fit x {tuple(x.shape)}")
-        y = torch.empty((m, n), dtype=torch.float32)
-        self._f32_linear(
-            _ptr(x), m, k, x.stride(0), _ptr(weight), n, None, _ptr(bias), _ptr(y), n,
-            torch.get_num_threads(),
+        """``x @ W.T + bias`` for fp32 ``x`` ``[M, K]`` and fp32 ``W`` ``[n, K]`` packed."""
+        return self.packed_linear(weight, n, x.shape[-1], None, bias)(x)
+
+    def decode_attention(
+        self,
+        rows: torch.Tensor,
+        append_pages: torch.Tensor,
+        append_offsets: torch.Tensor,
+        kv_indptr: torch.Tensor,
+        kv_indices: torch.Tensor,
+        last_page_len: torch.Tensor,
+        scale: float,
+    ) -> DecodeAttention:
+        """One step's decode attention (see :class:`DecodeAttention`)."""
+        return DecodeAttention(
+            self._attention, rows, append_pages, append_offsets, kv_indptr, kv_indices,
+            last_page_len, scale,
         )  # fmt: skip
-        return y
 
     def rms_norm(
         self,
@@ -554,15 +705,22 @@ class CpuKernels:
         delta: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``rms_norm(hidden) * weight``; with ``delta``, ``hidden += delta`` first (in place).
-        ``hidden`` (and ``delta``) must be contiguous fp32 ``[T, H]``."""
-        _check(hidden, torch.float32, "hidden")
-        if not hidden.is_contiguous() or (delta is not None and not delta.is_contiguous()):
-            raise ValueError("rms_norm needs contiguous inputs")
+        ``hidden`` (and ``delta``) contiguous fp32 ``[T, H]``, ``weight`` fp32 ``[H]``."""
         t, h = hidden.shape
+        if (
+            hidden.dtype != torch.float32
+            or weight.dtype != torch.float32
+            or not hidden.is_cpu
+            or not hidden.is_contiguous()
+            or weight.shape != (h,)
+            or (delta is not None and (delta.shape != hidden.shape or not delta.is_contiguous()))
+        ):
+            raise ValueError("rms_norm needs contiguous CPU fp32 [T, H] inputs")
         out = torch.empty_like(hidden)
         self._rms_norm(
-            _ptr(hidden), _ptr(delta), t, h, _ptr(weight), eps, _ptr(out), torch.get_num_threads()
-        )
+            hidden.data_ptr(), _ptr(delta), t, h, weight.data_ptr(), eps, out.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
         return out
 
     def rope_(
@@ -575,60 +733,36 @@ class CpuKernels:
         sin: torch.Tensor,
     ) -> None:
         """Rotate, in place, the first ``num_heads`` heads of each row of ``x`` ``[T, >= heads *
-        D]`` (rows may be strided, heads contiguous); ``cos``/``sin`` are full ``[max_pos, D]``
-        tables, ``positions`` int64 ``[T]``."""
-        _check(x, torch.float32, "x")
-        if x.stride(1) != 1 or positions.dtype != torch.int64 or not cos.is_contiguous():
-            raise ValueError("rope_ needs unit-stride rows, int64 positions, contiguous tables")
+        D]`` (rows may be strided, heads contiguous); ``cos``/``sin`` are full fp32
+        ``[max_pos, D]`` tables, ``positions`` int64 ``[T]`` within them."""
+        if (
+            x.dtype != torch.float32
+            or not x.is_cpu
+            or x.stride(1) != 1
+            or x.shape[1] < num_heads * head_dim
+            or positions.dtype != torch.int64
+            or positions.shape != (x.shape[0],)
+            or not positions.is_contiguous()
+            or cos.shape != sin.shape
+            or cos.shape[1] != head_dim
+            or cos.dtype != torch.float32
+            or sin.dtype != torch.float32
+            or not (cos.is_contiguous() and sin.is_contiguous())
+        ):
+            raise ValueError("rope_ needs fp32 rows, int64 positions, contiguous fp32 tables")
         self._rope(
-            _ptr(x), x.shape[0], x.stride(0), num_heads, head_dim, _ptr(positions), _ptr(cos),
-            _ptr(sin),
+            x.data_ptr(), x.shape[0], x.stride(0), num_heads, head_dim, positions.data_ptr(),
+            cos.data_ptr(), sin.data_ptr(),
         )  # fmt: skip
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``silu(gate_up[:, :I]) * gate_up[:, I:]`` for contiguous fp32 ``[T, 2I]``."""
-        _check(gate_up, torch.float32, "gate_up")
-        if not gate_up.is_contiguous():
-            raise ValueError("silu_mul needs a contiguous input")
+        if gate_up.dtype != torch.float32 or not gate_up.is_cpu or not gate_up.is_contiguous():
+            raise ValueError("silu_mul needs a contiguous CPU fp32 input")
         t, two_i = gate_up.shape
         out = torch.empty((t, two_i // 2), dtype=torch.float32)
-        self._silu_mul(_ptr(gate_up), t, two_i // 2, _ptr(out), torch.get_num_threads())
+        self._silu_mul(gate_up.data_ptr(), t, two_i // 2, out.data_ptr(), torch.get_num_threads())
         return out
-
-    def paged_decode_attention(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        rows: torch.Tensor,
-        kv_cache: torch.Tensor,
-        append_pages: torch.Tensor,
-        append_offsets: torch.Tensor,
-        kv_indptr: torch.Tensor,
-        kv_indices: torch.Tensor,
-        last_page_len: torch.Tensor,
-        scale: float,
-    ) -> None:
-        """Decode attention for the sequences whose single query sits at token ``rows[b]`` of
-        ``q`` ``[T, Hq, D]`` / ``k``, ``v`` ``[T, Hkv, D]`` (heads contiguous, rows strided);
-        writes ``out`` ``[T, Hq, D]`` at those rows. Appends each row's K/V at
-        ``(append_pages[b], append_offsets[b])`` of ``kv_cache`` first. Metadata is int64
-        (rows, append_*) and int32 (FlashInfer layout: kv_indptr, kv_indices, last_page_len)."""
-        for name, t in (("q", q), ("k", k), ("v", v), ("out", out), ("kv_cache", kv_cache)):
-            _check(t, torch.float32, name)
-        hq, d = q.shape[1], q.shape[2]
-        hkv = k.shape[1]
-        if d % 8 or any(t.stride(2) != 1 or t.stride(1) != d for t in (q, k, v, out)):
-            raise ValueError("paged_decode_attention needs head_dim % 8 == 0, contiguous heads")
-        if v.stride(0) != k.stride(0) or not kv_cache.is_contiguous():
-            raise ValueError("k and v must share a row stride; kv_cache must be contiguous")
-        self._attention(
-            _ptr(q), q.stride(0), _ptr(k), _ptr(v), k.stride(0), _ptr(out), out.stride(0),
-            _ptr(rows), rows.numel(), _ptr(kv_cache), _ptr(append_pages), _ptr(append_offsets),
-            _ptr(kv_indptr), _ptr(kv_indices), _ptr(last_page_len), hq, hkv, d,
-            kv_cache.shape[2], scale, torch.get_num_threads(),
-        )  # fmt: skip
 
 
 def _cpu_supported() -> bool:

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from gpu.attention.metadata import BatchMetadata
-from gpu.cpu_kernels import CpuKernels
+from gpu.cpu_kernels import CpuKernels, DecodeAttention
 
 
 @dataclass(frozen=True)
@@ -35,18 +35,6 @@ class _Group:
     batch: int
     q_len: int
     kv_len: int  # padded key length L = P * page_size
-
-
-@dataclass(frozen=True)
-class _KernelDecodes:
-    """The decode sequences of a step, laid out for ``paged_decode_attention``."""
-
-    rows: torch.Tensor  # int64 [D]: token row of each decode
-    append_pages: torch.Tensor  # int64 [D]
-    append_offsets: torch.Tensor  # int64 [D]
-    kv_indptr: torch.Tensor  # int32 [D + 1]
-    kv_indices: torch.Tensor  # int32
-    last_page_len: torch.Tensor  # int32 [D]
 
 
 class TorchPagedAttention:
@@ -67,7 +55,7 @@ class TorchPagedAttention:
         self.kernels = kernels if head_dim % 8 == 0 else None
         self._groups: list[_Group] = []
         self._single = False
-        self._decodes: _KernelDecodes | None = None
+        self._decodes: DecodeAttention | None = None
         self._other_rows: torch.Tensor | None = None
         self._append_pages = torch.empty(0, dtype=torch.int64)
         self._append_offsets = torch.empty(0, dtype=torch.int64)
@@ -81,7 +69,9 @@ class TorchPagedAttention:
         others = [b for b, q in enumerate(meta.q_lens) if q > 1]
         self._decodes = None
         if self.kernels is not None and decodes and device.type == "cpu":
-            self._decodes = _kernel_decodes(meta, decodes, qo, kvp, pages_all)
+            self._decodes = _decode_attention(
+                self.kernels, meta, decodes, qo, kvp, pages_all, self.scale
+            )
             groups = [self._group(meta, [b], qo, kvp, pages_all) for b in others]
         else:
             members = ([decodes] if decodes else []) + [[b] for b in others]
@@ -167,9 +157,8 @@ class TorchPagedAttention:
         k: torch.Tensor,
         v: torch.Tensor,
         kv_cache: torch.Tensor,
-        dec: _KernelDecodes,
+        decodes: DecodeAttention,
     ) -> torch.Tensor:
-        assert self.kernels is not None
         out = torch.empty_like(q)
         if self._groups:  # prompt chunks: their K/V first, then SDPA per chunk
             rows = self._other_rows
@@ -178,10 +167,7 @@ class TorchPagedAttention:
             kv_cache[self._append_pages, :, self._append_offsets] = new
             for group in self._groups:
                 out[group.token_rows] = self._attend_group(q[group.token_rows], group, kv_cache)
-        self.kernels.paged_decode_attention(
-            q, k, v, out, dec.rows, kv_cache, dec.append_pages, dec.append_offsets,
-            dec.kv_indptr, dec.kv_indices, dec.last_page_len, self.scale,
-        )  # fmt: skip
+        decodes(q, k, v, out, kv_cache)
         return out
 
     def _attend_group(self, q: torch.Tensor, group: _Group, kv_cache: torch.Tensor) -> torch.Tensor:
@@ -200,31 +186,31 @@ class TorchPagedAttention:
         return out.view(b, hkv, g, t, d).permute(0, 3, 1, 2, 4).reshape(b * t, hkv * g, d)
 
 
-def _kernel_decodes(
-    meta: BatchMetadata, decodes: list[int], qo: list[int], kvp: list[int], pages_all: list[int]
-) -> _KernelDecodes:
+def _decode_attention(
+    kernels: CpuKernels,
+    meta: BatchMetadata,
+    decodes: list[int],
+    qo: list[int],
+    kvp: list[int],
+    pages_all: list[int],
+    scale: float,
+) -> DecodeAttention:
+    """The step's decode sequences laid out for the kernel (the metadata itself when the whole
+    batch decodes)."""
     i32, i64 = torch.int32, torch.int64
-    if len(decodes) == meta.num_seqs:  # a pure decode step: the metadata as it is
-        return _KernelDecodes(
-            rows=torch.arange(meta.num_seqs, dtype=i64),
-            append_pages=meta.append_pages,
-            append_offsets=meta.append_offsets,
-            kv_indptr=meta.kv_indptr.contiguous(),
-            kv_indices=meta.kv_indices.contiguous(),
-            last_page_len=meta.kv_last_page_len.contiguous(),
-        )
-    rows = [qo[b] for b in decodes]
+    if len(decodes) == meta.num_seqs:
+        return kernels.decode_attention(
+            torch.arange(meta.num_seqs, dtype=i64), meta.append_pages, meta.append_offsets,
+            meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len, scale,
+        )  # fmt: skip
+    rows = torch.tensor([qo[b] for b in decodes], dtype=i64)
     indptr = [0]
     indices: list[int] = []
     for b in decodes:
         indices.extend(pages_all[kvp[b] : kvp[b + 1]])
         indptr.append(len(indices))
-    row_t = torch.tensor(rows, dtype=i64)
-    return _KernelDecodes(
-        rows=row_t,
-        append_pages=meta.append_pages[row_t],
-        append_offsets=meta.append_offsets[row_t],
-        kv_indptr=torch.tensor(indptr, dtype=i32),
-        kv_indices=torch.tensor(indices, dtype=i32),
-        last_page_len=meta.kv_last_page_len[torch.tensor(decodes, dtype=i64)].contiguous(),
-    )
+    return kernels.decode_attention(
+        rows, meta.append_pages[rows], meta.append_offsets[rows],
+        torch.tensor(indptr, dtype=i32), torch.tensor(indices, dtype=i32),
+        meta.kv_last_page_len[torch.tensor(decodes, dtype=i64)], scale,
+    )  # fmt: skip
