@@ -1,4 +1,4 @@
-"""gpu/gguf.py: GGUF -> Hugging Face folder conversion, the conversion cache, and clear errors.
+"""gpu/gguf/: GGUF -> Hugging Face folder conversion, the conversion cache, and clear errors.
 
 Tiny random models go HF folder -> GGUF (written here the way llama.cpp writes it, q/k rows
 permuted) -> convert_gguf -> HF folder, and must come back bit-identical. The bundled SmolLM2
@@ -21,6 +21,7 @@ import torch
 from safetensors.numpy import load_file
 
 import gpu.gguf as gg
+import gpu.gguf.cache as gguf_cache
 from common.tokenizer import Tokenizer
 from gpu.config import ModelConfig, ModelError
 from gpu.gguf import (
@@ -370,7 +371,7 @@ def test_gguf_spec_is_converted_once(
         raise AssertionError("converted again")
 
     with monkeypatch.context() as m:
-        m.setattr(gg, "convert_gguf", no_conversion)
+        m.setattr(gguf_cache, "convert_gguf", no_conversion)
         assert resolve_model_path(str(tiny_gguf)) == folder
 
     # a half-written cache (here: a truncated weights file) is never used
@@ -393,7 +394,7 @@ def test_gguf_spec_is_converted_once(
 def test_default_spec_uses_the_bundled_file(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, tiny_gguf: Path
 ) -> None:
-    monkeypatch.setattr(gg, "default_gguf_path", lambda: tiny_gguf)
+    monkeypatch.setattr(gguf_cache, "default_gguf_path", lambda: tiny_gguf)
     for spec in (None, "default", "smollm2"):
         folder = resolve_model_path(spec, cache_dir=tmp_path, progress=False)
         assert folder == tmp_path / DEFAULT_FOLDER_NAME

@@ -1,0 +1,80 @@
+"""GGUF tensors -> Hugging Face tensors: names, dequantization, q/k RoPE row order."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gpu.config import ModelError
+from gpu.gguf.reader import Tensor
+
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+LAYER_TENSORS = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+
+# Tensors that carry no weights of their own in the Hugging Face layout.
+_DERIVED_TENSORS = {"rope_freqs.weight"}
+
+
+def unpermute_rope_rows(weight: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (``LlamaModel.permute`` in convert_hf_to_gguf.py).
+
+    Within each head llama.cpp interleaves the two rotary halves (row order 0, d/2, 1, d/2+1, ...)
+    so that rotated pairs are adjacent. Hugging Face's ``rotate_half`` expects the halves as two
+    contiguous blocks. ``weight`` has the Hugging Face shape ``[n_head * head_dim, ...]`` (a bias
+    is 1-D); the result has the same shape.
+    """
+    rows = weight.shape[0]
+    if rows % (2 * n_head):
+        raise ModelError(f"cannot unpermute a q/k tensor of {rows} rows into {n_head} heads")
+    half = rows // n_head // 2
+    rest = weight.shape[1:]
+    # llama.cpp row (head h, pair j, half s) = h*2*half + 2*j + s; HF wants h*2*half + s*half + j
+    return np.ascontiguousarray(
+        weight.reshape(n_head, half, 2, *rest).swapaxes(1, 2).reshape(weight.shape)
+    )
+
+
+def hf_tensor_name(name: str, n_layers: int) -> str | None:
+    if name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[name]
+    if name in _DERIVED_TENSORS:
+        return None
+    parts = name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in LAYER_TENSORS:
+        layer = int(parts[1])
+        if layer >= n_layers:
+            raise ModelError(f"tensor {name!r} names layer {layer}, but block_count={n_layers}")
+        return f"model.layers.{layer}.{LAYER_TENSORS[parts[2]]}"
+    raise ModelError(f"unsupported GGUF tensor {name!r} (no Hugging Face equivalent known)")
+
+
+def dequantize(tensor: Tensor) -> np.ndarray:
+    import gguf
+
+    try:
+        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError as exc:
+        raise ModelError(
+            f"tensor {tensor.name!r} uses quantization {tensor.tensor_type.name}, which the gguf "
+            f"package cannot dequantize: {exc}"
+        ) from exc
+    # GGUF lists dimensions fastest-first; numpy (and the HF [out, in] layout) want them reversed.
+    shape = tuple(int(d) for d in reversed(tensor.shape))
+    return np.array(values, dtype=np.float32, copy=True).reshape(shape)
