@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import signal
+import sys
 import time
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import nats
 import nats.errors
@@ -335,7 +337,67 @@ def run(main: Callable[[], Coroutine[Any, Any, None]]) -> None:
     )
     try:
         import uvloop
-
-        uvloop.run(main())
-    except ImportError:
+    except ImportError:  # only the import: an ImportError inside main() must not rerun it
         asyncio.run(main())
+    else:
+        uvloop.run(main())
+
+
+async def serve_until_shutdown(
+    service: Service,
+    start: Callable[[], Awaitable[None]],
+    stop: Callable[[], Awaitable[None]] | None = None,
+) -> None:
+    """Start, run until SIGTERM/SIGINT (or a crashed background loop) asks for shutdown, then
+    stop: ``stop()`` when given, else ``service.close()`` (drain, then close). A signal that
+    arrives before ``start`` returns still has its default effect (the process ends)."""
+    await start()
+    service.install_signal_handlers()
+    try:
+        await service.shutdown_requested.wait()
+    finally:
+        await (stop() if stop is not None else service.close())
+
+
+class Runnable(Protocol):
+    """A service process's object: its ``Service`` and how to start it."""
+
+    @property
+    def svc(self) -> Service: ...
+
+    async def start(self) -> None: ...
+
+
+class HasMesh(Protocol):
+    """A service's config: it carries the mesh-wide settings."""
+
+    @property
+    def mesh(self) -> MeshConfig: ...
+
+
+C = TypeVar("C", bound=HasMesh)
+R = TypeVar("R", bound=Runnable)
+
+
+def run_service(
+    name: str,
+    parse_args: Callable[[list[str]], C],
+    build: Callable[[C], R | Awaitable[R]],
+    stop: Callable[[R], Awaitable[None]] | None = None,
+) -> None:
+    """The whole ``python -m services.<name>``: parse the command line, log the config, build
+    the service (``build`` may be async, e.g. to load a model off the event loop), then
+    ``serve_until_shutdown``; ``stop(service)`` replaces the default ``service.svc.close()``."""
+    service_log = logging.getLogger(f"meshserve.{name}")
+
+    async def main() -> None:
+        config = parse_args(sys.argv[1:])
+        logging.getLogger().setLevel(config.mesh.log_level.upper())
+        service_log.info("%s config: %s", name.replace("_", " "), config)
+        built = build(config)
+        service = await built if inspect.isawaitable(built) else built
+        await serve_until_shutdown(
+            service.svc, service.start, None if stop is None else lambda: stop(service)
+        )
+
+    run(main)

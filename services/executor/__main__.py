@@ -1,26 +1,22 @@
+"""``python -m services.executor``; on SIGTERM/SIGINT it stops taking work, finishes the
+sequences in flight (at most 30 s), then leaves the mesh."""
+
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
-import sys
 
-from common.runtime import run
-from services.executor.config import parse_args
+from common.runtime import run_service
+from services.executor.config import ExecutorConfig, parse_args
 from services.executor.service import ExecutorService, build_engine
 
-log = logging.getLogger("meshserve.executor")
 
-
-async def main(argv: list[str] | None = None) -> None:
-    config = parse_args(argv)
-    log.info("executor config: %s", config)
+async def build(config: ExecutorConfig) -> ExecutorService:
     engine = await asyncio.get_running_loop().run_in_executor(None, build_engine, config)
-    service = ExecutorService(config, engine)
-    await service.start()
-    service.svc.install_signal_handlers()
-    await service.svc.shutdown_requested.wait()
-    # Drain: stop taking work, finish the sequences in flight (bounded), then close.
+    return ExecutorService(config, engine)
+
+
+async def drain_and_stop(service: ExecutorService) -> None:
     await service.drain()
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(_until_idle(service), timeout=30)
@@ -33,4 +29,4 @@ async def _until_idle(service: ExecutorService) -> None:
 
 
 if __name__ == "__main__":
-    run(lambda: main(sys.argv[1:]))
+    run_service("executor", parse_args, build, drain_and_stop)

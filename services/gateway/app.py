@@ -21,7 +21,7 @@ from aiohttp import web
 
 from common.messages import TextDelta
 from common.metrics import metrics_handler
-from common.runtime import RequestError
+from common.runtime import RequestError, serve_until_shutdown
 from common.telemetry import Attr
 from services.gateway.config import GatewayConfig
 from services.gateway.mesh_client import MeshClient
@@ -291,10 +291,9 @@ async def serve(config: GatewayConfig) -> None:
     logging.getLogger().setLevel(config.mesh.log_level.upper())
     log.info("gateway config: %s", config)
     server = GatewayServer(config)
-    await server.start()
-    server.mesh.service.install_signal_handlers()
-    try:
-        await server.mesh.service.shutdown_requested.wait()  # SIGTERM / SIGINT
+
+    async def stop() -> None:
         log.info("gateway: shutting down; in-flight requests get %gs", config.shutdown_timeout_s)
-    finally:
         await server.stop()
+
+    await serve_until_shutdown(server.mesh.service, server.start, stop)  # SIGTERM / SIGINT

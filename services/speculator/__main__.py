@@ -1,25 +1,23 @@
+"""``python -m services.speculator``; on SIGTERM/SIGINT it drains: calls already received are
+answered first."""
+
 from __future__ import annotations
 
 import asyncio
-import logging
-import sys
 
-from common.runtime import run
-from services.speculator.service import SpeculatorService, build_proposer, parse_args
+from common.runtime import run_service
+from services.speculator.service import (
+    SpeculatorConfig,
+    SpeculatorService,
+    build_proposer,
+    parse_args,
+)
 
-log = logging.getLogger("meshserve.speculator")
 
-
-async def main(argv: list[str]) -> None:
-    config = parse_args(argv)
-    log.info("speculator config: %s", config)
+async def build(config: SpeculatorConfig) -> SpeculatorService:
     proposer = await asyncio.get_running_loop().run_in_executor(None, build_proposer, config)
-    service = SpeculatorService(config, proposer)
-    await service.start()
-    service.svc.install_signal_handlers()
-    await service.svc.shutdown_requested.wait()
-    await service.svc.close()  # drain: calls already received are answered first
+    return SpeculatorService(config, proposer)
 
 
 if __name__ == "__main__":
-    run(lambda: main(sys.argv[1:]))
+    run_service("speculator", parse_args, build)
