@@ -8,12 +8,13 @@ import contextlib
 
 from common.runtime import run_service
 from services.executor.config import ExecutorConfig, parse_args
-from services.executor.service import ExecutorService, build_engine
+from services.executor.service import ExecutorService, build_engine, engine_thread
 
 
 async def build(config: ExecutorConfig) -> ExecutorService:
-    engine = await asyncio.get_running_loop().run_in_executor(None, build_engine, config)
-    return ExecutorService(config, engine)
+    worker = engine_thread()  # loads the model and then runs every step
+    engine = await asyncio.get_running_loop().run_in_executor(worker, build_engine, config)
+    return ExecutorService(config, engine, worker)
 
 
 async def drain_and_stop(service: ExecutorService) -> None:

@@ -2,8 +2,11 @@
 
 Incoming requests and aborts are buffered and applied on the event-loop thread between steps
 (the engine is not thread-safe); ``engine.step()`` runs on a worker thread so NATS traffic keeps
-flowing while the model computes. Each step's tokens go out as ONE ``StepTokens`` message per
-detokenizer shard.
+flowing while the model computes. All torch work of the process (building the engine too) runs on
+that one thread: OpenMP keeps a thread team per calling thread, and once a process holds more
+team threads than cores, libgomp cuts its spin-wait short and every parallel region of a step
+pays for futex sleeps and wake-ups (decode steps were ~25% slower on 2 cores). Each step's
+tokens go out as ONE ``StepTokens`` message per detokenizer shard.
 
 On SIGTERM the executor drains: it reports ``draining`` in its heartbeat (the scheduler sends it
 nothing new) and finishes the sequences it holds before it exits.
@@ -66,7 +69,9 @@ def sampling_params(req: TokenizedRequest, eos_ids: frozenset[int]) -> SamplingP
 
 
 class ExecutorService:
-    def __init__(self, config: ExecutorConfig, engine: Engine) -> None:
+    def __init__(
+        self, config: ExecutorConfig, engine: Engine, worker: ThreadPoolExecutor | None = None
+    ) -> None:
         self.config = config
         self.engine = engine
         self.svc = Service("executor", config.mesh)
@@ -76,7 +81,7 @@ class ExecutorService:
         self.pending_adds: list[TokenizedRequest] = []
         self.pending_aborts: set[str] = set()
         self.wake = asyncio.Event()
-        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="step")
+        self.worker = worker or engine_thread()
         self.draining = False
         self.load = (0, 0, engine.blocks.num_free, 0)  # running, waiting, free pages, pending
         self.kv_events = KVEventPublisher(self.svc, config.executor_id)
@@ -300,6 +305,11 @@ class ExecutorService:
         except Exception as exc:  # NATS gone: the index expires us by heartbeat instead
             log.warning("executor: could not clear its KV events: %s", exc)
         await self.svc.close()
+
+
+def engine_thread() -> ThreadPoolExecutor:
+    """The one thread that runs the engine (see the module docstring)."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
 
 
 def build_engine(config: ExecutorConfig) -> Engine:
