@@ -4,6 +4,7 @@ answered first."""
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 
 from common.runtime import run_service
 from services.speculator.service import (
@@ -15,8 +16,9 @@ from services.speculator.service import (
 
 
 async def build(config: SpeculatorConfig) -> SpeculatorService:
-    proposer = await asyncio.get_running_loop().run_in_executor(None, build_proposer, config)
-    return SpeculatorService(config, proposer)
+    worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft")
+    proposer = await asyncio.get_running_loop().run_in_executor(worker, build_proposer, config)
+    return SpeculatorService(config, proposer, worker)
 
 
 if __name__ == "__main__":

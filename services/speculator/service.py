@@ -74,11 +74,18 @@ def build_proposer(config: SpeculatorConfig) -> DraftModelProposer:
 
 
 class SpeculatorService:
-    def __init__(self, config: SpeculatorConfig, proposer: DraftModelProposer) -> None:
+    def __init__(
+        self,
+        config: SpeculatorConfig,
+        proposer: DraftModelProposer,
+        worker: ThreadPoolExecutor | None = None,
+    ) -> None:
         self.config = config
         self.proposer = proposer
         self.svc = Service("speculator", config.mesh)
-        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft")
+        # The thread that built the draft model, when given: all torch work on one thread (one
+        # OpenMP team; see services/executor/service.py).
+        self.worker = worker or ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft")
 
     async def start(self) -> None:
         await self.svc.connect()
