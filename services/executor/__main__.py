@@ -12,7 +12,7 @@ from services.executor.service import ExecutorService, build_engine, engine_thre
 
 
 async def build(config: ExecutorConfig) -> ExecutorService:
-    worker = engine_thread()  # loads the model and then runs every step
+    worker = engine_thread(config.engine_nice)  # loads the model, then runs every step
     engine = await asyncio.get_running_loop().run_in_executor(worker, build_engine, config)
     return ExecutorService(config, engine, worker)
 

@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import sys
+import threading
 import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
@@ -81,7 +84,7 @@ class ExecutorService:
         self.pending_adds: list[TokenizedRequest] = []
         self.pending_aborts: set[str] = set()
         self.wake = asyncio.Event()
-        self.worker = worker or engine_thread()
+        self.worker = worker or engine_thread(config.engine_nice)
         self.draining = False
         self.load = (0, 0, engine.blocks.num_free, 0)  # running, waiting, free pages, pending
         self.kv_events = KVEventPublisher(self.svc, config.executor_id)
@@ -307,9 +310,23 @@ class ExecutorService:
         await self.svc.close()
 
 
-def engine_thread() -> ThreadPoolExecutor:
-    """The one thread that runs the engine (see the module docstring)."""
-    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+def engine_thread(nice: int = 0) -> ThreadPoolExecutor:
+    """The one thread that runs the engine (see the module docstring), ``nice`` steps below
+    the process's priority (Linux sets niceness per thread; threads it starts inherit it)."""
+    return ThreadPoolExecutor(
+        max_workers=1, thread_name_prefix="engine", initializer=_lower_priority, initargs=(nice,)
+    )
+
+
+def _lower_priority(nice: int) -> None:
+    if nice <= 0 or sys.platform != "linux":
+        return
+    tid = threading.get_native_id()
+    try:
+        current = os.getpriority(os.PRIO_PROCESS, tid)
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, current + nice))
+    except OSError as exc:
+        log.warning("executor: could not lower the engine thread's priority: %s", exc)
 
 
 def build_engine(config: ExecutorConfig) -> Engine:
