@@ -27,8 +27,15 @@ def is_running(pid: int) -> bool:
         return False
 
 
-def test_up_serves_and_ctrl_c_stops_every_process(tiny_llama):
+def test_up_serves_and_ctrl_c_stops_every_process(tiny_llama, tmp_path):
     port = free_port()
+    log_path = tmp_path / "up.log"  # every process's stderr, shown when an assertion fails
+    log_file = log_path.open("w")
+
+    def log_tail() -> str:
+        log_file.flush()
+        return "\n".join(log_path.read_text(errors="replace").splitlines()[-40:])
+
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -47,7 +54,7 @@ def test_up_serves_and_ctrl_c_stops_every_process(tiny_llama):
             "tiny",
         ],
         stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
+        stderr=log_file,
         text=True,
         start_new_session=True,  # so the test can send Ctrl-C to the whole group
     )
@@ -57,7 +64,7 @@ def test_up_serves_and_ctrl_c_stops_every_process(tiny_llama):
         while time.monotonic() < deadline and "is up" not in line:
             line = proc.stdout.readline() if proc.stdout else ""
             if proc.poll() is not None:
-                pytest.fail(f"meshserve up exited with {proc.returncode}")
+                pytest.fail(f"meshserve up exited with {proc.returncode}:\n{log_tail()}")
         assert f"http://127.0.0.1:{port}/v1" in line
         kids = children_of(proc.pid)
         assert (
@@ -67,10 +74,11 @@ def test_up_serves_and_ctrl_c_stops_every_process(tiny_llama):
         out = client.completions.create(model="tiny", prompt="Hello", max_tokens=5)
         assert out.choices[0].finish_reason in ("stop", "length")
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
-        assert proc.wait(60) == 0
+        assert proc.wait(60) == 0, log_tail()
         time.sleep(0.5)
         alive = [k for k in kids if is_running(k)]
         assert not alive, f"processes left behind: {alive}"
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+        log_file.close()
