@@ -220,8 +220,12 @@ def run_up(args: argparse.Namespace) -> int:
     from gpu.gguf import resolve_model_path
 
     mesh = LocalMesh(args, resolve_model_path(args.model))
-    # Ctrl-C reaches the children too (same process group); they drain and exit.
+    # Ctrl-C reaches the children too (same process group); they drain and exit. SIGINT is
+    # handled explicitly: a shell starts background jobs with SIGINT ignored, and Python then
+    # installs no KeyboardInterrupt handler, while the services handle it themselves (they
+    # would exit and this process would report them as failed).
     signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
     try:
         mesh.start()
         mesh.wait_ready(args.ready_timeout)
