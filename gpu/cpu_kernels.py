@@ -432,25 +432,20 @@ static int parse(PyObject* const* args, Py_ssize_t nargs, const char* sig, Arg* 
     return 0;
 }
 
-static PyObject* py_int8_linear(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
-    Arg a[11];
-    if (parse(args, nargs, "PIIIPIPPPII", a) < 0) return NULL;
-    Py_BEGIN_ALLOW_THREADS
-    int8_linear(a[0].p, a[1].i, a[2].i, a[3].i, a[4].p, a[5].i, a[6].p, a[7].p, a[8].p, a[9].i,
-                (int)a[10].i);
-    Py_END_ALLOW_THREADS
-    Py_RETURN_NONE;
-}
+/* The Python entry of a DEFINE_LINEAR kernel (both share one argument list). */
+#define DEFINE_PY_LINEAR(name)                                                                \
+    static PyObject* py_##name(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {     \
+        Arg a[11];                                                                            \
+        if (parse(args, nargs, "PIIIPIPPPII", a) < 0) return NULL;                           \
+        Py_BEGIN_ALLOW_THREADS                                                                \
+        name(a[0].p, a[1].i, a[2].i, a[3].i, a[4].p, a[5].i, a[6].p, a[7].p, a[8].p, a[9].i,  \
+             (int)a[10].i);                                                                   \
+        Py_END_ALLOW_THREADS                                                                  \
+        Py_RETURN_NONE;                                                                       \
+    }
 
-static PyObject* py_f32_linear(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
-    Arg a[11];
-    if (parse(args, nargs, "PIIIPIPPPII", a) < 0) return NULL;
-    Py_BEGIN_ALLOW_THREADS
-    f32_linear(a[0].p, a[1].i, a[2].i, a[3].i, a[4].p, a[5].i, a[6].p, a[7].p, a[8].p, a[9].i,
-               (int)a[10].i);
-    Py_END_ALLOW_THREADS
-    Py_RETURN_NONE;
-}
+DEFINE_PY_LINEAR(int8_linear)
+DEFINE_PY_LINEAR(f32_linear)
 
 static PyObject* py_rms_norm(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
     Arg a[8];
