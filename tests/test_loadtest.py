@@ -228,7 +228,10 @@ async def test_poisson_arrivals_match_the_rate(fake):
     cv = statistics.pstdev(gaps) / statistics.mean(gaps)
     assert 0.6 <= cv <= 1.5  # exponential gaps: coefficient of variation 1
     lateness = sorted(r.start_s - (r.scheduled_s or 0.0) for r in result.results)
-    assert lateness[0] >= -1e-3 and lateness[int(0.9 * n)] < 0.05
+    # Never early; late only by event-loop scheduling (generous: 2 shared cores under load
+    # once put p90 at 51 ms). A runner that drifted (sleeping each gap after a send) would be
+    # seconds late by the end.
+    assert lateness[0] >= -1e-3 and lateness[int(0.9 * n)] < 0.25
 
 
 async def test_concurrency_mode_never_exceeds_c(fake):
