@@ -229,8 +229,8 @@ async def test_poisson_arrivals_match_the_rate(fake):
     assert 0.6 <= cv <= 1.5  # exponential gaps: coefficient of variation 1
     lateness = sorted(r.start_s - (r.scheduled_s or 0.0) for r in result.results)
     # Never early; late only by event-loop scheduling (generous: 2 shared cores under load
-    # once put p90 at 51 ms). A runner that drifted (sleeping each gap after a send) would be
-    # seconds late by the end.
+    # once put p90 at 51 ms). A runner that drifted (sleeping each gap after a send) would add
+    # every send's time to all later arrivals.
     assert lateness[0] >= -1e-3 and lateness[int(0.9 * n)] < 0.25
 
 
