@@ -59,6 +59,10 @@ class Linear(nn.Module):
         """The weight this layer effectively multiplies by, ``[N, K]`` fp32."""
         raise NotImplementedError
 
+    def packed(self) -> PackedLinear | None:
+        """The prepared CPU kernel call for fp32 inputs, where this layer has one."""
+        return None
+
     def extra_repr(self) -> str:
         return f"{self.in_features} -> {self.out_features}, {self.format}"
 
@@ -121,12 +125,9 @@ class DenseLinear(Linear):
         if self.layout == "nk":
             return F.linear(x, self.weight, self.bias)
         x2 = x.reshape(-1, self.in_features)
-        if self.kernels is not None and x2.dtype == torch.float32:
-            self._prepared = _packed(
-                self.kernels, self._prepared, self.weight, self.out_features, self.in_features,
-                None, self.bias,
-            )  # fmt: skip
-            y = self._prepared(x2)
+        prepared = self.packed()
+        if prepared is not None and x2.dtype == torch.float32:
+            y = prepared(x2)
         elif self.layout == "packed":
             y = F.linear(x2, self.dequantized_weight().to(x2.dtype), self.bias)
         elif self.bias is None:
@@ -134,6 +135,15 @@ class DenseLinear(Linear):
         else:
             y = torch.addmm(self.bias, x2, self.weight)
         return y.view(*x.shape[:-1], self.out_features)
+
+    def packed(self) -> PackedLinear | None:
+        if self.kernels is None:
+            return None
+        self._prepared = _packed(
+            self.kernels, self._prepared, self.weight, self.out_features, self.in_features,
+            None, self.bias,
+        )  # fmt: skip
+        return self._prepared
 
     def dequantized_weight(self) -> torch.Tensor:
         if self.layout == "packed":
@@ -173,12 +183,9 @@ class Int8Linear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        if self.kernels is not None and x2.dtype == torch.float32:
-            self._prepared = _packed(
-                self.kernels, self._prepared, self.qweight, self.out_features, self.in_features,
-                self.scale, self.bias,
-            )  # fmt: skip
-            y = self._prepared(x2)
+        prepared = self.packed()
+        if prepared is not None and x2.dtype == torch.float32:
+            y = prepared(x2)
         elif self.int8pack and self.scale_x is not None:
             y = torch._weight_int8pack_mm(x2.contiguous(), self.qweight, self.scale_x)
             if self.bias is not None:
@@ -188,6 +195,15 @@ class Int8Linear(Linear):
             if self.bias is not None:
                 y = y + self.bias.to(y.dtype)
         return y.view(*x.shape[:-1], self.out_features)
+
+    def packed(self) -> PackedLinear | None:
+        if self.kernels is None:
+            return None
+        self._prepared = _packed(
+            self.kernels, self._prepared, self.qweight, self.out_features, self.in_features,
+            self.scale, self.bias,
+        )  # fmt: skip
+        return self._prepared
 
     def int8_weight(self) -> torch.Tensor:
         """The int8 codes ``[N, K]``."""

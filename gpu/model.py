@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -22,8 +23,10 @@ from torch import nn
 
 from gpu.attention.backend import AttentionBackend
 from gpu.attention.metadata import BatchMetadata
+from gpu.attention.torch_backend import TorchPagedAttention
 from gpu.config import ModelConfig, ModelError
-from gpu.cpu_kernels import CpuKernels
+from gpu.cpu_kernels import CpuKernels, FusedDecoder
+from gpu.cpu_kernels.decoder import DecoderShape, LayerWeights
 from gpu.linear import Linear, make_linear
 from gpu.ops import RopeStep, TorchOps, make_ops
 from gpu.rope import RotaryEmbedding
@@ -95,14 +98,27 @@ class DecoderLayer(nn.Module):
         out: torch.Tensor = self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
         return out
 
+    def fused_weights(self) -> LayerWeights | None:
+        """This layer for ``FusedDecoder``, where every linear has a CPU kernel."""
+        linears = [self.qkv_proj.packed(), self.o_proj.packed()]
+        linears += [self.gate_up_proj.packed(), self.down_proj.packed()]
+        qkv, o, gate_up, down = linears
+        if qkv is None or o is None or gate_up is None or down is None:
+            return None
+        return LayerWeights(self.input_norm.data, self.post_attn_norm.data, qkv, o, gate_up, down)
+
 
 class CausalLM(nn.Module):
     """Token ids in, logits out; the KV cache and attention backend are passed per call.
 
     ``quantization`` (``none`` | ``int8`` | ``fp8``) picks the format of every linear layer,
     the LM head included; ``kernels`` (CPU only) switches the decoder's small ops and int8
-    matmuls to the fused kernels of ``gpu.cpu_kernels``.
+    matmuls to the fused kernels of ``gpu.cpu_kernels``. With kernels, a step whose tokens are
+    all decodes runs every layer in one C call (``FusedDecoder``; same bits, no per-op Python);
+    ``fuse_decode = False`` keeps the per-op path (tests, benchmarks).
     """
+
+    fuse_decode = True
 
     def __init__(
         self,
@@ -133,6 +149,28 @@ class CausalLM(nn.Module):
         head = w["model.embed_tokens.weight"] if config.tie_word_embeddings else w["lm_head.weight"]
         self.lm_head = linear(head)
         self.rope = RotaryEmbedding(config, device, dtype)
+        self._fused: FusedDecoder | None = None
+        self._fused_built = False
+
+    def _apply(self, *args: Any, **kwargs: Any) -> CausalLM:
+        # .to() / .float() and friends may replace the tensors the fused table points at.
+        self._fused, self._fused_built = None, False
+        model: CausalLM = super()._apply(*args, **kwargs)  # type: ignore[no-untyped-call]
+        return model
+
+    def fused_decoder(self) -> FusedDecoder | None:
+        """The one-call decode step, where the CPU kernels cover every layer (built once)."""
+        if not self._fused_built:
+            self._fused_built = True
+            layers = [cast(DecoderLayer, layer).fused_weights() for layer in self.layers]
+            c = self.config
+            if self.kernels is not None and self.dtype == torch.float32 and all(layers):
+                shape = DecoderShape(
+                    c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                    c.intermediate_size, c.rms_norm_eps,
+                )  # fmt: skip
+                self._fused = self.kernels.fused_decoder(shape, [w for w in layers if w])
+        return self._fused
 
     @property
     def device(self) -> torch.device:
@@ -156,9 +194,14 @@ class CausalLM(nn.Module):
         """
         hidden = F.embedding(input_ids, self.embed_tokens)
         rope = self.ops.rope_step(self.rope, meta.positions)
-        delta = None
-        for layer, kv_cache in zip(self.layers, kv_layers, strict=True):
-            delta = layer(hidden, delta, rope, backend, kv_cache)
+        decodes = backend.decode_only() if isinstance(backend, TorchPagedAttention) else None
+        fused = self.fused_decoder() if decodes is not None and self.fuse_decode else None
+        delta: torch.Tensor | None = None
+        if fused is not None and decodes is not None and rope.cos.dim() == 2:
+            delta = fused(hidden, rope.positions, rope.cos, rope.sin, decodes, kv_layers)
+        else:
+            for layer, kv_cache in zip(self.layers, kv_layers, strict=True):
+                delta = layer(hidden, delta, rope, backend, kv_cache)
         if logits_indices is not None:
             hidden = hidden[logits_indices]
             delta = None if delta is None else delta[logits_indices]

@@ -95,6 +95,10 @@ class TorchPagedAttention:
             )
             self._other_rows = rows
 
+    def decode_only(self) -> DecodeAttention | None:
+        """This step's decode kernel when every token is a decode (token b of sequence b)."""
+        return self._decodes if self._decodes is not None and not self._groups else None
+
     def _group(
         self,
         meta: BatchMetadata,

@@ -1,0 +1,99 @@
+"""Compile the kernels (once per source, flags and Python) and load them."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.machinery
+import importlib.util
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from gpu.cpu_kernels.wrappers import CpuKernels
+
+logger = logging.getLogger(__name__)
+
+# One translation unit, in this order (later parts call earlier ones).
+PARTS = ("prelude.h", "linear.c", "ops.c", "attention.c", "decoder.c", "module.c")
+SOURCE = "".join((Path(__file__).parent / part).read_text() for part in PARTS)
+
+FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared")
+MODULE = "_meshserve_cpu"  # the extension module's name (PyInit__meshserve_cpu)
+
+
+def _cpu_supported() -> bool:
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return False
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return " avx2" in flags and " fma" in flags
+
+
+def _build(out: Path) -> None:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler (cc/gcc) on PATH")
+    include = sysconfig.get_paths()["include"]
+    if not (Path(include) / "Python.h").is_file():
+        raise RuntimeError(f"no Python.h in {include} (install the Python development headers)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        src = Path(tmp) / "kernels.c"
+        src.write_text(SOURCE)
+        lib = Path(tmp) / out.name
+        proc = subprocess.run(
+            [compiler, *FLAGS, f"-I{include}", str(src), "-o", str(lib), "-lm"],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-2000:]}")
+        os.replace(lib, out)  # atomic: a concurrent process sees the old file or the new one
+
+
+@cache
+def load() -> CpuKernels | None:
+    """The kernels for this process, compiled on first use (about a second) and cached on disk
+    under ``$MESHSERVE_CACHE/kernels``; None where they cannot run here (no AVX2/FMA, no
+    compiler or Python headers) or with ``MESHSERVE_CPU_KERNELS=0``."""
+    if os.environ.get("MESHSERVE_CPU_KERNELS", "1") == "0":
+        return None
+    from gpu.gguf import cache_root
+
+    return build(cache_root() / "kernels")
+
+
+def build(folder: Path) -> CpuKernels | None:
+    """Compile (unless ``folder`` already holds this source's build) and load the kernels;
+    None, with a warning naming why, where that fails."""
+    if not _cpu_supported():
+        logger.info("CPU kernels need AVX2 and FMA; using plain torch ops")
+        return None
+    key = SOURCE + " ".join(FLAGS) + sys.version + sysconfig.get_paths()["include"]
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
+    path = folder / f"{MODULE}.{digest}{suffix}"
+    try:
+        if not path.is_file():
+            _build(path)
+        loader = importlib.machinery.ExtensionFileLoader(MODULE, str(path))
+        spec = importlib.util.spec_from_file_location(MODULE, path, loader=loader)
+        if spec is None:
+            raise ImportError(f"cannot load {path}")
+        module = importlib.util.module_from_spec(spec)
+        loader.exec_module(module)
+        return CpuKernels(module, path)
+    except (OSError, RuntimeError, ImportError) as exc:
+        logger.warning("CPU kernels unavailable, using plain torch ops: %s", exc)
+        return None

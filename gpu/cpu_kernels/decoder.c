@@ -1,0 +1,64 @@
+/* ---------------------------------------------------------------- fused decode step */
+
+/*
+ * Every decoder layer of a step whose T tokens are all single-token decodes (token t belongs
+ * to sequence t), in one call: the same kernels, in the same order, on the same kind of
+ * buffers as gpu.model's per-op path, so a sequence gets the same bits either way, minus the
+ * ~300 Python calls per step between them (at batch 1 those cost as much as the matmuls).
+ *
+ * `table` holds LAYER_FIELDS int64s per layer (pointers stored as integers); a linear is
+ * (kind, weight, scale, bias) with kind LIN_F32 (packed fp32, no scale) or LIN_INT8 (packed
+ * int8 with per-row scales). `kv` holds each layer's cache [pages, 2, ps, Hkv, D].
+ *
+ * hidden [T, H] is the residual stream (embeddings in, updated in place); the last layer's MLP
+ * output goes to delta [T, H], for the final norm to add in. scratch holds
+ * T * (2H + QKV + Hq*D + 3I) floats.
+ */
+enum { LIN_F32 = 0, LIN_INT8 = 1 };
+enum {
+    F_IN_NORM, F_POST_NORM,
+    F_QKV, F_O = F_QKV + 4, F_GATE_UP = F_O + 4, F_DOWN = F_GATE_UP + 4,
+    LAYER_FIELDS = F_DOWN + 4
+};
+
+static void table_linear(const i64* lin, const float* x, i64 M, i64 K, i64 N, float* y,
+                         int nthreads) {
+    const float* scale = (const float*)(intptr_t)lin[2];
+    const float* bias = (const float*)(intptr_t)lin[3];
+    if (lin[0] == LIN_INT8)
+        int8_linear(x, M, K, K, (const int8_t*)(intptr_t)lin[1], N, scale, bias, y, N, nthreads);
+    else
+        f32_linear(x, M, K, K, (const float*)(intptr_t)lin[1], N, NULL, bias, y, N, nthreads);
+}
+
+void decode_layers(const i64* table, const i64* kv, i64 nlayers, float* hidden, float* delta,
+                   i64 T, i64 H, i64 Hq, i64 Hkv, i64 D, i64 I, float eps,
+                   const i64* positions, const float* cos_t, const float* sin_t,
+                   const i64* rows, const i64* append_pages, const i64* append_offsets,
+                   const int32_t* kv_indptr, const int32_t* kv_indices, const int32_t* last_len,
+                   i64 ps, float scale, float* scratch, int nthreads) {
+    const i64 QKV = (Hq + 2 * Hkv) * D, QD = Hq * D;
+    float* x = scratch;              /* [T, H]: the normalised input of a matmul */
+    float* qkv = x + T * H;          /* [T, QKV] */
+    float* attn = qkv + T * QKV;     /* [T, Hq * D] */
+    float* o = attn + T * QD;        /* [T, H] */
+    float* gu = o + T * H;           /* [T, 2I] */
+    float* act = gu + T * 2 * I;     /* [T, I] */
+    const float* d = NULL;
+    for (i64 l = 0; l < nlayers; ++l) {
+        const i64* f = table + l * LAYER_FIELDS;
+        float* cache = (float*)(intptr_t)kv[l];
+        rms_norm(hidden, d, T, H, (const float*)(intptr_t)f[F_IN_NORM], eps, x, nthreads);
+        table_linear(f + F_QKV, x, T, H, QKV, qkv, nthreads);
+        rope(qkv, T, QKV, Hq + Hkv, D, positions, cos_t, sin_t);
+        paged_decode_attention(qkv, QKV, qkv + QD, qkv + QD + Hkv * D, QKV, attn, QD, rows, T,
+                               cache, append_pages, append_offsets, kv_indptr, kv_indices,
+                               last_len, Hq, Hkv, D, ps, scale, nthreads);
+        table_linear(f + F_O, attn, T, QD, H, o, nthreads);
+        rms_norm(hidden, o, T, H, (const float*)(intptr_t)f[F_POST_NORM], eps, x, nthreads);
+        table_linear(f + F_GATE_UP, x, T, H, 2 * I, gu, nthreads);
+        silu_mul(gu, T, I, act, nthreads);
+        table_linear(f + F_DOWN, act, T, I, H, delta, nthreads);
+        d = delta;
+    }
+}
