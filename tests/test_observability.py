@@ -171,6 +171,7 @@ async def test_one_trace_per_request_spans_every_service(mesh, receiver, client)
         )
         # the executor's phases tile its time with the request, inside the root span
         assert queue.end_ns == prefill.start_ns and prefill.end_ns == decode.start_ns
+        assert queue.start_ns <= queue.end_ns <= prefill.end_ns
         assert root.start_ns <= queue.start_ns <= decode.end_ns <= root.end_ns
 
 
@@ -327,3 +328,30 @@ def test_observability_flags_and_environment(monkeypatch):
     assert (parse().metrics_port, parse().otlp_endpoint) == (9200, "http://collector:4318")
     with pytest.raises(ValueError):
         MeshConfig(metrics_port=70000)
+
+
+def test_a_request_received_mid_step_stays_queued(tiny_llama):
+    """A request that arrives while a step runs waits in pending_adds; the end of that step
+    must not close its queue span (it used to, with the step's start: a negative queue time)."""
+    from types import SimpleNamespace
+
+    from gpu.engine import Engine, EngineConfig
+    from gpu.loader import load_model
+    from gpu.runner import ModelRunner
+    from services.executor.config import parse_args
+    from services.executor.service import ExecutorService
+
+    engine = Engine(
+        ModelRunner(load_model(tiny_llama, progress=False), 16, 4), EngineConfig(), [2]
+    )
+    service = ExecutorService(parse_args(["--model", str(tiny_llama)]), engine)
+    try:
+        service.timelines.received("mid-step", 5)
+        service.pending_adds.append(SimpleNamespace(request_id="mid-step"))
+        service.timelines.stepped(1, 2, [], service.admitted)
+        assert "mid-step" in service.timelines.queued
+        service.pending_adds.clear()  # gone without reaching the engine (aborted): not pending
+        service.timelines.stepped(3, 4, [], service.admitted)
+        assert "mid-step" not in service.timelines.queued
+    finally:
+        service.worker.shutdown()

@@ -239,9 +239,12 @@ class ExecutorService:
             self.remote.release([request_id])
 
     def admitted(self, request_id: str) -> bool:
-        """Has the engine scheduled this request at least once (or already dropped it)?"""
+        """Has the engine scheduled this request at least once (or already dropped it)? One
+        received during the step that just ended is not in the engine yet: not admitted."""
         seq = self.engine.seqs.get(request_id)
-        return seq is None or seq.admitted
+        if seq is not None:
+            return seq.admitted
+        return all(req.request_id != request_id for req in self.pending_adds)
 
     def engine_state(self) -> EngineSnapshot:
         """Read at scrape time, possibly mid-step: only atomic reads (lengths and ints)."""
