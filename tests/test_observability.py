@@ -341,9 +341,7 @@ def test_a_request_received_mid_step_stays_queued(tiny_llama):
     from services.executor.config import parse_args
     from services.executor.service import ExecutorService
 
-    engine = Engine(
-        ModelRunner(load_model(tiny_llama, progress=False), 16, 4), EngineConfig(), [2]
-    )
+    engine = Engine(ModelRunner(load_model(tiny_llama, progress=False), 16, 4), EngineConfig(), [2])
     service = ExecutorService(parse_args(["--model", str(tiny_llama)]), engine)
     try:
         service.timelines.received("mid-step", 5)
