@@ -20,8 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from common.config import MeshConfig
 from common.runtime import Service
 from common.telemetry import otlp_traces_endpoint
+from loadtest.otlp_receiver import OtlpReceiver, ReceivedSpan
 from tests.mesh import MeshHarness
-from tests.otlp_receiver import OtlpReceiver, ReceivedSpan
 
 MAX_TOKENS = 5
 SPANS = {
@@ -353,3 +353,22 @@ def test_a_request_received_mid_step_stays_queued(tiny_llama):
         assert "mid-step" not in service.timelines.queued
     finally:
         service.worker.shutdown()
+
+
+def test_hops_offsets_are_relative_to_each_requests_gateway_span():
+    from loadtest.hops import offsets
+
+    def span(trace: str, name: str, start: int, end: int) -> ReceivedSpan:
+        return ReceivedSpan("svc", name, trace, f"{trace}-{name}", None, start, end, 1)
+
+    spans = [
+        span("a", "gateway.request", 1_000_000, 9_000_000),
+        span("a", "tokenizer.encode", 3_000_000, 4_000_000),
+        span("b", "gateway.request", 50_000_000, 60_000_000),
+        span("b", "tokenizer.encode", 54_000_000, 55_000_000),
+        span("c", "tokenizer.encode", 0, 1),  # no root: left out
+    ]
+    got = offsets(spans)
+    assert got["tokenizer.encode start"] == [2.0, 4.0]
+    assert got["tokenizer.encode end"] == [3.0, 5.0]
+    assert got["gateway.request end"] == [8.0, 10.0]
