@@ -1,0 +1,109 @@
+"""The wire schema: round trips, and a clear MessageError naming the field for bad payloads."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from common.messages import (
+    Message,
+    MessageError,
+    SamplingSpec,
+    SeqTokens,
+    StepTokens,
+    StreamStart,
+    TokenizedRequest,
+    TokenLogprobs,
+    decode_any,
+)
+
+
+def request(**overrides) -> TokenizedRequest:
+    fields = dict(
+        request_id="r1",
+        reply_to="_INBOX.1",
+        params=SamplingSpec(max_tokens=8, temperature=0.5, stop=["\n\n"], seed=3),
+        prompt_token_ids=[5, 6, 7],
+        block_hashes=[2**63 - 1, 0],
+        detok_shard=1,
+        deadline=None,
+    )
+    fields.update(overrides)
+    return TokenizedRequest(**fields)
+
+
+def step() -> StepTokens:
+    lp = TokenLogprobs(7, -0.25, [(7, -0.25), (9, -1.5)])
+    return StepTokens(
+        "executor-0",
+        [
+            SeqTokens("a", "_INBOX.a", [7], None, 1, StreamStart(["x"], True, 3, 0, {"k": "v"})),
+            SeqTokens("b", "_INBOX.b", [1, 2], "stop", 5, None, [lp, lp]),
+        ],
+    )
+
+
+@pytest.mark.parametrize("message", [request(), request(deadline=12.5), step(), SamplingSpec()])
+def test_round_trip(message: Message) -> None:
+    assert type(message).decode(message.encode()) == message
+
+
+def raw(message: Message, **changes) -> bytes:
+    """``message`` on the wire with some fields of its top level map changed (None: removed)."""
+    payload = msgpack.unpackb(message.encode(), raw=False)
+    for key, value in changes.items():
+        if value is None:
+            payload.pop(key)
+        else:
+            payload[key] = value
+    return msgpack.packb(payload, use_bin_type=True)
+
+
+@pytest.mark.parametrize(
+    ("changes", "error"),
+    [
+        ({"detok_shard": "1"}, "TokenizedRequest.detok_shard: expected an integer, got str"),
+        ({"detok_shard": True}, "TokenizedRequest.detok_shard: expected an integer, got bool"),
+        ({"prompt_token_ids": [1, "2"]}, "TokenizedRequest.prompt_token_ids[1]: expected an"),
+        ({"prompt_token_ids": [1, False]}, "TokenizedRequest.prompt_token_ids[1]: expected an"),
+        ({"prompt_token_ids": 5}, "TokenizedRequest.prompt_token_ids: expected a list, got int"),
+        ({"params": {"max_tokens": 1.5}}, "TokenizedRequest.params.max_tokens: expected an"),
+        ({"params": [1]}, "TokenizedRequest.params: expected a map, got list"),
+        ({"deadline": "soon"}, "TokenizedRequest.deadline: expected a number, got str"),
+        ({"request_id": None}, "TokenizedRequest: missing field 'request_id'"),
+        ({"t": "StepTokens"}, "expected a TokenizedRequest message, got 'StepTokens'"),
+        ({"v": 99}, "TokenizedRequest: unsupported schema version 99"),
+    ],
+)
+def test_bad_fields_are_named(changes, error) -> None:
+    with pytest.raises(MessageError, match=error.replace("[", r"\[").replace("]", r"\]")):
+        TokenizedRequest.decode(raw(request(), **changes))
+
+
+def test_nested_lists_and_tuples_are_checked() -> None:
+    seqs = msgpack.unpackb(step().encode(), raw=False)["seqs"]
+    seqs[1]["logprobs"][0]["top"][1] = [9, "x"]
+    with pytest.raises(MessageError, match=r"StepTokens.seqs\[1\].logprobs\[0\].top\[1\]"):
+        StepTokens.decode(raw(step(), seqs=seqs))
+    seqs[1]["logprobs"][0]["top"][1] = [9]
+    with pytest.raises(MessageError, match="expected 2 items, got 1"):
+        StepTokens.decode(raw(step(), seqs=seqs))
+
+
+def test_numbers_and_optionals_convert() -> None:
+    got = TokenizedRequest.decode(raw(request(), deadline=3, arrival_time=2))
+    assert got.deadline == 3.0 and isinstance(got.deadline, float)
+    assert isinstance(got.arrival_time, float)
+    decoded = StepTokens.decode(step().encode())
+    assert decoded.seqs[1].logprobs is not None
+    assert decoded.seqs[1].logprobs[0].top == [(7, -0.25), (9, -1.5)]  # tuples again
+
+
+def test_garbage_and_decode_any() -> None:
+    with pytest.raises(MessageError, match="not msgpack"):
+        TokenizedRequest.decode(b"\xc1")
+    with pytest.raises(MessageError, match="not a map"):
+        TokenizedRequest.decode(msgpack.packb([1, 2]))
+    assert decode_any(step().encode(), TokenizedRequest, StepTokens) == step()
+    with pytest.raises(MessageError, match="unexpected message type"):
+        decode_any(step().encode(), TokenizedRequest)
