@@ -65,6 +65,35 @@ TOPICS = [
     "glaciers", "spices", "the metric system",
 ]  # fmt: skip
 
+# A third group (new phrasings over the old topics and some new ones), listed after the first
+# two for the same reason. None of it touches the held-out prompts' subjects.
+EXTRA_TASKS = [
+    "Write a short dialogue between two friends discussing {}.",
+    "What questions would an expert ask about {}?",
+    "Explain the basics of {} in plain English.",
+    "What is a common myth about {}, and what is the truth?",
+    "Give me a beginner's guide to {}.",
+    "What are the biggest challenges related to {} today?",
+    "Write a product description inspired by {}.",
+    "How has {} changed over the last hundred years?",
+    "What careers are connected to {}?",
+    "Write a motivational message that mentions {}.",
+    "Explain {} using an analogy.",
+    "What should a student remember about {} for an exam?",
+    "Write a limerick about {}.",
+    "What are some fun activities related to {}?",
+    "Describe a typical day for someone who works with {}.",
+    "What books or films would you recommend about {}?",
+]
+
+EXTRA_TOPICS = [
+    "lighthouses", "the Arctic", "steam trains", "kites", "earthworms", "the violin",
+    "the Inca Empire", "hot air balloons", "tea ceremonies in Japan", "sharks", "maps",
+    "the alphabet", "clocks", "fireworks", "the Sahara", "windmills", "beekeeping",
+    "the Eiffel Tower", "jellyfish", "sign language", "snowflakes", "castles", "typewriters",
+    "elephants",
+]  # fmt: skip
+
 HELD_OUT = [
     "What is the capital of France, and what is it famous for?",
     "How do I make a good cup of tea?",
@@ -87,10 +116,12 @@ HELD_OUT = [
 
 def distill_prompts(n: int | None = None, seed: int = 0) -> list[str]:
     """The first ``n`` of the (task, topic) prompts in a fixed order (all when None): every
-    TASKS prompt, shuffled, then every MORE_TASKS prompt, shuffled."""
+    TASKS prompt, shuffled, then every MORE_TASKS prompt, shuffled, then every EXTRA_TASKS
+    prompt over TOPICS and EXTRA_TOPICS, shuffled."""
+    groups = ((TASKS, TOPICS), (MORE_TASKS, TOPICS), (EXTRA_TASKS, TOPICS + EXTRA_TOPICS))
     prompts = []
-    for i, tasks in enumerate((TASKS, MORE_TASKS)):
-        group = [task.format(topic) for topic in TOPICS for task in tasks]
+    for i, (tasks, topics) in enumerate(groups):
+        group = [task.format(topic) for topic in topics for task in tasks]
         random.Random(seed + i).shuffle(group)
         prompts += group
     return prompts if n is None else prompts[:n]

@@ -87,3 +87,18 @@ def test_cli_distill(teacher, tmp_path, monkeypatch):
     assert cli_main([*args, "--layers", "3", "--steps", "7", "--prompts", "20"]) == 0
     cfg = seen["cfg"]
     assert (cfg.layers, cfg.steps, cfg.num_prompts, cfg.teacher) == (3, 7, 20, teacher)
+
+
+def test_distill_prompts_are_stable_distinct_and_held_out():
+    """Prompts are only ever appended (a resumed run keeps its data: the first 2,304 are those
+    the published draft was trained on), never repeat, and never include a benchmark prompt."""
+    import hashlib
+
+    from gpu.chat_prompts import distill_prompts, held_out_prompts
+
+    prompts = distill_prompts()
+    assert len(prompts) == len(set(prompts)) == 4224
+    assert distill_prompts(100) == prompts[:100]
+    first = hashlib.sha256("\n".join(prompts[:2304]).encode()).hexdigest()
+    assert first.startswith("e3d4eb8fabd0")
+    assert not set(held_out_prompts()) & set(prompts)
