@@ -68,13 +68,14 @@ class FusedDecoder:
         self.layers = tuple(layers)  # keeps every pointer in the table valid
         self._table = torch.tensor(rows, dtype=torch.int64).reshape(len(rows), LAYER_FIELDS)
         self._scratch_per_token = 2 * h + qkv + qd + 3 * i
-        self._kv_key: tuple[int, ...] = ()
+        self._kv_key: tuple[tuple[int, ...], ...] = ()
         self._kv = torch.empty(0, dtype=torch.int64)
         self._kv_pages = 0
 
     def _kv_pointers(self, kv_layers: Sequence[torch.Tensor], attention: DecodeAttention) -> int:
         """The caches' pointer table (checked when the caches change) and their page size."""
-        key = tuple(t.data_ptr() for t in kv_layers)
+        # Pointer and shape: a cache freed and another allocated at its address is re-checked.
+        key = tuple((t.data_ptr(), *t.shape) for t in kv_layers)
         if key != self._kv_key:
             if len(kv_layers) != len(self.layers):
                 raise ValueError(f"{len(kv_layers)} KV caches for {len(self.layers)} layers")
@@ -83,7 +84,7 @@ class FusedDecoder:
                 attention.check_cache(cache, s.num_heads, s.num_kv_heads, s.head_dim)
             if len({tuple(c.shape) for c in kv_layers}) != 1:
                 raise ValueError("every layer's KV cache must have the same shape")
-            self._kv = torch.tensor(key, dtype=torch.int64)
+            self._kv = torch.tensor([t.data_ptr() for t in kv_layers], dtype=torch.int64)
             self._kv_key = key
             self._kv_pages = int(kv_layers[0].shape[0])
         elif attention.max_page >= self._kv_pages:
