@@ -51,7 +51,11 @@ class LocalNatsServer:
         if jetstream:
             cmd += ["-js", "-sd", str(store)]
         cmd += list(extra_args)  # e.g. --user/--pass, --tls...
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        # Its own session: Ctrl-C in a terminal signals the whole foreground group, and the
+        # server must outlive the services' drains; whoever started it stops it (``stop``).
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        )
         server = cls(port, proc, store)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:

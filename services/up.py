@@ -242,4 +242,8 @@ def run_up(args: argparse.Namespace) -> int:
         print(f"meshserve up: {exc}", file=sys.stderr)
         return 1
     finally:
+        # A second Ctrl-C must not cut the stop short and leave services behind; stop() kills
+        # whatever has not drained after its deadline.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         mesh.stop()
