@@ -59,9 +59,25 @@ class Linear(nn.Module):
         """The weight this layer effectively multiplies by, ``[N, K]`` fp32."""
         raise NotImplementedError
 
+    bias: torch.Tensor | None
+    kernels: CpuKernels | None = None
+    _prepared: PackedLinear | None = None
+
     def packed(self) -> PackedLinear | None:
-        """The prepared CPU kernel call for fp32 inputs, where this layer has one."""
-        return None
+        """The prepared CPU kernel call for fp32 inputs, where this layer has one (re-made if
+        a ``.to()`` or state-dict load replaced the tensors it points at)."""
+        if self.kernels is None:
+            return None
+        weight, scale = self.kernel_operands()
+        self._prepared = _packed(
+            self.kernels, self._prepared, weight, self.out_features, self.in_features, scale,
+            self.bias,
+        )  # fmt: skip
+        return self._prepared
+
+    def kernel_operands(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The packed weight and per-row scale (None: fp32) the CPU kernel multiplies by."""
+        raise NotImplementedError
 
     def extra_repr(self) -> str:
         return f"{self.in_features} -> {self.out_features}, {self.format}"
@@ -136,14 +152,8 @@ class DenseLinear(Linear):
             y = torch.addmm(self.bias, x2, self.weight)
         return y.view(*x.shape[:-1], self.out_features)
 
-    def packed(self) -> PackedLinear | None:
-        if self.kernels is None:
-            return None
-        self._prepared = _packed(
-            self.kernels, self._prepared, self.weight, self.out_features, self.in_features,
-            None, self.bias,
-        )  # fmt: skip
-        return self._prepared
+    def kernel_operands(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.weight, None
 
     def dequantized_weight(self) -> torch.Tensor:
         if self.layout == "packed":
@@ -196,14 +206,8 @@ class Int8Linear(Linear):
                 y = y + self.bias.to(y.dtype)
         return y.view(*x.shape[:-1], self.out_features)
 
-    def packed(self) -> PackedLinear | None:
-        if self.kernels is None:
-            return None
-        self._prepared = _packed(
-            self.kernels, self._prepared, self.qweight, self.out_features, self.in_features,
-            self.scale, self.bias,
-        )  # fmt: skip
-        return self._prepared
+    def kernel_operands(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.qweight, self.scale
 
     def int8_weight(self) -> torch.Tensor:
         """The int8 codes ``[N, K]``."""

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gpu.cpu_kernels.wrappers import DecodeAttention, PackedLinear
+from gpu.cpu_kernels.wrappers import DecodeAttention, PackedLinear, check_rope_tables
 
 LAYER_FIELDS = 18  # decoder.c: two norms, then four linears of (kind, weight, scale, bias)
 
@@ -117,14 +117,7 @@ class FusedDecoder:
             raise ValueError("the fused decode step needs one decode per token row")
         if positions.dtype != torch.int64 or positions.shape != (t,) or positions.stride(0) != 1:
             raise ValueError("positions must be contiguous int64 [T]")
-        if (
-            cos.dtype != torch.float32
-            or cos.shape != sin.shape
-            or cos.dim() != 2
-            or cos.shape[1] != s.head_dim
-            or not (cos.is_contiguous() and sin.is_contiguous())
-        ):
-            raise ValueError("cos/sin must be contiguous fp32 [max_pos, head_dim] tables")
+        check_rope_tables(cos, sin, s.head_dim)
         if t and not 0 <= int(positions.min()) <= int(positions.max()) < cos.shape[0]:
             raise ValueError(f"positions must lie in [0, {cos.shape[0]})")
         page_size = self._kv_pointers(kv_layers, attention)

@@ -28,6 +28,19 @@ def _check(t: torch.Tensor, dtype: torch.dtype, name: str) -> None:
         raise ValueError(f"{name} must be a CPU {dtype} tensor, got {t.dtype} on {t.device}")
 
 
+def check_rope_tables(cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> None:
+    """Raise unless ``cos``/``sin`` are full contiguous fp32 ``[max_pos, head_dim]`` tables."""
+    if (
+        cos.dtype != torch.float32
+        or sin.dtype != torch.float32
+        or cos.shape != sin.shape
+        or cos.dim() != 2
+        or cos.shape[1] != head_dim
+        or not (cos.is_contiguous() and sin.is_contiguous())
+    ):
+        raise ValueError("cos/sin must be contiguous fp32 [max_pos, head_dim] tables")
+
+
 class PackedLinear:
     """``x @ W.T (* scale) (+ bias)`` for one weight packed by ``gpu.quant.pack_row_blocks``
     (int8 with per-row ``scale``, or fp32 without): checked once here, so a call costs one
@@ -279,13 +292,9 @@ class CpuKernels:
             or positions.dtype != torch.int64
             or positions.shape != (x.shape[0],)
             or not positions.is_contiguous()
-            or cos.shape != sin.shape
-            or cos.shape[1] != head_dim
-            or cos.dtype != torch.float32
-            or sin.dtype != torch.float32
-            or not (cos.is_contiguous() and sin.is_contiguous())
         ):
-            raise ValueError("rope_ needs fp32 rows, int64 positions, contiguous fp32 tables")
+            raise ValueError("rope_ needs fp32 rows with heads contiguous and int64 positions")
+        check_rope_tables(cos, sin, head_dim)
         self._rope(
             x.data_ptr(), x.shape[0], x.stride(0), num_heads, head_dim, positions.data_ptr(),
             cos.data_ptr(), sin.data_ptr(),
