@@ -3,10 +3,12 @@
     meshserve distill --teacher PATH --out DIR [--layers 8] [--steps 300]
 
 1. **Data.** The teacher answers a fixed set of chat prompts (``gpu.chat_prompts``; the
-   held-out benchmark prompts are never used) through the engine, half greedy and half sampled
-   at temperature 1 (top-p 0.95), and reports its top-20 logprobs at every answer position
-   (``SamplingParams.logprobs``): the teacher's own distributions over its own text. Saved to
-   ``DIR/work/data.pt`` after every batch of prompts, so an interrupted run resumes.
+   held-out benchmark prompts are never used), then, with ``self_prompts``, questions it wrote
+   itself (``gpu.teacher_questions``: free-form, not templates), through the engine, half
+   greedy and half sampled at temperature 1 (top-p 0.95), and reports its top-20 logprobs at
+   every answer position (``SamplingParams.logprobs``): the teacher's own distributions over
+   its own text. Saved to ``DIR/work/data.pt`` after every batch of prompts, so an interrupted
+   run resumes.
 2. **Student.** The teacher's architecture with L layers, initialised from the teacher: the
    embeddings (and tied lm_head), the final norm and L of its layers. Which L: a few candidate
    selections (evenly spread, first layers plus the last ones) are scored by KL on validation
@@ -62,6 +64,7 @@ class DistillConfig:
     warmup_steps: int = 10
     checkpoint_every: int = 25
     num_prompts: int = 128
+    self_prompts: int = 0  # questions the teacher writes itself (gpu.teacher_questions)
     max_new_tokens: int = 128
     gen_batch: int = 64
     val_samples: int = 8
@@ -71,8 +74,8 @@ class DistillConfig:
     def __post_init__(self) -> None:
         if self.layers < 1 or self.steps < 0 or self.batch_size < 1:
             raise ValueError("layers and batch_size must be >= 1, steps >= 0")
-        if self.num_prompts <= self.val_samples:
-            raise ValueError("num_prompts must exceed val_samples")
+        if self.num_prompts <= self.val_samples or self.self_prompts < 0:
+            raise ValueError("num_prompts must exceed val_samples; self_prompts must be >= 0")
 
     @property
     def work(self) -> Path:
@@ -105,25 +108,44 @@ def _atomic_save(obj: Any, path: Path) -> None:
 
 
 # -- 1. teacher data ------------------------------------------------------------------------------
-def generate_data(cfg: DistillConfig) -> list[Sample]:
-    """The teacher's answers and top-20 logprobs; resumes from ``work/data.pt``."""
+def _teacher_engine(cfg: DistillConfig) -> tuple[Any, Any]:
     from common.tokenizer import Tokenizer
     from gpu.engine import Engine, EngineConfig
     from gpu.loader import load_model
     from gpu.runner import ModelRunner
-    from gpu.sampling import SamplingParams
 
+    tokenizer = Tokenizer.from_folder(cfg.teacher)
+    runner = ModelRunner(load_model(cfg.teacher, progress=False), num_pages=2048, page_size=16)
+    return tokenizer, Engine(runner, EngineConfig(2048, cfg.gen_batch), tokenizer.eos_token_ids)
+
+
+def generate_data(cfg: DistillConfig) -> list[Sample]:
+    """The teacher's answers and top-20 logprobs; resumes from ``work/data.pt``. The prompts:
+    the first ``num_prompts`` fixed ones, then ``self_prompts`` questions the teacher wrote."""
+    from gpu.sampling import SamplingParams
+    from gpu.teacher_questions import teacher_questions
+
+    cfg.work.mkdir(parents=True, exist_ok=True)
     path = cfg.work / "data.pt"
     state: dict[str, Any] = {"num_prompts_done": 0, "samples": []}
     if path.is_file():
         state = torch.load(path, weights_only=False)
-    prompts = distill_prompts(cfg.num_prompts, cfg.seed)
     done = state["num_prompts_done"]
-    if done >= len(prompts):
+    if done >= cfg.num_prompts + cfg.self_prompts:
         return [Sample(**s) for s in state["samples"]]
-    tokenizer = Tokenizer.from_folder(cfg.teacher)
-    runner = ModelRunner(load_model(cfg.teacher, progress=False), num_pages=2048, page_size=16)
-    engine = Engine(runner, EngineConfig(2048, cfg.gen_batch), tokenizer.eos_token_ids)
+    tokenizer, engine = _teacher_engine(cfg)
+    prompts = distill_prompts(cfg.num_prompts, cfg.seed)
+    if cfg.self_prompts:
+        questions = teacher_questions(
+            cfg.work / "questions.json", cfg.self_prompts, engine, tokenizer, 64, cfg.seed
+        )
+        prompts += questions
+    answered = state.get("prompts")
+    if answered is not None and answered != prompts[:done]:
+        raise ValueError(
+            f"{path} answered other prompts: --prompts changed after teacher questions were "
+            "answered (the questions come after the fixed prompts)"
+        )
     bar = _bar(cfg, total=len(prompts), initial=done, desc="teacher answers", unit="prompt")
     while done < len(prompts):
         batch = prompts[done : done + cfg.gen_batch]
@@ -158,6 +180,7 @@ def generate_data(cfg: DistillConfig) -> list[Sample]:
             )
         done += len(batch)
         state["num_prompts_done"] = done
+        state["prompts"] = prompts[:done]
         _atomic_save(state, path)
         bar.update(len(batch))
     bar.close()

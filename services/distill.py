@@ -23,6 +23,12 @@ def add_distill(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--checkpoint-every", type=int, default=25)
     p.add_argument("--prompts", type=int, default=128, help="distillation prompts")
+    p.add_argument(
+        "--self-prompts",
+        type=int,
+        default=0,
+        help="questions the teacher writes itself, answered after the fixed prompts",
+    )
     p.add_argument("--max-new-tokens", type=int, default=128, help="teacher answer length")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads")
@@ -47,6 +53,7 @@ def run_distill(args: argparse.Namespace) -> int:
         lr=args.lr,
         checkpoint_every=args.checkpoint_every,
         num_prompts=args.prompts,
+        self_prompts=args.self_prompts,
         max_new_tokens=args.max_new_tokens,
         seed=args.seed,
     )

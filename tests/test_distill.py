@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
+import torch
 
-from gpu.distill import DistillConfig, distill, layer_candidates
+from gpu.chat_prompts import distill_prompts
+from gpu.distill import DistillConfig, distill, generate_data, layer_candidates
 from gpu.engine import Engine, EngineConfig
 from gpu.loader import load_model
 from gpu.proposers import DraftModelProposer
@@ -84,9 +87,26 @@ def test_cli_distill(teacher, tmp_path, monkeypatch):
 
     monkeypatch.setattr("gpu.distill.distill", fake)
     args = ["distill", "--teacher", str(teacher), "--out", str(tmp_path / "d")]
-    assert cli_main([*args, "--layers", "3", "--steps", "7", "--prompts", "20"]) == 0
+    flags = ["--layers", "3", "--steps", "7", "--prompts", "20", "--self-prompts", "5"]
+    assert cli_main([*args, *flags]) == 0
     cfg = seen["cfg"]
     assert (cfg.layers, cfg.steps, cfg.num_prompts, cfg.teacher) == (3, 7, 20, teacher)
+    assert cfg.self_prompts == 5
+
+
+def test_resumed_data_must_extend_the_same_prompts(teacher, tmp_path):
+    """Answers are stored by position; a resumed run whose prompt list differs before that
+    position (another seed, or --prompts changed under teacher questions) is refused."""
+    out = tmp_path / "d"
+    samples = generate_data(dataclasses.replace(config(teacher, out, 0), num_prompts=6))
+    assert len(samples) == 6
+    assert torch.load(out / "work" / "data.pt", weights_only=False)["prompts"] == (
+        distill_prompts(6)
+    )
+    more = generate_data(dataclasses.replace(config(teacher, out, 0), num_prompts=12))
+    assert [s.tokens for s in more[:6]] == [s.tokens for s in samples] and len(more) == 12
+    with pytest.raises(ValueError, match="answered other prompts"):
+        generate_data(dataclasses.replace(config(teacher, out, 0), num_prompts=18, seed=1))
 
 
 def test_distill_prompts_are_stable_distinct_and_held_out():
