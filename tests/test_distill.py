@@ -122,3 +122,22 @@ def test_distill_prompts_are_stable_distinct_and_held_out():
     first = hashlib.sha256("\n".join(prompts[:2304]).encode()).hexdigest()
     assert first.startswith("e3d4eb8fabd0")
     assert not set(held_out_prompts()) & set(prompts)
+
+
+def test_teacher_forced_agreement(tmp_path):
+    """``gpu.bench_agreement``: a draft identical to the target agrees everywhere and is always
+    accepted; another model agrees less, and its rates stay probabilities."""
+    from gpu.bench_agreement import agreement, answers
+    from tests.models import hf_model
+
+    target_dir = write_tiny_model(tmp_path / "t", "llama", seed=1)
+    other_dir = write_tiny_model(tmp_path / "o", "llama", seed=2)
+    prompts = [[5, 9, 30, 200, 7], [11, 12, 13]]
+    outs = answers(str(target_dir), prompts, 12, [])
+    assert [len(o) for o in outs] == [12, 12]
+    target = hf_model(target_dir)
+    same = agreement(target, hf_model(target_dir), prompts, outs)
+    assert same["positions"] == 24
+    assert same["greedy"] == 1.0 and same["T=1.0"] == pytest.approx(1.0, abs=1e-5)
+    other = agreement(target, hf_model(other_dir), prompts, outs)
+    assert other["greedy"] < 0.5 and 0.0 < other["T=1.0"] < 0.9
