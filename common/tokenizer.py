@@ -259,6 +259,15 @@ class Tokenizer:
         except jinja2.exceptions.TemplateError as exc:
             raise TokenizerError(f"chat template error: {exc}") from exc
 
+    def encode_user_turn(self, content: str) -> list[int]:
+        """One user message in the chat template (generation prompt added), encoded as the
+        tokenizer service encodes a chat request: the template already holds the special
+        tokens."""
+        return self.encode(
+            self.apply_chat_template([{"role": "user", "content": content}]),
+            add_special_tokens=False,
+        )
+
     def detokenizer(
         self, prompt_ids: Sequence[int] = (), *, skip_special_tokens: bool = True
     ) -> IncrementalDetokenizer:

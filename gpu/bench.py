@@ -51,8 +51,7 @@ def chat_prompts(tokenizer: Tokenizer, n: int) -> list[list[int]]:
     prompts = []
     for i in range(n):
         question = f"{QUESTIONS[i % len(QUESTIONS)]} (request {i})"
-        text = tokenizer.apply_chat_template([{"role": "user", "content": question}])
-        prompts.append(tokenizer.encode(text, add_special_tokens=False))
+        prompts.append(tokenizer.encode_user_turn(question))
     return prompts
 
 

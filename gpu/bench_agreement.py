@@ -67,13 +67,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     folder = resolve_model_path(args.model)
     tokenizer = Tokenizer.from_folder(folder)
-    prompts = [
-        tokenizer.encode(
-            tokenizer.apply_chat_template([{"role": "user", "content": text}]),
-            add_special_tokens=False,
-        )
-        for text in held_out_prompts(args.prompts)
-    ]
+    prompts = [tokenizer.encode_user_turn(text) for text in held_out_prompts(args.prompts)]
     outs = answers(str(folder), prompts, args.max_tokens, list(tokenizer.eos_token_ids))
     load = AutoModelForCausalLM.from_pretrained
     target = load(folder, dtype=torch.float32).eval()  # type: ignore[no-untyped-call]

@@ -73,8 +73,7 @@ def emit(line: str = "") -> None:
 def quality_prompts(tokenizer: Tokenizer) -> list[list[int]]:
     prompts = []
     for q in QUALITY_QUESTIONS:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": q}])
-        prompts.append(tokenizer.encode(text, add_special_tokens=False))
+        prompts.append(tokenizer.encode_user_turn(q))
     prompts.extend(tokenizer.encode(t) for t in QUALITY_TEXTS)
     return prompts
 

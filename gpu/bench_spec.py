@@ -121,13 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device(args.device)
     folder = resolve_model_path(args.model)
     tokenizer = Tokenizer.from_folder(folder)
-    prompts = [
-        tokenizer.encode(
-            tokenizer.apply_chat_template([{"role": "user", "content": q}]),
-            add_special_tokens=False,
-        )
-        for q in held_out_prompts(args.prompts)
-    ]
+    prompts = [tokenizer.encode_user_turn(q) for q in held_out_prompts(args.prompts)]
     eos = list(tokenizer.eos_token_ids)
     pages = 4096
     target = ModelRunner(load_model(folder, device=device, progress=False), pages, 16)

@@ -151,8 +151,7 @@ def generate_data(cfg: DistillConfig) -> list[Sample]:
         batch = prompts[done : done + cfg.gen_batch]
         ids = {}
         for i, text in enumerate(batch, start=done):
-            chat = tokenizer.apply_chat_template([{"role": "user", "content": text}])
-            prompt = tokenizer.encode(chat, add_special_tokens=False)
+            prompt = tokenizer.encode_user_turn(text)
             sampled = i % 2 == 1
             params = SamplingParams(
                 temperature=1.0 if sampled else 0.0,

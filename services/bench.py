@@ -112,8 +112,7 @@ def run_in_process(
 
     def admit(rid: str, at: float) -> None:
         # Tokenized on arrival, inside the request's time, as the mesh's tokenizer does.
-        chat = tokenizer.apply_chat_template([{"role": "user", "content": prompts.popleft()}])
-        engine.add_request(rid, tokenizer.encode(chat, add_special_tokens=False), params)
+        engine.add_request(rid, tokenizer.encode_user_turn(prompts.popleft()), params)
         started[rid] = at
 
     while prompts or engine.has_unfinished():

@@ -266,6 +266,19 @@ def test_chat_template_matches_transformers(
         assert got == expected
 
 
+def test_encode_user_turn_matches_transformers(tmp_path: Path) -> None:
+    """One user turn, templated and encoded as transformers' apply_chat_template(tokenize=True)
+    does it (the template's special tokens, nothing added on top)."""
+    folder = write_tokenizer_folder(tmp_path, train_byte_level_bpe(300))
+    ours = Tokenizer.from_folder(folder)
+    ref = hf_tokenizer(folder)
+    messages = [{"role": "user", "content": "héllo, wörld?"}]
+    expected = ref.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    if not isinstance(expected, list):  # transformers >= 5 returns a BatchEncoding
+        expected = expected["input_ids"]
+    assert ours.encode_user_turn("héllo, wörld?") == list(expected)
+
+
 def test_chat_template_errors(tmp_path: Path) -> None:
     folder = write_tokenizer_folder(
         tmp_path, train_byte_level_bpe(300), chat_template=RICH_TEMPLATE
