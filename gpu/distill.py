@@ -137,14 +137,19 @@ def generate_data(cfg: DistillConfig) -> list[Sample]:
     prompts = distill_prompts(cfg.num_prompts, cfg.seed)
     if cfg.self_prompts:
         questions = teacher_questions(
-            cfg.work / "questions.json", cfg.self_prompts, engine, tokenizer, 64, cfg.seed
+            cfg.work / "questions.json",
+            cfg.self_prompts,
+            engine,
+            tokenizer,
+            cfg.gen_batch,
+            cfg.seed,
         )
         prompts += questions
     answered = state.get("prompts")
     if answered is not None and answered != prompts[:done]:
         raise ValueError(
-            f"{path} answered other prompts: --prompts changed after teacher questions were "
-            "answered (the questions come after the fixed prompts)"
+            f"{path} answered other prompts: another --seed, or --prompts changed after "
+            "teacher questions were answered (the questions come after the fixed prompts)"
         )
     bar = _bar(cfg, total=len(prompts), initial=done, desc="teacher answers", unit="prompt")
     while done < len(prompts):

@@ -38,13 +38,16 @@ def _key(text: str) -> str:
     return " ".join(_words(text))
 
 
-def near_held_out(text: str, held_out: list[str] | None = None) -> bool:
+# (word set, " folded text ") of each benchmark prompt, computed once
+_HELD_OUT = [(set(_words(p)), f" {_key(p)} ") for p in held_out_prompts()]
+
+
+def near_held_out(text: str) -> bool:
     """Is ``text`` one of the benchmark prompts, or close to one?"""
     words, key = set(_words(text)), f" {_key(text)} "
-    for prompt in held_out_prompts() if held_out is None else held_out:
-        other = set(_words(prompt))
+    for other, other_key in _HELD_OUT:
         jaccard = len(words & other) / max(1, len(words | other))
-        if f" {_key(prompt)} " in key or jaccard >= HELD_OUT_JACCARD:
+        if other_key in key or jaccard >= HELD_OUT_JACCARD:
             return True
     return False
 
@@ -56,7 +59,7 @@ def keep_question(text: str, ended_turn: bool, seen: set[str]) -> bool:
         return False
     if "\ufffd" in text or any(not c.isprintable() and c not in "\n\t" for c in text):
         return False  # broken UTF-8 or control characters: not a question anyone types
-    key = " ".join(words)
+    key = _key(text)
     if key in seen or near_held_out(text):
         return False
     seen.add(key)
