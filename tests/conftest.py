@@ -2,16 +2,34 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
+import openai
 import pytest
 import torch
 
 from common.nats_server import free_port
 from services.up import LocalMesh, add_up
+from tests.mesh import openai_client
 from tests.models import write_tiny_model
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture
+async def openai_clients() -> AsyncIterator[Callable[[str], openai.AsyncOpenAI]]:
+    """Make OpenAI clients (``openai_clients(base_url)``) that are closed when the test ends,
+    in its own loop (see ``tests.mesh.openai_client`` for why that matters)."""
+    made: list[openai.AsyncOpenAI] = []
+
+    def make(base_url: str) -> openai.AsyncOpenAI:
+        made.append(openai_client(base_url))
+        return made[-1]
+
+    yield make
+    for client in made:
+        await client.close()
 
 
 @pytest.fixture(scope="session")

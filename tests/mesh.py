@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import openai
+
 from common.config import MeshConfig, NatsAuth
 from common.nats_server import LocalNatsServer, free_port
 from services.detokenizer.service import DetokenizerConfig, DetokenizerService
@@ -22,6 +24,18 @@ from services.executor.service import ExecutorService, build_engine
 from services.prefix_index.service import PrefixIndexConfig, PrefixIndexService
 from services.scheduler.service import SchedulerService, SchedulerServiceConfig
 from services.tokenizer.service import TokenizerConfig, TokenizerService
+
+
+def openai_client(base_url: str, api_key: str = "unused") -> openai.AsyncOpenAI:
+    """An OpenAI client for one test: use it as ``async with``, so it closes in the test's loop.
+
+    An unclosed ``AsyncOpenAI`` is dangerous in a long test run: the garbage collector closes
+    its sockets first, then its ``__del__`` schedules ``aclose()``, which aborts the dead
+    transports and so unregisters their file descriptors from the event loop. A socket that
+    reused such a descriptor meanwhile (another client's request) is silently dropped from the
+    loop and never sees its response. ``timeout`` bounds any other hang to two minutes.
+    """
+    return openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=120)
 
 
 @dataclass

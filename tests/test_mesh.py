@@ -7,7 +7,6 @@ import json
 import time
 
 import aiohttp
-import openai
 import pytest
 
 from common.tokenizer import Tokenizer
@@ -15,7 +14,7 @@ from gpu.engine import Engine, EngineConfig
 from gpu.loader import load_model
 from gpu.runner import ModelRunner
 from gpu.sampling import SamplingParams
-from tests.mesh import MeshHarness
+from tests.mesh import MeshHarness, openai_client
 
 PROMPTS = ["Hello world", "The quick brown fox", "Serving language models", "café 你好"]
 
@@ -45,8 +44,9 @@ def offline(tiny_llama):
 
 
 @pytest.fixture
-def client(mesh):
-    return openai.AsyncOpenAI(base_url=mesh.base_url, api_key="unused", max_retries=0)
+async def client(mesh):
+    async with openai_client(mesh.base_url) as c:
+        yield c
 
 
 async def stream_text(client, **kwargs):

@@ -13,7 +13,6 @@ import asyncio
 from collections import Counter, defaultdict
 
 import aiohttp
-import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -21,7 +20,7 @@ from common.config import MeshConfig
 from common.runtime import Service
 from common.telemetry import otlp_traces_endpoint
 from loadtest.otlp_receiver import OtlpReceiver, ReceivedSpan
-from tests.mesh import MeshHarness
+from tests.mesh import MeshHarness, openai_client
 
 MAX_TOKENS = 5
 SPANS = {
@@ -66,8 +65,9 @@ def flush_all(mesh: MeshHarness) -> None:
 
 
 @pytest.fixture
-def client(mesh):
-    return openai.AsyncOpenAI(base_url=mesh.base_url, api_key="unused", max_retries=0)
+async def client(mesh):
+    async with openai_client(mesh.base_url) as c:
+        yield c
 
 
 async def send(client, i: int) -> tuple[str, int, int]:

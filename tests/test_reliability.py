@@ -14,7 +14,6 @@ import time
 from collections import Counter
 
 import aiohttp
-import openai
 import pytest
 
 from common.config import NatsAuth
@@ -167,10 +166,10 @@ async def test_deadline_ends_request_and_frees_pages(harness):
     assert executor.engine.blocks.num_free == executor.engine.blocks.num_pages
 
 
-async def test_nats_user_password(harness, tiny_llama):
+async def test_nats_user_password(harness, tiny_llama, openai_clients):
     args = ("--user", "mesh", "--pass", "s3cret")
     mesh = harness(nats_args=args, auth=NatsAuth(user="mesh", password="s3cret"))
-    client = openai.AsyncOpenAI(base_url=mesh.base_url, api_key="x", max_retries=0)
+    client = openai_clients(mesh.base_url)
     out = await client.completions.create(model="tiny", prompt="auth", max_tokens=3)
     assert out.choices[0].finish_reason in ("stop", "length")
     from common.config import MeshConfig

@@ -7,7 +7,6 @@ import asyncio
 import random
 import time
 
-import openai
 import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletionChunk
@@ -127,9 +126,9 @@ async def _requests_admitted(mesh: MeshHarness) -> list[int]:  # on the mesh's l
     return [ex.engine.blocks.queries for ex in mesh.executor_services]
 
 
-async def test_requests_follow_their_cached_prefix(mesh):
+async def test_requests_follow_their_cached_prefix(mesh, openai_clients):
     rng = random.Random(0)
-    client = openai.AsyncOpenAI(base_url=mesh.base_url, api_key="x", max_retries=0)
+    client = openai_clients(mesh.base_url)
     system = [rng.randrange(3, 500) for _ in range(8 * PAGE + 5)]  # 8 full pages
     first = await client.completions.create(model="tiny", prompt=[*system, 9], max_tokens=2)
     assert cached_tokens(first) == 0
@@ -161,9 +160,9 @@ async def test_requests_follow_their_cached_prefix(mesh):
     assert cached_tokens(chunks[-1]) == 0  # reported, and nothing of this prompt was cached
 
 
-async def test_prefix_hit_metrics_match_usage(mesh):
+async def test_prefix_hit_metrics_match_usage(mesh, openai_clients):
     """Per-executor prefix_cache hits/queries count each request once, as usage reports it."""
-    client = openai.AsyncOpenAI(base_url=mesh.base_url, api_key="x", max_retries=0)
+    client = openai_clients(mesh.base_url)
     before = mesh.call(_hits_and_queries(mesh))
     prompt = list(range(100, 100 + 3 * PAGE + 3))
     outs = [
@@ -181,9 +180,9 @@ async def _hits_and_queries(mesh: MeshHarness) -> list[tuple[int, int]]:
     return [(ex.engine.blocks.hits, ex.engine.blocks.queries) for ex in mesh.executor_services]
 
 
-async def test_routing_falls_back_to_load_when_the_index_is_gone(mesh):
+async def test_routing_falls_back_to_load_when_the_index_is_gone(mesh, openai_clients):
     mesh.call(mesh.index.svc.close())
-    client = openai.AsyncOpenAI(base_url=mesh.base_url, api_key="x", max_retries=0)
+    client = openai_clients(mesh.base_url)
     start = time.monotonic()
     outs = await asyncio.gather(
         *(client.completions.create(model="tiny", prompt=f"no index {i}", max_tokens=2)

@@ -3,7 +3,6 @@ between steps (or uses prompt lookup in process); outputs stay those of plain gr
 
 from __future__ import annotations
 
-import openai
 import pytest
 
 from common.tokenizer import Tokenizer
@@ -11,7 +10,7 @@ from gpu.engine import Engine, EngineConfig
 from gpu.loader import load_model
 from gpu.runner import ModelRunner
 from gpu.sampling import SamplingParams
-from tests.mesh import MeshHarness
+from tests.mesh import MeshHarness, openai_client
 
 PROMPTS = ["Hello world", "The quick brown fox", "Serving language models fast"]
 
@@ -30,14 +29,13 @@ def offline(tiny_llama):
 
 
 async def complete_all(mesh: MeshHarness) -> list[str]:
-    client = openai.AsyncOpenAI(base_url=mesh.base_url, api_key="unused", max_retries=0)
     texts = []
-    for prompt in PROMPTS:
-        resp = await client.completions.create(
-            model="tiny", prompt=prompt, max_tokens=24, temperature=0.0
-        )
-        texts.append(resp.choices[0].text)
-    await client.close()
+    async with openai_client(mesh.base_url) as client:
+        for prompt in PROMPTS:
+            resp = await client.completions.create(
+                model="tiny", prompt=prompt, max_tokens=24, temperature=0.0
+            )
+            texts.append(resp.choices[0].text)
     return texts
 
 
