@@ -180,6 +180,8 @@ class Routes:
                 await response.write(encode(tail) + DONE)
             except RequestError as exc:  # a stage failed mid-stream: the error is a chunk
                 await response.write(sse(error_from(exc)) + DONE)
+            except ConnectionResetError:
+                raise  # the client left while we wrote: nothing to tell it
             except Exception as exc:
                 log.exception("gateway: stream %s failed", builder.head["id"])
                 stream.failure = f"gateway error: {exc!r}"
