@@ -512,6 +512,33 @@ async def test_client_disconnect_aborts_the_request(env: Env, stream: bool) -> N
     assert len(env.server.mesh.inbox) == 0  # nothing left routed to the dead request
 
 
+async def test_a_write_to_a_client_that_just_left_is_a_disconnect_not_an_error(
+    env: Env, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The client can close between two tokens before aiohttp cancels the handler: the next
+    write then fails. That is a disconnect (abort, no error log), not a failed stream."""
+    original = aiohttp.web.StreamResponse.write
+    writes = 0
+
+    async def write(self: aiohttp.web.StreamResponse, data: bytes) -> None:
+        nonlocal writes
+        writes += 1
+        if writes > 1:
+            raise aiohttp.ClientConnectionResetError("Cannot write to closing transport")
+        await original(self, data)
+
+    monkeypatch.setattr(aiohttp.web.StreamResponse, "write", write)
+    body = {"prompt": "hi", "stream": True}
+    with contextlib.suppress(aiohttp.ClientError):
+        async with env.http.post(env.url + "/v1/completions", json=body) as resp:
+            await resp.read()
+    await env.wait_for(lambda: len(env.fake.aborts) == 1)
+    assert env.fake.aborts[0].reason == "client disconnected"
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+    monkeypatch.undo()
+    assert (await env.post(CMP, {"prompt": "hi"}))[0] == 200  # and it keeps serving
+
+
 async def test_timeout_is_504_and_aborts(nats_server: LocalNatsServer) -> None:
     async with running(nats_server.url, request_timeout_s=0.3) as env:
         status, answer = await env.post(CMP, {"prompt": "silent"})
