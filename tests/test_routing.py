@@ -12,8 +12,10 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletionChunk
 
 from common.block_hash import page_hashes
-from common.messages import Heartbeat, SamplingSpec, TokenizedRequest
+from common.config import MeshConfig
+from common.messages import AbortRequests, Heartbeat, SamplingSpec, TokenizedRequest
 from services.scheduler.router import Router
+from services.scheduler.service import SchedulerService, SchedulerServiceConfig
 from tests.mesh import MeshHarness
 
 PAGE = 16
@@ -98,6 +100,36 @@ def test_no_executor_with_room_means_the_request_waits():
     r = router(a=0)
     r.observe(heartbeat("a", running=80))
     assert r.pick(request(PROMPT), {"a": 40}) is None
+
+
+async def test_a_request_aborted_while_the_index_answers_is_not_dispatched(monkeypatch):
+    """The scheduler awaits the prefix index between peeking at the queue head and popping it;
+    an abort that lands then must drop the request, not send it to an executor to run for a
+    client that has left."""
+    sched = SchedulerService(SchedulerServiceConfig(MeshConfig(instance_id="t"), router="kv"))
+    for executor in ("a", "b"):
+        sched.router.observe(heartbeat(executor))
+    asking, answer = asyncio.Event(), asyncio.Event()
+
+    async def slow_index(req: TokenizedRequest) -> dict[str, int]:
+        asking.set()
+        await answer.wait()
+        return {}
+
+    published: list[str] = []
+
+    async def publish(subject: str, message: object) -> None:
+        published.append(subject)
+
+    monkeypatch.setattr(sched, "overlaps", slow_index)
+    monkeypatch.setattr(sched.svc, "publish", publish)
+    submit = asyncio.create_task(sched.on_submit(request(PROMPT, "gone")))
+    await asyncio.wait_for(asking.wait(), 5)
+    await sched.on_abort(AbortRequests(["gone"], "client disconnected"))
+    answer.set()
+    await asyncio.wait_for(submit, 5)
+    assert published == [] and sched.queue == [] and sched.aborted == set()
+    assert sched.dispatched == 0 and not sched.inflight.assignments
 
 
 # -- across the mesh -------------------------------------------------------------------------------

@@ -147,8 +147,8 @@ class SchedulerService:
                 return  # nobody has room: it waits here, in priority order
             with self.routes.use(req.request_id):  # the index query joins the request's trace
                 overlaps = await self.overlaps(req) if len(candidates) > 1 else {}
-            if not self.queue or self.queue[0][2] is not req:
-                continue  # the queue changed while we asked the index
+            if not self.queue or self.queue[0][2] is not req or req.request_id in self.aborted:
+                continue  # the queue changed (or the client left) while we asked the index
             executor = self.router.pick(req, overlaps)
             if executor is None:
                 return
