@@ -61,7 +61,7 @@ class RunResult:
 
     @property
     def mean_accepted_length(self) -> str:
-        return f"{self.emitted / self.spec_steps:.2f}" if self.spec_steps else "1.00"
+        return f"{self.emitted / self.spec_steps:.3f}" if self.spec_steps else "1.000"
 
 
 def run(
