@@ -152,12 +152,19 @@ async def test_overload_gets_429_with_retry_after(harness):
 
 async def test_deadline_ends_request_and_frees_pages(harness):
     mesh = harness(request_timeout_s=0.4)
+    executor = mesh.executor_services[0]
+    step = executor.engine.step
+
+    def slow_step() -> object:  # 250 steps outlast the deadline however fast the machine is
+        time.sleep(0.02)
+        return step()
+
+    executor.engine.step = slow_step  # type: ignore[method-assign]
     async with aiohttp.ClientSession() as session:
         body = {"model": "tiny", "prompt": "slow", "max_tokens": 250, "ignore_eos": True}
         async with session.post(f"{mesh.base_url}/completions", json=body) as resp:
             assert resp.status == 504
             assert (await resp.json())["error"]["type"] == "timeout_error"
-    executor = mesh.executor_services[0]
     for _ in range(40):
         if not executor.engine.has_unfinished():
             break
