@@ -288,12 +288,22 @@ class TokenizedRequest(Message):
     priority: int = 0
     deadline: float | None = None
     arrival_time: float = 0.0
+    # Migration: the tokens an executor that was lost had already streamed for this request
+    # (the detokenizer's record). The next executor prefills prompt + these and continues the
+    # same stream from there; ``migrations`` counts how often that happened (a limit bounds it).
+    output_token_ids: list[int] = field(default_factory=list)
+    migrations: int = 0
 
 
 @dataclass(frozen=True)
 class AbortRequests(Message):
+    """Stop these requests. Without ``executor_id`` they are over everywhere: every service
+    forgets them, and one that has not received them yet drops them when they arrive. With it,
+    only that executor stops them: the scheduler withdrawing work it moves elsewhere."""
+
     request_ids: list[str]
     reason: str = "abort"
+    executor_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -310,10 +320,9 @@ class Heartbeat(Message):
     pending_tokens: int  # prompt tokens still to prefill plus one per running decode
     draining: bool = False
     sent_at: float = 0.0
-    # Which requests the executor holds, and which of those have streamed tokens: if the
-    # executor dies, the scheduler re-routes the others and fails these with a clear error.
+    # Which requests the executor holds: the scheduler learns from it which have finished,
+    # and which to move elsewhere if the executor dies.
     request_ids: list[str] = field(default_factory=list)
-    started_ids: list[str] = field(default_factory=list)
 
 
 # --- executor -> detokenizer ----------------------------------------------------------------------
@@ -328,7 +337,8 @@ class TokenLogprobs(Message):
 
 @dataclass(frozen=True)
 class StreamStart(Message):
-    """What the detokenizer needs to know about a request, sent with its first tokens."""
+    """What the detokenizer needs to know about a request, sent once with its first tokens
+    from an executor (per-request fields never ride along in every step's message)."""
 
     stop: list[str]
     skip_special_tokens: bool
@@ -337,12 +347,13 @@ class StreamStart(Message):
     # The request's W3C trace context (traceparent/tracestate): a StepTokens message carries
     # many requests, so their contexts travel here rather than in the NATS headers.
     trace: dict[str, str] = field(default_factory=dict)
+    reply_to: str = ""  # the gateway inbox its text goes to
+    deadline: float | None = None  # unix seconds: past it, the detokenizer forgets the stream
 
 
 @dataclass(frozen=True)
 class SeqTokens(Message):
     request_id: str
-    reply_to: str
     token_ids: list[int]
     finish_reason: str | None
     output_tokens: int
@@ -356,6 +367,27 @@ class StepTokens(Message):
 
     executor_id: str
     seqs: list[SeqTokens]
+
+
+# --- scheduler -> detokenizer shard (request/reply) ----------------------------------------------
+
+
+@dataclass(frozen=True)
+class StreamProgressRequest(Message):
+    """The scheduler moves these requests away from ``executor_id`` (lost): which tokens has
+    each streamed? The detokenizer stops accepting their tokens from that executor from now."""
+
+    executor_id: str
+    request_ids: list[str]
+
+
+@dataclass(frozen=True)
+class StreamProgressReply(Message):
+    """Tokens received so far per stream this shard holds (a request absent here and from
+    ``ended`` never started); ``ended``: finished or aborted, nothing to move."""
+
+    streamed: dict[str, list[int]]
+    ended: list[str] = field(default_factory=list)
 
 
 # --- detokenizer / any stage -> gateway -----------------------------------------------------------

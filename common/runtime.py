@@ -278,12 +278,14 @@ class Service:
     async def publish(
         self,
         subject: str,
-        message: Message,
+        message: Message | bytes,
         headers: dict[str, str] | None = None,
         context: Context | None = None,
     ) -> None:
-        """Publish with the W3C trace context of ``context`` (default: the current one)."""
-        await self.nc.publish(subject, message.encode(), headers=inject(headers, context))
+        """Publish with the W3C trace context of ``context`` (default: the current one);
+        ``message`` may come encoded already (a sender that had to measure its size)."""
+        data = message if isinstance(message, bytes) else message.encode()
+        await self.nc.publish(subject, data, headers=inject(headers, context))
 
     def spawn(self, coro: Awaitable[None], name: str) -> None:
         """Run a background loop for the service's lifetime; a crash is logged, not silent."""

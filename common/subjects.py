@@ -43,6 +43,10 @@ class Subjects:
     def detok(self, shard: int) -> str:
         return f"{self.prefix}.detok.{shard}"
 
+    # scheduler -> one detokenizer shard (request/reply): what has each stream received?
+    def detok_progress(self, shard: int) -> str:
+        return f"{self.prefix}.detok.{shard}.progress"
+
     # detokenizer / any stage -> the gateway that owns the request
     def gateway_inbox(self, gateway_id: str) -> str:
         return f"{self.prefix}.gateway.{gateway_id}.inbox"
