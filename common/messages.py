@@ -304,6 +304,9 @@ class AbortRequests(Message):
     request_ids: list[str]
     reason: str = "abort"
     executor_id: str = ""
+    # Set when the requests failed rather than ended: the executor holding one (it knows the
+    # client's inbox) sends this message to the client as a 503 error.
+    error: str = ""
 
 
 @dataclass(frozen=True)
@@ -367,6 +370,23 @@ class StepTokens(Message):
 
     executor_id: str
     seqs: list[SeqTokens]
+
+
+# --- gateway -> scheduler (request/reply) ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RequestStatusQuery(Message):
+    """The gateway has heard nothing of these requests for a while: are they still alive?"""
+
+    request_ids: list[str]
+
+
+@dataclass(frozen=True)
+class RequestStatusReply(Message):
+    """The ids the scheduler holds (queued, or routed to an executor that is alive)."""
+
+    known: list[str]
 
 
 # --- scheduler -> detokenizer shard (request/reply) ----------------------------------------------

@@ -25,6 +25,11 @@ class Subjects:
     def scheduler_submit(self) -> str:
         return f"{self.prefix}.scheduler.submit"
 
+    # gateway -> scheduler (request/reply): which of these requests are still alive?
+    @property
+    def scheduler_status(self) -> str:
+        return f"{self.prefix}.scheduler.status"
+
     # executors -> scheduler: load reports
     @property
     def executor_heartbeat(self) -> str:

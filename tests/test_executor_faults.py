@@ -190,3 +190,16 @@ async def test_a_failed_publish_ends_those_streams_not_the_step_loop(executor, m
     assert len(seen.tokens["next"]) == 8
     assert not any(t.done() for t in service.svc._tasks)  # the step loop lives on
     await idle(service)
+
+
+async def test_a_failed_stream_is_reported_to_its_client_by_the_executor_holding_it(executor):
+    service, send, seen = executor
+    await send(request("doomed", max_tokens=200))
+    async with asyncio.timeout(10):
+        while not seen.tokens["doomed"]:
+            await asyncio.sleep(0.01)
+    await send(AbortRequests(["doomed"], "detokenizer lost the stream", error="interrupted"))
+    await seen.wait_for("doomed")
+    error = seen.errors["doomed"]
+    assert (error.status, error.code, error.message) == (503, "stream_lost", "interrupted")
+    await idle(service)

@@ -235,3 +235,23 @@ async def test_without_the_detokenizers_answer_lost_requests_fail_clearly(monkey
     await sched.executor_lost("a")
     assert sched.queue == []
     assert [m.code for m in published if isinstance(m, ErrorEvent)] == ["executor_failed"]
+
+
+async def test_tokens_of_a_stream_this_shard_never_saw_fail_it_clearly(wire, nats_server):
+    """A detokenizer that restarted mid-stream has lost its start and text: the stream must
+    end with an error (the executor holding it tells the client), not hang."""
+    import nats
+
+    nc = await nats.connect(nats_server.url)
+    aborts: list[AbortRequests] = []
+
+    async def on_abort(msg):
+        aborts.append(AbortRequests.decode(msg.data))
+
+    await nc.subscribe(wire.svc.svc.subjects.abort, cb=on_abort)
+    await wire.step("ex-a", SeqTokens("orphan", [5, 6], None, 9))
+    await wire.step("ex-a", SeqTokens("orphan", [7], None, 10))
+    await nc.close()
+    assert len(aborts) == 1  # once, not per step
+    assert aborts[0].request_ids == ["orphan"] and "detokenizer restarted" in aborts[0].error
+    assert wire.deltas == [] and wire.svc.streams == {}

@@ -104,9 +104,12 @@ class DetokenizerService:
     async def on_step(self, step: StepTokens) -> None:
         out: dict[str, list[TextDelta]] = defaultdict(list)
         stopped: list[str] = []
+        unknown: list[str] = []
         for seq in step.seqs:
             stream = self.stream_for(seq, step.executor_id)
             if stream is None:
+                if self.never_seen(seq):
+                    unknown.append(seq.request_id)
                 continue
             delta = self.advance(stream, seq)
             if delta is None:
@@ -120,6 +123,24 @@ class DetokenizerService:
             await self.svc.publish(
                 self.svc.subjects.abort, AbortRequests(stopped, reason="stop string")
             )
+        if unknown:
+            # Its start (and the text so far) went with a detokenizer that restarted: the
+            # stream cannot go on correctly, so it fails clearly instead of hanging.
+            self.ended.add_all(unknown, True)
+            log.warning("detokenizer: failing %d streams it has no state for", len(unknown))
+            await self.svc.publish(
+                self.svc.subjects.abort,
+                AbortRequests(
+                    unknown,
+                    reason="detokenizer lost the stream",
+                    error="The stream was interrupted (a detokenizer restarted); retry.",
+                ),
+            )
+
+    def never_seen(self, seq: SeqTokens) -> bool:
+        """Tokens of a stream this shard has no record of at all (not ended, not moved)."""
+        rid = seq.request_id
+        return seq.start is None and rid not in self.streams and rid not in self.ended
 
     def stream_for(self, seq: SeqTokens, executor_id: str) -> Stream | None:
         """The stream these tokens continue, or None when they must be dropped: after its end

@@ -148,6 +148,13 @@ class ExecutorService:
         ids = set(msg.request_ids)
         if not msg.executor_id:
             self.ended.add_all(ids, True)
+        if msg.error:  # they failed elsewhere: we know their clients' inboxes, so tell them
+            known = [*self.requests.values(), *self.pending_adds]
+            for req in (r for r in known if r.request_id in ids):
+                await self.try_publish(
+                    req.reply_to,
+                    ErrorEvent(req.request_id, 503, msg.error, "server_error", "stream_lost"),
+                )
         kept = []
         for req in self.pending_adds:
             if req.request_id in ids:
@@ -155,9 +162,9 @@ class ExecutorService:
             else:
                 kept.append(req)
         self.pending_adds = kept
-        held = ids.intersection(self.requests)
-        if held:
-            self.pending_aborts.update(held)
+        running = ids.intersection(self.requests)
+        if running:
+            self.pending_aborts.update(running)
             self.wake.set()
 
     def snapshot_load(self) -> None:

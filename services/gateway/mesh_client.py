@@ -23,6 +23,7 @@ from services.gateway.health import ExecutorLiveness
 from services.gateway.observe import RequestObserver
 from services.gateway.protocol import ApiRequest
 from services.gateway.streams import Inbox, RequestStream
+from services.gateway.watchdog import STALL_S, check_stalled
 
 log = logging.getLogger("meshserve.gateway")
 
@@ -51,6 +52,10 @@ class MeshClient:
             self.subjects.executor_heartbeat, Heartbeat, self._on_heartbeat
         )
         self.service.disconnect_callbacks.append(self._fail_in_flight)
+        self.service.spawn(self.service.every(STALL_S, self._check_stalled), "watchdog")
+
+    async def _check_stalled(self) -> None:
+        await check_stalled(self.service, self.inbox)
 
     async def _fail_in_flight(self) -> None:
         """The bus is gone: messages for in-flight requests may be lost, so end them now with

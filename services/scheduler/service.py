@@ -31,6 +31,8 @@ from common.messages import (
     Heartbeat,
     IndexMatchReply,
     IndexMatchRequest,
+    RequestStatusQuery,
+    RequestStatusReply,
     StreamProgressReply,
     StreamProgressRequest,
     TokenizedRequest,
@@ -139,6 +141,7 @@ class SchedulerService:
         await self.svc.subscribe(s.scheduler_submit, TokenizedRequest, self.on_submit, "scheduler")
         await self.svc.subscribe(s.executor_heartbeat, Heartbeat, self.on_heartbeat)
         await self.svc.subscribe(s.abort, AbortRequests, self.on_abort)
+        await self.svc.serve(s.scheduler_status, RequestStatusQuery, self.on_status, "scheduler")
         self.svc.spawn(self.svc.every(0.2, self.sweep), "sweep")
 
     async def on_submit(self, req: TokenizedRequest) -> None:
@@ -175,6 +178,14 @@ class SchedulerService:
             heapq.heapify(self.queue)
             self.queued.difference_update(r.request_id for r in removed)
         return removed
+
+    async def on_status(self, ask: RequestStatusQuery) -> RequestStatusReply:
+        """Which of these requests are queued here or held by an executor we route to? One
+        that is neither was lost on the way (a tokenizer or scheduler restarted) or has an
+        executor that cannot be replaced: its gateway fails it instead of letting it wait."""
+        return RequestStatusReply(
+            [rid for rid in ask.request_ids if rid in self.queued or rid in self.inflight]
+        )
 
     async def on_heartbeat(self, hb: Heartbeat) -> None:
         self.router.observe(hb)
