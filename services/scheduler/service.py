@@ -129,7 +129,10 @@ class SchedulerService:
         self.ended: RecentIds[str, bool] = RecentIds()  # aborted: drop if they arrive later
         self.order = itertools.count()
         self.dispatched = 0
-        self.inflight = Inflight(unseen_timeout_s=5 * config.heartbeat_timeout_s)
+        # A request its executor never listed is taken as finished after a heartbeat timeout
+        # (it was too short to be in any heartbeat); if it was in fact lost on the way, the
+        # gateway's watchdog finds the scheduler no longer knows it and fails it clearly.
+        self.inflight = Inflight(unseen_timeout_s=config.heartbeat_timeout_s)
         self.metrics = SchedulerMetrics(
             self.svc.registry, lambda: len(self.queue), lambda: len(self.inflight)
         )
