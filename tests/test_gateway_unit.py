@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -109,14 +110,17 @@ class FakeMesh:
                     token,
                     ("stop" if n == len(tokens) else "length") if last else None,
                     Usage(PROMPT_TOKENS, n, CACHED_TOKENS) if last else None,
-                    logprobs_for(token, request.params.logprobs),
+                    logprobs_for(token, request.params.logprobs, "nonfinite" in text),
                 ),
             )
 
 
-def logprobs_for(token: str, top: int | None) -> list[TextLogprob] | None:
+def logprobs_for(token: str, top: int | None, nonfinite: bool = False) -> list[TextLogprob] | None:
     if top is None:
         return None
+    if nonfinite:
+        alternatives = [(token, math.nan), ("x", math.inf), ("y", -math.inf)][:top]
+        return [TextLogprob(token, math.nan, list(token.encode()), alternatives)]
     alternatives = [(token, -0.5), ("x", -1.25), ("y", float("-inf"))][:top]
     return [TextLogprob(token, -0.5, list(token.encode()), alternatives)]
 

@@ -32,7 +32,7 @@ _COMMON: dict[str, Any] = {
     },
     "presence_penalty": {**_NUMBER, "minimum": -2, "maximum": 2},
     "frequency_penalty": {**_NUMBER, "minimum": -2, "maximum": 2},
-    "repetition_penalty": {**_NUMBER, "exclusiveMinimum": 0},
+    "repetition_penalty": {**_NUMBER, "minimum": 0.01, "maximum": 2},
     "ignore_eos": {"type": "boolean"},
     "user": {"type": "string"},
 }

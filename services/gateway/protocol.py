@@ -27,6 +27,13 @@ SEED_RANGE = (-(2**63), 2**63 - 1)
 # developer is OpenAI's newer name for system; chat templates only know the classic roles.
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
+# vLLM only asks repetition_penalty > 0, but the sampler divides a seen token's positive logit
+# by it (and every logit by a temperature down to 1e-5): at 1e-40 that overflows fp32 and the
+# logprobs are NaN (1e-30 already gives logprobs of -4e31). 0.01 multiplies a seen token's logit
+# by at most 100, which already makes the model repeat what it has seen, and keeps logits
+# finite (|logit| * 100 * 1e5 stays far below fp32's 3.4e38 for any logit a model produces).
+MIN_REPETITION_PENALTY = 0.01
+
 
 @dataclass(frozen=True)
 class ApiRequest:
@@ -227,7 +234,7 @@ def parse_prompt(value: Any) -> tuple[str | None, list[int] | None]:
     if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
         value = value[0]
     if isinstance(value, str):
-        return value, None
+        return unicode_text(value, "prompt"), None
     if not isinstance(value, list):
         raise wrong_type("prompt", "a string or an array of token ids", value)
     if not value:
@@ -244,6 +251,21 @@ def parse_prompt(value: Any) -> tuple[str | None, list[int] | None]:
         if not 0 <= token <= MAX_TOKEN_ID:
             raise out_of_range(f"prompt[{i}]", token, "a non-negative token id")
     return None, list(value)
+
+
+def unicode_text(value: str, param: str) -> str:
+    """``value`` if it is Unicode text. JSON may escape a lone surrogate (``"\\ud800"``),
+    which is not: no tokenizer takes it and the mesh's msgpack (UTF-8) cannot carry it."""
+    try:
+        value.encode()
+    except UnicodeEncodeError as exc:
+        raise bad_request(
+            f"'{param}' holds a lone surrogate (U+{ord(value[exc.start]):04X}), "
+            "which is not valid Unicode text.",
+            param,
+            "invalid_value",
+        ) from None
+    return value
 
 
 def check_context(prompt_tokens: int, max_tokens: int, param: str, config: GatewayConfig) -> None:
@@ -288,7 +310,7 @@ def parse_message(value: Any, where: str) -> ChatMessage:
         content = "\n".join(parts)
     if not isinstance(content, str):
         raise wrong_type(param, "a string or an array of text parts", content)
-    return ChatMessage(ROLES[role], content)
+    return ChatMessage(ROLES[role], unicode_text(content, param))
 
 
 def parse_text_part(part: Any, where: str) -> str:
@@ -354,6 +376,8 @@ def parse_stop(body: Body, max_stop: int) -> list[str]:
         )
     if any(not s for s in stops):
         raise bad_request("'stop' sequences must not be empty.", "stop", "invalid_value")
+    for stop in stops:
+        unicode_text(stop, "stop")
     return list(stops)
 
 
@@ -388,7 +412,7 @@ def parse_sampling(
         seed=body.optional_integer("seed", SEED_RANGE[0], SEED_RANGE[1] - config.max_n),
         presence_penalty=body.number("presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=body.number("frequency_penalty", 0.0, -2.0, 2.0),
-        repetition_penalty=body.number("repetition_penalty", 1.0, 0.0, 2.0, lo_open=True),
+        repetition_penalty=body.number("repetition_penalty", 1.0, MIN_REPETITION_PENALTY, 2.0),
         stop=parse_stop(body, config.max_stop),
         stop_token_ids=parse_token_ids(body, "stop_token_ids"),
         ignore_eos=body.boolean("ignore_eos", False),
