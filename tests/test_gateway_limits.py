@@ -2,7 +2,8 @@
 
 Every test asserts the HTTP status and the whole OpenAI error object, then that the gateway
 still serves. They run against the fake mesh of ``tests.test_gateway_unit`` (a real
-nats-server, no model).
+nats-server, no model); the payload tests start nats-servers of their own, one of them with a
+small ``max_payload``.
 """
 
 from __future__ import annotations
@@ -15,13 +16,26 @@ from typing import Any
 import pytest
 
 from common.nats_server import LocalNatsServer
+from common.telemetry import extract, inject
+from services.gateway.observe import MAX_TRACESTATE_CHARS, trace_headers, trim_tracestate
 from services.gateway.responses import dump_json
 from tests.test_gateway_unit import CHT, CMP, Env, running
+
+SMALL_PAYLOAD = 8192  # max_payload of the small_nats server, headers included
 
 
 @pytest.fixture(scope="module")
 def nats_server() -> Iterator[LocalNatsServer]:
     server = LocalNatsServer.start(jetstream=False)  # the default max_payload, 1 MiB
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def small_nats(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalNatsServer]:
+    conf = tmp_path_factory.mktemp("nats") / "small.conf"
+    conf.write_text(f"max_payload: {SMALL_PAYLOAD}\n")
+    server = LocalNatsServer.start(jetstream=False, extra_args=["-c", str(conf)])
     yield server
     server.stop()
 
@@ -197,3 +211,114 @@ async def test_lone_surrogate_in_forwarded_text_is_a_400(
     assert "lone surrogate" in answer["error"]["message"]
     assert env.fake.requests == []
     await still_serving(env)
+
+
+# --- 2: what fits on the bus --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        (CMP, {"prompt": "x" * 2_000_000}, "prompt"),
+        (CHT, {"messages": [{"role": "user", "content": "x" * 2_000_000}]}, "messages"),
+        (CMP, {"prompt": list(range(300_000)), "max_tokens": 1}, "prompt"),
+    ],
+    ids=["prompt", "messages", "token-ids"],
+)
+async def test_body_over_the_bus_limit_is_413_not_503(
+    nats_server: LocalNatsServer, path: str, body: dict[str, Any], param: str
+) -> None:
+    """Under --max-body-bytes but over NATS' max_payload (1 MiB): a 413 that SDKs do not retry,
+    where it used to be a 503 with Retry-After that they retried forever."""
+    limit = 1024 * 1024
+    async with running(nats_server.url, max_body_bytes=4 << 20, max_model_len=1 << 20) as env:
+        assert env.server.mesh.service.nc.max_payload == limit
+        status, answer, headers = await post_raw(env, path, body)
+        assert status == 413, answer
+        assert "Retry-After" not in headers
+        error = answer["error"]
+        assert error["message"].startswith("The request is too large for the message bus:")
+        assert f"over its limit of {limit} bytes" in error["message"]
+        assert error | {"message": ""} == invalid("", param, "request_too_large")["error"]
+        assert env.fake.requests == []  # rejected before it entered the mesh
+        await still_serving(env)
+
+
+async def calibrate(env: Env) -> int:
+    """Bytes a completion request encodes to besides its prompt (measured, not guessed)."""
+    status, _ = await env.post(CMP, {"prompt": "x" * 100})
+    assert status == 200
+    size, _ = env.fake.sizes[-1]
+    return size - 100
+
+
+TRACEPARENT = "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"
+MEMBERS = [f"k{i:02d}=" + "v" * 120 for i in range(32)]  # 124 characters each
+TRACESTATE = ",".join(MEMBERS)  # 3999 characters: valid for OpenTelemetry (<= 8192, 32 keys)
+
+
+async def test_near_limit_prompt_with_a_large_tracestate_is_served(
+    small_nats: LocalNatsServer,
+) -> None:
+    """The client's tracestate is copied into the NATS headers of every hop; trimmed to W3C's
+    512 characters it leaves room for the prompt, where the full one made nats-server drop the
+    connection (max_payload counts headers too) and every in-flight request fail with 503."""
+    async with running(small_nats.url, max_body_bytes=64 << 10) as env:
+        overhead = await calibrate(env)
+        prompt = "x" * (SMALL_PAYLOAD - overhead - 700)  # the trimmed headers take < 700
+        trace = {"traceparent": TRACEPARENT, "tracestate": TRACESTATE}
+        status, answer, _ = await post_raw(env, CMP, {"prompt": prompt}, **trace)
+        assert status == 200, answer
+        size, headers = env.fake.sizes[-1]
+        assert headers is not None
+        assert headers["tracestate"] == ",".join(MEMBERS[:4])  # 499 chars; 5 members: 624
+        assert headers["traceparent"].split("-")[1] == "ab" * 16  # the client's trace goes on
+        assert size + len(TRACESTATE) > SMALL_PAYLOAD  # untrimmed, it would not have fitted
+        await still_serving(env)
+
+
+async def test_headers_count_towards_the_bus_limit(small_nats: LocalNatsServer) -> None:
+    """A prompt that fits alone but not with its trace headers is a 413, and the connection to
+    NATS survives (a message over max_payload makes nats-server close it)."""
+    async with running(small_nats.url, max_body_bytes=64 << 10) as env:
+        overhead = await calibrate(env)
+        prompt = "x" * (SMALL_PAYLOAD - overhead - 40)  # fits, but not with ~600 header bytes
+        trace = {"traceparent": TRACEPARENT, "tracestate": TRACESTATE}
+        status, answer, _ = await post_raw(env, CMP, {"prompt": prompt}, **trace)
+        assert status == 413, answer
+        assert answer["error"]["code"] == "request_too_large"
+        assert f"over its limit of {SMALL_PAYLOAD} bytes" in answer["error"]["message"]
+        status, answer, _ = await post_raw(env, CMP, {"prompt": "x" * 9000})
+        assert status == 413 and answer["error"]["param"] == "prompt"
+        assert env.server.mesh.service.nc.is_connected
+        await still_serving(env)
+
+
+def test_trim_tracestate_follows_w3c() -> None:
+    assert trim_tracestate([]) is None
+    assert trim_tracestate(["a=1, b=2", "c=3"]) == "a=1,b=2,c=3"  # fields join with ","
+    assert trim_tracestate([",,a=1, \t ,"]) == "a=1"
+    many = [f"k{i}=v" for i in range(40)]
+    assert trim_tracestate([",".join(many)]) == ",".join(many[:32])  # at most 32 members
+    # Over 512 characters: members longer than 128 go first (from the end), then the last ones.
+    big = ["a=" + "x" * 200, "b=1", "c=" + "y" * 150, "d=" + "z" * 250]
+    assert trim_tracestate([",".join(big)]) == ",".join(big[:3])
+    long_first = ["a=" + "x" * 300, *MEMBERS[:5]]  # without the long one still 624 characters
+    assert trim_tracestate([",".join(long_first)]) == ",".join(MEMBERS[:4])
+    assert trim_tracestate([",".join(MEMBERS)]) == ",".join(MEMBERS[:4])
+    assert len(",".join(MEMBERS[:4])) <= MAX_TRACESTATE_CHARS < len(",".join(MEMBERS[:5]))
+
+
+def test_trace_headers_copy_only_bounded_trace_context() -> None:
+    assert trace_headers(
+        {"traceparent": TRACEPARENT, "tracestate": TRACESTATE, "x-other": "1"}
+    ) == {
+        "traceparent": TRACEPARENT,
+        "tracestate": ",".join(MEMBERS[:4]),
+    }
+    assert trace_headers({"traceparent": "0" * 600}) == {}
+    assert trace_headers({}) == {}
+    # A malformed member (here a byte that was not UTF-8) voids the whole tracestate, as
+    # OpenTelemetry has it, so what reaches the NATS headers is always ASCII.
+    bad = trace_headers({"traceparent": TRACEPARENT, "tracestate": "a=1,b=\udcff"})
+    assert inject(None, extract(bad)) == {"traceparent": TRACEPARENT}

@@ -51,6 +51,7 @@ class FakeMesh:
         self.nc = nc
         self.subjects = subjects
         self.requests: list[GenerateRequest] = []
+        self.sizes: list[tuple[int, dict[str, str] | None]] = []  # (payload bytes, headers)
         self.aborts: list[AbortRequests] = []
         self.tasks: set[asyncio.Task[None]] = set()
 
@@ -69,6 +70,7 @@ class FakeMesh:
     async def on_request(self, msg: Msg) -> None:
         request = GenerateRequest.decode(msg.data)
         self.requests.append(request)
+        self.sizes.append((len(msg.data), msg.headers))
         task = asyncio.create_task(self.answer(request))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
