@@ -322,3 +322,51 @@ def test_trace_headers_copy_only_bounded_trace_context() -> None:
     # OpenTelemetry has it, so what reaches the NATS headers is always ASCII.
     bad = trace_headers({"traceparent": TRACEPARENT, "tracestate": "a=1,b=\udcff"})
     assert inject(None, extract(bad)) == {"traceparent": TRACEPARENT}
+
+
+# --- 2: stop strings and stop token ids ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "message"),
+    [
+        ({"stop": ["s"] * 17}, "stop", "'stop' may hold at most 16 sequences, got 17."),
+        (
+            {"stop": ["a", "x" * 1025]},
+            "stop",
+            "Each 'stop' sequence may be at most 1024 characters, got 1025 in stop[1].",
+        ),
+        (
+            {"stop": ["x" * 1000] * 5},
+            "stop",
+            "The 'stop' sequences may hold at most 4096 characters in all, got 5000.",
+        ),
+        (
+            {"stop_token_ids": list(range(257))},
+            "stop_token_ids",
+            "'stop_token_ids' may hold at most 256 token ids, got 257.",
+        ),
+    ],
+    ids=["count", "length", "total", "token-ids"],
+)
+async def test_stop_limits_are_400s(
+    nats_server: LocalNatsServer, body: dict[str, Any], param: str, message: str
+) -> None:
+    async with running(nats_server.url, max_body_bytes=64 << 10) as env:
+        status, answer, _ = await post_raw(env, CMP, {"prompt": "x", **body})
+        assert status == 400
+        assert answer == invalid(message, param, "invalid_value")
+        assert env.fake.requests == []
+        await still_serving(env)
+
+
+async def test_stops_up_to_the_limits_are_accepted(nats_server: LocalNatsServer) -> None:
+    stops = [f"{i:02d}" + "x" * 254 for i in range(16)]  # 16 x 256 = 4096 characters
+    body = {"prompt": "x", "stop": stops, "stop_token_ids": list(range(256))}
+    async with running(nats_server.url, max_body_bytes=64 << 10) as env:
+        status, answer, _ = await post_raw(env, CMP, body)
+        assert status == 200, answer
+        (request,) = env.fake.requests
+        assert request.params.stop == stops and len(request.params.stop_token_ids) == 256
+        single = {"prompt": "x", "stop": "y" * 1024}
+        assert (await post_raw(env, CMP, single))[0] == 200

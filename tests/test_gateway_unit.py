@@ -387,7 +387,7 @@ CMP, CHT = "/v1/completions", "/v1/chat/completions"
         (CMP, {"prompt": "x", "n": 9}, 400, "n"),
         (CMP, {"prompt": "x", "logprobs": 6}, 400, "logprobs"),
         (CMP, {"prompt": "x", "logprobs": True}, 400, "logprobs"),
-        (CMP, {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+        (CMP, {"prompt": "x", "stop": ["s"] * 17}, 400, "stop"),
         (CMP, {"prompt": "x", "stop": 3}, 400, "stop"),
         (CMP, {"prompt": "x", "stream": "yes"}, 400, "stream"),
         (CMP, {"prompt": "x", "stream_options": {}}, 400, "stream_options"),

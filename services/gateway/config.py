@@ -10,6 +10,10 @@ from common.config import MeshConfig, env
 # OpenAI's chat API defaults max_tokens to "the rest of the context". The gateway cannot count
 # prompt tokens (the tokenizer does), so it sends this cap instead; see ``chat_default_max_tokens``.
 CHAT_DEFAULT_MAX_TOKENS = 4096
+# OpenAI allows 4 stop sequences, vLLM any number. 4 breaks clients written for vLLM (eval
+# harnesses pass few-shot separators plus several end markers); 16 fits them, and the cost of
+# each stop string in the detokenizer is bounded by the length caps in protocol.py.
+DEFAULT_MAX_STOP = 16
 
 
 @dataclass(frozen=True)
@@ -22,7 +26,7 @@ class GatewayConfig:
     request_timeout_s: float = 600.0
     max_n: int = 8
     max_body_bytes: int = 4 * 1024 * 1024
-    max_stop: int = 4
+    max_stop: int = DEFAULT_MAX_STOP
     chat_max_tokens_cap: int = CHAT_DEFAULT_MAX_TOKENS
     heartbeat_ttl_s: float = 5.0
     shutdown_timeout_s: float = 30.0
@@ -77,7 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--max-body-bytes", type=int, default=int(env("MAX_BODY_BYTES", str(4 * 1024 * 1024)))
     )
-    parser.add_argument("--max-stop", type=int, default=int(env("MAX_STOP", "4")))
+    parser.add_argument(
+        "--max-stop",
+        type=int,
+        default=int(env("MAX_STOP", str(DEFAULT_MAX_STOP))),
+        help="most stop sequences a request may set (OpenAI allows 4)",
+    )
     parser.add_argument(
         "--chat-max-tokens-cap",
         type=int,
