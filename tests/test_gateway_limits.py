@@ -17,9 +17,11 @@ import pytest
 
 from common.nats_server import LocalNatsServer
 from common.telemetry import extract, inject
+from services.gateway import GatewayConfig, parse_args
+from services.gateway.config import build_parser
 from services.gateway.observe import MAX_TRACESTATE_CHARS, trace_headers, trim_tracestate
 from services.gateway.responses import dump_json
-from tests.test_gateway_unit import CHT, CMP, Env, running
+from tests.test_gateway_unit import CHAT, CHT, CMP, Env, running
 
 SMALL_PAYLOAD = 8192  # max_payload of the small_nats server, headers included
 
@@ -370,3 +372,66 @@ async def test_stops_up_to_the_limits_are_accepted(nats_server: LocalNatsServer)
         assert request.params.stop == stops and len(request.params.stop_token_ids) == 256
         single = {"prompt": "x", "stop": "y" * 1024}
         assert (await post_raw(env, CMP, single))[0] == 200
+
+
+# --- 3: priority --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("priority", [-10, -1, 0, 3, 10])
+async def test_priority_in_range_is_forwarded(env: Env, priority: int) -> None:
+    status, _, _ = await post_raw(env, CHT, {"messages": CHAT, "priority": priority})
+    assert status == 200
+    assert env.fake.requests[0].priority == priority
+
+
+@pytest.mark.parametrize("priority", [11, -11, 2**31, -(2**40)])
+async def test_priority_out_of_range_is_a_400(env: Env, priority: int) -> None:
+    status, answer, _ = await post_raw(env, CMP, {"prompt": "x", "priority": priority})
+    assert status == 400
+    assert answer == invalid(
+        f"'priority' must be an integer between -10 and 10 (a lower value runs first), "
+        f"got {priority}.",
+        "priority",
+        "invalid_value",
+    )
+    assert env.fake.requests == []
+    await still_serving(env)
+
+
+@pytest.mark.parametrize("priority", [1.5, "1", True, [1]])
+async def test_priority_must_be_an_integer(env: Env, priority: Any) -> None:
+    status, answer, _ = await post_raw(env, CMP, {"prompt": "x", "priority": priority})
+    assert status == 400
+    assert answer["error"]["param"] == "priority"
+    assert answer["error"]["code"] == "invalid_type"
+    await still_serving(env)
+
+
+async def test_priority_zero_limit_disables_client_priorities(
+    nats_server: LocalNatsServer,
+) -> None:
+    async with running(nats_server.url, max_client_priority=0) as env:
+        for priority in (1, -1):
+            status, answer, _ = await post_raw(env, CMP, {"prompt": "x", "priority": priority})
+            assert status == 400
+            assert answer == invalid(
+                "Request priorities are disabled on this server: omit 'priority' or send 0, "
+                f"got {priority}.",
+                "priority",
+                "unsupported_parameter",
+            )
+        assert env.fake.requests == []
+        status, _, _ = await post_raw(env, CMP, {"prompt": "x", "priority": 0})
+        assert status == 200 and env.fake.requests[0].priority == 0
+        await still_serving(env)
+
+
+def test_max_client_priority_flag_env_and_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert parse_args([]).max_client_priority == 10
+    monkeypatch.setenv("MESHSERVE_MAX_CLIENT_PRIORITY", "5")
+    assert parse_args([]).max_client_priority == 5
+    assert parse_args(["--max-client-priority", "0"]).max_client_priority == 0  # flags win
+    help_text = " ".join(build_parser().format_help().split())
+    assert "lower value runs first" in help_text
+    with pytest.raises(ValueError, match="max_client_priority"):
+        GatewayConfig(max_client_priority=-1)

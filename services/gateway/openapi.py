@@ -1,7 +1,7 @@
 """The gateway's OpenAPI 3 description (served at ``/openapi.json``; the fuzz test reads it).
 
-It states what the gateway accepts with its default settings (--max-stop 16); anything else
-is a 4xx with an OpenAI error object.
+It states what the gateway accepts with its default settings (--max-stop 16,
+--max-client-priority 10); anything else is a 4xx with an OpenAI error object.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ _COMMON: dict[str, Any] = {
         "items": {"type": "integer", "minimum": 0},
         "maxItems": 256,
     },
+    "priority": {"type": "integer", "minimum": -10, "maximum": 10},
     "ignore_eos": {"type": "boolean"},
     "user": {"type": "string"},
 }

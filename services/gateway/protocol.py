@@ -117,7 +117,8 @@ class Body:
             raise wrong_type(name, "a boolean", value)
         return value
 
-    def optional_integer(self, name: str, lo: int, hi: int) -> int | None:
+    def optional_int(self, name: str) -> int | None:
+        """An integer field of any size, or None; a wrong type is a 400."""
         value = self.raw.get(name)
         if value is None:
             return None
@@ -125,7 +126,11 @@ class Body:
             value = int(value)  # 16.0 is 16, as pydantic (vLLM) reads it
         if isinstance(value, bool) or not isinstance(value, int):
             raise wrong_type(name, "an integer", value)
-        if not lo <= value <= hi:
+        return value
+
+    def optional_integer(self, name: str, lo: int, hi: int) -> int | None:
+        value = self.optional_int(name)
+        if value is not None and not lo <= value <= hi:
             raise out_of_range(name, value, f"between {lo} and {hi}")
         return value
 
@@ -212,7 +217,7 @@ def finish(
     include_usage = parse_stream_options(body, stream)
     body.string("user")  # accepted and ignored, but it must be a string
     params = parse_sampling(body, config, max_tokens, logprobs)
-    priority = body.integer("priority", 0, -MAX_INT, MAX_INT)  # vLLM extension
+    priority = parse_priority(body, config.max_client_priority)
     return ApiRequest(
         kind, model, n, stream, include_usage, params, prompt, prompt_token_ids, messages, priority
     )
@@ -274,6 +279,29 @@ def unicode_text(value: str, param: str) -> str:
             param,
             "invalid_value",
         ) from None
+    return value
+
+
+def parse_priority(body: Body, limit: int) -> int:
+    """vLLM's convention (an extension of the OpenAI API): a lower value runs first, 0 (the
+    default) sits in the middle. Clients may use -limit..limit; limit 0 turns the field off."""
+    value = body.optional_int("priority")
+    if not value:
+        return 0
+    if limit == 0:
+        raise bad_request(
+            "Request priorities are disabled on this server: omit 'priority' or send 0, "
+            f"got {value}.",
+            "priority",
+            "unsupported_parameter",
+        )
+    if not -limit <= value <= limit:
+        raise bad_request(
+            f"'priority' must be an integer between {-limit} and {limit} (a lower value runs "
+            f"first), got {value}.",
+            "priority",
+            "invalid_value",
+        )
     return value
 
 
