@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -50,6 +51,7 @@ class FakeMesh:
         self.nc = nc
         self.subjects = subjects
         self.requests: list[GenerateRequest] = []
+        self.sizes: list[tuple[int, dict[str, str] | None]] = []  # (payload bytes, headers)
         self.aborts: list[AbortRequests] = []
         self.tasks: set[asyncio.Task[None]] = set()
 
@@ -68,6 +70,7 @@ class FakeMesh:
     async def on_request(self, msg: Msg) -> None:
         request = GenerateRequest.decode(msg.data)
         self.requests.append(request)
+        self.sizes.append((len(msg.data), msg.headers))
         task = asyncio.create_task(self.answer(request))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
@@ -109,14 +112,17 @@ class FakeMesh:
                     token,
                     ("stop" if n == len(tokens) else "length") if last else None,
                     Usage(PROMPT_TOKENS, n, CACHED_TOKENS) if last else None,
-                    logprobs_for(token, request.params.logprobs),
+                    logprobs_for(token, request.params.logprobs, "nonfinite" in text),
                 ),
             )
 
 
-def logprobs_for(token: str, top: int | None) -> list[TextLogprob] | None:
+def logprobs_for(token: str, top: int | None, nonfinite: bool = False) -> list[TextLogprob] | None:
     if top is None:
         return None
+    if nonfinite:
+        alternatives = [(token, math.nan), ("x", math.inf), ("y", -math.inf)][:top]
+        return [TextLogprob(token, math.nan, list(token.encode()), alternatives)]
     alternatives = [(token, -0.5), ("x", -1.25), ("y", float("-inf"))][:top]
     return [TextLogprob(token, -0.5, list(token.encode()), alternatives)]
 
@@ -381,7 +387,7 @@ CMP, CHT = "/v1/completions", "/v1/chat/completions"
         (CMP, {"prompt": "x", "n": 9}, 400, "n"),
         (CMP, {"prompt": "x", "logprobs": 6}, 400, "logprobs"),
         (CMP, {"prompt": "x", "logprobs": True}, 400, "logprobs"),
-        (CMP, {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+        (CMP, {"prompt": "x", "stop": ["s"] * 17}, 400, "stop"),
         (CMP, {"prompt": "x", "stop": 3}, 400, "stop"),
         (CMP, {"prompt": "x", "stream": "yes"}, 400, "stream"),
         (CMP, {"prompt": "x", "stream_options": {}}, 400, "stream_options"),

@@ -10,6 +10,12 @@ from common.config import MeshConfig, env
 # OpenAI's chat API defaults max_tokens to "the rest of the context". The gateway cannot count
 # prompt tokens (the tokenizer does), so it sends this cap instead; see ``chat_default_max_tokens``.
 CHAT_DEFAULT_MAX_TOKENS = 4096
+# OpenAI allows 4 stop sequences, vLLM any number. 4 breaks clients written for vLLM (eval
+# harnesses pass few-shot separators plus several end markers); 16 fits them, and the cost of
+# each stop string in the detokenizer is bounded by the length caps in protocol.py.
+DEFAULT_MAX_STOP = 16
+DEFAULT_MAX_CLIENT_PRIORITY = 10
+MAX_PRIORITY = 2**31 - 1  # what the scheduler's int field is meant to hold
 
 
 @dataclass(frozen=True)
@@ -22,7 +28,8 @@ class GatewayConfig:
     request_timeout_s: float = 600.0
     max_n: int = 8
     max_body_bytes: int = 4 * 1024 * 1024
-    max_stop: int = 4
+    max_stop: int = DEFAULT_MAX_STOP
+    max_client_priority: int = DEFAULT_MAX_CLIENT_PRIORITY
     chat_max_tokens_cap: int = CHAT_DEFAULT_MAX_TOKENS
     heartbeat_ttl_s: float = 5.0
     shutdown_timeout_s: float = 30.0
@@ -37,6 +44,9 @@ class GatewayConfig:
             "max_n must be >= 1": self.max_n >= 1,
             "max_body_bytes must be >= 1024": self.max_body_bytes >= 1024,
             "max_stop must be >= 0": self.max_stop >= 0,
+            f"max_client_priority must be in 0..{MAX_PRIORITY}": (
+                0 <= self.max_client_priority <= MAX_PRIORITY
+            ),
             "chat_max_tokens_cap must be >= 1": self.chat_max_tokens_cap >= 1,
             "heartbeat_ttl_s must be > 0": self.heartbeat_ttl_s > 0,
             "shutdown_timeout_s must be >= 0": self.shutdown_timeout_s >= 0,
@@ -77,7 +87,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--max-body-bytes", type=int, default=int(env("MAX_BODY_BYTES", str(4 * 1024 * 1024)))
     )
-    parser.add_argument("--max-stop", type=int, default=int(env("MAX_STOP", "4")))
+    parser.add_argument(
+        "--max-stop",
+        type=int,
+        default=int(env("MAX_STOP", str(DEFAULT_MAX_STOP))),
+        help="most stop sequences a request may set (OpenAI allows 4)",
+    )
+    parser.add_argument(
+        "--max-client-priority",
+        type=int,
+        default=int(env("MAX_CLIENT_PRIORITY", str(DEFAULT_MAX_CLIENT_PRIORITY))),
+        metavar="P",
+        help="a request's 'priority' must be an integer in -P..P; as in vLLM, a lower value "
+        "runs first and the default 0 is in the middle; 0 disables client priorities (any "
+        "non-zero priority is rejected)",
+    )
     parser.add_argument(
         "--chat-max-tokens-cap",
         type=int,
@@ -116,6 +140,7 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
         max_n=args.max_n,
         max_body_bytes=args.max_body_bytes,
         max_stop=args.max_stop,
+        max_client_priority=args.max_client_priority,
         chat_max_tokens_cap=args.chat_max_tokens_cap,
         heartbeat_ttl_s=args.heartbeat_ttl_s,
         shutdown_timeout_s=args.shutdown_timeout_s,

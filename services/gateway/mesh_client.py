@@ -3,6 +3,11 @@
 Outbound: one ``GenerateRequest`` per choice on ``tokenizer.encode``, ``AbortRequests`` on
 ``requests.abort``. Inbound: this instance's inbox (text deltas and errors for its requests)
 and executor heartbeats (for /health).
+
+A request must fit in one NATS message: the server's ``max_payload`` (1 MiB by default) bounds
+payload plus headers, and a client that publishes more is disconnected by the server (every
+in-flight request would then fail). So ``submit`` measures each encoded request with its
+headers first and answers one that does not fit with a 413, before anything is published.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Mapping
 
 from nats.aio.msg import Msg
 from opentelemetry import trace
@@ -17,7 +23,7 @@ from opentelemetry import trace
 from common.messages import AbortRequests, GenerateRequest, Heartbeat
 from common.metrics import GatewayMetrics
 from common.runtime import RequestError, Service
-from common.telemetry import Attr
+from common.telemetry import Attr, inject
 from services.gateway.config import GatewayConfig
 from services.gateway.health import ExecutorLiveness
 from services.gateway.observe import RequestObserver
@@ -41,6 +47,8 @@ class MeshClient:
 
     async def start(self) -> None:
         await self.service.connect()
+        # Read again at every submit: a reconnect may land on a server with another limit.
+        log.info("gateway: NATS accepts messages of up to %d bytes", self.service.nc.max_payload)
 
         # The inbox carries two message kinds (TextDeltas, ErrorEvent), so it is a raw
         # subscription routed by ``Inbox.deliver`` rather than ``Service.subscribe``.
@@ -77,10 +85,10 @@ class MeshClient:
 
     async def submit(self, api: ApiRequest, base_id: str) -> RequestStream:
         """Publish the request's n choices; their events arrive on the returned stream."""
-        if not self.service.nc.is_connected:
+        nc = self.service.nc
+        if not nc.is_connected:
             raise RequestError("The gateway is not connected to the mesh.", 503, "server_error")
         request_ids = [f"{base_id}-{i}" for i in range(api.n)]
-        stream = self.inbox.open(request_ids, self.config.request_timeout_s)
         span = trace.get_current_span()  # gateway.request, opened by the HTTP handler
         span.set_attributes(
             {
@@ -91,22 +99,30 @@ class MeshClient:
                 Attr.MAX_TOKENS: api.params.max_tokens,
             }
         )
-        stream.observer = RequestObserver(self.metrics, span)
         now = time.time()
+        payloads = [
+            GenerateRequest(
+                request_id=request_id,
+                reply_to=self.inbox_subject,
+                params=api.choice_params(i),
+                prompt=api.prompt,
+                prompt_token_ids=api.prompt_token_ids,
+                messages=api.messages,
+                priority=api.priority,
+                deadline=now + self.config.request_timeout_s,
+                arrival_time=now,
+            ).encode()
+            for i, request_id in enumerate(request_ids)
+        ]
+        headers = inject(None)  # the trace context of gateway.request, for every choice
+        size = max(len(p) for p in payloads) + nats_header_bytes(headers)
+        if size > nc.max_payload:
+            raise too_large_for_the_bus(size, nc.max_payload, api)
+        stream = self.inbox.open(request_ids, self.config.request_timeout_s)
+        stream.observer = RequestObserver(self.metrics, span)
         try:
-            for i, request_id in enumerate(request_ids):
-                request = GenerateRequest(
-                    request_id=request_id,
-                    reply_to=self.inbox_subject,
-                    params=api.choice_params(i),
-                    prompt=api.prompt,
-                    prompt_token_ids=api.prompt_token_ids,
-                    messages=api.messages,
-                    priority=api.priority,
-                    deadline=now + self.config.request_timeout_s,
-                    arrival_time=now,
-                )
-                await self.service.publish(self.subjects.tokenizer_encode, request)
+            for payload in payloads:
+                await nc.publish(self.subjects.tokenizer_encode, payload, headers=headers)
         except asyncio.CancelledError:  # the client left while we published
             await self.release(stream)
             raise
@@ -152,3 +168,25 @@ class MeshClient:
         if self._aborts:
             await asyncio.gather(*self._aborts, return_exceptions=True)
         await self.service.close()
+
+
+def nats_header_bytes(headers: Mapping[str, str] | None) -> int:
+    """What ``headers`` add to a NATS message, as nats-py frames them and nats-server counts
+    them against max_payload: ``NATS/1.0\\r\\n``, ``key: value\\r\\n`` each, ``\\r\\n``."""
+    if not headers:
+        return 0
+    lines = sum(len(k.encode()) + len(v.encode()) + 4 for k, v in headers.items())
+    return len(b"NATS/1.0\r\n") + lines + 2
+
+
+def too_large_for_the_bus(size: int, limit: int, api: ApiRequest) -> RequestError:
+    """413, not 503: the same request would never fit, so clients must not retry it."""
+    field = "messages" if api.kind == "chat" else "prompt"
+    return RequestError(
+        f"The request is too large for the message bus: it encodes to {size} bytes, over its "
+        f"limit of {limit} bytes (the NATS server's max_payload). Please shorten the {field}.",
+        413,
+        "invalid_request_error",
+        field,
+        "request_too_large",
+    )
