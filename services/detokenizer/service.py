@@ -66,6 +66,7 @@ class DetokenizerService:
         self.config = config
         self.tokenizer = Tokenizer.from_folder(resolve_model_path(config.model))
         self.svc = Service("detokenizer", config.mesh)
+        self.svc.facts.shard = config.shard  # the gateway needs a live detokenizer per shard
         self.streams: dict[str, Stream] = {}
 
     async def start(self) -> None:
