@@ -215,10 +215,8 @@ class Routes:
         }
 
     async def health(self, request: web.Request) -> web.Response:
-        problem = self.mesh.health_problem()
-        if problem is not None:
-            return web.json_response({"status": "unavailable", "reason": problem}, status=503)
-        return web.json_response({"status": "ok"})
+        status, body = self.mesh.health_report()  # every stage; 503 names the missing ones
+        return web.json_response(body, status=status)
 
 
 def encode(chunks: list[Json]) -> bytes:
