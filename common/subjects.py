@@ -35,6 +35,21 @@ class Subjects:
     def executor_heartbeat(self) -> str:
         return f"{self.prefix}.executor.heartbeat"
 
+    # every service -> anyone watching the mesh (gateway, scheduler): "I am alive", about
+    # once a second; one subject per service name so a watcher can pick stages
+    def presence(self, service: str) -> str:
+        return f"{self.prefix}.presence.{service}"
+
+    @property
+    def presence_all(self) -> str:
+        return f"{self.prefix}.presence.*"
+
+    # a watcher that just started -> every service: announce yourself now (not a
+    # ``presence.*`` subject, so watchers never mistake a probe for an announcement)
+    @property
+    def presence_probe(self) -> str:
+        return f"{self.prefix}.presence_probe"
+
     # scheduler -> one executor
     def executor_submit(self, executor_id: str) -> str:
         return f"{self.prefix}.executor.{executor_id}.submit"

@@ -18,6 +18,7 @@ import openai
 
 from common.config import MeshConfig, NatsAuth
 from common.nats_server import LocalNatsServer, free_port
+from common.runtime import Service
 from services.detokenizer.service import DetokenizerConfig, DetokenizerService
 from services.executor.config import ExecutorConfig
 from services.executor.service import ExecutorService, build_engine
@@ -36,6 +37,13 @@ def openai_client(base_url: str, api_key: str = "unused") -> openai.AsyncOpenAI:
     loop and never sees its response. ``timeout`` bounds any other hang to two minutes.
     """
     return openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=120)
+
+
+def runtime_of(service: Any) -> Service:
+    """The ``Service`` runtime inside a harness service (the gateway keeps its in its mesh
+    client)."""
+    runtime: Service = service.mesh.service if hasattr(service, "mesh") else service.svc
+    return runtime
 
 
 @dataclass
@@ -142,6 +150,7 @@ class MeshHarness:
             self.services.append(gw)
         for svc in self.services:
             await svc.start()
+            runtime_of(svc).ready.set()  # as serve_until_shutdown does: presence may begin
         await asyncio.sleep(0.6)  # first heartbeats reach the scheduler and gateway
 
     @property

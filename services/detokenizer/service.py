@@ -84,6 +84,7 @@ class DetokenizerService:
         self.config = config
         self.tokenizer = Tokenizer.from_folder(resolve_model_path(config.model))
         self.svc = Service("detokenizer", config.mesh)
+        self.svc.facts.shard = config.shard  # the gateway needs a live detokenizer per shard
         self.streams: dict[str, Stream] = {}
         self.ended: RecentIds[str, bool] = RecentIds()  # tokens arriving after the end: dropped
         # (request id -> executor) that the scheduler moved the request away from: that

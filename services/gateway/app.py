@@ -248,10 +248,8 @@ class Routes:
         }
 
     async def health(self, request: web.Request) -> web.Response:
-        problem = self.mesh.health_problem()
-        if problem is not None:
-            return json_response({"status": "unavailable", "reason": problem}, 503)
-        return json_response({"status": "ok"})
+        status, body = self.mesh.health_report()  # every stage; 503 names the missing ones
+        return json_response(body, status)
 
 
 def encode(chunks: list[Json]) -> bytes:

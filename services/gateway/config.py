@@ -6,6 +6,7 @@ import argparse
 from dataclasses import dataclass, field
 
 from common.config import MeshConfig, env
+from services.gateway.health import REQUIRED_STAGES, STAGES
 
 # OpenAI's chat API defaults max_tokens to "the rest of the context". The gateway cannot count
 # prompt tokens (the tokenizer does), so it sends this cap instead; see ``chat_default_max_tokens``.
@@ -32,6 +33,12 @@ class GatewayConfig:
     max_client_priority: int = DEFAULT_MAX_CLIENT_PRIORITY
     chat_max_tokens_cap: int = CHAT_DEFAULT_MAX_TOKENS
     heartbeat_ttl_s: float = 5.0
+    # Stages /health and every request need a live member of (services/gateway/health.py),
+    # how long a member counts after its last presence announcement, and how long after the
+    # gateway starts a missing stage is waited for rather than reported.
+    required_stages: tuple[str, ...] = REQUIRED_STAGES
+    presence_ttl_s: float = 3.0
+    startup_grace_s: float = 3.0
     shutdown_timeout_s: float = 30.0
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # empty: no authentication
 
@@ -49,6 +56,10 @@ class GatewayConfig:
             ),
             "chat_max_tokens_cap must be >= 1": self.chat_max_tokens_cap >= 1,
             "heartbeat_ttl_s must be > 0": self.heartbeat_ttl_s > 0,
+            f"required_stages must be among {', '.join(STAGES)}": set(self.required_stages)
+            <= set(STAGES),
+            "presence_ttl_s must be > 0": self.presence_ttl_s > 0,
+            "startup_grace_s must be >= 0": self.startup_grace_s >= 0,
             "shutdown_timeout_s must be >= 0": self.shutdown_timeout_s >= 0,
         }
         failed = [message for message, ok in checks.items() if not ok]
@@ -115,6 +126,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="/health fails when no executor heartbeat arrived for this long",
     )
     parser.add_argument(
+        "--required-stages",
+        default=env("REQUIRED_STAGES", ",".join(REQUIRED_STAGES)),
+        help=f"comma-separated stages that must have a live member (of {', '.join(STAGES)})",
+    )
+    parser.add_argument(
+        "--presence-ttl-s",
+        type=float,
+        default=float(env("PRESENCE_TTL_S", "3")),
+        help="a service counts as gone this long after its last presence announcement",
+    )
+    parser.add_argument(
+        "--startup-grace-s",
+        type=float,
+        default=float(env("STARTUP_GRACE_S", "3")),
+        help="after start, requests wait this long for a missing stage to announce itself",
+    )
+    parser.add_argument(
         "--shutdown-timeout-s", type=float, default=float(env("SHUTDOWN_TIMEOUT_S", "30"))
     )
     parser.add_argument(
@@ -143,6 +171,9 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
         max_client_priority=args.max_client_priority,
         chat_max_tokens_cap=args.chat_max_tokens_cap,
         heartbeat_ttl_s=args.heartbeat_ttl_s,
+        required_stages=tuple(s.strip() for s in args.required_stages.split(",") if s.strip()),
+        presence_ttl_s=args.presence_ttl_s,
+        startup_grace_s=args.startup_grace_s,
         shutdown_timeout_s=args.shutdown_timeout_s,
         api_keys=tuple(k.strip() for k in keys),
     )

@@ -1,8 +1,9 @@
 """The gateway's side of the mesh: submit requests, receive their events, abort, liveness.
 
 Outbound: one ``GenerateRequest`` per choice on ``tokenizer.encode``, ``AbortRequests`` on
-``requests.abort``. Inbound: this instance's inbox (text deltas and errors for its requests)
-and executor heartbeats (for /health).
+``requests.abort``. Inbound: this instance's inbox (text deltas and errors for its requests),
+executor heartbeats and every service's presence (``health.py``: /health, and requests fail
+at once while a stage they need has no live member).
 
 A request must fit in one NATS message: the server's ``max_payload`` (1 MiB by default) bounds
 payload plus headers, and a client that publishes more is disconnected by the server (every
@@ -16,16 +17,17 @@ import asyncio
 import logging
 import time
 from collections.abc import Mapping
+from typing import Any
 
 from nats.aio.msg import Msg
 from opentelemetry import trace
 
-from common.messages import AbortRequests, GenerateRequest, Heartbeat
+from common.messages import AbortRequests, GenerateRequest, Heartbeat, Presence
 from common.metrics import GatewayMetrics
 from common.runtime import RequestError, Service
 from common.telemetry import Attr, inject
 from services.gateway.config import GatewayConfig
-from services.gateway.health import ExecutorLiveness
+from services.gateway.health import MeshLiveness
 from services.gateway.observe import RequestObserver
 from services.gateway.protocol import ApiRequest
 from services.gateway.streams import Inbox, RequestStream
@@ -42,7 +44,12 @@ class MeshClient:
         self.subjects = config.mesh.subjects
         self.inbox_subject = self.subjects.gateway_inbox(config.mesh.instance_id)
         self.inbox = Inbox()
-        self.executors = ExecutorLiveness(config.heartbeat_ttl_s)
+        self.liveness = MeshLiveness(
+            config.required_stages,
+            config.presence_ttl_s,
+            config.heartbeat_ttl_s,
+            config.startup_grace_s,
+        )
         self._aborts: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
@@ -59,6 +66,8 @@ class MeshClient:
         await self.service.subscribe(
             self.subjects.executor_heartbeat, Heartbeat, self._on_heartbeat
         )
+        self.liveness.start()
+        await self.service.watch_presence(self._on_presence)  # probes: answers come at once
         self.service.disconnect_callbacks.append(self._fail_in_flight)
         self.service.spawn(self.service.every(STALL_S, self._check_stalled), "watchdog")
 
@@ -73,7 +82,10 @@ class MeshClient:
         )
 
     async def _on_heartbeat(self, heartbeat: Heartbeat) -> None:
-        self.executors.saw(heartbeat)
+        self.liveness.saw_heartbeat(heartbeat)
+
+    async def _on_presence(self, presence: Presence) -> None:
+        self.liveness.saw(presence)
 
     def health_problem(self) -> str | None:
         """Why this gateway cannot serve now, or None when it can."""
@@ -81,13 +93,39 @@ class MeshClient:
             return "shutting down"
         if not self.service.nc.is_connected:
             return "not connected to NATS"
-        return self.executors.problem()
+        return self.liveness.problem()
+
+    def health_report(self) -> tuple[int, dict[str, Any]]:
+        """``/health``'s status and body: 503 naming what is missing, and every stage's
+        live members (optional stages included) either way."""
+        stages = self.liveness.report()
+        problem = self.health_problem()
+        if problem is None:
+            return 200, {"status": "ok", "stages": stages}
+        missing = list(self.liveness.missing())
+        status = "starting" if missing and self.liveness.in_grace() else "unavailable"
+        body = {"status": status, "reason": problem, "missing": missing, "stages": stages}
+        return 503, body
+
+    async def require_stages(self) -> None:
+        """Fail at once (503, code ``stage_unavailable``) while a stage the request needs has
+        no live member; during the start-up grace, wait for its first announcement."""
+        while missing := self.liveness.missing():
+            if time.monotonic() >= self.liveness.grace_ends:
+                raise RequestError(
+                    "; ".join(missing.values()) + "; retry the request later.",
+                    503,
+                    "server_error",
+                    code="stage_unavailable",
+                )
+            await asyncio.sleep(0.05)
 
     async def submit(self, api: ApiRequest, base_id: str) -> RequestStream:
         """Publish the request's n choices; their events arrive on the returned stream."""
         nc = self.service.nc
         if not nc.is_connected:
             raise RequestError("The gateway is not connected to the mesh.", 503, "server_error")
+        await self.require_stages()
         request_ids = [f"{base_id}-{i}" for i in range(api.n)]
         span = trace.get_current_span()  # gateway.request, opened by the HTTP handler
         span.set_attributes(

@@ -31,6 +31,7 @@ from common.messages import (
     Heartbeat,
     IndexMatchReply,
     IndexMatchRequest,
+    Presence,
     RequestStatusQuery,
     RequestStatusReply,
     StreamProgressReply,
@@ -145,6 +146,7 @@ class SchedulerService:
         await self.svc.subscribe(s.executor_heartbeat, Heartbeat, self.on_heartbeat)
         await self.svc.subscribe(s.abort, AbortRequests, self.on_abort)
         await self.svc.serve(s.scheduler_status, RequestStatusQuery, self.on_status, "scheduler")
+        await self.svc.watch_presence(self.on_presence)  # the tokenizers' page size
         self.svc.spawn(self.svc.every(0.2, self.sweep), "sweep")
 
     async def on_submit(self, req: TokenizedRequest) -> None:
@@ -194,6 +196,10 @@ class SchedulerService:
         self.router.observe(hb)
         self.inflight.observe(hb)
         await self.dispatch()
+
+    async def on_presence(self, presence: Presence) -> None:
+        if self.router.observe_presence(presence):  # an executor may be routable again
+            await self.dispatch()
 
     async def on_abort(self, msg: AbortRequests) -> None:
         if msg.executor_id:
