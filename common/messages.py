@@ -479,6 +479,7 @@ class StepTokens(Message):
 
     executor_id: str
     seqs: list[SeqTokens]
+    incarnation: str = ""  # the executor process's (``Heartbeat.incarnation``)
 
 
 # --- gateway -> scheduler (request/reply) -------------------------------------------------------
@@ -508,6 +509,7 @@ class StreamProgressRequest(Message):
 
     executor_id: str
     request_ids: list[str]
+    incarnation: str = ""  # which process under that id (a restarted one is not withdrawn)
 
 
 @dataclass(frozen=True)

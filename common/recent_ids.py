@@ -4,9 +4,11 @@ Messages about one request reach a service along different paths (the client's a
 from the gateway, the request itself via the tokenizer and the scheduler), so "this request
 is over" may arrive before the request does. Each service that can receive a request after
 its end keeps the ended ids here, and drops a request whose id it finds. Gateways make
-request ids unique, so a tombstone never stands in a new request's way; entries expire after
-``ttl_s`` (longer than any request may wait) and the oldest go first beyond ``max_size``, so
-the set stays bounded whatever the traffic.
+request ids unique, so a tombstone never stands in a new request's way. What a tombstone must
+outlast is the journey of a message that left before it (seconds; a publisher reconnecting
+after an outage sends its buffer late), not the request's life: entries expire after
+``ttl_s`` and the oldest go first beyond ``max_size``, so the set stays bounded (about 250
+bytes an entry) whatever the traffic.
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ V = TypeVar("V")
 
 @dataclass
 class RecentIds(Generic[K, V]):
-    ttl_s: float = 900.0
-    max_size: int = 100_000
+    ttl_s: float = 120.0
+    max_size: int = 50_000
     clock: Callable[[], float] = time.monotonic
     _entries: OrderedDict[K, tuple[float, V]] = field(default_factory=OrderedDict)
 

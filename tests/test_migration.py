@@ -80,8 +80,9 @@ class Wire:
         self.nc, self.svc = nc, svc
         self.deltas: list = []
 
-    async def step(self, executor: str, seq: SeqTokens) -> None:
-        await self.nc.publish(self.svc.svc.subjects.detok(0), StepTokens(executor, [seq]).encode())
+    async def step(self, executor: str, seq: SeqTokens, incarnation: str = "") -> None:
+        step = StepTokens(executor, [seq], incarnation)
+        await self.nc.publish(self.svc.svc.subjects.detok(0), step.encode())
         await self.nc.flush()
         await asyncio.sleep(0.05)
 
@@ -130,6 +131,19 @@ async def test_a_stream_moves_to_another_executor_without_repeating_or_dropping(
     # Asked again (a second loss racing the finish): it has ended, nothing to move.
     reply = await wire.svc.on_progress(StreamProgressRequest("ex-b", ["r"]))
     assert reply.ended == ["r"] and reply.streamed == {}
+
+
+async def test_a_stream_moves_to_a_restarted_executor_under_the_same_id(wire, tiny_llama):
+    """A supervisor restarts the killed executor-0 at once; the request may move to the new
+    process under the same id: its tokens continue the stream, the old one's are dropped."""
+    tok = Tokenizer.from_folder(tiny_llama)
+    ids = tok.encode("red green blue cyan")
+    await wire.step("executor-0", SeqTokens("r", ids[:2], None, 2, start()), "old")
+    await wire.svc.on_progress(StreamProgressRequest("executor-0", ["r"], "old"))
+    await wire.step("executor-0", SeqTokens("r", [ids[2]], None, 3), "old")  # late: dropped
+    await wire.step("executor-0", SeqTokens("r", ids[2:], "length", len(ids), start()), "new")
+    assert wire.text == tok.decode(ids)
+    assert wire.deltas[-1].finish_reason == "length"
 
 
 async def test_a_second_executor_cannot_take_over_a_live_stream(wire, tiny_llama):

@@ -215,6 +215,15 @@ async def test_deadline_ends_request_and_frees_pages(harness):
         await asyncio.sleep(0.05)
     assert not executor.engine.has_unfinished()
     assert executor.engine.blocks.num_free == executor.engine.blocks.num_pages
+    # Every other stage forgot it too: the executor's abort reached them.
+    detok = next(s for s in mesh.services if type(s).__name__ == "DetokenizerService")
+    sched = next(s for s in mesh.services if type(s).__name__ == "SchedulerService")
+    for _ in range(60):
+        if not detok.streams and not executor.requests and not sched.inflight.assignments:
+            break
+        await asyncio.sleep(0.05)
+    assert detok.streams == {} and executor.requests == {}
+    assert not sched.queue and not sched.inflight.assignments
 
 
 async def test_nats_user_password(harness, tiny_llama, openai_clients):

@@ -41,6 +41,10 @@ from services.detokenizer.stops import StopMatcher
 
 log = logging.getLogger("meshserve.detokenizer")
 
+# Who sends a stream's tokens: (executor id, incarnation). A restarted executor keeps its id
+# but is another process, and may be the one a request moves to.
+Source = tuple[str, str]
+
 
 @dataclass(frozen=True)
 class DetokenizerConfig:
@@ -71,7 +75,7 @@ class Stream:
     cached_tokens: int
     deadline: float | None
     span: Span  # detokenizer.stream: first tokens -> last delta (child of executor.decode)
-    executor_id: str | None  # whose tokens it takes; None while it moves to another executor
+    source: Source | None  # whose tokens it takes; None while it moves to another executor
     token_ids: list[int] = field(default_factory=list)  # all received: a migration resumes them
     output_tokens: int = 0
 
@@ -89,7 +93,7 @@ class DetokenizerService:
         self.ended: RecentIds[str, bool] = RecentIds()  # tokens arriving after the end: dropped
         # (request id -> executor) that the scheduler moved the request away from: that
         # executor's tokens for it are late (it is dead or was only slow) and are dropped.
-        self.withdrawn: RecentIds[str, str] = RecentIds()
+        self.withdrawn: RecentIds[str, Source] = RecentIds()
         DetokenizerMetrics(self.svc.registry, lambda: len(self.streams))
 
     async def start(self) -> None:
@@ -107,7 +111,7 @@ class DetokenizerService:
         stopped: list[str] = []
         unknown: list[str] = []
         for seq in step.seqs:
-            stream = self.stream_for(seq, step.executor_id)
+            stream = self.stream_for(seq, (step.executor_id, step.incarnation))
             if stream is None:
                 if self.never_seen(seq):
                     unknown.append(seq.request_id)
@@ -143,19 +147,19 @@ class DetokenizerService:
         rid = seq.request_id
         return seq.start is None and rid not in self.streams and rid not in self.ended
 
-    def stream_for(self, seq: SeqTokens, executor_id: str) -> Stream | None:
+    def stream_for(self, seq: SeqTokens, source: Source) -> Stream | None:
         """The stream these tokens continue, or None when they must be dropped: after its end
         (tokens that passed a stop string's abort), from an executor it was moved away from,
         or from a second executor while another one serves it."""
         rid = seq.request_id
-        if rid in self.ended or self.withdrawn.get(rid) == executor_id:
+        if rid in self.ended or self.withdrawn.get(rid) == source:
             return None
         stream = self.streams.get(rid)
         if stream is not None:
-            if stream.executor_id is None and seq.start is not None:
-                stream.executor_id = executor_id  # the executor it moved to: continue
-            if stream.executor_id != executor_id:
-                log.warning("detokenizer: dropping tokens of %s from %s", rid, executor_id)
+            if stream.source is None and seq.start is not None:
+                stream.source = source  # the executor it moved to: continue
+            if stream.source != source:
+                log.warning("detokenizer: dropping tokens of %s from %s", rid, source)
                 return None
             return stream
         if seq.start is None:
@@ -177,7 +181,7 @@ class DetokenizerService:
                     Attr.CACHED_TOKENS: start.cached_tokens,
                 },
             ),
-            executor_id=executor_id,
+            source=source,
         )
         self.streams[rid] = stream
         return stream
@@ -225,10 +229,10 @@ class DetokenizerService:
         streamed: dict[str, list[int]] = {}
         ended: list[str] = []
         for rid in ask.request_ids:
-            self.withdrawn.add(rid, ask.executor_id)
+            self.withdrawn.add(rid, (ask.executor_id, ask.incarnation))
             stream = self.streams.get(rid)
             if stream is not None:
-                stream.executor_id = None
+                stream.source = None
                 streamed[rid] = list(stream.token_ids)
             elif rid in self.ended:
                 ended.append(rid)

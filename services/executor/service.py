@@ -15,6 +15,7 @@ nothing new) and finishes the sequences it holds before it exits.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import sys
@@ -61,19 +62,19 @@ PAYLOAD_HEADROOM = 1024
 
 
 def fit_payload(
-    executor_id: str, seqs: list[SeqTokens], limit: int
+    step: StepTokens, limit: int
 ) -> tuple[list[tuple[bytes, list[SeqTokens]]], list[SeqTokens]]:
     """One step's tokens for one shard as encoded ``StepTokens`` messages of at most ``limit``
     bytes each: usually one, split in halves while too large. A single sequence that alone
     exceeds the limit cannot be sent at all: returned apart (second item)."""
-    data = StepTokens(executor_id, seqs).encode()
+    data = step.encode()
     if len(data) <= limit:
-        return [(data, seqs)], []
-    if len(seqs) == 1:
-        return [], seqs
-    half = len(seqs) // 2
-    first, first_bad = fit_payload(executor_id, seqs[:half], limit)
-    rest, rest_bad = fit_payload(executor_id, seqs[half:], limit)
+        return [(data, step.seqs)], []
+    if len(step.seqs) == 1:
+        return [], step.seqs
+    half = len(step.seqs) // 2
+    first, first_bad = fit_payload(dataclasses.replace(step, seqs=step.seqs[:half]), limit)
+    rest, rest_bad = fit_payload(dataclasses.replace(step, seqs=step.seqs[half:]), limit)
     return first + rest, first_bad + rest_bad
 
 
@@ -369,7 +370,8 @@ class ExecutorService:
                 self.forget(out.request_id, out.finish_reason.value)
         limit = self.svc.nc.max_payload - PAYLOAD_HEADROOM
         for shard, seqs in by_shard.items():
-            messages, too_large = fit_payload(self.config.executor_id, seqs, limit)
+            step = StepTokens(self.config.executor_id, seqs, self.incarnation)
+            messages, too_large = fit_payload(step, limit)
             for seq in too_large:
                 await self.fail_request(
                     seq.request_id,

@@ -12,6 +12,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from opentelemetry.context import Context
+
 from common.messages import Heartbeat, TokenizedRequest
 
 # A request's place in the global queue: (priority key, arrival order); kept if it re-queues.
@@ -23,6 +25,7 @@ class Assignment:
     executor_id: str
     request: TokenizedRequest
     rank: Rank
+    trace: Context | None = None  # the request's trace, continued if it is routed again
     assigned_at: float = field(default_factory=time.monotonic)
     seen: bool = False
 
@@ -38,8 +41,10 @@ class Inflight:
     def __contains__(self, request_id: object) -> bool:
         return request_id in self.assignments
 
-    def assign(self, executor_id: str, req: TokenizedRequest, rank: Rank) -> None:
-        self.assignments[req.request_id] = Assignment(executor_id, req, rank)
+    def assign(self, executor_id: str, req: TokenizedRequest, rank: Rank) -> Assignment:
+        assignment = Assignment(executor_id, req, rank)
+        self.assignments[req.request_id] = assignment
+        return assignment
 
     def drop(self, request_id: str) -> None:
         self.assignments.pop(request_id, None)

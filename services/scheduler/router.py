@@ -204,9 +204,12 @@ class Router:
             if now - s.last_seen <= self.heartbeat_timeout_s
         ]
 
-    def forget_dead(self, now: float | None = None) -> list[str]:
+    def forget_dead(self, now: float | None = None) -> dict[str, str]:
+        """Forget the executors that went silent: {executor id: its incarnation}."""
         living = set(self.alive(now))
-        dead = [eid for eid in self.executors if eid not in living]
+        dead = {
+            eid: s.heartbeat.incarnation for eid, s in self.executors.items() if eid not in living
+        }
         for eid in dead:
             del self.executors[eid]
         if dead:

@@ -194,8 +194,8 @@ class SchedulerService:
 
     async def on_heartbeat(self, hb: Heartbeat) -> None:
         if self.router.restarted(hb):  # the old process died; its requests move now
-            self.router.executors.pop(hb.executor_id)
-            await self.executor_lost(hb.executor_id)
+            old = self.router.executors.pop(hb.executor_id).heartbeat.incarnation
+            await self.executor_lost(hb.executor_id, old)
         self.router.observe(hb)
         self.inflight.observe(hb)
         await self.dispatch()
@@ -213,7 +213,6 @@ class SchedulerService:
             self.routes.dropped(req.request_id, "abort")
         for rid in ids:
             self.inflight.drop(rid)
-            self.routes.finished(rid)
 
     async def dispatch(self) -> None:
         async with self.dispatching:
@@ -235,10 +234,10 @@ class SchedulerService:
             heapq.heappop(self.queue)
             self.queued.discard(req.request_id)
             self.router.assigned(executor, req, overlaps)
-            self.inflight.assign(executor, req, rank)
+            assignment = self.inflight.assign(executor, req, rank)
             with self.routes.use(req.request_id):
                 await self.svc.publish(self.svc.subjects.executor_submit(executor), req)
-            self.routes.routed(req.request_id, executor)
+            assignment.trace = self.routes.routed(req.request_id, executor)
             self.dispatched += 1
 
     async def overlaps(self, req: TokenizedRequest) -> dict[str, int]:
@@ -264,7 +263,7 @@ class SchedulerService:
             return {}
         return reply.overlaps
 
-    async def executor_lost(self, executor_id: str) -> None:
+    async def executor_lost(self, executor_id: str, incarnation: str = "") -> None:
         """Move every request the lost executor held to another one, streamed or not.
 
         The executor is told to stop them first, in case it is only late rather than dead
@@ -281,7 +280,7 @@ class SchedulerService:
             self.svc.subjects.abort,
             AbortRequests(ids, "moved to another executor", executor_id=executor_id),
         )
-        progress = await self.stream_progress(executor_id, lost)
+        progress = await self.stream_progress(executor_id, incarnation, lost)
         failed: list[TokenizedRequest] = []
         moved = 0
         for a in lost:
@@ -296,7 +295,7 @@ class SchedulerService:
             resumed = dataclasses.replace(
                 req, output_token_ids=streamed, migrations=req.migrations + 1
             )
-            self.routes.queued(resumed)
+            self.routes.queued(resumed, a.trace)
             self.push(a.rank, resumed)
             self.metrics.migrated.inc()
             moved += 1
@@ -325,7 +324,7 @@ class SchedulerService:
             )
 
     async def stream_progress(
-        self, executor_id: str, lost: list[Assignment]
+        self, executor_id: str, incarnation: str, lost: list[Assignment]
     ) -> dict[int, StreamProgressReply]:
         """Each detokenizer shard's answer for its share of ``lost`` (absent: no answer)."""
         by_shard: dict[int, list[str]] = {}
@@ -336,7 +335,7 @@ class SchedulerService:
             try:
                 return await self.svc.request(
                     self.svc.subjects.detok_progress(shard),
-                    StreamProgressRequest(executor_id, ids),
+                    StreamProgressRequest(executor_id, ids, incarnation),
                     StreamProgressReply,
                     self.config.progress_timeout_s,
                 )
@@ -350,8 +349,8 @@ class SchedulerService:
 
     async def sweep(self) -> None:
         """Fail queued requests whose deadline passed; handle executors that went silent."""
-        for executor_id in self.router.forget_dead():
-            await self.executor_lost(executor_id)
+        for executor_id, incarnation in self.router.forget_dead().items():
+            await self.executor_lost(executor_id, incarnation)
         now = time.time()
         expired = {req.request_id for _, req in self.queue if req.deadline and req.deadline < now}
         for req in self.remove_queued(expired):

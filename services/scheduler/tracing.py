@@ -10,7 +10,6 @@ the span is made current explicitly with ``use`` around the work done for that r
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -23,11 +22,6 @@ from opentelemetry.trace import Span, Status, StatusCode, Tracer
 from common.messages import TokenizedRequest
 from common.metrics import SchedulerMetrics
 from common.telemetry import Attr
-
-# Routed requests whose trace context is kept in case their executor dies and they are routed
-# again (their new span then continues the same trace). Bounded: a request re-routed after
-# this many later routings starts a trace of its own.
-RECENT_LIMIT = 8192
 
 
 @dataclass
@@ -42,13 +36,12 @@ class RouteTraces:
         self.tracer = tracer
         self.metrics = metrics
         self.open: dict[str, Route] = {}
-        self.recent: OrderedDict[str, Context] = OrderedDict()  # request id -> parent context
 
-    def queued(self, req: TokenizedRequest) -> None:
+    def queued(self, req: TokenizedRequest, parent: Context | None = None) -> None:
         """A request entered the queue: in its submit handler, or again after its executor
-        died (then the span continues the request's trace from its remembered parent)."""
-        retry = req.request_id in self.recent
-        parent = self.recent.pop(req.request_id, None) or otel_context.get_current()
+        died (then ``parent``, what ``routed`` returned, continues the request's trace)."""
+        retry = parent is not None
+        parent = parent or otel_context.get_current()
         span = self.tracer.start_span(
             "scheduler.route",
             context=parent,
@@ -71,17 +64,17 @@ class RouteTraces:
         with trace.use_span(route.span, end_on_exit=False):
             yield
 
-    def routed(self, request_id: str, executor_id: str) -> None:
+    def routed(self, request_id: str, executor_id: str) -> Context | None:
+        """End the request's span; return its parent context, which the scheduler keeps with
+        the request while an executor holds it (a re-route continues the same trace)."""
         route = self.open.pop(request_id, None)
         self.metrics.routed.labels(executor_id).inc()
         if route is None:
-            return
+            return None
         self.metrics.queue_time.observe(time.monotonic() - route.queued_at)
         route.span.set_attribute(Attr.EXECUTOR_ID, executor_id)
         route.span.end()
-        self.recent[request_id] = route.parent
-        if len(self.recent) > RECENT_LIMIT:
-            self.recent.popitem(last=False)
+        return route.parent
 
     def dropped(self, request_id: str, reason: str) -> None:
         """The request left the queue without an executor (aborted, expired)."""
@@ -90,7 +83,3 @@ class RouteTraces:
             route.span.set_attribute(Attr.FINISH_REASON, reason)
             route.span.set_status(Status(StatusCode.ERROR, reason))
             route.span.end()
-
-    def finished(self, request_id: str) -> None:
-        """Forget a request that will not be re-routed."""
-        self.recent.pop(request_id, None)
