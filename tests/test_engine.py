@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from typing import TypedDict
 
 import pytest
 import torch
@@ -22,7 +23,8 @@ def hf_greedy(oracle, prompt: list[int], n: int) -> list[int]:
         out = oracle.generate(
             torch.tensor([prompt]), max_new_tokens=n, do_sample=False, pad_token_id=0
         )
-    return out[0, len(prompt) :].tolist()
+    tokens: list[int] = out[0, len(prompt) :].tolist()
+    return tokens
 
 
 def make_engine(folder, num_pages=256, page_size=4, budget=64, max_seqs=16, caching=True):
@@ -30,7 +32,14 @@ def make_engine(folder, num_pages=256, page_size=4, budget=64, max_seqs=16, cach
     return Engine(runner, EngineConfig(budget, max_seqs, caching), eos_token_ids=[2])
 
 
-GREEDY = dict(temperature=0.0, ignore_eos=True)
+class Greedy(TypedDict):
+    """The sampling fields every greedy request here shares (``SamplingParams(**GREEDY)``)."""
+
+    temperature: float
+    ignore_eos: bool
+
+
+GREEDY: Greedy = {"temperature": 0.0, "ignore_eos": True}
 
 
 def prompts_for(seed: int, lengths: list[int]) -> list[list[int]]:

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import types
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -55,7 +56,7 @@ def _attention(q, cache, qo, kv_indptr, kv_indices, last, ps, causal):
 class _Wrapper:
     def __init__(self, fake):
         self.fake = fake
-        self.planned = None
+        self.planned: tuple[Any, ...] | None = None
 
     def _store(self, qo, kv_indptr, kv_indices, last, hq, hkv, d, ps, causal, q_dt, kv_dt):
         for t in (qo, kv_indptr, last):  # host arrays: planning must not wait on the GPU
@@ -67,6 +68,7 @@ class _Wrapper:
 
     def run(self, q, paged_kv_cache, *args, **kwargs):
         assert not args and not kwargs
+        assert self.planned is not None, "run() before plan()"
         qo, kv_indptr, kv_indices, last, hq, hkv, d, ps, causal, q_dt, kv_dt = self.planned
         if q.dtype != q_dt or paged_kv_cache.dtype != kv_dt:  # as flashinfer's run() checks
             raise ValueError("dtype does not match the plan")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgpack
 import pytest
 
@@ -19,7 +21,7 @@ from common.messages import (
 
 
 def request(**overrides) -> TokenizedRequest:
-    fields = dict(
+    fields: dict[str, Any] = dict(
         request_id="r1",
         reply_to="_INBOX.1",
         params=SamplingSpec(max_tokens=8, temperature=0.5, stop=["\n\n"], seed=3),
@@ -67,7 +69,8 @@ def raw(message: Message, **changes) -> bytes:
             payload.pop(key)
         else:
             payload[key] = value
-    return msgpack.packb(payload, use_bin_type=True)
+    packed: bytes = msgpack.packb(payload, use_bin_type=True)
+    return packed
 
 
 @pytest.mark.parametrize(

@@ -20,6 +20,7 @@ from common.messages import (
     StreamProgressReply,
     StreamProgressRequest,
     StreamStart,
+    TextDelta,
     TextDeltas,
     TokenizedRequest,
     decode_any,
@@ -78,7 +79,7 @@ class Wire:
 
     def __init__(self, nc, svc: DetokenizerService) -> None:
         self.nc, self.svc = nc, svc
-        self.deltas: list = []
+        self.deltas: list[TextDelta] = []
 
     async def step(self, executor: str, seq: SeqTokens, incarnation: str = "") -> None:
         step = StepTokens(executor, [seq], incarnation)
@@ -102,7 +103,8 @@ async def wire(nats_server, tiny_llama):
 
     async def on_inbox(msg):
         event = decode_any(msg.data, TextDeltas, ErrorEvent)
-        w.deltas.extend(event.deltas)  # type: ignore[union-attr]
+        assert isinstance(event, TextDeltas), event
+        w.deltas.extend(event.deltas)
 
     await nc.subscribe("test.inbox", cb=on_inbox)
     yield w
@@ -181,6 +183,16 @@ def tokenized(rid: str, migrations: int = 0) -> TokenizedRequest:
     )
 
 
+def submitted(published: list[tuple[str, object]], subject: str) -> list[TokenizedRequest]:
+    """The messages published on ``subject``, in order; each must be a TokenizedRequest."""
+    requests: list[TokenizedRequest] = []
+    for sent_on, message in published:
+        if sent_on == subject:
+            assert isinstance(message, TokenizedRequest), message
+            requests.append(message)
+    return requests
+
+
 def beat(executor: str, ids: list[str]) -> Heartbeat:
     return Heartbeat(executor, len(ids), 0, 100, 100, 16, 8, 0, request_ids=ids)
 
@@ -227,7 +239,7 @@ async def test_the_scheduler_moves_a_lost_executors_requests_with_their_streamed
     # It resumes where the stream stopped, on the next executor with room.
     published.clear()
     await sched.on_heartbeat(beat("b", []))
-    sent = {m.request_id: m for subject, m in published if subject == s.executor_submit("b")}
+    sent = {m.request_id: m for m in submitted(published, s.executor_submit("b"))}
     assert sent["streaming"].output_token_ids == [7, 8, 9]
 
 
@@ -296,6 +308,6 @@ async def test_a_restarted_executor_under_the_same_id_gives_up_what_the_old_one_
     published.clear()
     await sched.on_heartbeat(dataclasses.replace(old, incarnation="second"))
     s = sched.svc.subjects
-    resent = [m for subject, m in published if subject == s.executor_submit("a")]
+    resent = submitted(published, s.executor_submit("a"))
     assert len(resent) == 1 and resent[0].output_token_ids == [7, 8]
     assert resent[0].migrations == 1

@@ -168,7 +168,8 @@ def test_gguf_and_hf_paths_give_the_same_logits(tmp_path):
     """The same weights written as a GGUF file (llama.cpp layout) and as an HF folder."""
     from gpu.gguf import resolve_model_path
     from tests.models import write_tiny_model
-    from tests.test_gguf import train_byte_level_bpe, write_gguf
+    from tests.test_gguf import write_gguf
+    from tests.test_tokenizer import train_byte_level_bpe
 
     bpe = train_byte_level_bpe()
     orig = write_tiny_model(tmp_path / "orig", "llama", vocab_size=bpe.get_vocab_size())

@@ -28,7 +28,7 @@ LONG = {"max_tokens": 240, "ignore_eos": True}
 async def stream_outcome(session, base_url, prompt, body=None, timeout=60):
     """Stream one completion; return ("ok", text) or ("error", status/message)."""
     payload = {"model": "tiny", "prompt": prompt, "stream": True, **(body or LONG)}
-    text = []
+    text: list[str] = []
     try:
         async with asyncio.timeout(timeout):
             async with session.post(f"{base_url}/completions", json=payload) as resp:
@@ -57,7 +57,7 @@ def pid_of(mesh: LocalMesh, name: str) -> int:
 async def stream_text(session, base_url, prompt, body, timeout=90):
     """Stream one completion; return ("ok", its text) or ("error"/"hung", what went wrong)."""
     payload = {"model": "tiny", "prompt": prompt, "stream": True, **body}
-    text = []
+    text: list[str] = []
     try:
         async with asyncio.timeout(timeout):
             async with session.post(f"{base_url}/completions", json=payload) as resp:
@@ -203,7 +203,7 @@ async def test_deadline_ends_request_and_frees_pages(harness):
         time.sleep(0.02)
         return step()
 
-    executor.engine.step = slow_step  # type: ignore[method-assign]
+    executor.engine.step = slow_step
     async with aiohttp.ClientSession() as session:
         body = {"model": "tiny", "prompt": "slow", "max_tokens": 250, "ignore_eos": True}
         async with session.post(f"{mesh.base_url}/completions", json=body) as resp:

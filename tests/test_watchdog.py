@@ -8,7 +8,7 @@ import time
 
 import aiohttp
 
-from common.messages import RequestStatusReply
+from common.messages import ErrorEvent, RequestStatusReply
 from services.gateway.streams import Inbox
 from services.gateway.watchdog import check_stalled
 from tests.mesh import MeshHarness
@@ -46,6 +46,7 @@ async def test_only_a_request_unknown_twice_in_a_row_is_failed():
     with_error = [s for s in (alive, lost, fresh) if not s._queue.empty()]
     assert with_error == [lost]
     error = lost._queue.get_nowait()
+    assert isinstance(error, ErrorEvent), error
     assert (error.request_id, error.status, error.code) == ("lost-0", 503, "request_lost")
 
 

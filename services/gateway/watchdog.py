@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Protocol, TypeVar
 
-from common.messages import ErrorEvent, RequestStatusQuery, RequestStatusReply
-from common.runtime import NoAnswer, Service
+from common.messages import ErrorEvent, Message, RequestStatusQuery, RequestStatusReply
+from common.runtime import NoAnswer
+from common.subjects import Subjects
 from services.gateway.streams import Inbox
 
 log = logging.getLogger("meshserve.gateway")
@@ -25,8 +27,22 @@ STALL_S = 5.0  # silence before a request is checked; a queued request is only e
 STRIKES = 2  # consecutive "unknown" answers before it is failed
 ASK_TIMEOUT_S = 1.0
 
+M = TypeVar("M", bound=Message)
 
-async def check_stalled(service: Service, inbox: Inbox, stall_s: float = STALL_S) -> int:
+
+class Asker(Protocol):
+    """What the watchdog needs of its service (a ``common.runtime.Service``): the subjects, and
+    a request that waits for one answer."""
+
+    @property
+    def subjects(self) -> Subjects: ...
+
+    async def request(
+        self, subject: str, message: Message, reply_kind: type[M], timeout: float, /
+    ) -> M: ...
+
+
+async def check_stalled(service: Asker, inbox: Inbox, stall_s: float = STALL_S) -> int:
     """One round: returns how many requests it failed."""
     now = asyncio.get_running_loop().time()
     stalled = [s for s in inbox.streams() if now - s.last_event_at >= stall_s and s.unfinished]
