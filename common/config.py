@@ -15,6 +15,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from common.nats_permissions import inbox_prefix
 from common.subjects import DEFAULT_PREFIX, Subjects
 
 
@@ -45,6 +46,9 @@ class NatsAuth:
         options: dict[str, Any] = {}
         if self.user is not None:
             options["user"], options["password"] = self.user, self.password
+            # Replies to this user's requests come to _INBOX.<user>.*: with one NATS user per
+            # service, its permissions then open only its own inbox (common/nats_permissions.py).
+            options["inbox_prefix"] = inbox_prefix(self.user)
         if self.creds_file:
             options["user_credentials"] = self.creds_file
         if self.nkey_seed_file:
