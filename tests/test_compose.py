@@ -1,13 +1,18 @@
 """compose.yaml, the Dockerfile and deploy/ checked against the code they deploy (no Docker).
 
 - compose.yaml is valid against the Compose Specification's JSON schema (vendored from
-  compose-spec/compose-spec in deploy/schema/), after ``${VAR:-default}`` interpolation;
+  compose-spec/compose-spec in deploy/schema/), after interpolation with the variables a
+  user's .env holds (``DEPLOY_ENV``);
 - every ``depends_on``, volume and mounted file exists; every service has a health check;
   executors each reserve their own GPU;
 - every meshserve service's command parses with that service's real argparse parser under the
   environment compose gives it, every MESHSERVE_* variable it sets is one the service reads,
   and every OTEL_* variable is one OpenTelemetry defines;
-- health checks, Prometheus scrape jobs and the services agree on ports;
+- health checks, Prometheus scrape jobs and the services agree on ports; Prometheus scrapes
+  the unpublished metrics ports;
+- secure defaults: the gateway refuses to start without API keys unless
+  MESHSERVE_ALLOW_UNAUTHENTICATED=1, and every published port binds to 127.0.0.1 unless a
+  host variable says otherwise;
 - the Grafana dashboard queries only metrics the services export, through provisioned
   datasources.
 """
@@ -34,7 +39,7 @@ from common.metrics import all_metric_names
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 INTERPOLATION = re.compile(
-    r"\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?])(?P<arg>[^}]*))?\}"
+    r"\$\$|\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?])(?P<arg>[^}]*))?\}"
 )
 OTEL_VARIABLES = {
     name
@@ -42,6 +47,8 @@ OTEL_VARIABLES = {
     for name in dir(module)
     if name.startswith("OTEL_")
 }
+# What a user's .env holds (deploy/gen_secrets.py writes it): every required variable.
+DEPLOY_ENV = {"MESHSERVE_API_KEYS": "test-api-key"}
 SAMPLERS = {
     "always_on",
     "always_off",
@@ -52,15 +59,32 @@ SAMPLERS = {
 }
 
 
-def interpolate(value: Any) -> Any:
-    """Compose's variable substitution with an empty environment: every default applies."""
+class MissingVariable(ValueError):
+    """``${VAR:?message}`` with VAR unset or empty: compose refuses the file."""
+
+
+def interpolate(value: Any, environ: dict[str, str] | None = None) -> Any:
+    """Compose's variable substitution under ``environ`` (default: the variables a user's .env
+    must hold, ``DEPLOY_ENV``): ``${VAR}``, ``${VAR:-default}``, ``${VAR-default}``,
+    ``${VAR:?error}`` and ``${VAR?error}``."""
+    environ = DEPLOY_ENV if environ is None else environ
     if isinstance(value, str):
-        replaced = INTERPOLATION.sub(lambda m: m.group("arg") or "", value)
-        return replaced.replace("$$", "$")
+
+        def substitute(m: re.Match[str]) -> str:
+            name, op, arg = m.group("name"), m.group("op") or "", m.group("arg") or ""
+            if name is None:  # "$$": a literal "$"
+                return "$"
+            given = environ.get(name)
+            present = bool(given) if op.startswith(":") else given is not None
+            if op.endswith("?") and not present:
+                raise MissingVariable(f"{name}: {arg}")
+            return given if present and given is not None else ("" if op.endswith("?") else arg)
+
+        return INTERPOLATION.sub(substitute, value)
     if isinstance(value, list):
-        return [interpolate(v) for v in value]
+        return [interpolate(v, environ) for v in value]
     if isinstance(value, dict):
-        return {k: interpolate(v) for k, v in value.items()}
+        return {k: interpolate(v, environ) for k, v in value.items()}
     return value
 
 
@@ -72,6 +96,26 @@ def load_yaml(path: Path) -> Any:
 def compose() -> dict[str, Any]:
     loaded: dict[str, Any] = interpolate(load_yaml(ROOT / "compose.yaml"))
     return loaded
+
+
+def test_interpolation_follows_compose():
+    env = {"SET": "v", "EMPTY": ""}
+    cases = {
+        "${SET}": "v",
+        "${UNSET}": "",
+        "${SET:-d}": "v",
+        "${EMPTY:-d}": "d",
+        "${EMPTY-d}": "",
+        "${UNSET-d}": "d",
+        "${SET:?m}": "v",
+        "${EMPTY?m}": "",
+        "$${SET}": "${SET}",
+    }
+    for text, expected in cases.items():
+        assert interpolate(text, env) == expected, text
+    for text in ("${UNSET:?m}", "${EMPTY:?m}", "${UNSET?m}"):
+        with pytest.raises(MissingVariable):
+            interpolate(text, env)
 
 
 def mesh_services(compose: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -205,6 +249,40 @@ def test_command_and_environment_match_the_service_cli(compose, name, monkeypatc
         assert health_port(svc) == config.mesh.metrics_port
 
 
+def gateway_config(environ: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The compose gateway's config under ``environ`` as the user's .env (SystemExit when the
+    gateway refuses to start)."""
+    svc = interpolate(load_yaml(ROOT / "compose.yaml"), environ)["services"]["gateway"]
+    entry = importlib.import_module("services.gateway.__main__")
+    monkeypatch.setattr(os, "environ", {k: str(v) for k, v in svc["environment"].items()})
+    try:
+        return entry.parse_args(svc["command"][3:])
+    finally:
+        monkeypatch.undo()
+
+
+def test_the_gateway_refuses_to_start_without_api_keys(monkeypatch, capsys):
+    without_keys = {k: v for k, v in DEPLOY_ENV.items() if k != "MESHSERVE_API_KEYS"}
+    with pytest.raises(SystemExit):
+        gateway_config(without_keys, monkeypatch)
+    assert "refusing to serve without API keys" in capsys.readouterr().err
+    opted_out = gateway_config(without_keys | {"MESHSERVE_ALLOW_UNAUTHENTICATED": "1"}, monkeypatch)
+    assert opted_out.api_keys == () and opted_out.allow_unauthenticated
+    keyed = gateway_config(DEPLOY_ENV | {"MESHSERVE_API_KEYS": "k1,k2"}, monkeypatch)
+    assert keyed.api_keys == ("k1", "k2") and not keyed.allow_unauthenticated
+
+
+def test_published_ports_bind_loopback_unless_told_otherwise(compose):
+    for name, svc in compose["services"].items():
+        for port in svc.get("ports", []):
+            assert str(port).startswith("127.0.0.1:"), f"{name} publishes {port} on every interface"
+    assert compose["services"]["gateway"]["ports"] == ["127.0.0.1:8000:8000"]
+    public = interpolate(
+        load_yaml(ROOT / "compose.yaml"), DEPLOY_ENV | {"MESHSERVE_HTTP_BIND": "0.0.0.0"}
+    )
+    assert public["services"]["gateway"]["ports"] == ["0.0.0.0:8000:8000"]
+
+
 def test_tokenizer_executors_and_detokenizers_agree_on_the_layout(compose, monkeypatch):
     mesh = mesh_services(compose)
     by_module: dict[str, list[dict[str, str]]] = {}
@@ -230,7 +308,12 @@ def test_prometheus_scrapes_every_service_where_it_serves(compose):
                 targets[host] = sd["port"]
     for name, svc in mesh_services(compose).items():
         assert name in targets, f"Prometheus does not scrape {name}"
-        assert targets[name] == health_port(svc), f"{name} is scraped on the wrong port"
+        # The metrics port, which needs no API key and is not published (the gateway's HTTP
+        # port serves /metrics too, but only with a key).
+        metrics_port = int(svc["environment"]["MESHSERVE_METRICS_PORT"])
+        assert targets[name] == metrics_port, f"{name} is scraped on the wrong port"
+        published = [str(port).rsplit(":", 1)[-1] for port in svc.get("ports", [])]
+        assert str(metrics_port) not in published, f"{name} publishes its metrics port"
     unknown = set(targets) - set(compose["services"])
     assert not unknown, f"Prometheus scrapes services compose does not define: {unknown}"
     command = compose["services"]["prometheus"]["command"]

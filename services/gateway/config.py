@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 from dataclasses import dataclass, field
 
 from common.config import MeshConfig, env
@@ -27,6 +28,8 @@ class GatewayConfig:
     heartbeat_ttl_s: float = 5.0
     shutdown_timeout_s: float = 30.0
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # empty: no authentication
+    # Serve without API keys on a non-loopback address anyway (``parse_args`` refuses otherwise).
+    allow_unauthenticated: bool = False
 
     def __post_init__(self) -> None:
         checks = {
@@ -59,6 +62,15 @@ class GatewayConfig:
         it to the remaining context rather than reject it.
         """
         return min(self.max_completion_tokens, self.chat_max_tokens_cap)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -100,12 +112,28 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="accepted bearer token (repeatable; env MESHSERVE_API_KEYS, comma-separated)",
     )
+    parser.add_argument(
+        "--allow-unauthenticated",
+        action="store_true",
+        default=env("ALLOW_UNAUTHENTICATED", "").lower() in ("1", "true", "yes"),
+        help="serve /v1/* and /metrics without API keys on a non-loopback --host (refused "
+        "otherwise: anyone who reaches the port could use the API)",
+    )
     return parser
 
 
 def parse_args(argv: list[str] | None = None) -> GatewayConfig:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     keys = args.api_keys or [k for k in env("API_KEYS", "").split(",") if k.strip()]
+    if not keys and not args.allow_unauthenticated and not is_loopback(args.host):
+        # Open by default is how an inference API ends up serving the internet: say how to
+        # close it, and make leaving it open an explicit choice.
+        parser.error(
+            f"refusing to serve without API keys on {args.host}: set MESHSERVE_API_KEYS "
+            "(or --api-key), bind --host 127.0.0.1, or pass --allow-unauthenticated "
+            "(MESHSERVE_ALLOW_UNAUTHENTICATED=1)"
+        )
     return GatewayConfig(
         mesh=MeshConfig.from_args(args),
         host=args.host,
@@ -120,4 +148,5 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
         heartbeat_ttl_s=args.heartbeat_ttl_s,
         shutdown_timeout_s=args.shutdown_timeout_s,
         api_keys=tuple(k.strip() for k in keys),
+        allow_unauthenticated=args.allow_unauthenticated,
     )
