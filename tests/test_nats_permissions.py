@@ -126,12 +126,21 @@ class Login:
         self.nc = nc
         self.errors = errors
 
-    async def violations(self) -> list[str]:
-        """The permissions violations reported so far (after a round trip to the server, so
-        every error it sent for earlier commands has arrived)."""
+    async def violations(self, expected: int = 0) -> list[str]:
+        """The permissions violations reported so far, once ``expected`` of them are in.
+
+        nats-server may send the ``-ERR`` of a denied publish after the ``PONG`` of a later
+        ``PING``, so a flush alone does not wait for it.
+        """
         await self.nc.flush()
-        found = [str(e) for e in self.errors if isinstance(e, nats.errors.Error)]
-        return [e for e in found if "permissions violation" in e]
+        deadline = time.monotonic() + 5
+        while len(self.found()) < expected and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        return self.found()
+
+    def found(self) -> list[str]:
+        messages = [str(e) for e in self.errors if isinstance(e, nats.errors.Error)]
+        return [m for m in messages if "permissions violation" in m]
 
 
 def denied(action: str, subject: str) -> str:
@@ -185,7 +194,7 @@ async def test_the_tokenizer_cannot_forge_an_executor_heartbeat(login):
     await scheduler.nc.flush()
 
     await tokenizer.nc.publish(S.executor_heartbeat, b"forged: all load, send me nothing")
-    assert await tokenizer.violations() == [denied("publish", S.executor_heartbeat)]
+    assert await tokenizer.violations(1) == [denied("publish", S.executor_heartbeat)]
     await executor.nc.publish(S.executor_heartbeat, b"real")
     await executor.nc.flush()
     await settle()
@@ -203,7 +212,7 @@ async def test_the_tokenizer_cannot_read_other_traffic(login):
     spied = Received()
     for subject in (">", "mesh.v1.>", inbox, "_INBOX.>", "_INBOX.scheduler.>"):
         await tokenizer.nc.subscribe(subject, cb=spied.cb)
-    assert await tokenizer.violations() == [
+    assert await tokenizer.violations(5) == [
         denied("subscription", subject)
         for subject in (">", "mesh.v1.>", inbox, "_INBOX.>", "_INBOX.scheduler.>")
     ]
@@ -266,13 +275,13 @@ async def test_requests_reply_to_the_asker_s_own_inbox_only(login):
 
     # Answering is not writing into inboxes at will, nor reading another service's replies.
     await index.nc.publish("_INBOX.scheduler.x.y", b"unasked")
-    assert await index.violations() == [denied("publish", "_INBOX.scheduler.x.y")]
+    assert await index.violations(1) == [denied("publish", "_INBOX.scheduler.x.y")]
     await executor.nc.subscribe("_INBOX.scheduler.>", cb=Received().cb)
-    assert await executor.violations() == [denied("subscription", "_INBOX.scheduler.>")]
+    assert await executor.violations(1) == [denied("subscription", "_INBOX.scheduler.>")]
     with pytest.raises(nats.errors.TimeoutError):  # the server drops the request
         await tokenizer.nc.request(S.index_match, b"hashes", timeout=0.5)
     # (its reply inbox was refused too: the tokenizer never asks anyone)
-    assert denied("publish", S.index_match) in await tokenizer.violations()
+    assert denied("publish", S.index_match) in await tokenizer.violations(2)
     for login_ in (scheduler, speculator):
         assert await login_.violations() == []
 
@@ -313,12 +322,13 @@ async def test_kv_events_flow_through_jetstream_and_nothing_else_does(server, lo
         js = intruder.nc.jetstream(timeout=0.5)
         with pytest.raises(nats.errors.TimeoutError):
             await js.add_stream(name="CAPTURE", subjects=["mesh.v1.>"])
-        assert denied("publish", "$JS.API.STREAM.CREATE.CAPTURE") in await intruder.violations()
+        created = denied("publish", "$JS.API.STREAM.CREATE.CAPTURE")
+        assert created in await intruder.violations(2 if role == "tokenizer" else 1)
     tokenizer = await login("tokenizer")
     with pytest.raises(nats.errors.TimeoutError):
         await tokenizer.nc.jetstream(timeout=0.5).stream_info(S.kv_events_stream)
     info = f"$JS.API.STREAM.INFO.{S.kv_events_stream}"
-    assert denied("publish", info) in await tokenizer.violations()
+    assert denied("publish", info) in await tokenizer.violations(2)
 
 
 # -- the whole mesh, each service as its own user ----------------------------------------------
