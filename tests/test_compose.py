@@ -23,6 +23,9 @@ import importlib
 import json
 import os
 import re
+import stat
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -35,6 +38,7 @@ import pytest
 import yaml
 
 from common.metrics import all_metric_names
+from common.nats_permissions import ROLES, password_variable
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -48,7 +52,13 @@ OTEL_VARIABLES = {
     if name.startswith("OTEL_")
 }
 # What a user's .env holds (deploy/gen_secrets.py writes it): every required variable.
-DEPLOY_ENV = {"MESHSERVE_API_KEYS": "test-api-key"}
+DEPLOY_ENV = {
+    "MESHSERVE_API_KEYS": "test-api-key",
+    "GRAFANA_ADMIN_PASSWORD": "test-grafana",
+    **{password_variable(role): f"test-{role}" for role in ROLES},
+}
+# The mesh services' modules -> their role, i.e. NATS user (common/nats_permissions.py).
+ROLE_OF_MODULE = {f"services.{role.replace('-', '_')}": role for role in ROLES}
 SAMPLERS = {
     "always_on",
     "always_off",
@@ -281,6 +291,107 @@ def test_published_ports_bind_loopback_unless_told_otherwise(compose):
         load_yaml(ROOT / "compose.yaml"), DEPLOY_ENV | {"MESHSERVE_HTTP_BIND": "0.0.0.0"}
     )
     assert public["services"]["gateway"]["ports"] == ["0.0.0.0:8000:8000"]
+
+
+def raw_compose() -> dict[str, Any]:
+    """compose.yaml before interpolation: the ``${...}`` references as written."""
+    loaded: dict[str, Any] = load_yaml(ROOT / "compose.yaml")
+    return loaded
+
+
+def test_no_secret_has_a_default_in_the_repository():
+    text = (ROOT / "compose.yaml").read_text()
+    assert "change-me" not in text
+    secret = re.compile(r"PASSWORD|SECRET|API_KEY|CREDS|NKEY|(^|_)TOKEN$")
+    for m in INTERPOLATION.finditer(text):
+        name = m.group("name")
+        if name is None or not secret.search(name):
+            continue
+        if name == "MESHSERVE_API_KEYS":  # empty: the gateway itself refuses to start
+            assert (m.group("op"), m.group("arg")) == (":-", ""), m.group(0)
+        else:
+            assert m.group("op") == ":?", f"{m.group(0)}: a secret needs ${{VAR:?...}}"
+    for name, svc in raw_compose()["services"].items():
+        for key, value in svc.get("environment", {}).items():
+            if secret.search(key):
+                assert re.fullmatch(r"\$\{[A-Z_]+:[?-][^}]*\}", str(value)), (name, key, value)
+
+
+@pytest.mark.parametrize("variable", sorted(set(DEPLOY_ENV) - {"MESHSERVE_API_KEYS"}))
+def test_compose_refuses_to_start_without_each_secret(variable):
+    with pytest.raises(MissingVariable, match=variable):
+        interpolate(raw_compose(), {k: v for k, v in DEPLOY_ENV.items() if k != variable})
+
+
+def test_each_mesh_service_logs_in_to_nats_as_its_own_user(compose):
+    raw = raw_compose()["services"]
+    users = {}
+    for name, svc in mesh_services(compose).items():
+        role = ROLE_OF_MODULE[svc["command"][2]]
+        environment = svc["environment"]
+        assert environment["MESHSERVE_NATS_USER"] == role, name
+        assert environment["MESHSERVE_NATS_PASSWORD"] == DEPLOY_ENV[password_variable(role)]
+        users[name] = role
+    assert set(users.values()) == set(ROLES), "a role has no compose service"
+    assert raw["gateway"]["environment"]["MESHSERVE_NATS_PASSWORD"].startswith(
+        "${NATS_PASSWORD_GATEWAY:?"
+    )
+
+    nats = compose["services"]["nats"]
+    command = nats["command"]
+    config_path = command[command.index("-c") + 1]
+    mounts = dict(v.split(":")[1::-1] for v in nats["volumes"] if v.startswith("./"))
+    config_file = ROOT / mounts[config_path]
+    assert config_file == DEPLOY / "nats" / "nats-server.conf"
+    assert "--user" not in command and "--pass" not in command  # no shared user
+    # nats-server resolves each user's password from its environment: exactly these.
+    referenced = set(re.findall(r"password: \$(\w+)", config_file.read_text()))
+    assert referenced == {password_variable(role) for role in ROLES}
+    assert set(nats["environment"]) == referenced
+    assert all(nats["environment"][v] == DEPLOY_ENV[v] for v in referenced)
+    assert not any(str(p).endswith(":4222") for p in nats.get("ports", [])), "NATS is published"
+
+
+def run_gen_secrets(env_file: Path) -> str:
+    # -I: no PYTHONPATH, no user site: as on a Docker host without meshserve installed.
+    script = str(ROOT / "deploy" / "gen_secrets.py")
+    done = subprocess.run(
+        [sys.executable, "-I", script, "--env-file", str(env_file)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    return done.stdout
+
+
+def read_env(env_file: Path) -> dict[str, str]:
+    lines = [line for line in env_file.read_text().splitlines() if line and line[0] != "#"]
+    return dict(line.split("=", 1) for line in lines)
+
+
+def test_gen_secrets_writes_what_compose_requires(tmp_path, monkeypatch):
+    env_file = tmp_path / ".env"
+    assert "MESHSERVE_API_KEYS" in run_gen_secrets(env_file)
+    written = read_env(env_file)
+    required = set(re.findall(r"\$\{(\w+):\?", (ROOT / "compose.yaml").read_text()))
+    assert set(written) == required | {"MESHSERVE_API_KEYS"}
+    assert len(set(written.values())) == len(written), "two secrets share a value"
+    assert all(len(v) >= 40 and re.fullmatch(r"[A-Za-z0-9_-]+", v) for v in written.values())
+    assert stat.S_IMODE(env_file.stat().st_mode) == 0o600
+    interpolate(raw_compose(), written)  # compose accepts it
+    assert gateway_config(written, monkeypatch).api_keys == (written["MESHSERVE_API_KEYS"],)
+
+    # A second run, or one over a .env with the user's own settings, keeps every value.
+    before = env_file.read_text()
+    assert "nothing changed" in run_gen_secrets(env_file)
+    assert env_file.read_text() == before
+    own = tmp_path / "own.env"
+    own.write_text("MESHSERVE_MODEL=/models/x.gguf\nNATS_PASSWORD_GATEWAY=mine")  # no newline
+    run_gen_secrets(own)
+    mixed = read_env(own)
+    assert mixed["MESHSERVE_MODEL"] == "/models/x.gguf" and mixed["NATS_PASSWORD_GATEWAY"] == "mine"
+    assert set(mixed) == set(written) | {"MESHSERVE_MODEL"}
 
 
 def test_tokenizer_executors_and_detokenizers_agree_on_the_layout(compose, monkeypatch):
