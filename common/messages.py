@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import types
 import typing
 from collections.abc import Callable
@@ -230,6 +231,41 @@ def _exact(kind: type) -> Converter:
     return convert
 
 
+# --- range checks ------------------------------------------------------------------------------
+# Types are checked by the decoder; values are checked by the messages' ``__post_init__``,
+# which raises ValueError (``from_dict`` turns it into a MessageError, so the runtime drops the
+# message with a log line). Mesh-state messages (heartbeats, presence) feed routing and health
+# for every request: one nonsensical value (a page size of 0) must not reach them.
+
+MAX_ID_LEN = 256  # executor and instance ids travel in subjects and metric labels
+MAX_PAGE_SIZE = 1 << 16  # tokens per KV page; real meshes use 1..256
+MAX_SHARDS = 1024  # detokenizer shards
+
+
+def _require(kind: str, checks: dict[str, bool]) -> None:
+    failed = [what for what, ok in checks.items() if not ok]
+    if failed:
+        raise ValueError(f"{kind}: " + "; ".join(failed))
+
+
+def _id_ok(value: str) -> bool:
+    """An id that may be spliced into a subject: non-empty, bounded, no whitespace or NATS
+    wildcards, no empty subject token (dots are allowed: hostnames have them)."""
+    return (
+        0 < len(value) <= MAX_ID_LEN
+        and not any(c.isspace() or c in "*>" for c in value)
+        and "" not in value.split(".")
+    )
+
+
+def _time_ok(value: float) -> bool:
+    return math.isfinite(value) and value >= 0
+
+
+def _page_size_ok(value: int) -> bool:
+    return 1 <= value <= MAX_PAGE_SIZE
+
+
 # --- gateway -> tokenizer ---------------------------------------------------------------------
 
 
@@ -288,12 +324,25 @@ class TokenizedRequest(Message):
     priority: int = 0
     deadline: float | None = None
     arrival_time: float = 0.0
+    # Migration: the tokens an executor that was lost had already streamed for this request
+    # (the detokenizer's record). The next executor prefills prompt + these and continues the
+    # same stream from there; ``migrations`` counts how often that happened (a limit bounds it).
+    output_token_ids: list[int] = field(default_factory=list)
+    migrations: int = 0
 
 
 @dataclass(frozen=True)
 class AbortRequests(Message):
+    """Stop these requests. Without ``executor_id`` they are over everywhere: every service
+    forgets them, and one that has not received them yet drops them when they arrive. With it,
+    only that executor stops them: the scheduler withdrawing work it moves elsewhere."""
+
     request_ids: list[str]
     reason: str = "abort"
+    executor_id: str = ""
+    # Set when the requests failed rather than ended: the executor holding one (it knows the
+    # client's inbox) sends this message to the client as a 503 error.
+    error: str = ""
 
 
 @dataclass(frozen=True)
@@ -310,10 +359,79 @@ class Heartbeat(Message):
     pending_tokens: int  # prompt tokens still to prefill plus one per running decode
     draining: bool = False
     sent_at: float = 0.0
-    # Which requests the executor holds, and which of those have streamed tokens: if the
-    # executor dies, the scheduler re-routes the others and fails these with a clear error.
+    # Which requests the executor holds: the scheduler learns from it which have finished,
+    # and which to move elsewhere if the executor dies.
     request_ids: list[str] = field(default_factory=list)
-    started_ids: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        # Only values no working executor sends: a rejected heartbeat makes the executor look
+        # silent, and after the scheduler's timeout its requests are re-routed or failed.
+        pages_ok = 0 <= self.free_pages <= self.total_pages
+        _require(
+            "Heartbeat",
+            {
+                "executor_id must be a non-empty subject-safe id": _id_ok(self.executor_id),
+                "running must be >= 0": self.running >= 0,
+                "waiting must be >= 0": self.waiting >= 0,
+                "total_pages must be >= 1": self.total_pages >= 1,
+                "free_pages must be within 0..total_pages": pages_ok,
+                f"page_size must be within 1..{MAX_PAGE_SIZE}": _page_size_ok(self.page_size),
+                "max_num_seqs must be >= 1": self.max_num_seqs >= 1,
+                "pending_tokens must be >= 0": self.pending_tokens >= 0,
+                "sent_at must be a finite time >= 0": _time_ok(self.sent_at),
+                "request_ids must be non-empty strings": all(self.request_ids),
+            },
+        )
+
+
+# --- every service -> watchers (gateway, scheduler) -----------------------------------------------
+
+
+@dataclass(frozen=True)
+class Presence(Message):
+    """An "I am alive" from one service instance, sent about once a second by its runtime
+    (``common/runtime.py``) on ``presence.<service>``, and at once when a watcher probes.
+
+    ``draining``: it is shutting down and should not be counted on. The optional facts are
+    the ones other stages must agree with: a detokenizer's ``shard``; a tokenizer's
+    ``page_size`` (it hashes prompt pages with it; executors must page their KV cache the same
+    way or cache-aware routing finds nothing) and ``detok_shards`` (how many detokenizer
+    shards requests are spread over).
+    """
+
+    service: str
+    instance_id: str
+    draining: bool = False
+    sent_at: float = 0.0
+    shard: int | None = None
+    page_size: int | None = None
+    detok_shards: int | None = None
+
+    def __post_init__(self) -> None:
+        # The service name is one subject token of ``presence.<service>``: no dots.
+        service_ok = len(self.service) <= 64 and _id_ok(self.service) and "." not in self.service
+        shard_ok = self.shard is None or 0 <= self.shard < MAX_SHARDS
+        page_ok = self.page_size is None or _page_size_ok(self.page_size)
+        shards_ok = self.detok_shards is None or 1 <= self.detok_shards <= MAX_SHARDS
+        _require(
+            "Presence",
+            {
+                "service must be a short subject token": service_ok,
+                "instance_id must be a non-empty subject-safe id": _id_ok(self.instance_id),
+                "sent_at must be a finite time >= 0": _time_ok(self.sent_at),
+                f"shard must be within 0..{MAX_SHARDS - 1}": shard_ok,
+                f"page_size must be within 1..{MAX_PAGE_SIZE}": page_ok,
+                f"detok_shards must be within 1..{MAX_SHARDS}": shards_ok,
+            },
+        )
+
+
+@dataclass(frozen=True)
+class PresenceProbe(Message):
+    """A watcher that just (re)connected asks every service to announce itself now, so its
+    view of the mesh is complete at once rather than after a full announcement interval."""
+
+    asker: str = ""
 
 
 # --- executor -> detokenizer ----------------------------------------------------------------------
@@ -328,7 +446,8 @@ class TokenLogprobs(Message):
 
 @dataclass(frozen=True)
 class StreamStart(Message):
-    """What the detokenizer needs to know about a request, sent with its first tokens."""
+    """What the detokenizer needs to know about a request, sent once with its first tokens
+    from an executor (per-request fields never ride along in every step's message)."""
 
     stop: list[str]
     skip_special_tokens: bool
@@ -337,12 +456,13 @@ class StreamStart(Message):
     # The request's W3C trace context (traceparent/tracestate): a StepTokens message carries
     # many requests, so their contexts travel here rather than in the NATS headers.
     trace: dict[str, str] = field(default_factory=dict)
+    reply_to: str = ""  # the gateway inbox its text goes to
+    deadline: float | None = None  # unix seconds: past it, the detokenizer forgets the stream
 
 
 @dataclass(frozen=True)
 class SeqTokens(Message):
     request_id: str
-    reply_to: str
     token_ids: list[int]
     finish_reason: str | None
     output_tokens: int
@@ -356,6 +476,44 @@ class StepTokens(Message):
 
     executor_id: str
     seqs: list[SeqTokens]
+
+
+# --- gateway -> scheduler (request/reply) -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RequestStatusQuery(Message):
+    """The gateway has heard nothing of these requests for a while: are they still alive?"""
+
+    request_ids: list[str]
+
+
+@dataclass(frozen=True)
+class RequestStatusReply(Message):
+    """The ids the scheduler holds (queued, or routed to an executor that is alive)."""
+
+    known: list[str]
+
+
+# --- scheduler -> detokenizer shard (request/reply) ----------------------------------------------
+
+
+@dataclass(frozen=True)
+class StreamProgressRequest(Message):
+    """The scheduler moves these requests away from ``executor_id`` (lost): which tokens has
+    each streamed? The detokenizer stops accepting their tokens from that executor from now."""
+
+    executor_id: str
+    request_ids: list[str]
+
+
+@dataclass(frozen=True)
+class StreamProgressReply(Message):
+    """Tokens received so far per stream this shard holds (a request absent here and from
+    ``ended`` never started); ``ended``: finished or aborted, nothing to move."""
+
+    streamed: dict[str, list[int]]
+    ended: list[str] = field(default_factory=list)
 
 
 # --- detokenizer / any stage -> gateway -----------------------------------------------------------

@@ -264,13 +264,35 @@ class GatewayMetrics:
 # --- scheduler ---------------------------------------------------------------------------------
 
 
+class DetokenizerMetrics:
+    def __init__(self, registry: CollectorRegistry, streams: Callable[[], int]) -> None:
+        def read() -> Iterable[Metric]:
+            yield GaugeMetricFamily(
+                PREFIX + "detokenizer_streams",
+                "Streams this detokenizer shard holds state for (0 when the mesh is idle).",
+                value=streams(),
+            )
+
+        registry.register(CallbackCollector(read))
+
+
 class SchedulerMetrics:
-    def __init__(self, registry: CollectorRegistry, queue_size: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        queue_size: Callable[[], int],
+        inflight: Callable[[], int] = lambda: 0,
+    ) -> None:
         def read() -> Iterable[Metric]:
             yield GaugeMetricFamily(
                 PREFIX + "scheduler_queue_size",
                 "Requests waiting in the scheduler's global queue for an executor with room.",
                 value=queue_size(),
+            )
+            yield GaugeMetricFamily(
+                PREFIX + "scheduler_inflight_requests",
+                "Requests routed to an executor that has not finished them yet.",
+                value=inflight(),
             )
 
         registry.register(CallbackCollector(read))
@@ -289,6 +311,16 @@ class SchedulerMetrics:
         self.rejected = Counter(
             PREFIX + "scheduler_requests_rejected",
             "Requests refused with 429 because the queue was full.",
+            registry=registry,
+        )
+        self.migrated = Counter(
+            PREFIX + "scheduler_requests_migrated",
+            "Requests moved off a lost executor to continue on another.",
+            registry=registry,
+        )
+        self.executor_failed = Counter(
+            PREFIX + "scheduler_requests_failed_executor_lost",
+            "Requests failed because their executor was lost and they could not be moved.",
             registry=registry,
         )
 
@@ -389,6 +421,7 @@ def all_metric_names() -> set[str]:
     ServiceMetrics(registry, "x")
     GatewayMetrics(registry, "x")
     SchedulerMetrics(registry, lambda: 0)
+    DetokenizerMetrics(registry, lambda: 0)
     ExecutorMetrics(registry, "x", lambda: EngineSnapshot(0, 0, 0.0, 0, 0))
     names = set()
     for metric in registry.collect():

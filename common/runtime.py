@@ -4,6 +4,11 @@ A service file holds handlers; this module holds everything around them (nats.py
 style). Handlers receive decoded, validated messages. A handler that raises ``RequestError``
 (or anything else) for a message carrying ``request_id`` and ``reply_to`` has an
 ``ErrorEvent`` published to that inbox, so the client gets an answer and the service lives on.
+
+Presence: once a service has started (``ready``), its runtime announces it on
+``presence.<service>`` every ``PRESENCE_INTERVAL_S``, at once when a watcher probes, and one
+last time as ``draining`` when it closes; watchers (``watch_presence``: the gateway, the
+scheduler) learn from it which stages of the mesh are alive.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import nats
@@ -29,13 +35,34 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Status, StatusCode, Tracer
 
 from common.config import MeshConfig
-from common.messages import ErrorEvent, Message, MessageError, decode_any
+from common.messages import (
+    ErrorEvent,
+    Message,
+    MessageError,
+    Presence,
+    PresenceProbe,
+    decode_any,
+)
 from common.metrics import MetricsServer, ServiceMetrics, new_registry
 from common.telemetry import Tracing, extract, inject
 
 log = logging.getLogger("meshserve")
 
 M = TypeVar("M", bound=Message)
+
+# How often every service says it is alive. Watchers count a member gone after a few missed
+# announcements (the gateway's --presence-ttl-s, 3 s by default).
+PRESENCE_INTERVAL_S = 1.0
+
+
+@dataclass
+class PresenceFacts:
+    """What a service's announcements carry beyond its name (see ``Presence``): set by the
+    service before it starts, e.g. a tokenizer's page size or a detokenizer's shard."""
+
+    shard: int | None = None
+    page_size: int | None = None
+    detok_shards: int | None = None
 
 
 class RequestError(Exception):
@@ -82,6 +109,16 @@ class Service:
         self.registry = new_registry()
         self.metrics = ServiceMetrics(self.registry, name)
         self.metrics_server: MetricsServer | None = None
+        # Presence (module docstring). ``ready`` is set once the service's handlers are
+        # subscribed (``serve_until_shutdown`` does it after ``start``): announcing earlier
+        # would let a watcher send requests to subjects nobody listens on yet. A service
+        # started some other way announces anyway one interval after it connected.
+        self.facts = PresenceFacts()
+        self.ready = asyncio.Event()
+        self.presence_interval_s = PRESENCE_INTERVAL_S
+        self._announcing = False
+        self._presence_started = False
+        self._watching = False
 
     @property
     def tracer(self) -> Tracer:
@@ -120,6 +157,8 @@ class Service:
 
         async def on_reconnect() -> None:
             log.info("%s: reconnected to nats", self.name)
+            if self._watching:  # announcements were missed meanwhile: ask again
+                await self._probe()
 
         connecting = asyncio.ensure_future(
             nats.connect(
@@ -149,6 +188,54 @@ class Service:
                 self.registry, self.health_problem, self.mesh.metrics_host, self.mesh.metrics_port
             )
             await self.metrics_server.start()
+        if not self._presence_started:
+            self._presence_started = True
+            await self.nc.subscribe(self.subjects.presence_probe, cb=self._on_probe)
+            self.spawn(self._announce_loop(), "presence")
+
+    # -- presence ---------------------------------------------------------------------------
+    def presence(self) -> Presence:
+        """This instance's announcement now."""
+        return Presence(
+            service=self.name,
+            instance_id=self.mesh.instance_id,
+            draining=self.shutdown_requested.is_set() or self.stopping.is_set(),
+            sent_at=time.time(),
+            shard=self.facts.shard,
+            page_size=self.facts.page_size,
+            detok_shards=self.facts.detok_shards,
+        )
+
+    async def announce(self) -> None:
+        await self.nc.publish(self.subjects.presence(self.name), self.presence().encode())
+
+    async def _announce_loop(self) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.ready.wait(), self.presence_interval_s)
+        self._announcing = True
+        await self.every(self.presence_interval_s, self.announce)
+
+    async def _on_probe(self, msg: Msg) -> None:
+        if not self._announcing or self.stopping.is_set():
+            return  # not started yet: the first announcement follows when it is
+        try:
+            await self.announce()
+        except Exception as exc:
+            log.warning("%s: could not answer a presence probe: %s", self.name, exc)
+
+    async def _probe(self) -> None:
+        try:
+            probe = PresenceProbe(f"{self.name}-{self.mesh.instance_id}")
+            await self.nc.publish(self.subjects.presence_probe, probe.encode())
+        except Exception as exc:
+            log.warning("%s: could not probe the mesh's presence: %s", self.name, exc)
+
+    async def watch_presence(self, handler: Callable[[Presence], Awaitable[None]]) -> None:
+        """Deliver every service's announcements to ``handler``, starting with an answer from
+        each live instance at once (a probe), and again after a reconnect."""
+        await self.subscribe(self.subjects.presence_all, Presence, handler)
+        self._watching = True
+        await self._probe()
 
     async def subscribe(
         self,
@@ -278,12 +365,14 @@ class Service:
     async def publish(
         self,
         subject: str,
-        message: Message,
+        message: Message | bytes,
         headers: dict[str, str] | None = None,
         context: Context | None = None,
     ) -> None:
-        """Publish with the W3C trace context of ``context`` (default: the current one)."""
-        await self.nc.publish(subject, message.encode(), headers=inject(headers, context))
+        """Publish with the W3C trace context of ``context`` (default: the current one);
+        ``message`` may come encoded already (a sender that had to measure its size)."""
+        data = message if isinstance(message, bytes) else message.encode()
+        await self.nc.publish(subject, data, headers=inject(headers, context))
 
     def spawn(self, coro: Awaitable[None], name: str) -> None:
         """Run a background loop for the service's lifetime; a crash is logged, not silent."""
@@ -312,6 +401,10 @@ class Service:
         """Drain subscriptions (in-flight handlers finish), stop loops, then close."""
         self.stopping.set()
         if self._nc is not None and not self._nc.is_closed:
+            if self._announcing and self._nc.is_connected:
+                # Watchers stop counting on us now, not when our announcements time out.
+                with contextlib.suppress(Exception):
+                    await self.announce()
             with contextlib.suppress(Exception):
                 await self._nc.drain()
         for task in self._tasks:
@@ -352,6 +445,7 @@ async def serve_until_shutdown(
     stop: ``stop()`` when given, else ``service.close()`` (drain, then close). A signal that
     arrives before ``start`` returns still has its default effect (the process ends)."""
     await start()
+    service.ready.set()  # handlers are subscribed: presence announcements may begin
     service.install_signal_handlers()
     try:
         await service.shutdown_requested.wait()

@@ -25,10 +25,30 @@ class Subjects:
     def scheduler_submit(self) -> str:
         return f"{self.prefix}.scheduler.submit"
 
+    # gateway -> scheduler (request/reply): which of these requests are still alive?
+    @property
+    def scheduler_status(self) -> str:
+        return f"{self.prefix}.scheduler.status"
+
     # executors -> scheduler: load reports
     @property
     def executor_heartbeat(self) -> str:
         return f"{self.prefix}.executor.heartbeat"
+
+    # every service -> anyone watching the mesh (gateway, scheduler): "I am alive", about
+    # once a second; one subject per service name so a watcher can pick stages
+    def presence(self, service: str) -> str:
+        return f"{self.prefix}.presence.{service}"
+
+    @property
+    def presence_all(self) -> str:
+        return f"{self.prefix}.presence.*"
+
+    # a watcher that just started -> every service: announce yourself now (not a
+    # ``presence.*`` subject, so watchers never mistake a probe for an announcement)
+    @property
+    def presence_probe(self) -> str:
+        return f"{self.prefix}.presence_probe"
 
     # scheduler -> one executor
     def executor_submit(self, executor_id: str) -> str:
@@ -42,6 +62,10 @@ class Subjects:
     # executor -> detokenizer shard: one message per step per shard
     def detok(self, shard: int) -> str:
         return f"{self.prefix}.detok.{shard}"
+
+    # scheduler -> one detokenizer shard (request/reply): what has each stream received?
+    def detok_progress(self, shard: int) -> str:
+        return f"{self.prefix}.detok.{shard}.progress"
 
     # detokenizer / any stage -> the gateway that owns the request
     def gateway_inbox(self, gateway_id: str) -> str:

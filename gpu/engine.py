@@ -25,7 +25,7 @@ from gpu.attention.metadata import SeqChunk
 from gpu.block_manager import BlockManager, KVEvent
 from gpu.config import ModelError
 from gpu.runner import ModelRunner
-from gpu.sampling import Sampler, SamplerInput, SamplingParams, make_generator
+from gpu.sampling import Sampler, SamplerInput, SamplingParams, make_generator, skip_draws
 from gpu.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from gpu.sequence import FinishReason, SeqStatus, Sequence
 from gpu.spec_decode import DraftLength, DraftRequest, Proposal, Proposer, SpecStats, verify
@@ -100,21 +100,38 @@ class Engine:
         return min(self.runner.max_model_len, self.runner.kv.spec.num_tokens)
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        output_token_ids: list[int] | None = None,
     ) -> None:
-        """Queue a request; raises ``ModelError``/``ValueError`` naming what is wrong with it."""
+        """Queue a request; raises ``ModelError``/``ValueError`` naming what is wrong with it.
+
+        ``output_token_ids``: tokens this request already generated elsewhere (a request
+        migrated off a lost executor). They are prefilled with the prompt, count towards
+        ``max_tokens`` and the penalties, and a seeded request's generator skips the draws
+        they took, so the continuation is the one an uninterrupted run would have sampled.
+        """
         if request_id in self.seqs:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not prompt_token_ids:
             raise ModelError("the prompt is empty")
-        self.runner.check_prompt(prompt_token_ids)
-        if len(prompt_token_ids) >= self.max_seq_len:
+        output_token_ids = output_token_ids or []
+        self.runner.check_prompt([*prompt_token_ids, *output_token_ids])
+        total = len(prompt_token_ids) + len(output_token_ids)
+        if total >= self.max_seq_len:
             raise ModelError(
-                f"prompt has {len(prompt_token_ids)} tokens; at most {self.max_seq_len - 1} fit "
+                f"prompt has {total} tokens; at most {self.max_seq_len - 1} fit "
                 "with room for one output token"
             )
+        if len(output_token_ids) >= params.max_tokens:
+            raise ValueError("the request already generated max_tokens tokens")
         seq = Sequence(request_id, list(prompt_token_ids), params)
+        seq.output_token_ids = list(output_token_ids)
         seq.generator = make_generator(params, self.runner.device)
+        if seq.generator is not None and not params.is_greedy:
+            skip_draws(seq.generator, len(output_token_ids), self.runner.config.vocab_size)
         if self.config.num_speculative_tokens:
             seq.draft_length = DraftLength(self.config.num_speculative_tokens)
         self.seqs[request_id] = seq

@@ -171,6 +171,14 @@ def make_generator(
     return gen
 
 
+def skip_draws(generator: torch.Generator, steps: int, vocab_size: int) -> None:
+    """Advance a seeded request's generator past ``steps`` sampling steps, as if it had sampled
+    them here: one fp32 ``[vocab]`` uniform draw per step, as ``Sampler._noise`` takes."""
+    scratch = torch.empty(vocab_size, dtype=torch.float32, device=generator.device)
+    for _ in range(steps):
+        scratch.uniform_(generator=generator)
+
+
 @dataclass
 class SamplerInput:
     """Everything the sampler needs besides the logits; built once per step by the engine.

@@ -1,25 +1,29 @@
 """``meshserve up``: a local nats-server plus every service as its own process.
 
 The model (default: the bundled SmolLM2) is resolved and converted once here, so every service
-loads the same folder. Ctrl-C (or SIGTERM) stops every process this started; a service that
-dies takes the whole local mesh down with a message rather than leaving it half-alive.
+loads the same folder. Ctrl-C (or SIGTERM) stops every process this started. A process that
+dies is restarted with backoff (``services.supervisor``) while the rest keeps serving; one
+that keeps crashing takes the whole local mesh down with a message and a non-zero exit.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import signal
 import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.nats_server import LocalNatsServer
 from services.scheduler.router import POLICIES
+from services.supervisor import DeferredInterrupt, RestartPolicy, Supervisor
 
 
 @dataclass
@@ -28,6 +32,7 @@ class LocalMesh:
     model_folder: Path
     nats: LocalNatsServer | None = None
     procs: list[tuple[str, subprocess.Popen[bytes]]] = field(default_factory=list)
+    commands: dict[str, list[str]] = field(default_factory=dict)  # to start one again
     metrics_urls: dict[str, str] = field(default_factory=dict)  # service -> its /metrics
 
     @property
@@ -51,7 +56,38 @@ class LocalMesh:
     def spawn(self, name: str, module: str, *flags: str) -> None:
         telemetry = self.telemetry_flags(name, module)
         cmd = [sys.executable, "-m", module, "--nats-url", self.nats_url, *telemetry, *flags]
+        self.commands[name] = cmd
         self.procs.append((name, subprocess.Popen(cmd)))
+
+    def respawn(self, name: str) -> subprocess.Popen[bytes]:
+        """Start service ``name`` again with the same command (ports included)."""
+        proc = subprocess.Popen(self.commands[name])
+        self.procs = [(n, proc if n == name else p) for n, p in self.procs]
+        return proc
+
+    def restart_nats(self) -> subprocess.Popen[bytes]:
+        """A new local nats-server on the same port: the services reconnect by themselves
+        (JetStream state is not kept; the executors recreate their stream)."""
+        assert self.nats is not None
+        port = self.nats.port
+        self.nats.stop()  # it is dead already; this removes its store folder
+        self.nats = LocalNatsServer.start(port=port)
+        return self.nats.process
+
+    def supervisor(self, policy: RestartPolicy, interrupts: DeferredInterrupt) -> Supervisor:
+        """A supervisor of every process ``start()`` started."""
+        sup = Supervisor(policy, guard=interrupts.deferred)
+        if self.nats is not None:
+            sup.watch("nats-server", self.nats.process, self.restart_nats)
+        # The scheduler tells a dead executor from a live one by its heartbeats under the same
+        # id: a replacement heard from before the old one's heartbeats time out would pass for
+        # it, and the scheduler would take the old one's requests as finished (their clients
+        # would wait for nothing) instead of re-routing or failing them.
+        executor_wait = executor_restart_wait()
+        for name, proc in self.procs:
+            wait = executor_wait if name.startswith("executor-") else 0.0
+            sup.watch(name, proc, functools.partial(self.respawn, name), wait)
+        return sup
 
     def telemetry_flags(self, name: str, module: str) -> list[str]:
         """Traces to --otlp-endpoint (children also inherit OTEL_* variables); /metrics on
@@ -129,10 +165,12 @@ class LocalMesh:
 
         return resolve_model_path(self.args.draft_model)
 
-    def wait_ready(self, timeout: float) -> None:
+    def wait_ready(self, timeout: float, watch: Callable[[], None] | None = None) -> None:
+        """Until the gateway's /health is 200; ``watch`` (by default: fail if any process
+        exited) runs on every try."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            self.check_alive()
+            (watch or self.check_alive)()
             with (
                 contextlib.suppress(OSError),
                 urllib.request.urlopen(f"{self.base_url}/health", timeout=1) as resp,
@@ -212,8 +250,12 @@ def add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.set_defaults(func=run_up)
 
 
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
+def executor_restart_wait() -> float:
+    """How long after an executor died its replacement may start: past the heartbeat timeout
+    the scheduler runs with (it reads the same environment), plus a sweep's margin."""
+    from services.scheduler.service import parse_args
+
+    return parse_args([]).heartbeat_timeout_s + 1.0
 
 
 def run_up(args: argparse.Namespace) -> int:
@@ -223,18 +265,21 @@ def run_up(args: argparse.Namespace) -> int:
     # Ctrl-C reaches the children too (same process group); they drain and exit. SIGINT is
     # handled explicitly: a shell starts background jobs with SIGINT ignored, and Python then
     # installs no KeyboardInterrupt handler, while the services handle it themselves (they
-    # would exit and this process would report them as failed).
-    signal.signal(signal.SIGTERM, _interrupt)
-    signal.signal(signal.SIGINT, _interrupt)
+    # would exit and this process would restart them).
+    interrupts = DeferredInterrupt()
+    signal.signal(signal.SIGTERM, interrupts.handler)
+    signal.signal(signal.SIGINT, interrupts.handler)
     try:
-        mesh.start()
-        mesh.wait_ready(args.ready_timeout)
+        with interrupts.deferred():  # every process started is in mesh, for stop() to end
+            mesh.start()
+        supervisor = mesh.supervisor(RestartPolicy(), interrupts)
+        mesh.wait_ready(args.ready_timeout, supervisor.poll)
         print(f"meshserve is up: {mesh.base_url}/v1  (Ctrl-C stops it)", flush=True)
         for name, url in mesh.metrics_urls.items():
             print(f"  metrics of {name}: {url}", flush=True)
         while True:
-            mesh.check_alive()
-            time.sleep(0.5)
+            supervisor.poll()
+            time.sleep(0.2)
     except KeyboardInterrupt:
         print("stopping...", file=sys.stderr)
         return 0

@@ -18,6 +18,7 @@ import openai
 
 from common.config import MeshConfig, NatsAuth
 from common.nats_server import LocalNatsServer, free_port
+from common.runtime import Service
 from services.detokenizer.service import DetokenizerConfig, DetokenizerService
 from services.executor.config import ExecutorConfig
 from services.executor.service import ExecutorService, build_engine
@@ -48,6 +49,13 @@ HARNESS_ROLES = {
     "speculator": "speculator",
     "gw": "gateway",
 }
+
+
+def runtime_of(service: Any) -> Service:
+    """The ``Service`` runtime inside a harness service (the gateway keeps its in its mesh
+    client)."""
+    runtime: Service = service.mesh.service if hasattr(service, "mesh") else service.svc
+    return runtime
 
 
 @dataclass
@@ -158,6 +166,7 @@ class MeshHarness:
             self.services.append(gw)
         for svc in self.services:
             await svc.start()
+            runtime_of(svc).ready.set()  # as serve_until_shutdown does: presence may begin
         await asyncio.sleep(0.6)  # first heartbeats reach the scheduler and gateway
 
     @property

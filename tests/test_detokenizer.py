@@ -49,10 +49,9 @@ async def run_stream(nats_server, model, token_ids, stop, tokens_per_step=1):
     steps = [token_ids[i : i + tokens_per_step] for i in range(0, len(token_ids), tokens_per_step)]
     for i, chunk in enumerate(steps):
         last = i == len(steps) - 1
-        start = StreamStart(stop, True, 3, 0) if i == 0 else None
+        start = StreamStart(stop, True, 3, 0, reply_to="test.inbox") if i == 0 else None
         seq = SeqTokens(
             "r1",
-            "test.inbox",
             chunk,
             "length" if last else None,
             min((i + 1) * tokens_per_step, len(token_ids)),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -50,6 +51,7 @@ class FakeMesh:
         self.nc = nc
         self.subjects = subjects
         self.requests: list[GenerateRequest] = []
+        self.sizes: list[tuple[int, dict[str, str] | None]] = []  # (payload bytes, headers)
         self.aborts: list[AbortRequests] = []
         self.tasks: set[asyncio.Task[None]] = set()
 
@@ -68,6 +70,7 @@ class FakeMesh:
     async def on_request(self, msg: Msg) -> None:
         request = GenerateRequest.decode(msg.data)
         self.requests.append(request)
+        self.sizes.append((len(msg.data), msg.headers))
         task = asyncio.create_task(self.answer(request))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
@@ -109,14 +112,17 @@ class FakeMesh:
                     token,
                     ("stop" if n == len(tokens) else "length") if last else None,
                     Usage(PROMPT_TOKENS, n, CACHED_TOKENS) if last else None,
-                    logprobs_for(token, request.params.logprobs),
+                    logprobs_for(token, request.params.logprobs, "nonfinite" in text),
                 ),
             )
 
 
-def logprobs_for(token: str, top: int | None) -> list[TextLogprob] | None:
+def logprobs_for(token: str, top: int | None, nonfinite: bool = False) -> list[TextLogprob] | None:
     if top is None:
         return None
+    if nonfinite:
+        alternatives = [(token, math.nan), ("x", math.inf), ("y", -math.inf)][:top]
+        return [TextLogprob(token, math.nan, list(token.encode()), alternatives)]
     alternatives = [(token, -0.5), ("x", -1.25), ("y", float("-inf"))][:top]
     return [TextLogprob(token, -0.5, list(token.encode()), alternatives)]
 
@@ -153,6 +159,9 @@ async def running(nats_url: str, **overrides: Any) -> AsyncIterator[Env]:
     mesh = MeshConfig(nats_url, f"t{uuid.uuid4().hex[:8]}")
     settings: dict[str, Any] = {"host": "127.0.0.1", "port": 0, "served_model_name": "smollm2"}
     settings |= {"max_model_len": 64, "max_body_bytes": 4096, "shutdown_timeout_s": 0.5}
+    # The fake mesh answers for every stage without announcing any (test_health.py covers
+    # stage liveness on a real mesh).
+    settings["required_stages"] = ()
     config = GatewayConfig(mesh=mesh, **(settings | overrides))
     nc = await nats.connect(nats_url)
     fake = FakeMesh(nc, mesh.subjects)
@@ -381,7 +390,7 @@ CMP, CHT = "/v1/completions", "/v1/chat/completions"
         (CMP, {"prompt": "x", "n": 9}, 400, "n"),
         (CMP, {"prompt": "x", "logprobs": 6}, 400, "logprobs"),
         (CMP, {"prompt": "x", "logprobs": True}, 400, "logprobs"),
-        (CMP, {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+        (CMP, {"prompt": "x", "stop": ["s"] * 17}, 400, "stop"),
         (CMP, {"prompt": "x", "stop": 3}, 400, "stop"),
         (CMP, {"prompt": "x", "stream": "yes"}, 400, "stream"),
         (CMP, {"prompt": "x", "stream_options": {}}, 400, "stream_options"),
@@ -583,7 +592,7 @@ async def test_unexpected_exception_is_500_and_gateway_keeps_serving(
 
 
 async def test_health_needs_a_recent_executor_heartbeat(nats_server: LocalNatsServer) -> None:
-    async with running(nats_server.url, heartbeat_ttl_s=0.5) as env:
+    async with running(nats_server.url, heartbeat_ttl_s=0.5, required_stages=("executor",)) as env:
         async with env.http.get(env.url + "/health") as resp:
             assert resp.status == 503
             assert "heartbeat" in (await resp.json())["reason"]
@@ -592,7 +601,7 @@ async def test_health_needs_a_recent_executor_heartbeat(nats_server: LocalNatsSe
         await env.wait_for(lambda: env.server.mesh.health_problem() is None)
         async with env.http.get(env.url + "/health") as resp:
             assert resp.status == 200
-            assert await resp.json() == {"status": "ok"}
+            assert (await resp.json())["status"] == "ok"
         await asyncio.sleep(0.6)  # the heartbeat expires
         async with env.http.get(env.url + "/health") as resp:
             assert resp.status == 503
@@ -605,7 +614,7 @@ async def test_models(env: Env) -> None:
 
 
 async def test_api_keys(nats_server: LocalNatsServer) -> None:
-    async with running(nats_server.url, api_keys=("secret",)) as env:
+    async with running(nats_server.url, api_keys=("secret",), required_stages=("executor",)) as env:
         with pytest.raises(openai.AuthenticationError):
             await env.client.models.list()
         good = openai.AsyncOpenAI(base_url=env.url + "/v1", api_key="secret", max_retries=0)

@@ -37,13 +37,24 @@ def step() -> StepTokens:
     return StepTokens(
         "executor-0",
         [
-            SeqTokens("a", "_INBOX.a", [7], None, 1, StreamStart(["x"], True, 3, 0, {"k": "v"})),
-            SeqTokens("b", "_INBOX.b", [1, 2], "stop", 5, None, [lp, lp]),
+            SeqTokens(
+                "a", [7], None, 1, StreamStart(["x"], True, 3, 0, {"k": "v"}, "_INBOX.a", 9.5)
+            ),
+            SeqTokens("b", [1, 2], "stop", 5, None, [lp, lp]),
         ],
     )
 
 
-@pytest.mark.parametrize("message", [request(), request(deadline=12.5), step(), SamplingSpec()])
+@pytest.mark.parametrize(
+    "message",
+    [
+        request(),
+        request(deadline=12.5),
+        request(output_token_ids=[9, 8], migrations=1),
+        step(),
+        SamplingSpec(),
+    ],
+)
 def test_round_trip(message: Message) -> None:
     assert type(message).decode(message.encode()) == message
 

@@ -8,6 +8,7 @@ gateway.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
@@ -53,26 +54,69 @@ def pid_of(mesh: LocalMesh, name: str) -> int:
     return next(p.pid for n, p in mesh.procs if n == name)
 
 
-async def test_kill_9_executor_mid_stream(process_mesh):
-    mesh = process_mesh(executors=2, max_num_seqs=3, kv_cache_tokens=2048)
+async def stream_text(session, base_url, prompt, body, timeout=90):
+    """Stream one completion; return ("ok", its text) or ("error"/"hung", what went wrong)."""
+    payload = {"model": "tiny", "prompt": prompt, "stream": True, **body}
+    text = []
+    try:
+        async with asyncio.timeout(timeout):
+            async with session.post(f"{base_url}/completions", json=payload) as resp:
+                if resp.status != 200:
+                    return "error", f"{resp.status}: {await resp.text()}"
+                async for line in resp.content:
+                    if not line.startswith(b"data: "):
+                        continue
+                    data = line[6:].strip()
+                    if data == b"[DONE]":
+                        return "ok", "".join(text)
+                    chunk = json.loads(data)
+                    if "error" in chunk:
+                        return "error", data.decode()
+                    text.extend(c["text"] for c in chunk["choices"])
+                return "error", "stream ended without [DONE]"
+    except TimeoutError:
+        return "hung", prompt
+
+
+async def test_kill_9_executor_mid_stream_migrates_every_request(process_mesh):
+    """16 streaming clients on two executors; one is killed mid-stream. Every request moves to
+    the survivor and its client receives exactly the text of an uninterrupted run."""
+    mesh = process_mesh(executors=2, max_num_seqs=4, kv_cache_tokens=4096)
     base = mesh.base_url + "/v1"
+    body = {"max_tokens": 160, "ignore_eos": True, "temperature": 0}
+    prompts = [f"request {i} says" for i in range(16)]
     async with aiohttp.ClientSession() as session:
-        tasks = [
-            asyncio.create_task(stream_outcome(session, base, f"request {i}")) for i in range(12)
-        ]
-        await asyncio.sleep(0.5)  # streams are flowing on both executors
+        reference = await asyncio.gather(*(stream_text(session, base, p, body) for p in prompts))
+        assert all(kind == "ok" for kind, _ in reference), reference
+        tasks = [asyncio.create_task(stream_text(session, base, p, body)) for p in prompts]
+        await asyncio.sleep(1.0)  # streams are flowing on both executors
         os.kill(pid_of(mesh, "executor-0"), signal.SIGKILL)
         outcomes = await asyncio.gather(*tasks)
-        kinds = Counter(kind for kind, _ in outcomes)
-        assert kinds["hung"] == 0, outcomes
-        assert kinds["ok"] >= 1
-        errors = [detail for kind, detail in outcomes if kind == "error"]
-        assert all("executor_failed" in e for e in errors), errors
+        assert [kind for kind, _ in outcomes] == ["ok"] * 16, outcomes
+        for (_, want), (_, got), prompt in zip(reference, outcomes, prompts):
+            assert got == want, prompt
         # the mesh keeps serving on the surviving executor
         again = await asyncio.gather(
             *(stream_outcome(session, base, f"after {i}", {"max_tokens": 5}) for i in range(4))
         )
         assert [k for k, _ in again] == ["ok"] * 4
+
+
+async def test_kill_9_without_migration_fails_streams_clearly(process_mesh, monkeypatch):
+    monkeypatch.setenv("MESHSERVE_MIGRATION_LIMIT", "0")  # the scheduler process reads it
+    mesh = process_mesh(executors=2, max_num_seqs=3, kv_cache_tokens=2048)
+    base = mesh.base_url + "/v1"
+    async with aiohttp.ClientSession() as session:
+        tasks = [
+            asyncio.create_task(stream_text(session, base, f"request {i}", LONG)) for i in range(8)
+        ]
+        await asyncio.sleep(0.5)
+        os.kill(pid_of(mesh, "executor-0"), signal.SIGKILL)
+        outcomes = await asyncio.gather(*tasks)
+        kinds = Counter(kind for kind, _ in outcomes)
+        assert kinds["hung"] == 0 and kinds["ok"] >= 1, outcomes
+        errors = [detail for kind, detail in outcomes if kind == "error"]
+        assert errors and all("executor_failed" in e for e in errors), errors
 
 
 async def test_sigterm_gateway_under_load_lets_streams_finish(process_mesh):

@@ -128,7 +128,7 @@ async def test_a_request_aborted_while_the_index_answers_is_not_dispatched(monke
     await sched.on_abort(AbortRequests(["gone"], "client disconnected"))
     answer.set()
     await asyncio.wait_for(submit, 5)
-    assert published == [] and sched.queue == [] and sched.aborted == set()
+    assert published == [] and sched.queue == [] and not sched.queued
     assert sched.dispatched == 0 and not sched.inflight.assignments
 
 

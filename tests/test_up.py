@@ -1,12 +1,19 @@
-"""`meshserve up` as a user runs it: separate processes, ready message, Ctrl-C stops them all."""
+"""`meshserve up` as a user runs it: separate processes, ready message, Ctrl-C stops them all,
+and a process that dies is restarted while the rest of the mesh keeps serving."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
 
 import openai
 import pytest
@@ -27,62 +34,189 @@ def is_running(pid: int) -> bool:
         return False
 
 
-def test_up_serves_and_ctrl_c_stops_every_process(tiny_llama, tmp_path):
-    port = free_port()
-    log_path = tmp_path / "up.log"  # every process's stderr, shown when an assertion fails
-    log_file = log_path.open("w")
-
-    def log_tail() -> str:
-        log_file.flush()
-        return "\n".join(log_path.read_text(errors="replace").splitlines()[-40:])
-
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "services.cli",
-            "up",
-            "--model",
-            str(tiny_llama),
-            "--port",
-            str(port),
-            "--executors",
-            "2",
-            "--kv-cache-tokens",
-            "1024",
-            "--served-model-name",
-            "tiny",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=log_file,
-        text=True,
-        start_new_session=True,  # so the test can send Ctrl-C to the whole group
-    )
+def cmdline(pid: int) -> list[str]:
     try:
-        deadline = time.monotonic() + 180
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+    except FileNotFoundError:
+        return []
+
+
+def child_running(parent: int, *words: str) -> int | None:
+    """The pid of the live child of ``parent`` whose command line holds every one of ``words``."""
+    for pid in children_of(parent):
+        if is_running(pid) and all(w in cmdline(pid) for w in words):
+            return pid
+    return None
+
+
+class Up:
+    """A ``meshserve up`` process in its own session; every process's stderr goes to one log."""
+
+    def __init__(self, model: Path, tmp_path: Path, *flags: str) -> None:
+        self.port = free_port()
+        self.log_path = tmp_path / "up.log"
+        self.log_file = self.log_path.open("w")
+        cmd = [sys.executable, "-m", "services.cli", "up", "--model", str(model)]
+        cmd += ["--port", str(self.port), "--kv-cache-tokens", "1024"]
+        cmd += ["--served-model-name", "tiny", *flags]
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=self.log_file,
+            text=True,
+            start_new_session=True,  # so the test can send Ctrl-C to the whole group
+        )
+
+    def log(self) -> str:
+        self.log_file.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def log_tail(self) -> str:
+        return "\n".join(self.log().splitlines()[-40:])
+
+    def wait_up(self, timeout: float = 180) -> str:
+        deadline = time.monotonic() + timeout
         line = ""
         while time.monotonic() < deadline and "is up" not in line:
-            line = proc.stdout.readline() if proc.stdout else ""
-            if proc.poll() is not None:
-                pytest.fail(f"meshserve up exited with {proc.returncode}:\n{log_tail()}")
-        assert f"http://127.0.0.1:{port}/v1" in line
-        kids = children_of(proc.pid)
+            line = self.proc.stdout.readline() if self.proc.stdout else ""
+            if self.proc.poll() is not None:
+                pytest.fail(f"meshserve up exited with {self.proc.returncode}:\n{self.log_tail()}")
+        return line
+
+    def wait_log(self, text: str, count: int = 1, timeout: float = 10) -> None:
+        """Until ``text`` is in the log ``count`` times."""
+        deadline = time.monotonic() + timeout
+        while self.log().count(text) < count:
+            assert time.monotonic() < deadline, f"no {text!r} in the log:\n{self.log_tail()}"
+            time.sleep(0.1)
+
+    def chat(self, content: str, timeout: float = 30) -> tuple[int, str]:
+        """One non-streaming chat completion: (HTTP status, the answer's text or the error)."""
+        body = {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": 4,
+            "ignore_eos": True,
+        }
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}/v1/chat/completions",
+            json.dumps(body).encode(),
+            {"Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                return resp.status, json.load(resp)["choices"][0]["message"]["content"]
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read().decode(errors="replace")
+
+    def ctrl_c_stops_everything(self) -> None:
+        kids = children_of(self.proc.pid)
+        os.killpg(self.proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+        assert self.proc.wait(60) == 0, self.log_tail()
+        time.sleep(0.5)
+        alive = [k for k in kids if is_running(k)]
+        assert not alive, f"processes left behind: {alive}"
+
+
+@contextlib.contextmanager
+def meshserve_up(model: Path, tmp_path: Path, *flags: str) -> Iterator[Up]:
+    up = Up(model, tmp_path, *flags)
+    try:
+        yield up
+    finally:
+        if up.proc.poll() is None:
+            os.killpg(up.proc.pid, signal.SIGKILL)
+        up.log_file.close()
+
+
+def test_up_serves_and_ctrl_c_stops_every_process(tiny_llama, tmp_path):
+    with meshserve_up(tiny_llama, tmp_path, "--executors", "2") as up:
+        line = up.wait_up()
+        assert f"http://127.0.0.1:{up.port}/v1" in line
+        kids = children_of(up.proc.pid)
         assert (
             len(kids) >= 7
         )  # nats-server, tokenizer, scheduler, detokenizer, 2 executors, gateway
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x")
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{up.port}/v1", api_key="x")
         out = client.completions.create(model="tiny", prompt="Hello", max_tokens=5)
         assert out.choices[0].finish_reason in ("stop", "length")
-        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+        os.killpg(up.proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
         time.sleep(0.3)
-        os.killpg(proc.pid, signal.SIGINT)  # an impatient second Ctrl-C
-        assert proc.wait(60) == 0, log_tail()
+        os.killpg(up.proc.pid, signal.SIGINT)  # an impatient second Ctrl-C
+        assert up.proc.wait(60) == 0, up.log_tail()
         time.sleep(0.5)
         alive = [k for k in kids if is_running(k)]
         assert not alive, f"processes left behind: {alive}"
         # nats-server outlived the services' drains (it is stopped last, not by the Ctrl-C)
-        assert "draining connection timed out" not in log_tail(), log_tail()
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        log_file.close()
+        assert "draining connection timed out" not in up.log_tail(), up.log_tail()
+
+
+def test_up_restarts_a_killed_executor_while_the_other_serves(tiny_llama, tmp_path):
+    with meshserve_up(tiny_llama, tmp_path, "--executors", "2") as up:
+        up.wait_up()
+        executor_0 = ("services.executor", "--instance-id", "executor-0")
+        old = child_running(up.proc.pid, *executor_0)
+        assert old is not None, up.log_tail()
+        status, text = up.chat("warm up")
+        assert status == 200 and text, (status, text, up.log_tail())
+        os.kill(old, signal.SIGKILL)
+        while is_running(old):
+            time.sleep(0.01)
+        answered_while_down = 0
+        deadline = time.monotonic() + 40
+        while (new := child_running(up.proc.pid, *executor_0)) is None:
+            assert time.monotonic() < deadline, f"executor-0 not restarted:\n{up.log_tail()}"
+            status, text = up.chat(f"question {answered_while_down}")
+            assert status == 200 and text, (status, text, up.log_tail())
+            # counted only if no replacement existed when the answer came: executor-1 gave it
+            answered_while_down += child_running(up.proc.pid, *executor_0) is None
+        assert answered_while_down >= 2, up.log_tail()
+        assert new != old
+        up.wait_log(
+            f"meshserve up: executor-0 (pid {old}) died (killed by SIGKILL); restarting it in"
+        )
+        up.wait_log(f"meshserve up: executor-0 restarted (pid {new})")
+        up.wait_log("executor executor-0 connected to nats", count=2)  # it joined the mesh
+        status, text = up.chat("after the restart")
+        assert status == 200 and text, (status, text, up.log_tail())
+        assert is_running(new), up.log_tail()  # the replacement did not die at start
+        up.ctrl_c_stops_everything()  # the replacement included
+
+
+def test_up_restarts_nats_server_on_the_same_port(tiny_llama, tmp_path):
+    with meshserve_up(tiny_llama, tmp_path) as up:
+        up.wait_up()
+        nats = next(p for p in children_of(up.proc.pid) if "-js" in cmdline(p))
+        args = cmdline(nats)
+        port = args[args.index("-p") + 1]
+        os.kill(nats, signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while (new := child_running(up.proc.pid, "-p", port)) in (None, nats):
+            assert time.monotonic() < deadline, f"nats-server not restarted:\n{up.log_tail()}"
+            time.sleep(0.1)
+        up.wait_log(f"meshserve up: nats-server (pid {nats}) died (killed by SIGKILL)")
+        up.wait_log(f"meshserve up: nats-server restarted (pid {new})")
+        while (answer := up.chat("after nats", timeout=10))[0] != 200:  # services reconnect
+            assert time.monotonic() < deadline, (answer, up.log_tail())
+            time.sleep(0.5)
+        assert answer[1]
+        up.ctrl_c_stops_everything()
+
+
+def test_up_gives_up_on_a_service_that_dies_at_every_start(tiny_llama, tmp_path, monkeypatch):
+    monkeypatch.setenv("MESHSERVE_INDEX_EXECUTOR_TIMEOUT", "not-a-number")  # prefix-index only
+    with meshserve_up(tiny_llama, tmp_path) as up:
+        seen: set[int] = set()
+        deadline = time.monotonic() + 60
+        while up.proc.poll() is None:
+            assert time.monotonic() < deadline, up.log_tail()
+            seen.update(children_of(up.proc.pid))
+            time.sleep(0.1)
+        assert up.proc.returncode == 1, up.log_tail()
+        lines = [s for s in up.log().splitlines() if s.startswith("meshserve up: prefix-index")]
+        restarts = [s for s in lines if "died (exit code 1); restarting it in" in s]
+        assert [s.rsplit(" in ", 1)[1] for s in restarts] == ["0.5 s", "1.0 s", "2.0 s", "4.0 s"]
+        assert lines[-1].endswith("it crashed 5 times within 60 s, giving up on it"), lines
+        time.sleep(0.5)
+        alive = [k for k in seen if is_running(k)]
+        assert not alive, f"processes left behind: {alive}"

@@ -29,7 +29,7 @@ FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off", "-fPIC", "-s
 MODULE = "_meshserve_cpu"  # the extension module's name (PyInit__meshserve_cpu)
 
 
-def _cpu_supported() -> bool:
+def cpu_supported() -> bool:
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return False
     try:
@@ -39,8 +39,13 @@ def _cpu_supported() -> bool:
     return " avx2" in flags and " fma" in flags
 
 
+def find_compiler() -> str | None:
+    """``$CC`` if set (whether or not it works), else ``cc`` or ``gcc`` on PATH."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
 def _build(out: Path) -> None:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    compiler = find_compiler()
     if compiler is None:
         raise RuntimeError("no C compiler (cc/gcc) on PATH")
     include = sysconfig.get_paths()["include"]
@@ -77,23 +82,28 @@ def load() -> CpuKernels | None:
 def build(folder: Path) -> CpuKernels | None:
     """Compile (unless ``folder`` already holds this source's build) and load the kernels;
     None, with a warning naming why, where that fails."""
-    if not _cpu_supported():
+    if not cpu_supported():
         logger.info("CPU kernels need AVX2 and FMA; using plain torch ops")
         return None
+    try:
+        return build_or_raise(folder)
+    except (OSError, RuntimeError, ImportError) as exc:
+        logger.warning("CPU kernels unavailable, using plain torch ops: %s", exc)
+        return None
+
+
+def build_or_raise(folder: Path) -> CpuKernels:
+    """``build`` on a CPU that can run the kernels, raising the reason where that fails."""
     key = SOURCE + " ".join(FLAGS) + sys.version + sysconfig.get_paths()["include"]
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
     path = folder / f"{MODULE}.{digest}{suffix}"
-    try:
-        if not path.is_file():
-            _build(path)
-        loader = importlib.machinery.ExtensionFileLoader(MODULE, str(path))
-        spec = importlib.util.spec_from_file_location(MODULE, path, loader=loader)
-        if spec is None:
-            raise ImportError(f"cannot load {path}")
-        module = importlib.util.module_from_spec(spec)
-        loader.exec_module(module)
-        return CpuKernels(module, path)
-    except (OSError, RuntimeError, ImportError) as exc:
-        logger.warning("CPU kernels unavailable, using plain torch ops: %s", exc)
-        return None
+    if not path.is_file():
+        _build(path)
+    loader = importlib.machinery.ExtensionFileLoader(MODULE, str(path))
+    spec = importlib.util.spec_from_file_location(MODULE, path, loader=loader)
+    if spec is None:
+        raise ImportError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return CpuKernels(module, path)

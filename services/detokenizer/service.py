@@ -1,15 +1,20 @@
 """Detokenizer handlers: one StepTokens in, one TextDeltas out per gateway inbox.
 
 Each shard keeps per-request state (incremental detokenizer, stop matcher) from the request's
-first tokens to its finish; run one process per shard (``--shard i`` of ``--shards n``).
+first tokens to its end; run one process per shard (``--shard i`` of ``--shards n``).
 When a stop string ends a request, the executors are told to abort it so its pages are freed.
+A stream is one client's text whichever executors produce it: when the scheduler moves a
+request off a lost executor it asks here which tokens the stream has received, resubmits the
+request with them, and the stream continues with the next executor's tokens.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
+import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from opentelemetry.trace import Span
 
@@ -18,17 +23,23 @@ from common.messages import (
     AbortRequests,
     SeqTokens,
     StepTokens,
+    StreamProgressReply,
+    StreamProgressRequest,
     TextDelta,
     TextDeltas,
     TextLogprob,
     TokenLogprobs,
     Usage,
 )
+from common.metrics import DetokenizerMetrics
+from common.recent_ids import RecentIds
 from common.runtime import Service
 from common.telemetry import Attr, extract
 from common.tokenizer import IncrementalDetokenizer, Tokenizer
 from gpu.gguf import resolve_model_path
 from services.detokenizer.stops import StopMatcher
+
+log = logging.getLogger("meshserve.detokenizer")
 
 
 @dataclass(frozen=True)
@@ -55,32 +66,56 @@ def parse_args(argv: list[str] | None = None) -> DetokenizerConfig:
 class Stream:
     detok: IncrementalDetokenizer
     stops: StopMatcher
+    reply_to: str
     prompt_tokens: int
     cached_tokens: int
+    deadline: float | None
     span: Span  # detokenizer.stream: first tokens -> last delta (child of executor.decode)
+    executor_id: str | None  # whose tokens it takes; None while it moves to another executor
+    token_ids: list[int] = field(default_factory=list)  # all received: a migration resumes them
     output_tokens: int = 0
 
 
 class DetokenizerService:
+    """State per stream lives from its first tokens until it finishes, is aborted (any stage's
+    ``AbortRequests``) or passes its deadline; nothing else keeps it."""
+
     def __init__(self, config: DetokenizerConfig) -> None:
         self.config = config
         self.tokenizer = Tokenizer.from_folder(resolve_model_path(config.model))
         self.svc = Service("detokenizer", config.mesh)
+        self.svc.facts.shard = config.shard  # the gateway needs a live detokenizer per shard
         self.streams: dict[str, Stream] = {}
+        self.ended: RecentIds[str, bool] = RecentIds()  # tokens arriving after the end: dropped
+        # (request id -> executor) that the scheduler moved the request away from: that
+        # executor's tokens for it are late (it is dead or was only slow) and are dropped.
+        self.withdrawn: RecentIds[str, str] = RecentIds()
+        DetokenizerMetrics(self.svc.registry, lambda: len(self.streams))
 
     async def start(self) -> None:
         await self.svc.connect()
-        subject = self.svc.subjects.detok(self.config.shard)
-        await self.svc.subscribe(subject, StepTokens, self.on_step)
+        s = self.svc.subjects
+        await self.svc.subscribe(s.detok(self.config.shard), StepTokens, self.on_step)
+        await self.svc.subscribe(s.abort, AbortRequests, self.on_abort)
+        await self.svc.serve(
+            s.detok_progress(self.config.shard), StreamProgressRequest, self.on_progress
+        )
+        self.svc.spawn(self.svc.every(1.0, self.sweep), "sweep")
 
     async def on_step(self, step: StepTokens) -> None:
         out: dict[str, list[TextDelta]] = defaultdict(list)
         stopped: list[str] = []
+        unknown: list[str] = []
         for seq in step.seqs:
-            delta = self.advance(seq)
+            stream = self.stream_for(seq, step.executor_id)
+            if stream is None:
+                if self.never_seen(seq):
+                    unknown.append(seq.request_id)
+                continue
+            delta = self.advance(stream, seq)
             if delta is None:
                 continue
-            out[seq.reply_to].append(delta)
+            out[stream.reply_to].append(delta)
             if delta.finish_reason == "stop" and seq.finish_reason is None:
                 stopped.append(seq.request_id)
         for reply_to, deltas in out.items():
@@ -89,32 +124,68 @@ class DetokenizerService:
             await self.svc.publish(
                 self.svc.subjects.abort, AbortRequests(stopped, reason="stop string")
             )
-
-    def advance(self, seq: SeqTokens) -> TextDelta | None:
-        rid = seq.request_id
-        stream = self.streams.get(rid)
-        if stream is None:
-            if seq.start is None:
-                # Tokens after a stop string (the executor has not seen the abort yet), or a
-                # stream whose start this shard never saw: nothing to send.
-                return None
-            stream = Stream(
-                detok=self.tokenizer.detokenizer(skip_special_tokens=seq.start.skip_special_tokens),
-                stops=StopMatcher(list(seq.start.stop)),
-                prompt_tokens=seq.start.prompt_tokens,
-                cached_tokens=seq.start.cached_tokens,
-                span=self.svc.tracer.start_span(
-                    "detokenizer.stream",
-                    context=extract(seq.start.trace),
-                    attributes={
-                        Attr.REQUEST_ID: rid,
-                        Attr.PROMPT_TOKENS: seq.start.prompt_tokens,
-                        Attr.CACHED_TOKENS: seq.start.cached_tokens,
-                    },
+        if unknown:
+            # Its start (and the text so far) went with a detokenizer that restarted: the
+            # stream cannot go on correctly, so it fails clearly instead of hanging.
+            self.ended.add_all(unknown, True)
+            log.warning("detokenizer: failing %d streams it has no state for", len(unknown))
+            await self.svc.publish(
+                self.svc.subjects.abort,
+                AbortRequests(
+                    unknown,
+                    reason="detokenizer lost the stream",
+                    error="The stream was interrupted (a detokenizer restarted); retry.",
                 ),
             )
-            self.streams[rid] = stream
+
+    def never_seen(self, seq: SeqTokens) -> bool:
+        """Tokens of a stream this shard has no record of at all (not ended, not moved)."""
+        rid = seq.request_id
+        return seq.start is None and rid not in self.streams and rid not in self.ended
+
+    def stream_for(self, seq: SeqTokens, executor_id: str) -> Stream | None:
+        """The stream these tokens continue, or None when they must be dropped: after its end
+        (tokens that passed a stop string's abort), from an executor it was moved away from,
+        or from a second executor while another one serves it."""
+        rid = seq.request_id
+        if rid in self.ended or self.withdrawn.get(rid) == executor_id:
+            return None
+        stream = self.streams.get(rid)
+        if stream is not None:
+            if stream.executor_id is None and seq.start is not None:
+                stream.executor_id = executor_id  # the executor it moved to: continue
+            if stream.executor_id != executor_id:
+                log.warning("detokenizer: dropping tokens of %s from %s", rid, executor_id)
+                return None
+            return stream
+        if seq.start is None:
+            return None  # a stream whose start this shard never saw: nothing to send
+        start = seq.start
+        stream = Stream(
+            detok=self.tokenizer.detokenizer(skip_special_tokens=start.skip_special_tokens),
+            stops=StopMatcher(list(start.stop)),
+            reply_to=start.reply_to,
+            prompt_tokens=start.prompt_tokens,
+            cached_tokens=start.cached_tokens,
+            deadline=start.deadline,
+            span=self.svc.tracer.start_span(
+                "detokenizer.stream",
+                context=extract(start.trace),
+                attributes={
+                    Attr.REQUEST_ID: rid,
+                    Attr.PROMPT_TOKENS: start.prompt_tokens,
+                    Attr.CACHED_TOKENS: start.cached_tokens,
+                },
+            ),
+            executor_id=executor_id,
+        )
+        self.streams[rid] = stream
+        return stream
+
+    def advance(self, stream: Stream, seq: SeqTokens) -> TextDelta | None:
+        rid = seq.request_id
         stream.output_tokens = seq.output_tokens
+        stream.token_ids.extend(seq.token_ids)
         text = stream.stops.feed(stream.detok.add(seq.token_ids))
         finish = seq.finish_reason
         if stream.stops.stopped:
@@ -128,12 +199,49 @@ class DetokenizerService:
             if not text and seq.logprobs is None:
                 return None  # nothing the client can see yet (a held-back partial character)
             return TextDelta(rid, text, logprobs=self.logprobs(seq.logprobs))
-        del self.streams[rid]
-        stream.span.set_attribute(Attr.OUTPUT_TOKENS, stream.output_tokens)
-        stream.span.set_attribute(Attr.FINISH_REASON, finish)
-        stream.span.end()
+        self.end(rid, finish)
         usage = Usage(stream.prompt_tokens, stream.output_tokens, stream.cached_tokens)
         return TextDelta(rid, text, finish, usage, self.logprobs(seq.logprobs))
+
+    def end(self, request_id: str, reason: str) -> None:
+        """Forget a stream (its tokens still on the way are dropped) and close its span."""
+        self.ended.add(request_id, True)
+        stream = self.streams.pop(request_id, None)
+        if stream is None:
+            return
+        stream.span.set_attribute(Attr.OUTPUT_TOKENS, stream.output_tokens)
+        stream.span.set_attribute(Attr.FINISH_REASON, reason)
+        stream.span.end()
+
+    async def on_abort(self, msg: AbortRequests) -> None:
+        if msg.executor_id:
+            return  # the scheduler moving work between executors: the stream goes on
+        for rid in msg.request_ids:
+            self.end(rid, "abort")
+
+    async def on_progress(self, ask: StreamProgressRequest) -> StreamProgressReply:
+        """The scheduler moves these requests off ``ask.executor_id``: say what each stream
+        has received, and from now on take its tokens only from the executor it moves to."""
+        streamed: dict[str, list[int]] = {}
+        ended: list[str] = []
+        for rid in ask.request_ids:
+            self.withdrawn.add(rid, ask.executor_id)
+            stream = self.streams.get(rid)
+            if stream is not None:
+                stream.executor_id = None
+                streamed[rid] = list(stream.token_ids)
+            elif rid in self.ended:
+                ended.append(rid)
+        return StreamProgressReply(streamed, ended)
+
+    async def sweep(self) -> None:
+        """Forget streams past their deadline (their gateway has given up on them)."""
+        now = time.time()
+        for rid, stream in list(self.streams.items()):
+            if stream.deadline is not None and stream.deadline < now:
+                self.end(rid, "timeout")
+        self.ended.prune()
+        self.withdrawn.prune()
 
     def logprobs(self, entries: list[TokenLogprobs] | None) -> list[TextLogprob] | None:
         if entries is None:

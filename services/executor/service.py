@@ -23,12 +23,14 @@ import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 
+import nats.errors
 import torch
 
 from common.messages import (
     AbortRequests,
     ErrorEvent,
     Heartbeat,
+    Message,
     SeqTokens,
     StepTokens,
     StreamStart,
@@ -36,6 +38,7 @@ from common.messages import (
     TokenLogprobs,
 )
 from common.metrics import EngineSnapshot, ExecutorMetrics
+from common.recent_ids import RecentIds
 from common.runtime import Service
 from gpu.engine import Engine, EngineConfig, StepOutput
 from gpu.gguf import resolve_model_path
@@ -51,6 +54,26 @@ from services.executor.speculation import RemoteProposer
 from services.executor.timeline import Timelines
 
 log = logging.getLogger("meshserve.executor")
+
+# Room left in a step message for its NATS headers (the trace context) under max_payload.
+PAYLOAD_HEADROOM = 1024
+
+
+def fit_payload(
+    executor_id: str, seqs: list[SeqTokens], limit: int
+) -> tuple[list[tuple[bytes, list[SeqTokens]]], list[SeqTokens]]:
+    """One step's tokens for one shard as encoded ``StepTokens`` messages of at most ``limit``
+    bytes each: usually one, split in halves while too large. A single sequence that alone
+    exceeds the limit cannot be sent at all: returned apart (second item)."""
+    data = StepTokens(executor_id, seqs).encode()
+    if len(data) <= limit:
+        return [(data, seqs)], []
+    if len(seqs) == 1:
+        return [], seqs
+    half = len(seqs) // 2
+    first, first_bad = fit_payload(executor_id, seqs[:half], limit)
+    rest, rest_bad = fit_payload(executor_id, seqs[half:], limit)
+    return first + rest, first_bad + rest_bad
 
 
 def sampling_params(req: TokenizedRequest, eos_ids: frozenset[int]) -> SamplingParams:
@@ -83,6 +106,9 @@ class ExecutorService:
         self.started: set[str] = set()
         self.pending_adds: list[TokenizedRequest] = []
         self.pending_aborts: set[str] = set()
+        # Requests that ended everywhere (the client left, a stop string): a submit that
+        # arrives after its abort (they travel different paths) is dropped, not run for nobody.
+        self.ended: RecentIds[str, bool] = RecentIds()
         self.wake = asyncio.Event()
         self.worker = worker or engine_thread(config.engine_nice)
         self.draining = False
@@ -106,14 +132,39 @@ class ExecutorService:
 
     # -- handlers ---------------------------------------------------------------------------
     async def on_submit(self, req: TokenizedRequest) -> None:
+        if req.request_id in self.ended:
+            log.info("executor: dropping %s: it was aborted before it arrived", req.request_id)
+            return
         self.timelines.received(req.request_id, len(req.prompt_token_ids))
         self.pending_adds.append(req)
         self.wake.set()
 
     async def on_abort(self, msg: AbortRequests) -> None:
-        mine = [rid for rid in msg.request_ids if rid in self.requests]
-        if mine or any(r.request_id in msg.request_ids for r in self.pending_adds):
-            self.pending_aborts.update(msg.request_ids)
+        """Aborts apply in arrival order with submits: one for a request still waiting to be
+        admitted removes it now, one for a running request is applied before the next step
+        admits anything (so a withdraw-then-resubmit of the same id runs the new one)."""
+        if msg.executor_id and msg.executor_id != self.config.executor_id:
+            return
+        ids = set(msg.request_ids)
+        if not msg.executor_id:
+            self.ended.add_all(ids, True)
+        if msg.error:  # they failed elsewhere: we know their clients' inboxes, so tell them
+            known = [*self.requests.values(), *self.pending_adds]
+            for req in (r for r in known if r.request_id in ids):
+                await self.try_publish(
+                    req.reply_to,
+                    ErrorEvent(req.request_id, 503, msg.error, "server_error", "stream_lost"),
+                )
+        kept = []
+        for req in self.pending_adds:
+            if req.request_id in ids:
+                self.timelines.finished(req.request_id, "abort")
+            else:
+                kept.append(req)
+        self.pending_adds = kept
+        running = ids.intersection(self.requests)
+        if running:
+            self.pending_aborts.update(running)
             self.wake.set()
 
     def snapshot_load(self) -> None:
@@ -162,7 +213,6 @@ class ExecutorService:
                 draining=self.draining,
                 sent_at=time.time(),
                 request_ids=[*self.requests, *(r.request_id for r in self.pending_adds)],
-                started_ids=list(self.started),
             ),
         )
 
@@ -195,13 +245,13 @@ class ExecutorService:
 
     async def expire_deadlines(self) -> None:
         """A request past its deadline stops here too (its pages are freed), not only at the
-        gateway that gave up on it."""
+        gateway that gave up on it; the abort tells every other stage to forget it."""
         now = time.time()
         expired = [r for r in self.requests.values() if r.deadline and r.deadline < now]
         for req in expired:
             self.engine.abort(req.request_id)
             self.forget(req.request_id, "timeout")
-            await self.svc.publish(
+            await self.try_publish(
                 req.reply_to,
                 ErrorEvent(
                     req.request_id,
@@ -211,25 +261,45 @@ class ExecutorService:
                     "request_timeout",
                 ),
             )
+        if expired:
+            await self.try_publish(
+                self.subjects.abort, AbortRequests([r.request_id for r in expired], "timeout")
+            )
 
     async def apply_pending(self) -> None:
         adds, self.pending_adds = self.pending_adds, []
         aborts, self.pending_aborts = self.pending_aborts, set()
+        for rid in aborts:  # first: they arrived before anything still pending (on_abort)
+            if self.engine.abort(rid):
+                self.forget(rid)
         for req in adds:
-            if req.request_id in aborts:
-                self.timelines.finished(req.request_id, "abort")
+            if req.request_id in self.requests:
+                # One request id runs once here: a duplicate submit (a replayed message) must
+                # neither run it twice nor fail the original with "already in use".
+                log.warning("executor: ignoring a second submit of %s", req.request_id)
                 continue
             try:
                 params = sampling_params(req, self.engine.eos_token_ids)
-                self.engine.add_request(req.request_id, req.prompt_token_ids, params)
+                self.engine.add_request(
+                    req.request_id, req.prompt_token_ids, params, req.output_token_ids
+                )
             except ValueError as exc:  # ModelError included: the request, not the executor
                 self.timelines.finished(req.request_id, "error")
-                await self.svc.publish(req.reply_to, ErrorEvent(req.request_id, 400, str(exc)))
+                await self.try_publish(req.reply_to, ErrorEvent(req.request_id, 400, str(exc)))
                 continue
             self.requests[req.request_id] = req
-        for rid in aborts:
-            if self.engine.abort(rid):
-                self.forget(rid)
+
+    async def try_publish(self, subject: str, message: Message | bytes) -> bool:
+        """Publish; a failure (NATS down past its reconnect buffer, a payload over the limit)
+        is logged and reported as False, never raised: the step loop must outlive it."""
+        try:
+            await self.svc.publish(subject, message)
+        except (nats.errors.Error, OSError, ValueError) as exc:
+            log.error(
+                "executor: could not publish %s to %s: %r", type(message).__name__, subject, exc
+            )
+            return False
+        return True
 
     def forget(self, request_id: str, reason: str = "abort") -> None:
         self.requests.pop(request_id, None)
@@ -276,6 +346,8 @@ class ExecutorService:
                     prompt_tokens=out.prompt_tokens,
                     cached_tokens=out.cached_tokens,
                     trace=self.timelines.carrier(out.request_id),
+                    reply_to=req.reply_to,
+                    deadline=req.deadline,
                 )
             logprobs = None
             if out.logprobs is not None:
@@ -283,7 +355,6 @@ class ExecutorService:
             by_shard[req.detok_shard % self.config.detok_shards].append(
                 SeqTokens(
                     request_id=out.request_id,
-                    reply_to=req.reply_to,
                     token_ids=out.new_token_ids,
                     finish_reason=out.finish_reason.value if out.finish_reason else None,
                     output_tokens=out.output_tokens,
@@ -293,10 +364,44 @@ class ExecutorService:
             )
             if out.finish_reason is not None:
                 self.forget(out.request_id, out.finish_reason.value)
+        limit = self.svc.nc.max_payload - PAYLOAD_HEADROOM
         for shard, seqs in by_shard.items():
-            await self.svc.publish(
-                self.subjects.detok(shard), StepTokens(self.config.executor_id, seqs)
-            )
+            messages, too_large = fit_payload(self.config.executor_id, seqs, limit)
+            for seq in too_large:
+                await self.fail_request(
+                    seq.request_id,
+                    ErrorEvent(
+                        seq.request_id,
+                        400,
+                        "The request's stop strings are too large to stream "
+                        f"(over the message bus's {limit}-byte payload limit).",
+                        param="stop",
+                    ),
+                )
+            for data, in_message in messages:
+                if not await self.try_publish(self.subjects.detok(shard), data):
+                    # Lost tokens leave a gap in these streams: end them with a clear error
+                    # (and free their pages) rather than stream text with a hole in it.
+                    for seq in in_message:
+                        await self.fail_request(
+                            seq.request_id,
+                            ErrorEvent(
+                                seq.request_id,
+                                503,
+                                "The executor could not deliver this request's tokens; retry.",
+                                "server_error",
+                                "delivery_failed",
+                            ),
+                        )
+
+    async def fail_request(self, request_id: str, error: ErrorEvent) -> None:
+        """End one request here with ``error`` for its client; every stage forgets it."""
+        req = self.requests.get(request_id)
+        self.engine.abort(request_id)
+        self.forget(request_id, "error")
+        if req is not None:
+            await self.try_publish(req.reply_to, error)
+        await self.try_publish(self.subjects.abort, AbortRequests([request_id], "error"))
 
     async def drain(self) -> None:
         """Finish what we hold, then stop; the heartbeat says we take nothing new."""

@@ -32,6 +32,7 @@ from services.gateway.responses import (
     DONE,
     Json,
     ResponseBuilder,
+    dump_json,
     error_body,
     error_from,
     sse,
@@ -50,8 +51,17 @@ SSE_HEADERS = {
 }
 
 
+def json_response(
+    body: Any, status: int = 200, headers: dict[str, str] | None = None
+) -> web.Response:
+    """Every JSON body the gateway sends: strict JSON (see ``dump_json``), UTF-8."""
+    return web.Response(
+        body=dump_json(body), status=status, headers=headers, content_type="application/json"
+    )
+
+
 def error_response(status: int, body: Json, headers: dict[str, str] | None = None) -> web.Response:
-    return web.json_response(body, status=status, headers=headers)
+    return json_response(body, status, headers)
 
 
 @web.middleware
@@ -80,14 +90,31 @@ async def openai_errors(request: web.Request, handler: Handler) -> web.StreamRes
         return error_response(500, error_body(message, "server_error"))
 
 
+def bearer_token(header: str) -> bytes | None:
+    """The token of an ``Authorization: Bearer ...`` header as the bytes the client sent.
+
+    aiohttp decodes header bytes as UTF-8 with ``surrogateescape``, so a header that is not
+    UTF-8 (``Bearer \\xff``) holds lone surrogates that a plain ``encode()`` refuses; encoding
+    back the same way recovers the original bytes, which then simply fail to match a key.
+    """
+    try:
+        return header.removeprefix("Bearer ").strip().encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:  # a surrogate that was not an escaped byte: matches no key
+        return None
+
+
 def require_api_key(keys: tuple[str, ...]) -> Any:
+    accepted = [key.encode() for key in keys]
+
     @web.middleware
     async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
         # /metrics too: its labels and counts describe the traffic (Prometheus in compose
         # scrapes the unpublished --metrics-port instead); /health stays open for probes.
         if request.path.startswith("/v1/") or request.path == "/metrics":
-            given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
-            if not any(hmac.compare_digest(given.encode(), key.encode()) for key in keys):
+            given = bearer_token(request.headers.get("Authorization", ""))
+            # Compare with every key even after a match: the time taken says nothing.
+            matches = [given is not None and hmac.compare_digest(given, key) for key in accepted]
+            if not any(matches):
                 raise RequestError("Incorrect API key provided.", 401, code="invalid_api_key")
         return await handler(request)
 
@@ -111,13 +138,19 @@ async def read_json(request: web.Request, limit: int) -> Any:
     try:
         return json.loads(raw)
     except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
-        raise RequestError(
-            f"We could not parse the JSON body of your request ({exc}).",
-            400,
-            "invalid_request_error",
-            None,
-            "invalid_json",
-        ) from None
+        raise invalid_json(str(exc)) from None
+    except RecursionError:  # e.g. 100000 nested "[": the C decoder gives up at the limit
+        raise invalid_json("it is nested too deeply") from None
+
+
+def invalid_json(reason: str) -> RequestError:
+    return RequestError(
+        f"We could not parse the JSON body of your request ({reason}).",
+        400,
+        "invalid_request_error",
+        None,
+        "invalid_json",
+    )
 
 
 class Routes:
@@ -155,7 +188,7 @@ class Routes:
             builder.add(*first)
             async for index, delta in stream:
                 builder.add(index, delta)
-            return web.json_response(builder.response(), headers={"X-Request-Id": response_id})
+            return json_response(builder.response(), headers={"X-Request-Id": response_id})
         except Exception as exc:
             stream.failure = stream.failure or f"gateway error: {exc!r}"
             raise
@@ -195,7 +228,7 @@ class Routes:
         return response
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [self.model_card()]})
+        return json_response({"object": "list", "data": [self.model_card()]})
 
     async def model(self, request: web.Request) -> web.Response:
         name = request.match_info["model"]
@@ -203,7 +236,7 @@ class Routes:
             raise RequestError(
                 f"The model `{name}` does not exist.", 404, param="model", code="model_not_found"
             )
-        return web.json_response(self.model_card())
+        return json_response(self.model_card())
 
     def model_card(self) -> Json:
         name = self.config.served_model_name
@@ -217,10 +250,8 @@ class Routes:
         }
 
     async def health(self, request: web.Request) -> web.Response:
-        problem = self.mesh.health_problem()
-        if problem is not None:
-            return web.json_response({"status": "unavailable", "reason": problem}, status=503)
-        return web.json_response({"status": "ok"})
+        status, body = self.mesh.health_report()  # every stage; 503 names the missing ones
+        return json_response(body, status)
 
 
 def encode(chunks: list[Json]) -> bytes:
@@ -244,7 +275,7 @@ def build_app(config: GatewayConfig, mesh: MeshClient) -> web.Application:
 
 
 async def openapi(request: web.Request) -> web.Response:
-    return web.json_response(SPEC)
+    return json_response(SPEC)
 
 
 class GatewayServer:

@@ -7,10 +7,17 @@ import ipaddress
 from dataclasses import dataclass, field
 
 from common.config import MeshConfig, env
+from services.gateway.health import REQUIRED_STAGES, STAGES
 
 # OpenAI's chat API defaults max_tokens to "the rest of the context". The gateway cannot count
 # prompt tokens (the tokenizer does), so it sends this cap instead; see ``chat_default_max_tokens``.
 CHAT_DEFAULT_MAX_TOKENS = 4096
+# OpenAI allows 4 stop sequences, vLLM any number. 4 breaks clients written for vLLM (eval
+# harnesses pass few-shot separators plus several end markers); 16 fits them, and the cost of
+# each stop string in the detokenizer is bounded by the length caps in protocol.py.
+DEFAULT_MAX_STOP = 16
+DEFAULT_MAX_CLIENT_PRIORITY = 10
+MAX_PRIORITY = 2**31 - 1  # what the scheduler's int field is meant to hold
 
 
 @dataclass(frozen=True)
@@ -23,9 +30,16 @@ class GatewayConfig:
     request_timeout_s: float = 600.0
     max_n: int = 8
     max_body_bytes: int = 4 * 1024 * 1024
-    max_stop: int = 4
+    max_stop: int = DEFAULT_MAX_STOP
+    max_client_priority: int = DEFAULT_MAX_CLIENT_PRIORITY
     chat_max_tokens_cap: int = CHAT_DEFAULT_MAX_TOKENS
     heartbeat_ttl_s: float = 5.0
+    # Stages /health and every request need a live member of (services/gateway/health.py),
+    # how long a member counts after its last presence announcement, and how long after the
+    # gateway starts a missing stage is waited for rather than reported.
+    required_stages: tuple[str, ...] = REQUIRED_STAGES
+    presence_ttl_s: float = 3.0
+    startup_grace_s: float = 3.0
     shutdown_timeout_s: float = 30.0
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # empty: no authentication
     # Serve without API keys on a non-loopback address anyway (``parse_args`` refuses otherwise).
@@ -40,8 +54,15 @@ class GatewayConfig:
             "max_n must be >= 1": self.max_n >= 1,
             "max_body_bytes must be >= 1024": self.max_body_bytes >= 1024,
             "max_stop must be >= 0": self.max_stop >= 0,
+            f"max_client_priority must be in 0..{MAX_PRIORITY}": (
+                0 <= self.max_client_priority <= MAX_PRIORITY
+            ),
             "chat_max_tokens_cap must be >= 1": self.chat_max_tokens_cap >= 1,
             "heartbeat_ttl_s must be > 0": self.heartbeat_ttl_s > 0,
+            f"required_stages must be among {', '.join(STAGES)}": set(self.required_stages)
+            <= set(STAGES),
+            "presence_ttl_s must be > 0": self.presence_ttl_s > 0,
+            "startup_grace_s must be >= 0": self.startup_grace_s >= 0,
             "shutdown_timeout_s must be >= 0": self.shutdown_timeout_s >= 0,
         }
         failed = [message for message, ok in checks.items() if not ok]
@@ -89,7 +110,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--max-body-bytes", type=int, default=int(env("MAX_BODY_BYTES", str(4 * 1024 * 1024)))
     )
-    parser.add_argument("--max-stop", type=int, default=int(env("MAX_STOP", "4")))
+    parser.add_argument(
+        "--max-stop",
+        type=int,
+        default=int(env("MAX_STOP", str(DEFAULT_MAX_STOP))),
+        help="most stop sequences a request may set (OpenAI allows 4)",
+    )
+    parser.add_argument(
+        "--max-client-priority",
+        type=int,
+        default=int(env("MAX_CLIENT_PRIORITY", str(DEFAULT_MAX_CLIENT_PRIORITY))),
+        metavar="P",
+        help="a request's 'priority' must be an integer in -P..P; as in vLLM, a lower value "
+        "runs first and the default 0 is in the middle; 0 disables client priorities (any "
+        "non-zero priority is rejected)",
+    )
     parser.add_argument(
         "--chat-max-tokens-cap",
         type=int,
@@ -101,6 +136,23 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=float(env("HEARTBEAT_TTL_S", "5")),
         help="/health fails when no executor heartbeat arrived for this long",
+    )
+    parser.add_argument(
+        "--required-stages",
+        default=env("REQUIRED_STAGES", ",".join(REQUIRED_STAGES)),
+        help=f"comma-separated stages that must have a live member (of {', '.join(STAGES)})",
+    )
+    parser.add_argument(
+        "--presence-ttl-s",
+        type=float,
+        default=float(env("PRESENCE_TTL_S", "3")),
+        help="a service counts as gone this long after its last presence announcement",
+    )
+    parser.add_argument(
+        "--startup-grace-s",
+        type=float,
+        default=float(env("STARTUP_GRACE_S", "3")),
+        help="after start, requests wait this long for a missing stage to announce itself",
     )
     parser.add_argument(
         "--shutdown-timeout-s", type=float, default=float(env("SHUTDOWN_TIMEOUT_S", "30"))
@@ -144,8 +196,12 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
         max_n=args.max_n,
         max_body_bytes=args.max_body_bytes,
         max_stop=args.max_stop,
+        max_client_priority=args.max_client_priority,
         chat_max_tokens_cap=args.chat_max_tokens_cap,
         heartbeat_ttl_s=args.heartbeat_ttl_s,
+        required_stages=tuple(s.strip() for s in args.required_stages.split(",") if s.strip()),
+        presence_ttl_s=args.presence_ttl_s,
+        startup_grace_s=args.startup_grace_s,
         shutdown_timeout_s=args.shutdown_timeout_s,
         api_keys=tuple(k.strip() for k in keys),
         allow_unauthenticated=args.allow_unauthenticated,

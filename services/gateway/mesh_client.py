@@ -1,8 +1,14 @@
 """The gateway's side of the mesh: submit requests, receive their events, abort, liveness.
 
 Outbound: one ``GenerateRequest`` per choice on ``tokenizer.encode``, ``AbortRequests`` on
-``requests.abort``. Inbound: this instance's inbox (text deltas and errors for its requests)
-and executor heartbeats (for /health).
+``requests.abort``. Inbound: this instance's inbox (text deltas and errors for its requests),
+executor heartbeats and every service's presence (``health.py``: /health, and requests fail
+at once while a stage they need has no live member).
+
+A request must fit in one NATS message: the server's ``max_payload`` (1 MiB by default) bounds
+payload plus headers, and a client that publishes more is disconnected by the server (every
+in-flight request would then fail). So ``submit`` measures each encoded request with its
+headers first and answers one that does not fit with a 413, before anything is published.
 """
 
 from __future__ import annotations
@@ -10,19 +16,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Mapping
+from typing import Any
 
 from nats.aio.msg import Msg
 from opentelemetry import trace
 
-from common.messages import AbortRequests, GenerateRequest, Heartbeat
+from common.messages import AbortRequests, GenerateRequest, Heartbeat, Presence
 from common.metrics import GatewayMetrics
 from common.runtime import RequestError, Service
-from common.telemetry import Attr
+from common.telemetry import Attr, inject
 from services.gateway.config import GatewayConfig
-from services.gateway.health import ExecutorLiveness
+from services.gateway.health import MeshLiveness
 from services.gateway.observe import RequestObserver
 from services.gateway.protocol import ApiRequest
 from services.gateway.streams import Inbox, RequestStream
+from services.gateway.watchdog import STALL_S, check_stalled
 
 log = logging.getLogger("meshserve.gateway")
 
@@ -35,11 +44,18 @@ class MeshClient:
         self.subjects = config.mesh.subjects
         self.inbox_subject = self.subjects.gateway_inbox(config.mesh.instance_id)
         self.inbox = Inbox()
-        self.executors = ExecutorLiveness(config.heartbeat_ttl_s)
+        self.liveness = MeshLiveness(
+            config.required_stages,
+            config.presence_ttl_s,
+            config.heartbeat_ttl_s,
+            config.startup_grace_s,
+        )
         self._aborts: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
         await self.service.connect()
+        # Read again at every submit: a reconnect may land on a server with another limit.
+        log.info("gateway: NATS accepts messages of up to %d bytes", self.service.nc.max_payload)
 
         # The inbox carries two message kinds (TextDeltas, ErrorEvent), so it is a raw
         # subscription routed by ``Inbox.deliver`` rather than ``Service.subscribe``.
@@ -50,7 +66,13 @@ class MeshClient:
         await self.service.subscribe(
             self.subjects.executor_heartbeat, Heartbeat, self._on_heartbeat
         )
+        self.liveness.start()
+        await self.service.watch_presence(self._on_presence)  # probes: answers come at once
         self.service.disconnect_callbacks.append(self._fail_in_flight)
+        self.service.spawn(self.service.every(STALL_S, self._check_stalled), "watchdog")
+
+    async def _check_stalled(self) -> None:
+        await check_stalled(self.service, self.inbox)
 
     async def _fail_in_flight(self) -> None:
         """The bus is gone: messages for in-flight requests may be lost, so end them now with
@@ -60,7 +82,10 @@ class MeshClient:
         )
 
     async def _on_heartbeat(self, heartbeat: Heartbeat) -> None:
-        self.executors.saw(heartbeat)
+        self.liveness.saw_heartbeat(heartbeat)
+
+    async def _on_presence(self, presence: Presence) -> None:
+        self.liveness.saw(presence)
 
     def health_problem(self) -> str | None:
         """Why this gateway cannot serve now, or None when it can."""
@@ -68,14 +93,40 @@ class MeshClient:
             return "shutting down"
         if not self.service.nc.is_connected:
             return "not connected to NATS"
-        return self.executors.problem()
+        return self.liveness.problem()
+
+    def health_report(self) -> tuple[int, dict[str, Any]]:
+        """``/health``'s status and body: 503 naming what is missing, and every stage's
+        live members (optional stages included) either way."""
+        stages = self.liveness.report()
+        problem = self.health_problem()
+        if problem is None:
+            return 200, {"status": "ok", "stages": stages}
+        missing = list(self.liveness.missing())
+        status = "starting" if missing and self.liveness.in_grace() else "unavailable"
+        body = {"status": status, "reason": problem, "missing": missing, "stages": stages}
+        return 503, body
+
+    async def require_stages(self) -> None:
+        """Fail at once (503, code ``stage_unavailable``) while a stage the request needs has
+        no live member; during the start-up grace, wait for its first announcement."""
+        while missing := self.liveness.missing():
+            if time.monotonic() >= self.liveness.grace_ends:
+                raise RequestError(
+                    "; ".join(missing.values()) + "; retry the request later.",
+                    503,
+                    "server_error",
+                    code="stage_unavailable",
+                )
+            await asyncio.sleep(0.05)
 
     async def submit(self, api: ApiRequest, base_id: str) -> RequestStream:
         """Publish the request's n choices; their events arrive on the returned stream."""
-        if not self.service.nc.is_connected:
+        nc = self.service.nc
+        if not nc.is_connected:
             raise RequestError("The gateway is not connected to the mesh.", 503, "server_error")
+        await self.require_stages()
         request_ids = [f"{base_id}-{i}" for i in range(api.n)]
-        stream = self.inbox.open(request_ids, self.config.request_timeout_s)
         span = trace.get_current_span()  # gateway.request, opened by the HTTP handler
         span.set_attributes(
             {
@@ -86,22 +137,30 @@ class MeshClient:
                 Attr.MAX_TOKENS: api.params.max_tokens,
             }
         )
-        stream.observer = RequestObserver(self.metrics, span)
         now = time.time()
+        payloads = [
+            GenerateRequest(
+                request_id=request_id,
+                reply_to=self.inbox_subject,
+                params=api.choice_params(i),
+                prompt=api.prompt,
+                prompt_token_ids=api.prompt_token_ids,
+                messages=api.messages,
+                priority=api.priority,
+                deadline=now + self.config.request_timeout_s,
+                arrival_time=now,
+            ).encode()
+            for i, request_id in enumerate(request_ids)
+        ]
+        headers = inject(None)  # the trace context of gateway.request, for every choice
+        size = max(len(p) for p in payloads) + nats_header_bytes(headers)
+        if size > nc.max_payload:
+            raise too_large_for_the_bus(size, nc.max_payload, api)
+        stream = self.inbox.open(request_ids, self.config.request_timeout_s)
+        stream.observer = RequestObserver(self.metrics, span)
         try:
-            for i, request_id in enumerate(request_ids):
-                request = GenerateRequest(
-                    request_id=request_id,
-                    reply_to=self.inbox_subject,
-                    params=api.choice_params(i),
-                    prompt=api.prompt,
-                    prompt_token_ids=api.prompt_token_ids,
-                    messages=api.messages,
-                    priority=api.priority,
-                    deadline=now + self.config.request_timeout_s,
-                    arrival_time=now,
-                )
-                await self.service.publish(self.subjects.tokenizer_encode, request)
+            for payload in payloads:
+                await nc.publish(self.subjects.tokenizer_encode, payload, headers=headers)
         except asyncio.CancelledError:  # the client left while we published
             await self.release(stream)
             raise
@@ -147,3 +206,25 @@ class MeshClient:
         if self._aborts:
             await asyncio.gather(*self._aborts, return_exceptions=True)
         await self.service.close()
+
+
+def nats_header_bytes(headers: Mapping[str, str] | None) -> int:
+    """What ``headers`` add to a NATS message, as nats-py frames them and nats-server counts
+    them against max_payload: ``NATS/1.0\\r\\n``, ``key: value\\r\\n`` each, ``\\r\\n``."""
+    if not headers:
+        return 0
+    lines = sum(len(k.encode()) + len(v.encode()) + 4 for k, v in headers.items())
+    return len(b"NATS/1.0\r\n") + lines + 2
+
+
+def too_large_for_the_bus(size: int, limit: int, api: ApiRequest) -> RequestError:
+    """413, not 503: the same request would never fit, so clients must not retry it."""
+    field = "messages" if api.kind == "chat" else "prompt"
+    return RequestError(
+        f"The request is too large for the message bus: it encodes to {size} bytes, over its "
+        f"limit of {limit} bytes (the NATS server's max_payload). Please shorten the {field}.",
+        413,
+        "invalid_request_error",
+        field,
+        "request_too_large",
+    )

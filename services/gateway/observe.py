@@ -11,12 +11,18 @@ the client, and records per choice:
 - time per output token: (last delta - first delta) / (completion tokens - 1), when > 1 token
 - end-to-end latency: arrival -> last delta, plus prompt/generation lengths and the finish
   reason, and the request's totals as attributes of the root span.
+
+Of the client's headers only the W3C trace context is read (``trace_headers``), and of that
+only ``tracestate`` travels on verbatim: the span context keeps it, so it is copied into the
+NATS headers of every message of the request, at every hop. It is therefore trimmed to W3C's
+512 characters here, never a reason to fail the request; ``traceparent`` is not copied (each
+hop writes its own, 55 characters) and one longer than ``MAX_TRACEPARENT_CHARS`` is ignored.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
@@ -26,12 +32,58 @@ from common.metrics import GatewayMetrics
 from common.runtime import RequestError
 from common.telemetry import Attr, extract, trace_id_hex
 
+# W3C Trace Context: a tracestate holds at most 32 members, and a vendor that must shorten one
+# keeps at least 512 characters, dropping members over 128 characters first, then members from
+# the end (the oldest). OpenTelemetry itself would keep up to 8192 characters.
+MAX_TRACESTATE_CHARS = 512
+MAX_TRACESTATE_MEMBERS = 32
+LONG_TRACESTATE_MEMBER = 128
+# Version 00 is 55 characters; later versions may append fields. Only its ids are read (each
+# hop writes a traceparent of its own), so this only bounds the parsing, as OpenTelemetry does.
+MAX_TRACEPARENT_CHARS = 512
+
+
+def trim_tracestate(fields: Sequence[str]) -> str | None:
+    """One tracestate from the header's fields (joined with "," as RFC 9110 says), cut to the
+    W3C limits; None when nothing is left. The members are not validated here: OpenTelemetry
+    discards a tracestate with any malformed member (non-ASCII ones included, so nothing that
+    NATS headers cannot carry gets through)."""
+    members = [m.strip(" \t") for f in fields for m in f.split(",")]
+    members = [m for m in members if m][:MAX_TRACESTATE_MEMBERS]
+
+    def length() -> int:
+        return sum(len(m) for m in members) + max(len(members) - 1, 0)
+
+    for i in reversed(range(len(members))):
+        if length() <= MAX_TRACESTATE_CHARS:
+            break
+        if len(members[i]) > LONG_TRACESTATE_MEMBER:
+            del members[i]
+    while length() > MAX_TRACESTATE_CHARS:
+        members.pop()
+    return ",".join(members) or None
+
+
+def trace_headers(http_headers: Mapping[str, str]) -> dict[str, str]:
+    """The client's W3C trace context, bounded; the only headers the mesh ever sees."""
+    headers: dict[str, str] = {}
+    traceparent = http_headers.get("traceparent")
+    if traceparent is None or len(traceparent) > MAX_TRACEPARENT_CHARS:
+        return headers  # no parent: a tracestate alone is ignored, as OpenTelemetry does
+    headers["traceparent"] = traceparent
+    getall = getattr(http_headers, "getall", None)  # aiohttp: a header may repeat
+    fields = getall("tracestate", []) if getall else [http_headers.get("tracestate") or ""]
+    tracestate = trim_tracestate(fields)
+    if tracestate is not None:
+        headers["tracestate"] = tracestate
+    return headers
+
 
 @contextmanager
 def request_span(tracer: Tracer, http_headers: Mapping[str, str], route: str) -> Iterator[Span]:
     with tracer.start_as_current_span(
         "gateway.request",
-        context=extract(http_headers),
+        context=extract(trace_headers(http_headers)),
         kind=SpanKind.SERVER,
         attributes={"http.request.method": "POST", "http.route": route},
     ) as span:

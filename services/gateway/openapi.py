@@ -1,6 +1,7 @@
 """The gateway's OpenAPI 3 description (served at ``/openapi.json``; the fuzz test reads it).
 
-It states what the gateway accepts; anything else is a 4xx with an OpenAI error object.
+It states what the gateway accepts with its default settings (--max-stop 16,
+--max-client-priority 10); anything else is a 4xx with an OpenAI error object.
 """
 
 from __future__ import annotations
@@ -8,10 +9,11 @@ from __future__ import annotations
 from typing import Any
 
 _NUMBER = {"type": "number"}
+_STOP_STRING = {"type": "string", "minLength": 1, "maxLength": 1024}
 _STOP = {
     "oneOf": [
-        {"type": "string"},
-        {"type": "array", "items": {"type": "string"}, "maxItems": 4},
+        _STOP_STRING,
+        {"type": "array", "items": _STOP_STRING, "maxItems": 16},
         {"type": "null"},
     ]
 }
@@ -32,7 +34,13 @@ _COMMON: dict[str, Any] = {
     },
     "presence_penalty": {**_NUMBER, "minimum": -2, "maximum": 2},
     "frequency_penalty": {**_NUMBER, "minimum": -2, "maximum": 2},
-    "repetition_penalty": {**_NUMBER, "exclusiveMinimum": 0},
+    "repetition_penalty": {**_NUMBER, "minimum": 0.01, "maximum": 2},
+    "stop_token_ids": {
+        "type": "array",
+        "items": {"type": "integer", "minimum": 0},
+        "maxItems": 256,
+    },
+    "priority": {"type": "integer", "minimum": -10, "maximum": 10},
     "ignore_eos": {"type": "boolean"},
     "user": {"type": "string"},
 }

@@ -27,6 +27,22 @@ SEED_RANGE = (-(2**63), 2**63 - 1)
 # developer is OpenAI's newer name for system; chat templates only know the classic roles.
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
+# vLLM only asks repetition_penalty > 0, but the sampler divides a seen token's positive logit
+# by it (and every logit by a temperature down to 1e-5): at 1e-40 that overflows fp32 and the
+# logprobs are NaN (1e-30 already gives logprobs of -4e31). 0.01 multiplies a seen token's logit
+# by at most 100, which already makes the model repeat what it has seen, and keeps logits
+# finite (|logit| * 100 * 1e5 stays far below fp32's 3.4e38 for any logit a model produces).
+MIN_REPETITION_PENALTY = 0.01
+# Stop strings (the count is --max-stop): the detokenizer scans the held-back text against
+# every stop string at each text delta, at worst about (sum of lengths) x (longest length)
+# character comparisons; 4096 characters in all, 1024 each, bounds that near 0.35 ms a delta
+# on one core (measured on StopMatcher) while allowing any real stop sequence.
+MAX_STOP_CHARS = 1024
+MAX_STOP_TOTAL_CHARS = 4096
+# stop_token_ids: models have a handful of end-of-turn ids; 256 covers every special token of
+# common tokenizers while bounding the per-token membership test and the message size.
+MAX_STOP_TOKEN_IDS = 256
+
 
 @dataclass(frozen=True)
 class ApiRequest:
@@ -101,7 +117,8 @@ class Body:
             raise wrong_type(name, "a boolean", value)
         return value
 
-    def optional_integer(self, name: str, lo: int, hi: int) -> int | None:
+    def optional_int(self, name: str) -> int | None:
+        """An integer field of any size, or None; a wrong type is a 400."""
         value = self.raw.get(name)
         if value is None:
             return None
@@ -109,7 +126,11 @@ class Body:
             value = int(value)  # 16.0 is 16, as pydantic (vLLM) reads it
         if isinstance(value, bool) or not isinstance(value, int):
             raise wrong_type(name, "an integer", value)
-        if not lo <= value <= hi:
+        return value
+
+    def optional_integer(self, name: str, lo: int, hi: int) -> int | None:
+        value = self.optional_int(name)
+        if value is not None and not lo <= value <= hi:
             raise out_of_range(name, value, f"between {lo} and {hi}")
         return value
 
@@ -196,7 +217,7 @@ def finish(
     include_usage = parse_stream_options(body, stream)
     body.string("user")  # accepted and ignored, but it must be a string
     params = parse_sampling(body, config, max_tokens, logprobs)
-    priority = body.integer("priority", 0, -MAX_INT, MAX_INT)  # vLLM extension
+    priority = parse_priority(body, config.max_client_priority)
     return ApiRequest(
         kind, model, n, stream, include_usage, params, prompt, prompt_token_ids, messages, priority
     )
@@ -227,7 +248,7 @@ def parse_prompt(value: Any) -> tuple[str | None, list[int] | None]:
     if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
         value = value[0]
     if isinstance(value, str):
-        return value, None
+        return unicode_text(value, "prompt"), None
     if not isinstance(value, list):
         raise wrong_type("prompt", "a string or an array of token ids", value)
     if not value:
@@ -244,6 +265,44 @@ def parse_prompt(value: Any) -> tuple[str | None, list[int] | None]:
         if not 0 <= token <= MAX_TOKEN_ID:
             raise out_of_range(f"prompt[{i}]", token, "a non-negative token id")
     return None, list(value)
+
+
+def unicode_text(value: str, param: str) -> str:
+    """``value`` if it is Unicode text. JSON may escape a lone surrogate (``"\\ud800"``),
+    which is not: no tokenizer takes it and the mesh's msgpack (UTF-8) cannot carry it."""
+    try:
+        value.encode()
+    except UnicodeEncodeError as exc:
+        raise bad_request(
+            f"'{param}' holds a lone surrogate (U+{ord(value[exc.start]):04X}), "
+            "which is not valid Unicode text.",
+            param,
+            "invalid_value",
+        ) from None
+    return value
+
+
+def parse_priority(body: Body, limit: int) -> int:
+    """vLLM's convention (an extension of the OpenAI API): a lower value runs first, 0 (the
+    default) sits in the middle. Clients may use -limit..limit; limit 0 turns the field off."""
+    value = body.optional_int("priority")
+    if not value:
+        return 0
+    if limit == 0:
+        raise bad_request(
+            "Request priorities are disabled on this server: omit 'priority' or send 0, "
+            f"got {value}.",
+            "priority",
+            "unsupported_parameter",
+        )
+    if not -limit <= value <= limit:
+        raise bad_request(
+            f"'priority' must be an integer between {-limit} and {limit} (a lower value runs "
+            f"first), got {value}.",
+            "priority",
+            "invalid_value",
+        )
+    return value
 
 
 def check_context(prompt_tokens: int, max_tokens: int, param: str, config: GatewayConfig) -> None:
@@ -288,7 +347,7 @@ def parse_message(value: Any, where: str) -> ChatMessage:
         content = "\n".join(parts)
     if not isinstance(content, str):
         raise wrong_type(param, "a string or an array of text parts", content)
-    return ChatMessage(ROLES[role], content)
+    return ChatMessage(ROLES[role], unicode_text(content, param))
 
 
 def parse_text_part(part: Any, where: str) -> str:
@@ -354,6 +413,23 @@ def parse_stop(body: Body, max_stop: int) -> list[str]:
         )
     if any(not s for s in stops):
         raise bad_request("'stop' sequences must not be empty.", "stop", "invalid_value")
+    for i, stop in enumerate(stops):
+        if len(stop) > MAX_STOP_CHARS:
+            raise bad_request(
+                f"Each 'stop' sequence may be at most {MAX_STOP_CHARS} characters, got "
+                f"{len(stop)} in stop[{i}].",
+                "stop",
+                "invalid_value",
+            )
+        unicode_text(stop, "stop")
+    total = sum(len(s) for s in stops)
+    if total > MAX_STOP_TOTAL_CHARS:
+        raise bad_request(
+            f"The 'stop' sequences may hold at most {MAX_STOP_TOTAL_CHARS} characters in all, "
+            f"got {total}.",
+            "stop",
+            "invalid_value",
+        )
     return list(stops)
 
 
@@ -366,6 +442,12 @@ def parse_token_ids(body: Body, name: str) -> list[int]:
     )
     if not ok:
         raise wrong_type(name, "an array of token ids", value)
+    if len(value) > MAX_STOP_TOKEN_IDS:
+        raise bad_request(
+            f"'{name}' may hold at most {MAX_STOP_TOKEN_IDS} token ids, got {len(value)}.",
+            name,
+            "invalid_value",
+        )
     return list(value)
 
 
@@ -388,7 +470,7 @@ def parse_sampling(
         seed=body.optional_integer("seed", SEED_RANGE[0], SEED_RANGE[1] - config.max_n),
         presence_penalty=body.number("presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=body.number("frequency_penalty", 0.0, -2.0, 2.0),
-        repetition_penalty=body.number("repetition_penalty", 1.0, 0.0, 2.0, lo_open=True),
+        repetition_penalty=body.number("repetition_penalty", 1.0, MIN_REPETITION_PENALTY, 2.0),
         stop=parse_stop(body, config.max_stop),
         stop_token_ids=parse_token_ids(body, "stop_token_ids"),
         ignore_eos=body.boolean("ignore_eos", False),

@@ -8,6 +8,7 @@ paths share one formatting of text, finish reasons, usage and logprobs.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,7 +16,7 @@ from common.messages import TextDelta, TextLogprob, Usage
 from common.runtime import RequestError
 from services.gateway.protocol import ApiRequest
 
-LOGPROB_FLOOR = -9999.0  # JSON has no -inf; vLLM clamps the same way
+LOGPROB_FLOOR = -9999.0  # JSON has no -inf; vLLM (and OpenAI) send this finite floor instead
 DONE = b"data: [DONE]\n\n"
 
 Json = dict[str, Any]
@@ -29,13 +30,49 @@ def error_from(exc: RequestError) -> Json:
     return error_body(str(exc), exc.type, exc.param, exc.code)
 
 
+def finite(value: Any) -> Any:
+    """``value`` with every NaN or infinite float replaced by null, which JSON can carry."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite(v) for v in value]
+    return value
+
+
+def dump_json(payload: Any) -> bytes:
+    """Strict JSON as UTF-8: what every response body and SSE chunk of the gateway is.
+
+    Python's json writes NaN and Infinity by default, which strict parsers (JavaScript's, Go's,
+    pydantic's) reject; here they become null (numbers the gateway formats itself, such as
+    logprobs, are made finite before this). Text goes out as UTF-8, not as escapes, unless it
+    holds a lone surrogate (JSON input may spell one as an escape, and an error message may
+    echo it): that has no UTF-8 form, so that body is written with ASCII escapes instead.
+    """
+    try:
+        text = json.dumps(payload, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    except ValueError:  # a non-finite float: the only ValueError these plain payloads raise
+        text = json.dumps(
+            finite(payload), ensure_ascii=False, separators=(",", ":"), allow_nan=False
+        )
+    try:
+        return text.encode()
+    except UnicodeEncodeError:  # a lone surrogate: written as its escape instead
+        return json.dumps(json.loads(text), separators=(",", ":"), allow_nan=False).encode()
+
+
 def sse(payload: Json) -> bytes:
-    text = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
-    return b"data: " + text.encode() + b"\n\n"
+    return b"data: " + dump_json(payload) + b"\n\n"
 
 
 def clamp(logprob: float) -> float:
-    return max(logprob, LOGPROB_FLOOR)
+    """A logprob JSON can carry. -inf (an impossible token) and NaN (a sampler whose logits
+    overflowed) become the floor; +inf, never a real log-probability, becomes 0.0 (certainty),
+    as does a positive value (rounding: no logprob exceeds 0)."""
+    if math.isnan(logprob):
+        return LOGPROB_FLOOR
+    return min(max(logprob, LOGPROB_FLOOR), 0.0)
 
 
 def completion_logprobs(entries: list[TextLogprob], text_offset: int) -> Json:

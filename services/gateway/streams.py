@@ -40,6 +40,10 @@ class RequestStream:
         self._open = set(request_ids)
         self._queue: asyncio.Queue[InboxEvent] = asyncio.Queue()
         self.observer: RequestObserver | None = None  # latency metrics, fed as events are taken
+        # Event-loop time of the last sign of life (opened, or an event arrived), and how many
+        # checks in a row found it unknown to the scheduler (``watchdog.py``).
+        self.last_event_at = asyncio.get_running_loop().time()
+        self.unknown_checks = 0
 
     @property
     def unfinished(self) -> list[str]:
@@ -47,6 +51,8 @@ class RequestStream:
         return [rid for rid in self.request_ids if rid in self._open]
 
     def put(self, event: InboxEvent) -> None:
+        self.last_event_at = asyncio.get_running_loop().time()
+        self.unknown_checks = 0
         self._queue.put_nowait(event)
 
     def __aiter__(self) -> RequestStream:
@@ -113,6 +119,10 @@ class Inbox:
     def close(self, stream: RequestStream) -> None:
         for rid in stream.request_ids:
             self._streams.pop(rid, None)
+
+    def streams(self) -> list[RequestStream]:
+        """The open streams, each once."""
+        return list({id(s): s for s in self._streams.values()}.values())
 
     def fail_all(self, message: str, status: int) -> None:
         """End every open request with an error event (e.g. the bus connection was lost)."""

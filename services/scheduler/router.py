@@ -31,16 +31,25 @@ request's pages reach the index.
 Executors are only offered work while they have room (late binding): a request waits in the
 scheduler's global queue, where priority and fairness are decided, rather than in an
 executor's local queue.
+
+An executor whose KV page size is not the mesh's (the tokenizers' announced ``page_size``,
+else the other executors'; ``common/mesh_facts.py``) is refused work with an error in the log
+when it appears: the prompt page hashes would never match its cache, so routing would silently
+lose every cache hit there.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from common.messages import Heartbeat, TokenizedRequest
+from common.mesh_facts import page_size_refusals
+from common.messages import Heartbeat, Presence, TokenizedRequest
+
+log = logging.getLogger("meshserve.scheduler")
 
 POLICIES = ("kv", "least-load", "round-robin")
 
@@ -111,7 +120,12 @@ class Router:
     max_imbalance: float = 256.0  # pages of load; see the module docstring
     heartbeat_timeout_s: float = 2.0
     slack: float = 0.25  # how far past max_num_seqs an executor's local queue may grow
+    tokenizer_ttl_s: float = 3.0  # a tokenizer's announced page size counts for this long
     executors: dict[str, ExecutorState] = field(default_factory=dict)
+    # tokenizer instance -> (announced page size, monotonic time of its last announcement)
+    tokenizers: dict[str, tuple[int, float]] = field(default_factory=dict)
+    refused: dict[str, str] = field(default_factory=dict)  # executor -> why it gets no work
+    _tokenizers_disagree: list[int] = field(default_factory=list)  # logged once per change
     recent: RecentRoutes = field(default_factory=RecentRoutes)
     _rr: itertools.count[int] = field(default_factory=itertools.count)
 
@@ -130,6 +144,52 @@ class Router:
             state.last_seen = time.monotonic()
             state.assigned_since_heartbeat = 0
             state.assigned_tokens_since_heartbeat = 0
+        self.check_page_sizes()
+
+    def observe_presence(self, presence: Presence) -> bool:
+        """Learn the tokenizers' page size; True when that changed which executors are refused."""
+        if presence.service != "tokenizer" or presence.page_size is None:
+            return False
+        before = dict(self.refused)
+        now = time.monotonic()
+        # Forget tokenizers long gone (each restart is a new instance); this one is the newest.
+        self.tokenizers = {
+            tid: entry
+            for tid, entry in self.tokenizers.items()
+            if now - entry[1] <= self.tokenizer_ttl_s
+        }
+        self.tokenizers[presence.instance_id] = (presence.page_size, now)
+        self.check_page_sizes()
+        return self.refused != before
+
+    def tokenizer_page_sizes(self, now: float | None = None) -> list[int]:
+        """The page sizes live tokenizers announced; with none live, the last one heard (a
+        restarting tokenizer does not make the mesh forget its page size)."""
+        now = time.monotonic() if now is None else now
+        live = [
+            size for size, seen in self.tokenizers.values() if now - seen <= self.tokenizer_ttl_s
+        ]
+        if live or not self.tokenizers:
+            return live
+        return [max(self.tokenizers.values(), key=lambda entry: entry[1])[0]]
+
+    def check_page_sizes(self) -> None:
+        """Refuse executors whose page size is not the mesh's; log each change once."""
+        sizes = self.tokenizer_page_sizes()
+        disagreeing = sorted(set(sizes)) if len(set(sizes)) > 1 else []
+        if disagreeing and disagreeing != self._tokenizers_disagree:
+            log.error("scheduler: tokenizers announce different page sizes %s", disagreeing)
+        self._tokenizers_disagree = disagreeing
+        refused = page_size_refusals(
+            sizes, {eid: s.heartbeat.page_size for eid, s in self.executors.items()}
+        )
+        for executor, reason in refused.items():
+            if self.refused.get(executor) != reason:
+                log.error("scheduler: %s; refusing to route to it", reason)
+        for executor in self.refused.keys() - refused.keys():
+            if executor in self.executors:
+                log.info("scheduler: executor %s now pages like the mesh; routing to it", executor)
+        self.refused = refused
 
     def alive(self, now: float | None = None) -> list[str]:
         now = time.monotonic() if now is None else now
@@ -144,11 +204,17 @@ class Router:
         dead = [eid for eid in self.executors if eid not in living]
         for eid in dead:
             del self.executors[eid]
+        if dead:
+            self.check_page_sizes()  # the majority page size may have left with them
         return dead
 
     def candidates(self) -> list[str]:
-        """Live executors with room now, in a stable order."""
-        return sorted(e for e in self.alive() if self.executors[e].has_room(self.slack))
+        """Live executors with room now, in a stable order; never a refused one."""
+        return sorted(
+            e
+            for e in self.alive()
+            if e not in self.refused and self.executors[e].has_room(self.slack)
+        )
 
     @property
     def wants_overlaps(self) -> bool:

@@ -1,16 +1,23 @@
-"""Scheduler handlers: admit (429 when the queue is full), queue by priority, dispatch.
+"""Scheduler handlers: admit (429 when the queue is full), queue by priority, dispatch, and
+move requests off executors that are lost.
 
-Requests wait here until an executor has room (late binding), highest priority first, then
-oldest first. With ``--router kv`` the head of the queue is routed on the prefix index's answer
-(pages of its prompt each executor holds) and the executors' load (``router.py``).
-State is rebuilt from heartbeats after a restart; one replica is active at a time (a second
-replica in the same queue group shares the submit stream but each keeps its own queue).
+Requests wait here until an executor has room (late binding). Priorities follow vLLM: a LOWER
+value runs first (default 0); each priority level is worth ``priority_aging_s`` seconds of
+waiting, so a request is overtaken only by those that arrived less than that long after it per
+level, and none starves. With ``--router kv`` the head of the queue is routed on the prefix
+index's answer (pages of its prompt each executor holds) and the executors' load
+(``router.py``). When an executor goes silent, each request it held continues elsewhere
+(migration): the detokenizer says which tokens its stream has received, and the request is
+resubmitted with them so the next executor prefills prompt + those and the client's stream
+goes on. State is rebuilt from heartbeats after a restart; one replica is active at a time (a
+second replica in the same queue group shares the submit stream but each keeps its own queue).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import heapq
 import itertools
 import logging
@@ -24,11 +31,17 @@ from common.messages import (
     Heartbeat,
     IndexMatchReply,
     IndexMatchRequest,
+    Presence,
+    RequestStatusQuery,
+    RequestStatusReply,
+    StreamProgressReply,
+    StreamProgressRequest,
     TokenizedRequest,
 )
 from common.metrics import SchedulerMetrics
+from common.recent_ids import RecentIds
 from common.runtime import NoAnswer, RequestError, Service
-from services.scheduler.inflight import Inflight
+from services.scheduler.inflight import Assignment, Inflight, Rank
 from services.scheduler.router import POLICIES, Router
 from services.scheduler.tracing import RouteTraces
 
@@ -44,6 +57,9 @@ class SchedulerServiceConfig:
     overlap_weight: float = 2.0  # kv router: cost of one uncached page vs one page of load
     max_imbalance: float = 256.0  # kv router: skip executors this many pages above the lightest
     index_timeout_s: float = 0.1  # kv router: past this, route by load alone
+    migration_limit: int = 3  # moves off lost executors per request; past it, an error
+    priority_aging_s: float = 1.0  # seconds of waiting one priority level is worth
+    progress_timeout_s: float = 1.0  # the detokenizer's answer on what a stream received
 
     def __post_init__(self) -> None:
         if self.router not in POLICIES:
@@ -52,6 +68,10 @@ class SchedulerServiceConfig:
             raise ValueError("index_timeout_s must be > 0")
         if self.max_queue < 1:
             raise ValueError("max_queue must be >= 1")
+        if self.migration_limit < 0:
+            raise ValueError("migration_limit must be >= 0")
+        if self.priority_aging_s < 0:
+            raise ValueError("priority_aging_s must be >= 0")
 
 
 def parse_args(argv: list[str] | None = None) -> SchedulerServiceConfig:
@@ -65,6 +85,20 @@ def parse_args(argv: list[str] | None = None) -> SchedulerServiceConfig:
     p.add_argument("--overlap-weight", type=float, default=float(env("OVERLAP_WEIGHT", "2.0")))
     p.add_argument("--max-imbalance", type=float, default=float(env("MAX_IMBALANCE", "256")))
     p.add_argument("--index-timeout", type=float, default=float(env("INDEX_TIMEOUT", "0.1")))
+    p.add_argument(
+        "--migration-limit",
+        type=int,
+        default=int(env("MIGRATION_LIMIT", "3")),
+        help="how often one request may move off a lost executor and continue on another "
+        "(0: never; its client gets an executor_failed error instead)",
+    )
+    p.add_argument(
+        "--priority-aging",
+        type=float,
+        default=float(env("PRIORITY_AGING", "1.0")),
+        help="seconds of waiting one priority level is worth (lower priority values run "
+        "first, as in vLLM; aging bounds how long a request can be overtaken)",
+    )
     a = p.parse_args(argv)
     return SchedulerServiceConfig(
         MeshConfig.from_args(a),
@@ -74,6 +108,8 @@ def parse_args(argv: list[str] | None = None) -> SchedulerServiceConfig:
         a.overlap_weight,
         a.max_imbalance,
         a.index_timeout,
+        a.migration_limit,
+        a.priority_aging,
     )
 
 
@@ -89,12 +125,18 @@ class SchedulerService:
         )
         self.dispatching = asyncio.Lock()  # dispatch awaits the index between peek and pop
         self.index_down_until = 0.0
-        self.queue: list[tuple[int, int, TokenizedRequest]] = []  # (-priority, order, request)
-        self.aborted: set[str] = set()
+        self.queue: list[tuple[Rank, TokenizedRequest]] = []  # a heap: lowest rank first
+        self.queued: set[str] = set()  # the ids in ``queue``
+        self.ended: RecentIds[str, bool] = RecentIds()  # aborted: drop if they arrive later
         self.order = itertools.count()
         self.dispatched = 0
-        self.inflight = Inflight(unseen_timeout_s=5 * config.heartbeat_timeout_s)
-        self.metrics = SchedulerMetrics(self.svc.registry, lambda: len(self.queue))
+        # A request its executor never listed is taken as finished after a heartbeat timeout
+        # (it was too short to be in any heartbeat); if it was in fact lost on the way, the
+        # gateway's watchdog finds the scheduler no longer knows it and fails it clearly.
+        self.inflight = Inflight(unseen_timeout_s=config.heartbeat_timeout_s)
+        self.metrics = SchedulerMetrics(
+            self.svc.registry, lambda: len(self.queue), lambda: len(self.inflight)
+        )
         self.routes = RouteTraces(self.svc.tracer, self.metrics)
 
     async def start(self) -> None:
@@ -103,9 +145,19 @@ class SchedulerService:
         await self.svc.subscribe(s.scheduler_submit, TokenizedRequest, self.on_submit, "scheduler")
         await self.svc.subscribe(s.executor_heartbeat, Heartbeat, self.on_heartbeat)
         await self.svc.subscribe(s.abort, AbortRequests, self.on_abort)
+        await self.svc.serve(s.scheduler_status, RequestStatusQuery, self.on_status, "scheduler")
+        await self.svc.watch_presence(self.on_presence)  # the tokenizers' page size
         self.svc.spawn(self.svc.every(0.2, self.sweep), "sweep")
 
     async def on_submit(self, req: TokenizedRequest) -> None:
+        rid = req.request_id
+        if rid in self.ended:
+            log.info("scheduler: dropping %s: it was aborted before it was queued", rid)
+            return
+        if rid in self.queued or rid in self.inflight:
+            # A replayed message: one request id runs on one executor at a time.
+            log.warning("scheduler: ignoring a second submit of %s", rid)
+            return
         if len(self.queue) >= self.config.max_queue:
             self.metrics.rejected.inc()
             raise RequestError(
@@ -115,18 +167,48 @@ class SchedulerService:
                 code="queue_full",
             )
         self.routes.queued(req)  # the scheduler.route span, a child of the tokenizer's
-        heapq.heappush(self.queue, (-req.priority, next(self.order), req))
+        rank = (req.priority * self.config.priority_aging_s + time.monotonic(), next(self.order))
+        self.push(rank, req)
         await self.dispatch()
+
+    def push(self, rank: Rank, req: TokenizedRequest) -> None:
+        heapq.heappush(self.queue, (rank, req))
+        self.queued.add(req.request_id)
+
+    def remove_queued(self, request_ids: set[str]) -> list[TokenizedRequest]:
+        """Take these requests out of the queue (wherever they are in it); return them."""
+        removed = [req for _, req in self.queue if req.request_id in request_ids]
+        if removed:
+            self.queue = [item for item in self.queue if item[1].request_id not in request_ids]
+            heapq.heapify(self.queue)
+            self.queued.difference_update(r.request_id for r in removed)
+        return removed
+
+    async def on_status(self, ask: RequestStatusQuery) -> RequestStatusReply:
+        """Which of these requests are queued here or held by an executor we route to? One
+        that is neither was lost on the way (a tokenizer or scheduler restarted) or has an
+        executor that cannot be replaced: its gateway fails it instead of letting it wait."""
+        return RequestStatusReply(
+            [rid for rid in ask.request_ids if rid in self.queued or rid in self.inflight]
+        )
 
     async def on_heartbeat(self, hb: Heartbeat) -> None:
         self.router.observe(hb)
         self.inflight.observe(hb)
         await self.dispatch()
 
+    async def on_presence(self, presence: Presence) -> None:
+        if self.router.observe_presence(presence):  # an executor may be routable again
+            await self.dispatch()
+
     async def on_abort(self, msg: AbortRequests) -> None:
-        queued = {item[2].request_id for item in self.queue}
-        self.aborted.update(rid for rid in msg.request_ids if rid in queued)
-        for rid in msg.request_ids:
+        if msg.executor_id:
+            return  # our own withdrawal of work from one executor
+        ids = set(msg.request_ids)
+        self.ended.add_all(ids, True)
+        for req in self.remove_queued(ids):
+            self.routes.dropped(req.request_id, "abort")
+        for rid in ids:
             self.inflight.drop(rid)
             self.routes.finished(rid)
 
@@ -136,25 +218,21 @@ class SchedulerService:
 
     async def _dispatch(self) -> None:
         while self.queue:
-            req = self.queue[0][2]
-            if req.request_id in self.aborted:
-                heapq.heappop(self.queue)
-                self.aborted.discard(req.request_id)
-                self.routes.dropped(req.request_id, "abort")
-                continue
+            rank, req = self.queue[0]
             candidates = self.router.candidates()
             if not candidates:
                 return  # nobody has room: it waits here, in priority order
             with self.routes.use(req.request_id):  # the index query joins the request's trace
                 overlaps = await self.overlaps(req) if len(candidates) > 1 else {}
-            if not self.queue or self.queue[0][2] is not req or req.request_id in self.aborted:
+            if not self.queue or self.queue[0][1] is not req:
                 continue  # the queue changed (or the client left) while we asked the index
             executor = self.router.pick(req, overlaps)
             if executor is None:
                 return
-            _, order, _ = heapq.heappop(self.queue)
+            heapq.heappop(self.queue)
+            self.queued.discard(req.request_id)
             self.router.assigned(executor, req, overlaps)
-            self.inflight.assign(executor, req, order)
+            self.inflight.assign(executor, req, rank)
             with self.routes.use(req.request_id):
                 await self.svc.publish(self.svc.subjects.executor_submit(executor), req)
             self.routes.routed(req.request_id, executor)
@@ -184,48 +262,106 @@ class SchedulerService:
         return reply.overlaps
 
     async def executor_lost(self, executor_id: str) -> None:
-        """Re-queue what the dead executor had not started; fail what it was streaming."""
-        retry, failed = self.inflight.take_executor(executor_id)
+        """Move every request the lost executor held to another one, streamed or not.
+
+        The executor is told to stop them first, in case it is only late rather than dead
+        (one request id runs on one executor at a time); the detokenizer says which tokens
+        each stream has received and from then on drops that executor's tokens for them. A
+        request whose stream is unknown (its shard did not answer) or that has moved
+        ``migration_limit`` times already fails with a clear error instead.
+        """
+        lost = self.inflight.take_executor(executor_id)
+        if not lost:
+            return
+        ids = [a.request.request_id for a in lost]
+        await self.svc.publish(
+            self.svc.subjects.abort,
+            AbortRequests(ids, "moved to another executor", executor_id=executor_id),
+        )
+        progress = await self.stream_progress(executor_id, lost)
+        failed: list[TokenizedRequest] = []
+        moved = 0
+        for a in lost:
+            req, rid = a.request, a.request.request_id
+            known = progress.get(req.detok_shard)
+            if known is not None and rid in known.ended:
+                continue  # it finished (or was aborted) before the executor went
+            if known is None or req.migrations >= self.config.migration_limit:
+                failed.append(req)
+                continue
+            streamed = known.streamed.get(rid, [])
+            resumed = dataclasses.replace(
+                req, output_token_ids=streamed, migrations=req.migrations + 1
+            )
+            self.routes.queued(resumed)
+            self.push(a.rank, resumed)
+            self.metrics.migrated.inc()
+            moved += 1
         log.warning(
-            "scheduler: executor %s is gone; re-routing %d requests, failing %d streams",
+            "scheduler: executor %s is gone; moved %d requests elsewhere, failed %d",
             executor_id,
-            len(retry),
+            moved,
             len(failed),
         )
-        for a in retry:
-            self.routes.queued(a.request)
-            heapq.heappush(self.queue, (-a.request.priority, a.order, a.request))
-        for a in failed:
+        for req in failed:
+            self.metrics.executor_failed.inc()
             await self.svc.publish(
-                a.request.reply_to,
+                req.reply_to,
                 ErrorEvent(
-                    a.request.request_id,
+                    req.request_id,
                     503,
                     "The executor serving this request failed mid-stream; retry the request.",
                     "server_error",
                     "executor_failed",
                 ),
             )
+        if failed:  # every stage forgets them (the detokenizer's stream state included)
+            await self.svc.publish(
+                self.svc.subjects.abort,
+                AbortRequests([r.request_id for r in failed], "executor failed"),
+            )
+
+    async def stream_progress(
+        self, executor_id: str, lost: list[Assignment]
+    ) -> dict[int, StreamProgressReply]:
+        """Each detokenizer shard's answer for its share of ``lost`` (absent: no answer)."""
+        by_shard: dict[int, list[str]] = {}
+        for a in lost:
+            by_shard.setdefault(a.request.detok_shard, []).append(a.request.request_id)
+
+        async def ask(shard: int, ids: list[str]) -> StreamProgressReply | None:
+            try:
+                return await self.svc.request(
+                    self.svc.subjects.detok_progress(shard),
+                    StreamProgressRequest(executor_id, ids),
+                    StreamProgressReply,
+                    self.config.progress_timeout_s,
+                )
+            except NoAnswer as exc:
+                log.error("scheduler: detokenizer shard %d did not answer: %s", shard, exc)
+                return None
+
+        shards = list(by_shard)
+        replies = await asyncio.gather(*(ask(shard, by_shard[shard]) for shard in shards))
+        return {shard: r for shard, r in zip(shards, replies, strict=True) if r is not None}
 
     async def sweep(self) -> None:
         """Fail queued requests whose deadline passed; handle executors that went silent."""
         for executor_id in self.router.forget_dead():
             await self.executor_lost(executor_id)
         now = time.time()
-        expired = [item for item in self.queue if item[2].deadline and item[2].deadline < now]
-        if expired:
-            self.queue = [item for item in self.queue if item not in expired]
-            heapq.heapify(self.queue)
-            for _, _, req in expired:
-                self.routes.dropped(req.request_id, "timeout")
-                await self.svc.publish(
-                    req.reply_to,
-                    ErrorEvent(
-                        req.request_id,
-                        504,
-                        "request timed out waiting for an executor",
-                        "timeout_error",
-                        "queue_timeout",
-                    ),
-                )
+        expired = {req.request_id for _, req in self.queue if req.deadline and req.deadline < now}
+        for req in self.remove_queued(expired):
+            self.routes.dropped(req.request_id, "timeout")
+            await self.svc.publish(
+                req.reply_to,
+                ErrorEvent(
+                    req.request_id,
+                    504,
+                    "request timed out waiting for an executor",
+                    "timeout_error",
+                    "queue_timeout",
+                ),
+            )
+        self.ended.prune()
         await self.dispatch()

@@ -57,6 +57,10 @@ class TokenizerService:
         self.tokenizer = Tokenizer.from_folder(folder)
         self.max_model_len = ModelConfig.from_folder(folder).max_position_embeddings
         self.svc = Service("tokenizer", config.mesh)
+        # Announced with its presence: the scheduler refuses executors paging differently
+        # (their caches would never match these hashes); the gateway learns the shards.
+        self.svc.facts.page_size = config.page_size
+        self.svc.facts.detok_shards = config.detok_shards
 
     async def start(self) -> None:
         await self.svc.connect()

@@ -1,0 +1,69 @@
+"""Requests that went silent: ask the scheduler whether they are still alive, fail those lost.
+
+A request travels gateway -> tokenizer -> scheduler -> executor as one-way messages, so one
+that dies with a process on the way (a tokenizer killed while it held it, a scheduler
+restarted with it queued, an executor lost after a scheduler restart, so no one can move it)
+would leave its client waiting for the whole request timeout. Every ``STALL_S`` the gateway
+asks the scheduler about its requests that have had no event for that long; one the scheduler
+does not know in two checks in a row (the second one ``STALL_S`` later, so a request still
+being tokenized, or being moved off a lost executor, is not mistaken for lost) ends with a 503
+its client can retry. A scheduler that does not answer changes nothing: health reports it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from common.messages import ErrorEvent, RequestStatusQuery, RequestStatusReply
+from common.runtime import NoAnswer, Service
+from services.gateway.streams import Inbox
+
+log = logging.getLogger("meshserve.gateway")
+
+STALL_S = 5.0  # silence before a request is checked; a queued request is only ever checked
+STRIKES = 2  # consecutive "unknown" answers before it is failed
+ASK_TIMEOUT_S = 1.0
+
+
+async def check_stalled(service: Service, inbox: Inbox, stall_s: float = STALL_S) -> int:
+    """One round: returns how many requests it failed."""
+    now = asyncio.get_running_loop().time()
+    stalled = [s for s in inbox.streams() if now - s.last_event_at >= stall_s and s.unfinished]
+    if not stalled:
+        return 0
+    ids = [rid for s in stalled for rid in s.unfinished]
+    try:
+        reply = await service.request(
+            service.subjects.scheduler_status,
+            RequestStatusQuery(ids),
+            RequestStatusReply,
+            ASK_TIMEOUT_S,
+        )
+    except NoAnswer as exc:
+        log.warning("gateway: the scheduler did not answer about stalled requests: %s", exc)
+        return 0
+    known = set(reply.known)
+    failed = 0
+    for stream in stalled:
+        lost = [rid for rid in stream.unfinished if rid not in known]
+        if not lost:
+            stream.unknown_checks = 0
+            stream.last_event_at = now  # alive (queued, or running): check again later
+            continue
+        stream.unknown_checks += 1
+        stream.last_event_at = now
+        if stream.unknown_checks < STRIKES:
+            continue
+        log.warning("gateway: %s lost in the mesh; failing it", ", ".join(lost))
+        stream.put(
+            ErrorEvent(
+                lost[0],
+                503,
+                "The request was lost in the mesh (a service restarted); retry the request.",
+                "server_error",
+                "request_lost",
+            )
+        )
+        failed += 1
+    return failed

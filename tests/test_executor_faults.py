@@ -1,0 +1,205 @@
+"""The executor's failure paths on a real nats-server: payloads over the bus's limit, aborts
+that arrive before their request, withdraw-and-resubmit, duplicate submits, and a publish
+that fails. Each asserts what the client side receives and that the pages come back."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+
+import nats
+import nats.errors
+import pytest
+
+from common.config import MeshConfig
+from common.messages import (
+    AbortRequests,
+    ErrorEvent,
+    SamplingSpec,
+    StepTokens,
+    TokenizedRequest,
+)
+from common.nats_server import LocalNatsServer
+from services.executor.config import ExecutorConfig
+from services.executor.service import ExecutorService, build_engine
+
+MAX_PAYLOAD = 8192
+
+
+@pytest.fixture
+def small_nats(tmp_path):
+    conf = tmp_path / "nats.conf"
+    conf.write_text(f"max_payload: {MAX_PAYLOAD}\n")
+    server = LocalNatsServer.start(extra_args=["-c", str(conf)])
+    yield server
+    server.stop()
+
+
+class Observer:
+    """What a detokenizer and a gateway would receive from the executor."""
+
+    def __init__(self) -> None:
+        self.tokens: dict[str, list[int]] = defaultdict(list)
+        self.finished: dict[str, str] = {}
+        self.errors: dict[str, ErrorEvent] = {}
+        self.aborts: list[AbortRequests] = []
+        self.step_messages = 0
+
+    async def on_step(self, msg) -> None:
+        assert len(msg.data) <= MAX_PAYLOAD
+        self.step_messages += 1
+        for seq in StepTokens.decode(msg.data).seqs:
+            self.tokens[seq.request_id].extend(seq.token_ids)
+            if seq.finish_reason:
+                self.finished[seq.request_id] = seq.finish_reason
+
+    async def on_inbox(self, msg) -> None:
+        error = ErrorEvent.decode(msg.data)
+        self.errors[error.request_id] = error
+
+    async def on_abort(self, msg) -> None:
+        self.aborts.append(AbortRequests.decode(msg.data))
+
+    async def wait_for(self, *ids: str, timeout: float = 30) -> None:
+        async with asyncio.timeout(timeout):
+            while not all(i in self.finished or i in self.errors for i in ids):
+                await asyncio.sleep(0.02)
+
+
+@pytest.fixture
+async def executor(small_nats, tiny_llama):
+    config = ExecutorConfig(
+        MeshConfig(small_nats.url, instance_id="ex-0"),
+        str(tiny_llama),
+        page_size=4,
+        kv_cache_tokens=1024,
+        engine_nice=0,
+    )
+    service = ExecutorService(config, build_engine(config))
+    await service.start()
+    nc = await nats.connect(small_nats.url)
+    seen = Observer()
+    s = config.mesh.subjects
+    await nc.subscribe(s.detok(0), cb=seen.on_step)
+    await nc.subscribe("test.inbox", cb=seen.on_inbox)
+    await nc.subscribe(s.abort, cb=seen.on_abort)
+
+    async def send(message) -> None:
+        subject = s.abort if isinstance(message, AbortRequests) else s.executor_submit("ex-0")
+        await nc.publish(subject, message.encode())
+        await nc.flush()
+
+    yield service, send, seen
+    await nc.close()
+    await service.stop()
+    service.worker.shutdown()
+
+
+def request(rid: str, max_tokens: int = 8, stop: list[str] | None = None, **kw) -> TokenizedRequest:
+    params = SamplingSpec(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, stop=stop or [])
+    return TokenizedRequest(rid, "test.inbox", params, [5, 6, 7, 8, 9], [], 0, **kw)
+
+
+async def idle(service: ExecutorService) -> None:
+    async with asyncio.timeout(10):
+        while service.requests or service.engine.has_unfinished() or service.pending_adds:
+            await asyncio.sleep(0.02)
+    assert service.engine.blocks.num_free == service.engine.blocks.num_pages
+
+
+async def test_a_step_over_the_payload_limit_is_split_and_every_stream_completes(executor):
+    service, send, seen = executor
+    stops = [f"stop-{i:03d}-" + "x" * 90 for i in range(10)]  # ~1 KB per request's start
+    ids = [f"r{i}" for i in range(12)]  # together ~12 KB in one step: over 8 KB
+    for rid in ids:
+        await send(request(rid, stop=stops))
+    await seen.wait_for(*ids)
+    assert seen.errors == {}
+    assert all(len(seen.tokens[rid]) == 8 for rid in ids)
+    assert seen.step_messages > 8  # the first steps went out in several messages each
+    await idle(service)
+
+
+async def test_one_request_too_large_to_stream_fails_alone_and_the_executor_serves_on(executor):
+    service, send, seen = executor
+    await send(request("huge", stop=["y" * 3700, "z" * 3700]))  # fits a submit, not a step
+    await send(request("small"))
+    await seen.wait_for("huge", "small")
+    assert seen.errors["huge"].status == 400 and seen.errors["huge"].param == "stop"
+    assert "payload limit" in seen.errors["huge"].message
+    assert "huge" not in seen.tokens
+    assert len(seen.tokens["small"]) == 8 and "small" not in seen.errors
+    assert any(a.request_ids == ["huge"] and not a.executor_id for a in seen.aborts)
+    await send(request("after"))
+    await seen.wait_for("after")
+    assert len(seen.tokens["after"]) == 8
+    await idle(service)
+
+
+async def test_an_abort_that_arrives_before_its_request_wins(executor):
+    service, send, seen = executor
+    await send(AbortRequests(["early"], "client disconnected"))
+    await send(request("early"))
+    await send(request("other"))
+    await seen.wait_for("other")
+    await asyncio.sleep(0.1)
+    assert "early" not in seen.tokens and "early" not in seen.errors
+    assert "early" not in service.requests
+    await idle(service)
+
+
+async def test_withdraw_then_resubmit_runs_the_new_one_and_duplicates_run_once(executor):
+    service, send, seen = executor
+    await send(request("w", max_tokens=200))
+    async with asyncio.timeout(10):
+        while len(seen.tokens["w"]) < 3:
+            await asyncio.sleep(0.01)
+    # The scheduler withdraws it (targeted abort) and sends it back with what it streamed.
+    await send(AbortRequests(["w"], "moved", executor_id="ex-0"))
+    streamed = list(seen.tokens["w"])
+    seen.tokens["w"].clear()
+    await send(request("w", max_tokens=200, output_token_ids=streamed[:3], migrations=1))
+    await send(AbortRequests(["w"], "moved", executor_id="another-executor"))  # not ours
+    await send(request("dup"))
+    await send(request("dup"))
+    await seen.wait_for("w", "dup")
+    assert seen.errors == {}
+    assert service.engine.seqs == {}
+    assert len(seen.tokens["dup"]) == 8  # one run, not two, and no "already in use" error
+    await idle(service)
+
+
+async def test_a_failed_publish_ends_those_streams_not_the_step_loop(executor, monkeypatch):
+    service, send, seen = executor
+    real_publish = service.svc.nc.publish
+    failures = 0
+
+    async def flaky(subject, payload=b"", reply="", headers=None):
+        nonlocal failures
+        if subject == service.subjects.detok(0) and failures < 1:
+            failures += 1
+            raise nats.errors.OutboundBufferLimitError
+        await real_publish(subject, payload, reply, headers)
+
+    monkeypatch.setattr(service.svc.nc, "publish", flaky)
+    await send(request("lost"))
+    await seen.wait_for("lost")
+    assert seen.errors["lost"].status == 503 and seen.errors["lost"].code == "delivery_failed"
+    await send(request("next"))
+    await seen.wait_for("next")
+    assert len(seen.tokens["next"]) == 8
+    assert not any(t.done() for t in service.svc._tasks)  # the step loop lives on
+    await idle(service)
+
+
+async def test_a_failed_stream_is_reported_to_its_client_by_the_executor_holding_it(executor):
+    service, send, seen = executor
+    await send(request("doomed", max_tokens=200))
+    async with asyncio.timeout(10):
+        while not seen.tokens["doomed"]:
+            await asyncio.sleep(0.01)
+    await send(AbortRequests(["doomed"], "detokenizer lost the stream", error="interrupted"))
+    await seen.wait_for("doomed")
+    error = seen.errors["doomed"]
+    assert (error.status, error.code, error.message) == (503, "stream_lost", "interrupted")
+    await idle(service)

@@ -1,0 +1,257 @@
+"""Migration: a request resumed from the tokens it already streamed continues exactly as an
+uninterrupted run (engine level), and the detokenizer and scheduler carry one stream across
+executors (service level, on a real nats-server)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from common.config import MeshConfig
+from common.messages import (
+    AbortRequests,
+    ErrorEvent,
+    Heartbeat,
+    SamplingSpec,
+    SeqTokens,
+    StepTokens,
+    StreamProgressReply,
+    StreamProgressRequest,
+    StreamStart,
+    TextDeltas,
+    TokenizedRequest,
+    decode_any,
+)
+from common.nats_server import LocalNatsServer
+from common.tokenizer import Tokenizer
+from gpu.sampling import SamplingParams
+from services.detokenizer.service import DetokenizerConfig, DetokenizerService
+from services.scheduler.service import SchedulerService, SchedulerServiceConfig
+from tests.test_engine import make_engine, prompts_for, run_until_done
+
+PARAMS = [
+    SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=24),
+    SamplingParams(temperature=0.9, top_p=0.9, seed=7, ignore_eos=True, max_tokens=24),
+    SamplingParams(
+        temperature=0.8, seed=11, repetition_penalty=1.3, ignore_eos=True, max_tokens=24
+    ),
+]
+
+
+@pytest.mark.parametrize("params", PARAMS, ids=["greedy", "seeded", "seeded-penalties"])
+def test_a_resumed_request_continues_as_the_uninterrupted_run(tiny_llama, params):
+    prompt = prompts_for(5, [13])[0]
+    whole: dict[str, list[int]] = {}
+    engine = make_engine(tiny_llama)
+    engine.add_request("r", prompt, params)
+    run_until_done(engine, whole)
+    assert len(whole["r"]) == 24
+    for cut in (1, 9, 23):
+        resumed: dict[str, list[int]] = {}
+        other = make_engine(tiny_llama)  # another executor: nothing of "r" cached
+        other.add_request("other", prompts_for(6, [7])[0], PARAMS[1])  # shares the batch
+        other.add_request("r", prompt, params, output_token_ids=whole["r"][:cut])
+        run_until_done(other, resumed)
+        assert whole["r"][:cut] + resumed["r"] == whole["r"], cut
+
+
+def test_a_resumed_request_that_already_has_max_tokens_is_refused(tiny_llama):
+    engine = make_engine(tiny_llama)
+    with pytest.raises(ValueError, match="max_tokens"):
+        engine.add_request("r", [5, 6], PARAMS[0], output_token_ids=list(range(3, 27)))
+
+
+# -- the detokenizer: one stream across executors ---------------------------------------------
+
+
+@pytest.fixture
+async def nats_server():
+    server = LocalNatsServer.start()
+    yield server
+    server.stop()
+
+
+class Wire:
+    """A test's own NATS connection: publishes steps, records what reaches the inbox."""
+
+    def __init__(self, nc, svc: DetokenizerService) -> None:
+        self.nc, self.svc = nc, svc
+        self.deltas: list = []
+
+    async def step(self, executor: str, seq: SeqTokens) -> None:
+        await self.nc.publish(self.svc.svc.subjects.detok(0), StepTokens(executor, [seq]).encode())
+        await self.nc.flush()
+        await asyncio.sleep(0.05)
+
+    @property
+    def text(self) -> str:
+        return "".join(d.text for d in self.deltas)
+
+
+@pytest.fixture
+async def wire(nats_server, tiny_llama):
+    import nats
+
+    svc = DetokenizerService(DetokenizerConfig(MeshConfig(nats_server.url), str(tiny_llama)))
+    await svc.start()
+    nc = await nats.connect(nats_server.url)
+    w = Wire(nc, svc)
+
+    async def on_inbox(msg):
+        event = decode_any(msg.data, TextDeltas, ErrorEvent)
+        w.deltas.extend(event.deltas)  # type: ignore[union-attr]
+
+    await nc.subscribe("test.inbox", cb=on_inbox)
+    yield w
+    await nc.close()
+    await svc.svc.close()
+
+
+def start(deadline: float | None = None) -> StreamStart:
+    return StreamStart([], True, 3, 0, reply_to="test.inbox", deadline=deadline)
+
+
+async def test_a_stream_moves_to_another_executor_without_repeating_or_dropping(wire, tiny_llama):
+    ids = Tokenizer.from_folder(tiny_llama).encode("one two three four five six")
+    await wire.step("ex-a", SeqTokens("r", ids[:3], None, 3, start()))
+    reply = await wire.svc.on_progress(StreamProgressRequest("ex-a", ["r", "never"]))
+    assert reply.streamed == {"r": ids[:3]} and reply.ended == []
+    # The lost executor's late tokens are dropped; the new one's continue the stream.
+    await wire.step("ex-a", SeqTokens("r", [ids[3]], None, 4))
+    await wire.step("ex-b", SeqTokens("r", ids[3:5], None, 5, start()))
+    await wire.step("ex-a", SeqTokens("r", [ids[5]], None, 5))
+    await wire.step("ex-b", SeqTokens("r", ids[5:], "length", len(ids)))
+    assert wire.text == Tokenizer.from_folder(tiny_llama).decode(ids)
+    assert wire.deltas[-1].finish_reason == "length"
+    assert wire.deltas[-1].usage.completion_tokens == len(ids)
+    assert wire.svc.streams == {}
+    # Asked again (a second loss racing the finish): it has ended, nothing to move.
+    reply = await wire.svc.on_progress(StreamProgressRequest("ex-b", ["r"]))
+    assert reply.ended == ["r"] and reply.streamed == {}
+
+
+async def test_a_second_executor_cannot_take_over_a_live_stream(wire, tiny_llama):
+    ids = Tokenizer.from_folder(tiny_llama).encode("alpha beta gamma")
+    await wire.step("ex-a", SeqTokens("r", ids[:2], None, 2, start()))
+    await wire.step("ex-b", SeqTokens("r", ids, None, len(ids), start()))  # a duplicate run
+    assert wire.text == Tokenizer.from_folder(tiny_llama).decode(ids[:2])
+
+
+async def test_aborted_and_expired_streams_are_forgotten(wire, tiny_llama):
+    import time
+
+    ids = Tokenizer.from_folder(tiny_llama).encode("some words here")
+    await wire.step("ex-a", SeqTokens("gone", ids[:2], None, 2, start()))
+    await wire.step("ex-a", SeqTokens("late", ids[:2], None, 2, start(time.time() + 0.2)))
+    await wire.step("ex-a", SeqTokens("moved", ids[:2], None, 2, start()))
+    assert set(wire.svc.streams) == {"gone", "late", "moved"}
+    await wire.svc.on_abort(AbortRequests(["moved"], "moved", executor_id="ex-a"))
+    await wire.svc.on_abort(AbortRequests(["gone"], "client disconnected"))
+    assert set(wire.svc.streams) == {"late", "moved"}  # a targeted abort keeps the stream
+    await asyncio.sleep(0.3)
+    await wire.svc.sweep()
+    assert set(wire.svc.streams) == {"moved"}
+    # Tokens after the abort (the executor had not seen it yet) start nothing new.
+    await wire.step("ex-a", SeqTokens("gone", ids[2:], None, 3, start()))
+    assert "gone" not in wire.svc.streams
+
+
+# -- the scheduler: who moves, who fails -------------------------------------------------------
+
+
+def tokenized(rid: str, migrations: int = 0) -> TokenizedRequest:
+    return TokenizedRequest(
+        rid, f"inbox.{rid}", SamplingSpec(max_tokens=50), [3, 4, 5], [], 0, migrations=migrations
+    )
+
+
+def beat(executor: str, ids: list[str]) -> Heartbeat:
+    return Heartbeat(executor, len(ids), 0, 100, 100, 16, 8, 0, request_ids=ids)
+
+
+async def test_the_scheduler_moves_a_lost_executors_requests_with_their_streamed_tokens(
+    monkeypatch,
+):
+    sched = SchedulerService(SchedulerServiceConfig(MeshConfig(instance_id="t"), migration_limit=2))
+    published: list[tuple[str, object]] = []
+
+    async def publish(subject: str, message: object) -> None:
+        published.append((subject, message))
+
+    async def progress(subject, ask, kind, timeout):
+        assert isinstance(ask, StreamProgressRequest) and ask.executor_id == "a"
+        return StreamProgressReply({"streaming": [7, 8, 9], "tired": [1]}, ended=["done"])
+
+    monkeypatch.setattr(sched.svc, "publish", publish)
+    monkeypatch.setattr(sched.svc, "request", progress)
+    sched.router.observe(beat("a", []))
+    for req in (
+        tokenized("streaming"),
+        tokenized("queued"),
+        tokenized("done"),
+        tokenized("tired", 2),
+    ):
+        await sched.on_submit(req)
+    assert {a.executor_id for a in sched.inflight.assignments.values()} == {"a"}
+    published.clear()
+    sched.router.executors["a"].last_seen -= 60  # silent: the sweep finds it dead
+    await sched.sweep()
+    s = sched.svc.subjects
+    withdraw = published[0][1]
+    assert published[0][0] == s.abort and isinstance(withdraw, AbortRequests)
+    assert withdraw.executor_id == "a" and len(withdraw.request_ids) == 4
+    moved = {req.request_id: req for _, req in sched.queue}  # no executor left: they wait
+    assert set(moved) == {"streaming", "queued"}
+    assert moved["streaming"].output_token_ids == [7, 8, 9]
+    assert moved["streaming"].migrations == 1
+    assert moved["queued"].output_token_ids == []  # never started: runs from its prompt
+    errors = [m for subject, m in published if isinstance(m, ErrorEvent)]
+    assert [(e.request_id, e.code) for e in errors] == [("tired", "executor_failed")]
+    assert published[-1] == (s.abort, AbortRequests(["tired"], "executor failed"))
+    # It resumes where the stream stopped, on the next executor with room.
+    published.clear()
+    await sched.on_heartbeat(beat("b", []))
+    sent = {m.request_id: m for subject, m in published if subject == s.executor_submit("b")}
+    assert sent["streaming"].output_token_ids == [7, 8, 9]
+
+
+async def test_without_the_detokenizers_answer_lost_requests_fail_clearly(monkeypatch):
+    from common.runtime import NoAnswer
+
+    sched = SchedulerService(SchedulerServiceConfig(MeshConfig(instance_id="t")))
+    published: list[object] = []
+
+    async def publish(subject: str, message: object) -> None:
+        published.append(message)
+
+    async def silent(*args, **kwargs):
+        raise NoAnswer("timeout")
+
+    monkeypatch.setattr(sched.svc, "publish", publish)
+    monkeypatch.setattr(sched.svc, "request", silent)
+    sched.router.observe(beat("a", []))
+    await sched.on_submit(tokenized("x"))
+    await sched.executor_lost("a")
+    assert sched.queue == []
+    assert [m.code for m in published if isinstance(m, ErrorEvent)] == ["executor_failed"]
+
+
+async def test_tokens_of_a_stream_this_shard_never_saw_fail_it_clearly(wire, nats_server):
+    """A detokenizer that restarted mid-stream has lost its start and text: the stream must
+    end with an error (the executor holding it tells the client), not hang."""
+    import nats
+
+    nc = await nats.connect(nats_server.url)
+    aborts: list[AbortRequests] = []
+
+    async def on_abort(msg):
+        aborts.append(AbortRequests.decode(msg.data))
+
+    await nc.subscribe(wire.svc.svc.subjects.abort, cb=on_abort)
+    await wire.step("ex-a", SeqTokens("orphan", [5, 6], None, 9))
+    await wire.step("ex-a", SeqTokens("orphan", [7], None, 10))
+    await nc.close()
+    assert len(aborts) == 1  # once, not per step
+    assert aborts[0].request_ids == ["orphan"] and "detokenizer restarted" in aborts[0].error
+    assert wire.deltas == [] and wire.svc.streams == {}

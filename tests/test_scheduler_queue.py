@@ -1,0 +1,97 @@
+"""The scheduler's queue rules without a model or a bus: priority order (vLLM's: lower runs
+first), aging that bounds how long a request can be overtaken, aborts that arrive before
+their request, and one id running once."""
+
+from __future__ import annotations
+
+import pytest
+
+from common.config import MeshConfig
+from common.messages import AbortRequests, Heartbeat, SamplingSpec, TokenizedRequest
+from services.scheduler.service import SchedulerService, SchedulerServiceConfig
+
+
+def request(rid: str, priority: int = 0) -> TokenizedRequest:
+    return TokenizedRequest(rid, "inbox", SamplingSpec(), [3, 4, 5], [], 0, priority=priority)
+
+
+def full(executor: str = "a") -> Heartbeat:
+    """An executor with no room (so requests stay queued until a test frees it)."""
+    return Heartbeat(executor, 8, 0, 0, 100, 16, 8, 0)
+
+
+def room(executor: str = "a") -> Heartbeat:
+    return Heartbeat(executor, 0, 0, 100, 100, 16, 1, 0)  # one slot: one request per beat
+
+
+@pytest.fixture
+def scheduler(monkeypatch):
+    def make(**options) -> tuple[SchedulerService, list[str]]:
+        sched = SchedulerService(SchedulerServiceConfig(MeshConfig(instance_id="t"), **options))
+        sent: list[str] = []
+
+        async def publish(subject: str, message: object) -> None:
+            if isinstance(message, TokenizedRequest):
+                sent.append(message.request_id)
+
+        monkeypatch.setattr(sched.svc, "publish", publish)
+        sched.router.slack = 0.0  # an executor takes exactly max_num_seqs
+        sched.router.observe(full())
+        return sched, sent
+
+    return make
+
+
+async def drain(sched: SchedulerService, n: int) -> None:
+    for _ in range(n):
+        await sched.on_heartbeat(room())
+
+
+async def test_lower_priority_values_run_first_then_oldest_first(scheduler, monkeypatch):
+    sched, sent = scheduler(priority_aging_s=100.0)
+    for rid, priority in [("p5", 5), ("p0-old", 0), ("m3", -3), ("p0-new", 0)]:
+        await sched.on_submit(request(rid, priority))
+    await drain(sched, 4)
+    assert sent == ["m3", "p0-old", "p0-new", "p5"]
+
+
+async def test_aging_bounds_how_long_a_request_is_overtaken(scheduler, monkeypatch):
+    clock = [1000.0]
+    monkeypatch.setattr("services.scheduler.service.time.monotonic", lambda: clock[0])
+    sched, sent = scheduler(priority_aging_s=1.0)
+    await sched.on_submit(request("patient", priority=2))  # worth 2 s of waiting
+    for i in range(6):  # a steady stream of more urgent requests, 0.5 s apart
+        clock[0] += 0.5
+        await sched.on_submit(request(f"urgent-{i}"))
+    await drain(sched, 7)
+    # Those that arrived within 2 s after it go first; later ones wait behind it.
+    assert sent.index("patient") == 3, sent
+
+
+async def test_an_abort_before_the_request_is_queued_wins(scheduler):
+    sched, sent = scheduler()
+    await sched.on_abort(AbortRequests(["early"], "client disconnected"))
+    await sched.on_submit(request("early"))
+    await sched.on_submit(request("kept"))
+    await drain(sched, 2)
+    assert sent == ["kept"] and sched.queue == [] and not sched.queued
+
+
+async def test_a_queued_request_aborted_anywhere_in_the_queue_is_dropped(scheduler):
+    sched, sent = scheduler()
+    for rid in ("a1", "a2", "a3"):
+        await sched.on_submit(request(rid))
+    await sched.on_abort(AbortRequests(["a2"], "client disconnected"))
+    await sched.on_abort(AbortRequests(["a3"], "moved", executor_id="ex"))  # not an end
+    await drain(sched, 3)
+    assert sent == ["a1", "a3"]
+
+
+async def test_one_request_id_is_queued_and_run_once(scheduler):
+    sched, sent = scheduler()
+    await sched.on_submit(request("x"))
+    await sched.on_submit(request("x"))  # a replayed message while queued
+    await drain(sched, 1)
+    await sched.on_submit(request("x"))  # and while an executor holds it
+    await drain(sched, 2)
+    assert sent == ["x"]

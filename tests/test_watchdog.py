@@ -1,0 +1,90 @@
+"""The gateway's watchdog: a request the scheduler no longer knows (lost with a restarted
+service) ends with a clear 503 instead of waiting for the request timeout."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+
+from common.messages import RequestStatusReply
+from services.gateway.streams import Inbox
+from services.gateway.watchdog import check_stalled
+from tests.mesh import MeshHarness
+
+
+class FakeScheduler:
+    def __init__(self, known: list[str]) -> None:
+        self.known = known
+        self.asked: list[list[str]] = []
+
+    async def request(self, subject, message, kind, timeout):
+        self.asked.append(list(message.request_ids))
+        return RequestStatusReply(self.known)
+
+    @property
+    def subjects(self):
+        from common.subjects import Subjects
+
+        return Subjects()
+
+
+async def test_only_a_request_unknown_twice_in_a_row_is_failed():
+    inbox = Inbox()
+    alive = inbox.open(["alive-0"], 60)
+    lost = inbox.open(["lost-0", "lost-1"], 60)
+    fresh = inbox.open(["fresh-0"], 60)
+    scheduler = FakeScheduler(known=["alive-0", "lost-1"])
+    for stream in (alive, lost):
+        stream.last_event_at -= 10  # silent for 10 s
+    assert await check_stalled(scheduler, inbox, stall_s=5) == 0  # first strike only
+    assert scheduler.asked == [["alive-0", "lost-0", "lost-1"]]  # not the fresh one
+    for stream in (alive, lost):
+        stream.last_event_at -= 10
+    assert await check_stalled(scheduler, inbox, stall_s=5) == 1
+    with_error = [s for s in (alive, lost, fresh) if not s._queue.empty()]
+    assert with_error == [lost]
+    error = lost._queue.get_nowait()
+    assert (error.request_id, error.status, error.code) == ("lost-0", 503, "request_lost")
+
+
+async def test_a_request_lost_with_a_restarted_scheduler_gets_a_503(tiny_llama):
+    mesh = MeshHarness(tiny_llama, max_num_seqs=1).start()
+    try:
+        sched = next(s for s in mesh.services if type(s).__name__ == "SchedulerService")
+        gateway = mesh.services[-1]
+        async with aiohttp.ClientSession() as session:
+
+            async def complete(prompt: str, max_tokens: int):
+                body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens}
+                body["ignore_eos"] = True
+                async with session.post(f"{mesh.base_url}/completions", json=body) as resp:
+                    return resp.status, await resp.json()
+
+            # One executor slot (and the router's slack of one more): two run, the third waits.
+            busy = [asyncio.create_task(complete(f"busy {i}", 200)) for i in range(2)]
+            await asyncio.sleep(0.3)
+            queued = asyncio.create_task(complete("queued", 4))
+            for _ in range(200):
+                if len(sched.queue) == 1:
+                    break
+                await asyncio.sleep(0.02)
+            assert len(sched.queue) == 1
+
+            async def restart() -> None:  # what a scheduler restart loses: its queue
+                sched.queue.clear()
+                sched.queued.clear()
+
+            mesh.call(restart())
+            started = time.monotonic()
+            for _ in range(2):
+                mesh.call(check_stalled(gateway.mesh.service, gateway.mesh.inbox, stall_s=0))
+            status, body = await asyncio.wait_for(queued, 10)
+            assert status == 503 and body["error"]["code"] == "request_lost"
+            assert time.monotonic() - started < 5
+            for task in busy:  # the running requests are known: they complete
+                status, _ = await task
+                assert status == 200
+    finally:
+        mesh.stop()
