@@ -103,9 +103,10 @@ class MeshConfig:
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError("metrics_port must be in 0..65535")
         if not self.instance_id:
-            object.__setattr__(
-                self, "instance_id", f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
-            )
+            # No dots: the id is one subject token (gateway.<id>.inbox), which per-service NATS
+            # permissions match with a single-token wildcard (common/nats_permissions.py).
+            host = socket.gethostname().replace(".", "-")
+            object.__setattr__(self, "instance_id", f"{host}-{uuid.uuid4().hex[:6]}")
 
     @property
     def subjects(self) -> Subjects:

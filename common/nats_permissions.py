@@ -81,6 +81,7 @@ class Permissions:
 
 
 def grant(
+    s: Subjects,
     user: str,
     publish: Iterable[str] = (),
     subscribe: Iterable[str] = (),
@@ -90,15 +91,17 @@ def grant(
 ) -> Permissions:
     """``Permissions`` from what a service does (see the module docstring).
 
-    ``jetstream``: JetStream API subjects it calls (``kv_stream_api``); those calls are
-    requests, so they also open the user's reply inbox.
+    Every service's runtime (``common/runtime.py``) announces its presence on
+    ``presence.<service>`` and answers probes, so each user may do that, under its own service
+    name only: no service can pose as another stage. ``jetstream``: JetStream API subjects it
+    calls (``kv_stream_api``); those calls are requests, so they also open the reply inbox.
     """
-    requests, jetstream = list(requests), list(jetstream)
-    pub = [*publish, *requests, *jetstream]
-    sub = [*subscribe, *serves]
+    requests, serves, jetstream = list(requests), list(serves), list(jetstream)
+    pub = [*publish, s.presence(user), *requests, *jetstream]
+    sub = [*subscribe, s.presence_probe, *serves]
     if requests or jetstream:
         sub.append(f"{inbox_prefix(user)}.>")
-    return Permissions(_unique(pub), _unique(sub), allow_responses=bool(list(serves)))
+    return Permissions(_unique(pub), _unique(sub), allow_responses=bool(serves))
 
 
 def _unique(subjects: Iterable[str]) -> tuple[str, ...]:
@@ -130,14 +133,17 @@ def kv_stream_api(s: Subjects, *apis: str) -> list[str]:
 
 def gateway(s: Subjects) -> Permissions:
     return grant(
+        s,
         "gateway",
-        publish=[s.tokenizer_encode, s.abort],
-        subscribe=[every(s.gateway_inbox), s.executor_heartbeat],
+        publish=[s.tokenizer_encode, s.abort, s.presence_probe],
+        subscribe=[every(s.gateway_inbox), s.executor_heartbeat, s.presence_all],
+        requests=[s.scheduler_status],  # the watchdog: are these silent requests alive?
     )
 
 
 def tokenizer(s: Subjects) -> Permissions:
     return grant(
+        s,
         "tokenizer",
         publish=[s.scheduler_submit, every(s.gateway_inbox)],  # the inbox: error replies
         subscribe=[s.tokenizer_encode],
@@ -146,6 +152,7 @@ def tokenizer(s: Subjects) -> Permissions:
 
 def prefix_index(s: Subjects) -> Permissions:
     return grant(
+        s,
         "prefix-index",
         subscribe=[s.executor_heartbeat],
         serves=[s.index_match],
@@ -164,17 +171,27 @@ def prefix_index(s: Subjects) -> Permissions:
 
 def scheduler(s: Subjects) -> Permissions:
     return grant(
+        s,
         "scheduler",
-        publish=[every(s.executor_submit), every(s.gateway_inbox)],  # the inbox: failed requests
-        subscribe=[s.scheduler_submit, s.executor_heartbeat, s.abort],
-        requests=[s.index_match],
+        # the inbox: failed requests; abort: moved or failed with a lost executor
+        publish=[every(s.executor_submit), every(s.gateway_inbox), s.abort, s.presence_probe],
+        subscribe=[s.scheduler_submit, s.executor_heartbeat, s.abort, s.presence_all],
+        requests=[s.index_match, every(s.detok_progress)],
+        serves=[s.scheduler_status],
     )
 
 
 def executor(s: Subjects) -> Permissions:
     return grant(
+        s,
         "executor",
-        publish=[s.executor_heartbeat, every(s.detok), every(s.gateway_inbox), every(s.kv_events)],
+        publish=[
+            s.executor_heartbeat,
+            every(s.detok),
+            every(s.gateway_inbox),  # error replies
+            s.abort,  # expired or failed requests
+            every(s.kv_events),
+        ],
         subscribe=[every(s.executor_submit), s.abort],
         requests=[s.speculator_propose],
         jetstream=kv_stream_api(s, "STREAM.CREATE", "STREAM.UPDATE"),  # ensure_kv_stream
@@ -182,14 +199,16 @@ def executor(s: Subjects) -> Permissions:
 
 
 def speculator(s: Subjects) -> Permissions:
-    return grant("speculator", serves=[s.speculator_propose])
+    return grant(s, "speculator", serves=[s.speculator_propose])
 
 
 def detokenizer(s: Subjects) -> Permissions:
     return grant(
+        s,
         "detokenizer",
-        publish=[every(s.gateway_inbox), s.abort],  # abort: a stop string matched
-        subscribe=[every(s.detok)],
+        publish=[every(s.gateway_inbox), s.abort],  # abort: a stop string, a lost stream
+        subscribe=[every(s.detok), s.abort],
+        serves=[every(s.detok_progress)],  # what each stream received (a lost executor)
     )
 
 

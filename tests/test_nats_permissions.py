@@ -7,6 +7,7 @@
   nor ask the prefix index: nats-py reports the server's permissions violation, and nothing is
   delivered; what the tokenizer needs (encode in, submit and error replies out) works;
 - request/reply goes through each requester's own inbox, and an answerer can only answer;
+- a service announces its presence under its own name only; only watchers probe;
 - JetStream: the executor publishes KV events and the prefix index replays them with the real
   code, but neither may create another stream (one capturing ``mesh.v1.>`` would read every
   prompt);
@@ -91,6 +92,8 @@ def test_every_subject_a_service_names_is_in_its_role(role):
     used = {name for name in re.findall(r"\.(\w+)", source) if name in members}
     perms = ROLES[role](S)
     allowed = set(perms.publish) | set(perms.subscribe)
+    # Every service's runtime announces itself and answers probes (common/runtime.py).
+    assert S.presence(role) in perms.publish and S.presence_probe in perms.subscribe
     for name in sorted(used):
         if name in JETSTREAM_MEMBERS:
             assert any(S.kv_events_stream in subject for subject in perms.publish), (role, name)
@@ -225,6 +228,26 @@ async def test_the_tokenizer_cannot_read_other_traffic(login):
     assert owner.messages == [b"the answer"] and spied.messages == []
 
 
+async def test_a_service_announces_only_itself(login):
+    gateway, tokenizer = await login("gateway"), await login("tokenizer")
+    seen, probes = Received(), Received()
+    await gateway.nc.subscribe(S.presence_all, cb=seen.cb)
+    await tokenizer.nc.subscribe(S.presence_probe, cb=probes.cb)
+    await gateway.nc.flush()
+    await tokenizer.nc.flush()
+    await gateway.nc.publish(S.presence_probe, b"who is there?")
+    await gateway.nc.flush()
+    await tokenizer.nc.publish(S.presence("tokenizer"), b"me")
+    await tokenizer.nc.publish(S.presence("scheduler"), b"posing as the scheduler")
+    await tokenizer.nc.publish(S.presence_probe, b"probe storm")
+    assert await tokenizer.violations(2) == [
+        denied("publish", S.presence("scheduler")),
+        denied("publish", S.presence_probe),
+    ]
+    await settle()
+    assert seen.messages == [b"me"] and probes.messages == [b"who is there?"]
+
+
 async def test_the_tokenizer_can_do_its_job(login):
     gateway, tokenizer, scheduler = (
         await login("gateway"),
@@ -262,16 +285,23 @@ async def test_requests_reply_to_the_asker_s_own_inbox_only(login):
     async def answer(msg: Msg) -> None:
         await msg.respond(b"answer to " + msg.data)
 
+    gateway, detokenizer = await login("gateway"), await login("detokenizer")
     await index.nc.subscribe(S.index_match, queue="index", cb=answer)
     await speculator.nc.subscribe(S.speculator_propose, queue="speculator", cb=answer)
-    await index.nc.flush()
-    await speculator.nc.flush()
+    await scheduler.nc.subscribe(S.scheduler_status, queue="scheduler", cb=answer)
+    await detokenizer.nc.subscribe(S.detok_progress(3), cb=answer)
+    for answerer in (index, speculator, scheduler, detokenizer):
+        await answerer.nc.flush()
 
     reply = await scheduler.nc.request(S.index_match, b"hashes", timeout=5)
     assert reply.data == b"answer to hashes"
     assert reply.subject.startswith("_INBOX.scheduler.")
     reply = await executor.nc.request(S.speculator_propose, b"seqs", timeout=5)
     assert reply.data == b"answer to seqs"
+    reply = await gateway.nc.request(S.scheduler_status, b"ids", timeout=5)  # the watchdog
+    assert reply.data == b"answer to ids"
+    reply = await scheduler.nc.request(S.detok_progress(3), b"lost", timeout=5)  # a migration
+    assert reply.data == b"answer to lost"
 
     # Answering is not writing into inboxes at will, nor reading another service's replies.
     await index.nc.publish("_INBOX.scheduler.x.y", b"unasked")
@@ -282,7 +312,7 @@ async def test_requests_reply_to_the_asker_s_own_inbox_only(login):
         await tokenizer.nc.request(S.index_match, b"hashes", timeout=0.5)
     # (its reply inbox was refused too: the tokenizer never asks anyone)
     assert denied("publish", S.index_match) in await tokenizer.violations(2)
-    for login_ in (scheduler, speculator):
+    for login_ in (scheduler, speculator, gateway, detokenizer):
         assert await login_.violations() == []
 
 
