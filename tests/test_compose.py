@@ -237,7 +237,9 @@ def test_command_and_environment_match_the_service_cli(compose, name, monkeypatc
     recording = RecordingEnviron(environment)
     monkeypatch.setattr(os, "environ", recording)
     try:
-        config = entry.parse_args(svc["command"][3:])
+        # The gateway's process starts from serving_config: parse_args plus its refusals.
+        parse = entry.serving_config if module == "services.gateway" else entry.parse_args
+        config = parse(svc["command"][3:])
     except (SystemExit, ValueError) as exc:  # argparse exits; config checks raise
         pytest.fail(f"{name}: {svc['command']} with its environment is rejected ({exc})")
     monkeypatch.undo()
@@ -266,7 +268,7 @@ def gateway_config(environ: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> 
     entry = importlib.import_module("services.gateway.__main__")
     monkeypatch.setattr(os, "environ", {k: str(v) for k, v in svc["environment"].items()})
     try:
-        return entry.parse_args(svc["command"][3:])
+        return entry.serving_config(svc["command"][3:])
     finally:
         monkeypatch.undo()
 

@@ -174,18 +174,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def unauthenticated_exposure(config: GatewayConfig) -> str | None:
+    """Why serving ``config`` would open the API to anyone who reaches it (None: it would not)."""
+    if config.api_keys or config.allow_unauthenticated or is_loopback(config.host):
+        return None
+    return (
+        f"refusing to serve without API keys on {config.host}: set MESHSERVE_API_KEYS "
+        "(or --api-key), bind --host 127.0.0.1, or pass --allow-unauthenticated "
+        "(MESHSERVE_ALLOW_UNAUTHENTICATED=1)"
+    )
+
+
+def serving_config(argv: list[str] | None = None) -> GatewayConfig:
+    """``parse_args``, then refuse (exit 2, as argparse does) a config that must not be served:
+    what ``python -m services.gateway`` starts from. Open by default is how an inference API
+    ends up serving the internet, so leaving it open has to be an explicit choice."""
+    config = parse_args(argv)
+    problem = unauthenticated_exposure(config)
+    if problem is not None:
+        build_parser().error(problem)
+    return config
+
+
 def parse_args(argv: list[str] | None = None) -> GatewayConfig:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     keys = args.api_keys or [k for k in env("API_KEYS", "").split(",") if k.strip()]
-    if not keys and not args.allow_unauthenticated and not is_loopback(args.host):
-        # Open by default is how an inference API ends up serving the internet: say how to
-        # close it, and make leaving it open an explicit choice.
-        parser.error(
-            f"refusing to serve without API keys on {args.host}: set MESHSERVE_API_KEYS "
-            "(or --api-key), bind --host 127.0.0.1, or pass --allow-unauthenticated "
-            "(MESHSERVE_ALLOW_UNAUTHENTICATED=1)"
-        )
     return GatewayConfig(
         mesh=MeshConfig.from_args(args),
         host=args.host,
