@@ -362,6 +362,9 @@ class Heartbeat(Message):
     # Which requests the executor holds: the scheduler learns from it which have finished,
     # and which to move elsewhere if the executor dies.
     request_ids: list[str] = field(default_factory=list)
+    # Random per process start: a restarted executor under the same id is a new incarnation,
+    # and the scheduler moves whatever the previous one held at once.
+    incarnation: str = ""
 
     def __post_init__(self) -> None:
         # Only values no working executor sends: a rejected heartbeat makes the executor look

@@ -79,14 +79,8 @@ class LocalMesh:
         sup = Supervisor(policy, guard=interrupts.deferred)
         if self.nats is not None:
             sup.watch("nats-server", self.nats.process, self.restart_nats)
-        # The scheduler tells a dead executor from a live one by its heartbeats under the same
-        # id: a replacement heard from before the old one's heartbeats time out would pass for
-        # it, and the scheduler would take the old one's requests as finished (their clients
-        # would wait for nothing) instead of re-routing or failing them.
-        executor_wait = executor_restart_wait()
         for name, proc in self.procs:
-            wait = executor_wait if name.startswith("executor-") else 0.0
-            sup.watch(name, proc, functools.partial(self.respawn, name), wait)
+            sup.watch(name, proc, functools.partial(self.respawn, name))
         return sup
 
     def telemetry_flags(self, name: str, module: str) -> list[str]:
@@ -248,14 +242,6 @@ def add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="serve each non-gateway service's /metrics on consecutive ports from this one",
     )
     p.set_defaults(func=run_up)
-
-
-def executor_restart_wait() -> float:
-    """How long after an executor died its replacement may start: past the heartbeat timeout
-    the scheduler runs with (it reads the same environment), plus a sweep's margin."""
-    from services.scheduler.service import parse_args
-
-    return parse_args([]).heartbeat_timeout_s + 1.0
 
 
 def run_up(args: argparse.Namespace) -> int:

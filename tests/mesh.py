@@ -27,6 +27,21 @@ from services.scheduler.service import SchedulerService, SchedulerServiceConfig
 from services.tokenizer.service import TokenizerConfig, TokenizerService
 
 
+def metric_value(metrics_url: str, name: str) -> float:
+    """The sum over every series of metric ``name`` on a service's /metrics (text format)."""
+    import urllib.request
+
+    total, found = 0.0, False
+    with urllib.request.urlopen(metrics_url, timeout=5) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith((name + " ", name + "{")):
+                total += float(line.rsplit(" ", 1)[1])
+                found = True
+    if not found:
+        raise AssertionError(f"{metrics_url} has no {name}")
+    return total
+
+
 def openai_client(base_url: str, api_key: str = "unused") -> openai.AsyncOpenAI:
     """An OpenAI client for one test: use it as ``async with``, so it closes in the test's loop.
 

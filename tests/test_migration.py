@@ -5,6 +5,7 @@ executors (service level, on a real nats-server)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -255,3 +256,32 @@ async def test_tokens_of_a_stream_this_shard_never_saw_fail_it_clearly(wire, nat
     assert len(aborts) == 1  # once, not per step
     assert aborts[0].request_ids == ["orphan"] and "detokenizer restarted" in aborts[0].error
     assert wire.deltas == [] and wire.svc.streams == {}
+
+
+async def test_a_restarted_executor_under_the_same_id_gives_up_what_the_old_one_held(
+    monkeypatch,
+):
+    """A supervisor restarts a killed executor at once, under the same id: its first heartbeat
+    (a new incarnation) must not pass for the old process, whose requests move now."""
+    sched = SchedulerService(SchedulerServiceConfig(MeshConfig(instance_id="t")))
+    published: list[tuple[str, object]] = []
+
+    async def publish(subject: str, message: object) -> None:
+        published.append((subject, message))
+
+    async def progress(subject, ask, kind, timeout):
+        return StreamProgressReply({"r": [7, 8]})
+
+    monkeypatch.setattr(sched.svc, "publish", publish)
+    monkeypatch.setattr(sched.svc, "request", progress)
+    old = Heartbeat("a", 0, 0, 100, 100, 16, 8, 0, incarnation="first")
+    await sched.on_heartbeat(old)
+    await sched.on_submit(tokenized("r"))
+    await sched.on_heartbeat(dataclasses.replace(old, request_ids=["r"]))
+    assert "r" in sched.inflight
+    published.clear()
+    await sched.on_heartbeat(dataclasses.replace(old, incarnation="second"))
+    s = sched.svc.subjects
+    resent = [m for subject, m in published if subject == s.executor_submit("a")]
+    assert len(resent) == 1 and resent[0].output_token_ids == [7, 8]
+    assert resent[0].migrations == 1

@@ -10,13 +10,13 @@ import os
 import random
 import signal
 import time
-import urllib.request
 
 import aiohttp
 import nats
 
 from common.messages import Heartbeat
 from common.subjects import Subjects
+from tests.mesh import metric_value
 
 REQUESTS = int(os.environ.get("MESHSERVE_SOAK_REQUESTS", "5000"))
 WARMUP = REQUESTS // 5
@@ -103,15 +103,6 @@ async def executor_pages(nats_url: str, executors: int) -> dict[str, Heartbeat]:
     return seen
 
 
-def gauge(metrics_url: str, name: str) -> float:
-    """One unlabelled gauge's value from a service's /metrics."""
-    with urllib.request.urlopen(metrics_url, timeout=5) as resp:
-        for line in resp.read().decode().splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
-    raise AssertionError(f"{metrics_url} has no {name}")
-
-
 async def test_soak_pages_free_and_memory_flat(process_mesh):
     from common.nats_server import free_port
 
@@ -145,7 +136,7 @@ async def test_soak_pages_free_and_memory_flat(process_mesh):
     }
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        held = {name: gauge(url, name) for url, name in tables}
+        held = {name: metric_value(url, name) for url, name in tables}
         if not any(held.values()):
             break
         await asyncio.sleep(0.5)

@@ -20,6 +20,7 @@ import os
 import sys
 import threading
 import time
+import uuid
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 
@@ -112,6 +113,7 @@ class ExecutorService:
         self.wake = asyncio.Event()
         self.worker = worker or engine_thread(config.engine_nice)
         self.draining = False
+        self.incarnation = uuid.uuid4().hex[:12]
         self.load = (0, 0, engine.blocks.num_free, 0)  # running, waiting, free pages, pending
         self.kv_events = KVEventPublisher(self.svc, config.executor_id)
         self.metrics = ExecutorMetrics(self.svc.registry, config.executor_id, self.engine_state)
@@ -213,6 +215,7 @@ class ExecutorService:
                 draining=self.draining,
                 sent_at=time.time(),
                 request_ids=[*self.requests, *(r.request_id for r in self.pending_adds)],
+                incarnation=self.incarnation,
             ),
         )
 

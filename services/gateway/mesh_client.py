@@ -124,7 +124,12 @@ class MeshClient:
         """Publish the request's n choices; their events arrive on the returned stream."""
         nc = self.service.nc
         if not nc.is_connected:
-            raise RequestError("The gateway is not connected to the mesh.", 503, "server_error")
+            raise RequestError(
+                "The gateway is not connected to the mesh.",
+                503,
+                "server_error",
+                code="mesh_unavailable",
+            )
         await self.require_stages()
         request_ids = [f"{base_id}-{i}" for i in range(api.n)]
         span = trace.get_current_span()  # gateway.request, opened by the HTTP handler
@@ -169,7 +174,10 @@ class MeshClient:
             stream.failure = f"gateway failed to submit the request: {exc!r}"
             await self.release(stream)
             raise RequestError(
-                "The gateway could not reach the mesh.", 503, "server_error"
+                "The gateway could not reach the mesh.",
+                503,
+                "server_error",
+                code="mesh_unavailable",
             ) from exc
         return stream
 

@@ -191,6 +191,11 @@ class Router:
                 log.info("scheduler: executor %s now pages like the mesh; routing to it", executor)
         self.refused = refused
 
+    def restarted(self, hb: Heartbeat) -> bool:
+        """Is this heartbeat from a new process under a known executor's id?"""
+        state = self.executors.get(hb.executor_id)
+        return state is not None and state.heartbeat.incarnation != hb.incarnation
+
     def alive(self, now: float | None = None) -> list[str]:
         now = time.monotonic() if now is None else now
         return [

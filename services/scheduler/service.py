@@ -193,6 +193,9 @@ class SchedulerService:
         )
 
     async def on_heartbeat(self, hb: Heartbeat) -> None:
+        if self.router.restarted(hb):  # the old process died; its requests move now
+            self.router.executors.pop(hb.executor_id)
+            await self.executor_lost(hb.executor_id)
         self.router.observe(hb)
         self.inflight.observe(hb)
         await self.dispatch()
