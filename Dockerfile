@@ -35,6 +35,7 @@ RUN pip install --no-deps . \
     && python -c "import importlib.metadata as m; print('flashinfer', m.version('flashinfer-python'))" \
     && python -c "from gpu.gguf import default_model_folder; print(default_model_folder(progress=False))"
 
-# 8000: the gateway's HTTP API (and its /metrics); 9100: /metrics + /health of the others.
+# 8000: the gateway's HTTP API (its /metrics there needs an API key); 9100: /metrics + /health
+# of every service (compose publishes 8000 on 127.0.0.1 by default, 9100 not at all).
 EXPOSE 8000 9100
 CMD ["python", "-m", "services.gateway"]

@@ -15,6 +15,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from common.nats_permissions import inbox_prefix
 from common.subjects import DEFAULT_PREFIX, Subjects
 
 
@@ -45,6 +46,9 @@ class NatsAuth:
         options: dict[str, Any] = {}
         if self.user is not None:
             options["user"], options["password"] = self.user, self.password
+            # Replies to this user's requests come to _INBOX.<user>.*: with one NATS user per
+            # service, its permissions then open only its own inbox (common/nats_permissions.py).
+            options["inbox_prefix"] = inbox_prefix(self.user)
         if self.creds_file:
             options["user_credentials"] = self.creds_file
         if self.nkey_seed_file:
@@ -99,9 +103,10 @@ class MeshConfig:
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError("metrics_port must be in 0..65535")
         if not self.instance_id:
-            object.__setattr__(
-                self, "instance_id", f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
-            )
+            # No dots: the id is one subject token (gateway.<id>.inbox), which per-service NATS
+            # permissions match with a single-token wildcard (common/nats_permissions.py).
+            host = socket.gethostname().replace(".", "-")
+            object.__setattr__(self, "instance_id", f"{host}-{uuid.uuid4().hex[:6]}")
 
     @property
     def subjects(self) -> Subjects:

@@ -43,11 +43,23 @@ class LocalNatsServer:
 
     @classmethod
     def start(
-        cls, port: int | None = None, jetstream: bool = True, extra_args: Sequence[str] = ()
+        cls,
+        port: int | None = None,
+        jetstream: bool = True,
+        extra_args: Sequence[str] = (),
+        config: str | None = None,
     ) -> LocalNatsServer:
+        """``config``: the text of a nats-server config file (e.g. the per-service users of
+        ``common.nats_permissions.server_config``), written into the temporary folder and passed
+        with ``-c``; the address, port and JetStream flags given here override what it sets."""
         port = port or free_port()
         store = Path(tempfile.mkdtemp(prefix="meshserve-nats-"))
         cmd = [nats_server_binary(), "-a", "127.0.0.1", "-p", str(port)]
+        if config is not None:
+            conf = store / "nats-server.conf"  # JetStream keeps its files under store/jetstream
+            conf.write_text(config)
+            conf.chmod(0o600)  # it may hold passwords
+            cmd += ["-c", str(conf)]
         if jetstream:
             cmd += ["-js", "-sd", str(store)]
         cmd += list(extra_args)  # e.g. --user/--pass, --tls...

@@ -54,6 +54,18 @@ def openai_client(base_url: str, api_key: str = "unused") -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=120)
 
 
+# The instance names ``_start_services`` gives (up to the first "-") -> the service's role.
+HARNESS_ROLES = {
+    "tok": "tokenizer",
+    "sched": "scheduler",
+    "detok": "detokenizer",
+    "index": "prefix-index",
+    "executor": "executor",
+    "speculator": "speculator",
+    "gw": "gateway",
+}
+
+
 def runtime_of(service: Any) -> Service:
     """The ``Service`` runtime inside a harness service (the gateway keeps its in its mesh
     client)."""
@@ -75,7 +87,11 @@ class MeshHarness:
     max_queue: int = 1024
     request_timeout_s: float = 120.0
     nats_args: tuple[str, ...] = ()
+    nats_config: str | None = None  # a nats-server config file's text (LocalNatsServer -c)
     auth: NatsAuth = field(default_factory=NatsAuth)
+    # One NATS user per service: role (common/nats_permissions.py) -> credentials; a role not
+    # listed uses ``auth``.
+    users: dict[str, NatsAuth] = field(default_factory=dict)
     otlp_endpoint: str = ""  # export every service's spans here (OTLP/HTTP base URL)
     serve_metrics: bool = False  # /metrics on a free loopback port for non-gateway services
     # Speculative decoding: executors' --speculator/--num-speculative-tokens; a draft model
@@ -95,7 +111,7 @@ class MeshHarness:
         return MeshConfig(
             nats_url=self.nats.url,
             instance_id=name,
-            auth=self.auth,
+            auth=self.users.get(HARNESS_ROLES.get(name.split("-")[0], ""), self.auth),
             otlp_endpoint=self.otlp_endpoint,
             metrics_port=0 if self.serve_metrics else None,
             metrics_host="127.0.0.1",
@@ -106,7 +122,7 @@ class MeshHarness:
         return fut.result(timeout)
 
     def start(self) -> MeshHarness:
-        self.nats = LocalNatsServer.start(extra_args=self.nats_args)
+        self.nats = LocalNatsServer.start(extra_args=self.nats_args, config=self.nats_config)
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.call(self._start_services(), timeout=300)

@@ -1,13 +1,18 @@
 """compose.yaml, the Dockerfile and deploy/ checked against the code they deploy (no Docker).
 
 - compose.yaml is valid against the Compose Specification's JSON schema (vendored from
-  compose-spec/compose-spec in deploy/schema/), after ``${VAR:-default}`` interpolation;
+  compose-spec/compose-spec in deploy/schema/), after interpolation with the variables a
+  user's .env holds (``DEPLOY_ENV``);
 - every ``depends_on``, volume and mounted file exists; every service has a health check;
   executors each reserve their own GPU;
 - every meshserve service's command parses with that service's real argparse parser under the
   environment compose gives it, every MESHSERVE_* variable it sets is one the service reads,
   and every OTEL_* variable is one OpenTelemetry defines;
-- health checks, Prometheus scrape jobs and the services agree on ports;
+- health checks, Prometheus scrape jobs and the services agree on ports; Prometheus scrapes
+  the unpublished metrics ports;
+- secure defaults: the gateway refuses to start without API keys unless
+  MESHSERVE_ALLOW_UNAUTHENTICATED=1, and every published port binds to 127.0.0.1 unless a
+  host variable says otherwise;
 - the Grafana dashboard queries only metrics the services export, through provisioned
   datasources.
 """
@@ -18,6 +23,9 @@ import importlib
 import json
 import os
 import re
+import stat
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -30,11 +38,12 @@ import pytest
 import yaml
 
 from common.metrics import all_metric_names
+from common.nats_permissions import ROLES, password_variable
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 INTERPOLATION = re.compile(
-    r"\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?])(?P<arg>[^}]*))?\}"
+    r"\$\$|\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?])(?P<arg>[^}]*))?\}"
 )
 OTEL_VARIABLES = {
     name
@@ -42,6 +51,14 @@ OTEL_VARIABLES = {
     for name in dir(module)
     if name.startswith("OTEL_")
 }
+# What a user's .env holds (deploy/gen_secrets.py writes it): every required variable.
+DEPLOY_ENV = {
+    "MESHSERVE_API_KEYS": "test-api-key",
+    "GRAFANA_ADMIN_PASSWORD": "test-grafana",
+    **{password_variable(role): f"test-{role}" for role in ROLES},
+}
+# The mesh services' modules -> their role, i.e. NATS user (common/nats_permissions.py).
+ROLE_OF_MODULE = {f"services.{role.replace('-', '_')}": role for role in ROLES}
 SAMPLERS = {
     "always_on",
     "always_off",
@@ -52,15 +69,32 @@ SAMPLERS = {
 }
 
 
-def interpolate(value: Any) -> Any:
-    """Compose's variable substitution with an empty environment: every default applies."""
+class MissingVariable(ValueError):
+    """``${VAR:?message}`` with VAR unset or empty: compose refuses the file."""
+
+
+def interpolate(value: Any, environ: dict[str, str] | None = None) -> Any:
+    """Compose's variable substitution under ``environ`` (default: the variables a user's .env
+    must hold, ``DEPLOY_ENV``): ``${VAR}``, ``${VAR:-default}``, ``${VAR-default}``,
+    ``${VAR:?error}`` and ``${VAR?error}``."""
+    environ = DEPLOY_ENV if environ is None else environ
     if isinstance(value, str):
-        replaced = INTERPOLATION.sub(lambda m: m.group("arg") or "", value)
-        return replaced.replace("$$", "$")
+
+        def substitute(m: re.Match[str]) -> str:
+            name, op, arg = m.group("name"), m.group("op") or "", m.group("arg") or ""
+            if name is None:  # "$$": a literal "$"
+                return "$"
+            given = environ.get(name)
+            present = bool(given) if op.startswith(":") else given is not None
+            if op.endswith("?") and not present:
+                raise MissingVariable(f"{name}: {arg}")
+            return given if present and given is not None else ("" if op.endswith("?") else arg)
+
+        return INTERPOLATION.sub(substitute, value)
     if isinstance(value, list):
-        return [interpolate(v) for v in value]
+        return [interpolate(v, environ) for v in value]
     if isinstance(value, dict):
-        return {k: interpolate(v) for k, v in value.items()}
+        return {k: interpolate(v, environ) for k, v in value.items()}
     return value
 
 
@@ -72,6 +106,26 @@ def load_yaml(path: Path) -> Any:
 def compose() -> dict[str, Any]:
     loaded: dict[str, Any] = interpolate(load_yaml(ROOT / "compose.yaml"))
     return loaded
+
+
+def test_interpolation_follows_compose():
+    env = {"SET": "v", "EMPTY": ""}
+    cases = {
+        "${SET}": "v",
+        "${UNSET}": "",
+        "${SET:-d}": "v",
+        "${EMPTY:-d}": "d",
+        "${EMPTY-d}": "",
+        "${UNSET-d}": "d",
+        "${SET:?m}": "v",
+        "${EMPTY?m}": "",
+        "$${SET}": "${SET}",
+    }
+    for text, expected in cases.items():
+        assert interpolate(text, env) == expected, text
+    for text in ("${UNSET:?m}", "${EMPTY:?m}", "${UNSET?m}"):
+        with pytest.raises(MissingVariable):
+            interpolate(text, env)
 
 
 def mesh_services(compose: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -183,7 +237,9 @@ def test_command_and_environment_match_the_service_cli(compose, name, monkeypatc
     recording = RecordingEnviron(environment)
     monkeypatch.setattr(os, "environ", recording)
     try:
-        config = entry.parse_args(svc["command"][3:])
+        # The gateway's process starts from serving_config: parse_args plus its refusals.
+        parse = entry.serving_config if module == "services.gateway" else entry.parse_args
+        config = parse(svc["command"][3:])
     except (SystemExit, ValueError) as exc:  # argparse exits; config checks raise
         pytest.fail(f"{name}: {svc['command']} with its environment is rejected ({exc})")
     monkeypatch.undo()
@@ -203,6 +259,141 @@ def test_command_and_environment_match_the_service_cli(compose, name, monkeypatc
     else:
         assert config.mesh.metrics_port is not None, f"{name} serves no /metrics"
         assert health_port(svc) == config.mesh.metrics_port
+
+
+def gateway_config(environ: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The compose gateway's config under ``environ`` as the user's .env (SystemExit when the
+    gateway refuses to start)."""
+    svc = interpolate(load_yaml(ROOT / "compose.yaml"), environ)["services"]["gateway"]
+    entry = importlib.import_module("services.gateway.__main__")
+    monkeypatch.setattr(os, "environ", {k: str(v) for k, v in svc["environment"].items()})
+    try:
+        return entry.serving_config(svc["command"][3:])
+    finally:
+        monkeypatch.undo()
+
+
+def test_the_gateway_refuses_to_start_without_api_keys(monkeypatch, capsys):
+    without_keys = {k: v for k, v in DEPLOY_ENV.items() if k != "MESHSERVE_API_KEYS"}
+    with pytest.raises(SystemExit):
+        gateway_config(without_keys, monkeypatch)
+    assert "refusing to serve without API keys" in capsys.readouterr().err
+    opted_out = gateway_config(without_keys | {"MESHSERVE_ALLOW_UNAUTHENTICATED": "1"}, monkeypatch)
+    assert opted_out.api_keys == () and opted_out.allow_unauthenticated
+    keyed = gateway_config(DEPLOY_ENV | {"MESHSERVE_API_KEYS": "k1,k2"}, monkeypatch)
+    assert keyed.api_keys == ("k1", "k2") and not keyed.allow_unauthenticated
+
+
+def test_published_ports_bind_loopback_unless_told_otherwise(compose):
+    for name, svc in compose["services"].items():
+        for port in svc.get("ports", []):
+            assert str(port).startswith("127.0.0.1:"), f"{name} publishes {port} on every interface"
+    assert compose["services"]["gateway"]["ports"] == ["127.0.0.1:8000:8000"]
+    public = interpolate(
+        load_yaml(ROOT / "compose.yaml"), DEPLOY_ENV | {"MESHSERVE_HTTP_BIND": "0.0.0.0"}
+    )
+    assert public["services"]["gateway"]["ports"] == ["0.0.0.0:8000:8000"]
+
+
+def raw_compose() -> dict[str, Any]:
+    """compose.yaml before interpolation: the ``${...}`` references as written."""
+    loaded: dict[str, Any] = load_yaml(ROOT / "compose.yaml")
+    return loaded
+
+
+def test_no_secret_has_a_default_in_the_repository():
+    text = (ROOT / "compose.yaml").read_text()
+    assert "change-me" not in text
+    secret = re.compile(r"PASSWORD|SECRET|API_KEY|CREDS|NKEY|(^|_)TOKEN$")
+    for m in INTERPOLATION.finditer(text):
+        name = m.group("name")
+        if name is None or not secret.search(name):
+            continue
+        if name == "MESHSERVE_API_KEYS":  # empty: the gateway itself refuses to start
+            assert (m.group("op"), m.group("arg")) == (":-", ""), m.group(0)
+        else:
+            assert m.group("op") == ":?", f"{m.group(0)}: a secret needs ${{VAR:?...}}"
+    for name, svc in raw_compose()["services"].items():
+        for key, value in svc.get("environment", {}).items():
+            if secret.search(key):
+                assert re.fullmatch(r"\$\{[A-Z_]+:[?-][^}]*\}", str(value)), (name, key, value)
+
+
+@pytest.mark.parametrize("variable", sorted(set(DEPLOY_ENV) - {"MESHSERVE_API_KEYS"}))
+def test_compose_refuses_to_start_without_each_secret(variable):
+    with pytest.raises(MissingVariable, match=variable):
+        interpolate(raw_compose(), {k: v for k, v in DEPLOY_ENV.items() if k != variable})
+
+
+def test_each_mesh_service_logs_in_to_nats_as_its_own_user(compose):
+    raw = raw_compose()["services"]
+    users = {}
+    for name, svc in mesh_services(compose).items():
+        role = ROLE_OF_MODULE[svc["command"][2]]
+        environment = svc["environment"]
+        assert environment["MESHSERVE_NATS_USER"] == role, name
+        assert environment["MESHSERVE_NATS_PASSWORD"] == DEPLOY_ENV[password_variable(role)]
+        users[name] = role
+    assert set(users.values()) == set(ROLES), "a role has no compose service"
+    assert raw["gateway"]["environment"]["MESHSERVE_NATS_PASSWORD"].startswith(
+        "${NATS_PASSWORD_GATEWAY:?"
+    )
+
+    nats = compose["services"]["nats"]
+    command = nats["command"]
+    config_path = command[command.index("-c") + 1]
+    mounts = dict(v.split(":")[1::-1] for v in nats["volumes"] if v.startswith("./"))
+    config_file = ROOT / mounts[config_path]
+    assert config_file == DEPLOY / "nats" / "nats-server.conf"
+    assert "--user" not in command and "--pass" not in command  # no shared user
+    # nats-server resolves each user's password from its environment: exactly these.
+    referenced = set(re.findall(r"password: \$(\w+)", config_file.read_text()))
+    assert referenced == {password_variable(role) for role in ROLES}
+    assert set(nats["environment"]) == referenced
+    assert all(nats["environment"][v] == DEPLOY_ENV[v] for v in referenced)
+    assert not any(str(p).endswith(":4222") for p in nats.get("ports", [])), "NATS is published"
+
+
+def run_gen_secrets(env_file: Path) -> str:
+    # -I: no PYTHONPATH, no user site: as on a Docker host without meshserve installed.
+    script = str(ROOT / "deploy" / "gen_secrets.py")
+    done = subprocess.run(
+        [sys.executable, "-I", script, "--env-file", str(env_file)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    return done.stdout
+
+
+def read_env(env_file: Path) -> dict[str, str]:
+    lines = [line for line in env_file.read_text().splitlines() if line and line[0] != "#"]
+    return dict(line.split("=", 1) for line in lines)
+
+
+def test_gen_secrets_writes_what_compose_requires(tmp_path, monkeypatch):
+    env_file = tmp_path / ".env"
+    assert "MESHSERVE_API_KEYS" in run_gen_secrets(env_file)
+    written = read_env(env_file)
+    required = set(re.findall(r"\$\{(\w+):\?", (ROOT / "compose.yaml").read_text()))
+    assert set(written) == required | {"MESHSERVE_API_KEYS"}
+    assert len(set(written.values())) == len(written), "two secrets share a value"
+    assert all(len(v) >= 40 and re.fullmatch(r"[A-Za-z0-9_-]+", v) for v in written.values())
+    assert stat.S_IMODE(env_file.stat().st_mode) == 0o600
+    interpolate(raw_compose(), written)  # compose accepts it
+    assert gateway_config(written, monkeypatch).api_keys == (written["MESHSERVE_API_KEYS"],)
+
+    # A second run, or one over a .env with the user's own settings, keeps every value.
+    before = env_file.read_text()
+    assert "nothing changed" in run_gen_secrets(env_file)
+    assert env_file.read_text() == before
+    own = tmp_path / "own.env"
+    own.write_text("MESHSERVE_MODEL=/models/x.gguf\nNATS_PASSWORD_GATEWAY=mine")  # no newline
+    run_gen_secrets(own)
+    mixed = read_env(own)
+    assert mixed["MESHSERVE_MODEL"] == "/models/x.gguf" and mixed["NATS_PASSWORD_GATEWAY"] == "mine"
+    assert set(mixed) == set(written) | {"MESHSERVE_MODEL"}
 
 
 def test_tokenizer_executors_and_detokenizers_agree_on_the_layout(compose, monkeypatch):
@@ -230,7 +421,12 @@ def test_prometheus_scrapes_every_service_where_it_serves(compose):
                 targets[host] = sd["port"]
     for name, svc in mesh_services(compose).items():
         assert name in targets, f"Prometheus does not scrape {name}"
-        assert targets[name] == health_port(svc), f"{name} is scraped on the wrong port"
+        # The metrics port, which needs no API key and is not published (the gateway's HTTP
+        # port serves /metrics too, but only with a key).
+        metrics_port = int(svc["environment"]["MESHSERVE_METRICS_PORT"])
+        assert targets[name] == metrics_port, f"{name} is scraped on the wrong port"
+        published = [str(port).rsplit(":", 1)[-1] for port in svc.get("ports", [])]
+        assert str(metrics_port) not in published, f"{name} publishes its metrics port"
     unknown = set(targets) - set(compose["services"])
     assert not unknown, f"Prometheus scrapes services compose does not define: {unknown}"
     command = compose["services"]["prometheus"]["command"]

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from common.runtime import run
 from services.gateway.app import serve
-from services.gateway.config import parse_args
+from services.gateway.config import serving_config
 
 
 def main(argv: list[str] | None = None) -> None:
-    config = parse_args(argv)
+    config = serving_config(argv)  # refuses an open API on a public address
     run(lambda: serve(config))
 
 

@@ -108,7 +108,9 @@ def require_api_key(keys: tuple[str, ...]) -> Any:
 
     @web.middleware
     async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path.startswith("/v1/"):
+        # /metrics too: its labels and counts describe the traffic (Prometheus in compose
+        # scrapes the unpublished --metrics-port instead); /health stays open for probes.
+        if request.path.startswith("/v1/") or request.path == "/metrics":
             given = bearer_token(request.headers.get("Authorization", ""))
             # Compare with every key even after a match: the time taken says nothing.
             matches = [given is not None and hmac.compare_digest(given, key) for key in accepted]
@@ -323,6 +325,15 @@ class GatewayServer:
 async def serve(config: GatewayConfig) -> None:
     logging.getLogger().setLevel(config.mesh.log_level.upper())
     log.info("gateway config: %s", config)
+    if not config.api_keys:
+        level = logging.WARNING if config.allow_unauthenticated else logging.INFO
+        log.log(
+            level,
+            "gateway: NO AUTHENTICATION: anyone who reaches %s:%d can use /v1 and /metrics "
+            "(set MESHSERVE_API_KEYS to require a key)",
+            config.host,
+            config.port,
+        )
     server = GatewayServer(config)
 
     async def stop() -> None:

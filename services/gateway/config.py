@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 from dataclasses import dataclass, field
 
 from common.config import MeshConfig, env
@@ -41,6 +42,8 @@ class GatewayConfig:
     startup_grace_s: float = 3.0
     shutdown_timeout_s: float = 30.0
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # empty: no authentication
+    # Serve without API keys on a non-loopback address anyway (``parse_args`` refuses otherwise).
+    allow_unauthenticated: bool = False
 
     def __post_init__(self) -> None:
         checks = {
@@ -80,6 +83,15 @@ class GatewayConfig:
         it to the remaining context rather than reject it.
         """
         return min(self.max_completion_tokens, self.chat_max_tokens_cap)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -152,7 +164,36 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="accepted bearer token (repeatable; env MESHSERVE_API_KEYS, comma-separated)",
     )
+    parser.add_argument(
+        "--allow-unauthenticated",
+        action="store_true",
+        default=env("ALLOW_UNAUTHENTICATED", "").lower() in ("1", "true", "yes"),
+        help="serve /v1/* and /metrics without API keys on a non-loopback --host (refused "
+        "otherwise: anyone who reaches the port could use the API)",
+    )
     return parser
+
+
+def unauthenticated_exposure(config: GatewayConfig) -> str | None:
+    """Why serving ``config`` would open the API to anyone who reaches it (None: it would not)."""
+    if config.api_keys or config.allow_unauthenticated or is_loopback(config.host):
+        return None
+    return (
+        f"refusing to serve without API keys on {config.host}: set MESHSERVE_API_KEYS "
+        "(or --api-key), bind --host 127.0.0.1, or pass --allow-unauthenticated "
+        "(MESHSERVE_ALLOW_UNAUTHENTICATED=1)"
+    )
+
+
+def serving_config(argv: list[str] | None = None) -> GatewayConfig:
+    """``parse_args``, then refuse (exit 2, as argparse does) a config that must not be served:
+    what ``python -m services.gateway`` starts from. Open by default is how an inference API
+    ends up serving the internet, so leaving it open has to be an explicit choice."""
+    config = parse_args(argv)
+    problem = unauthenticated_exposure(config)
+    if problem is not None:
+        build_parser().error(problem)
+    return config
 
 
 def parse_args(argv: list[str] | None = None) -> GatewayConfig:
@@ -176,4 +217,5 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
         startup_grace_s=args.startup_grace_s,
         shutdown_timeout_s=args.shutdown_timeout_s,
         api_keys=tuple(k.strip() for k in keys),
+        allow_unauthenticated=args.allow_unauthenticated,
     )

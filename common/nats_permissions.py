@@ -1,0 +1,301 @@
+"""One NATS user per service role, allowed exactly the subjects that service uses.
+
+The allow lists are derived from ``common/subjects.py`` (nothing here spells a mesh subject), one
+function per role below, and turned into the ``authorization`` block of a nats-server config by
+``server_config``. Everything not allowed is denied: a tokenizer that subscribes to ``>`` or
+publishes an executor heartbeat gets a permissions violation and nothing is delivered.
+
+Adding a subject is a one-line change in the role function(s) of the services that use it:
+
+- plain publish/subscribe: add ``s.<subject>`` to ``publish=`` of the sender and to
+  ``subscribe=`` of the receiver (a per-instance subject, one per gateway, executor or shard,
+  is allowed for all instances with ``every``: ``every(s.detok)``);
+- request/reply: add it to ``requests=`` of the asker (it may publish the request and
+  subscribe to its own reply inbox) and to ``serves=`` of the answerer (it may subscribe to the
+  request and publish exactly one reply to each request it received: nats-server's
+  ``allow_responses``, so an answerer cannot write into anyone's inbox at will).
+
+Then regenerate the compose config (``python -m common.nats_permissions --out
+deploy/nats/nats-server.conf``); tests/test_nats_permissions.py fails until the checked-in file
+matches, and also fails when a service's code names a subject its role does not list.
+
+Reply inboxes are per user: a service logged in as user ``u`` uses the inbox prefix
+``_INBOX.u`` (``inbox_prefix``; ``NatsAuth.connect_options`` sets it), so a requester may
+subscribe to ``_INBOX.u.>`` only and cannot read another service's replies.
+
+JetStream (the prefix-cache event stream, ``common/kv_stream.py``) is allowed API by API on that
+one stream, not ``$JS.API.>``: with the whole API a service could create a stream over
+``mesh.v1.>`` and read every prompt through it, whatever its subscribe permissions say. What is
+left: the two users allowed to create and update that stream (executor, prefix index) could
+still change its subjects; closing that needs the stream made by an operator instead.
+
+Instance ids that appear in subjects (gateway and executor ids) must be one subject token (no
+dots) for ``every`` to match them; compose's are (container ids, ``executor-N``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from common.subjects import DEFAULT_PREFIX, Subjects
+
+ANY = "*"  # one subject token: any instance (gateway id, executor id, detokenizer shard)
+DEFAULT_INBOX_PREFIX = "_INBOX"  # nats-py's, for a service that logs in without a user name
+_TOKEN = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def every(subject_of: Callable[[Any], str]) -> str:
+    """A per-instance subject for every instance (``every(s.detok)`` -> ``mesh.v1.detok.*``).
+
+    Instance ids (gateway and executor ids) must then be one subject token: no dots.
+    """
+    return subject_of(ANY)
+
+
+def inbox_prefix(user: str | None) -> str:
+    """The reply-inbox prefix of a service logged in as ``user``: ``_INBOX.<user>``.
+
+    A user name that is not a single plain subject token (or none: creds, nkeys) keeps nats-py's
+    default ``_INBOX``, which then needs ``_INBOX.>`` in that user's permissions.
+    """
+    if user is None or not _TOKEN.fullmatch(user):
+        return DEFAULT_INBOX_PREFIX
+    return f"{DEFAULT_INBOX_PREFIX}.{user}"
+
+
+@dataclass(frozen=True)
+class Permissions:
+    """A nats-server user's permissions: publish/subscribe allow lists (everything else is
+    denied), and whether it may answer the requests it receives."""
+
+    publish: tuple[str, ...]
+    subscribe: tuple[str, ...]
+    allow_responses: bool = False
+
+
+def grant(
+    s: Subjects,
+    user: str,
+    publish: Iterable[str] = (),
+    subscribe: Iterable[str] = (),
+    requests: Iterable[str] = (),
+    serves: Iterable[str] = (),
+    jetstream: Iterable[str] = (),
+) -> Permissions:
+    """``Permissions`` from what a service does (see the module docstring).
+
+    Every service's runtime (``common/runtime.py``) announces its presence on
+    ``presence.<service>`` and answers probes, so each user may do that, under its own service
+    name only: no service can pose as another stage. ``jetstream``: JetStream API subjects it
+    calls (``kv_stream_api``); those calls are requests, so they also open the reply inbox.
+    """
+    requests, serves, jetstream = list(requests), list(serves), list(jetstream)
+    pub = [*publish, s.presence(user), *requests, *jetstream]
+    sub = [*subscribe, s.presence_probe, *serves]
+    if requests or jetstream:
+        sub.append(f"{inbox_prefix(user)}.>")
+    return Permissions(_unique(pub), _unique(sub), allow_responses=bool(serves))
+
+
+def _unique(subjects: Iterable[str]) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(subjects))
+
+
+def kv_stream_api(s: Subjects, *apis: str) -> list[str]:
+    """JetStream API subjects on the prefix-cache event stream only (``$JS.API.<api>.<stream>``).
+
+    ``STREAM.NAMES`` (how nats-py finds a subject's stream) names no stream, and ``FC`` (flow
+    control replies of a push consumer) lives outside ``$JS.API``: both are spelled here too.
+    """
+    stream = s.kv_events_stream
+    out = []
+    for api in apis:
+        if api == "STREAM.NAMES":
+            out.append("$JS.API.STREAM.NAMES")
+        elif api == "FC":
+            out.append(f"$JS.FC.{stream}.>")
+        else:
+            out.append(f"$JS.API.{api}.{stream}")
+            if api == "CONSUMER.CREATE":  # newer servers/clients name the consumer and filter
+                out.append(f"$JS.API.{api}.{stream}.>")
+    return out
+
+
+# -- the roles: what each service publishes and subscribes to (read from services/<role>/) -----
+
+
+def gateway(s: Subjects) -> Permissions:
+    return grant(
+        s,
+        "gateway",
+        publish=[s.tokenizer_encode, s.abort, s.presence_probe],
+        subscribe=[every(s.gateway_inbox), s.executor_heartbeat, s.presence_all],
+        requests=[s.scheduler_status],  # the watchdog: are these silent requests alive?
+    )
+
+
+def tokenizer(s: Subjects) -> Permissions:
+    return grant(
+        s,
+        "tokenizer",
+        publish=[s.scheduler_submit, every(s.gateway_inbox)],  # the inbox: error replies
+        subscribe=[s.tokenizer_encode],
+    )
+
+
+def prefix_index(s: Subjects) -> Permissions:
+    return grant(
+        s,
+        "prefix-index",
+        subscribe=[s.executor_heartbeat],
+        serves=[s.index_match],
+        # ensure_kv_stream, stream_info, then replay()'s ordered push consumer
+        jetstream=kv_stream_api(
+            s,
+            "STREAM.CREATE",
+            "STREAM.UPDATE",
+            "STREAM.INFO",
+            "STREAM.NAMES",
+            "CONSUMER.CREATE",
+            "FC",
+        ),
+    )
+
+
+def scheduler(s: Subjects) -> Permissions:
+    return grant(
+        s,
+        "scheduler",
+        # the inbox: failed requests; abort: moved or failed with a lost executor
+        publish=[every(s.executor_submit), every(s.gateway_inbox), s.abort, s.presence_probe],
+        subscribe=[s.scheduler_submit, s.executor_heartbeat, s.abort, s.presence_all],
+        requests=[s.index_match, every(s.detok_progress)],
+        serves=[s.scheduler_status],
+    )
+
+
+def executor(s: Subjects) -> Permissions:
+    return grant(
+        s,
+        "executor",
+        publish=[
+            s.executor_heartbeat,
+            every(s.detok),
+            every(s.gateway_inbox),  # error replies
+            s.abort,  # expired or failed requests
+            every(s.kv_events),
+        ],
+        subscribe=[every(s.executor_submit), s.abort],
+        requests=[s.speculator_propose],
+        jetstream=kv_stream_api(s, "STREAM.CREATE", "STREAM.UPDATE"),  # ensure_kv_stream
+    )
+
+
+def speculator(s: Subjects) -> Permissions:
+    return grant(s, "speculator", serves=[s.speculator_propose])
+
+
+def detokenizer(s: Subjects) -> Permissions:
+    return grant(
+        s,
+        "detokenizer",
+        publish=[every(s.gateway_inbox), s.abort],  # abort: a stop string, a lost stream
+        subscribe=[every(s.detok), s.abort],
+        serves=[every(s.detok_progress)],  # what each stream received (a lost executor)
+    )
+
+
+# role (= NATS user name = compose service) -> its permissions
+ROLES: dict[str, Callable[[Subjects], Permissions]] = {
+    "gateway": gateway,
+    "tokenizer": tokenizer,
+    "prefix-index": prefix_index,
+    "scheduler": scheduler,
+    "executor": executor,
+    "speculator": speculator,
+    "detokenizer": detokenizer,
+}
+
+
+def password_variable(role: str) -> str:
+    """The environment variable holding ``role``'s NATS password (compose, .env)."""
+    return "NATS_PASSWORD_" + role.upper().replace("-", "_")
+
+
+def server_config(
+    subjects: Subjects | None = None, passwords: Mapping[str, str] | None = None
+) -> str:
+    """A nats-server config holding the ``authorization`` block: every role as a user.
+
+    ``passwords`` (role -> password) writes them literally (tests); without it each password
+    is a reference to the environment variable ``password_variable(role)``, which nats-server
+    resolves at start and refuses to start without (compose), so no secret is in the file.
+    Listen address, JetStream and monitoring stay on the command line.
+    """
+    s = subjects or Subjects()
+    lines = [
+        "# nats-server authorization for meshserve: one user per service, each allowed only the",
+        "# subjects it uses. Generated from common/nats_permissions.py by",
+        "#   python -m common.nats_permissions --out deploy/nats/nats-server.conf",
+        "# Do not edit: change the role functions there and regenerate.",
+        "authorization {",
+        "  users = [",
+    ]
+    for role, permissions_of in ROLES.items():
+        perms = permissions_of(s)
+        if passwords is None:
+            password = "$" + password_variable(role)
+        else:
+            password = json.dumps(passwords[role])
+        lines += [
+            "    {",
+            f"      user: {json.dumps(role)}",
+            f"      password: {password}",
+            "      permissions: {",
+            *_allow("publish", perms.publish),
+            *_allow("subscribe", perms.subscribe),
+        ]
+        if perms.allow_responses:
+            lines.append("        allow_responses: true")
+        lines += ["      }", "    }"]
+    lines += ["  ]", "}", ""]
+    return "\n".join(lines)
+
+
+def _allow(kind: str, subjects: tuple[str, ...]) -> list[str]:
+    """One ``publish``/``subscribe`` entry, a subject per line (nats-server arrays may be
+    newline-separated), so a diff of the generated file shows which subject changed."""
+    # nats-server reads ``allow: []`` as "no restriction" (an empty list is no list), so a role
+    # that may use nothing says so with a deny-all; allow_responses still lets it answer.
+    if not subjects:
+        return [f'        {kind}: {{ deny: [">"] }}']
+    quoted = [f"            {json.dumps(subject)}" for subject in subjects]
+    return [f"        {kind}: {{", "          allow: [", *quoted, "          ]", "        }"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m common.nats_permissions",
+        description="write the nats-server config with one user per meshserve service",
+    )
+    parser.add_argument("--out", type=Path, default=None, help="file to write (default: stdout)")
+    parser.add_argument("--subject-prefix", default=DEFAULT_PREFIX)
+    args = parser.parse_args(argv)
+    text = server_config(Subjects(args.subject_prefix))
+    if args.out is None:
+        sys.stdout.write(text)
+    else:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
