@@ -365,6 +365,9 @@ class Heartbeat(Message):
     # Random per process start: a restarted executor under the same id is a new incarnation,
     # and the scheduler moves whatever the previous one held at once.
     incarnation: str = ""
+    # The longest sequence (prompt + output) it can hold: the model's context or its KV pool,
+    # whichever is less. The gateway checks its own --max-model-len against it.
+    max_model_len: int = 0
 
     def __post_init__(self) -> None:
         # Only values no working executor sends: a rejected heartbeat makes the executor look

@@ -102,8 +102,9 @@ class LocalMesh:
         if not a.nats_url:
             self.nats = LocalNatsServer.start()
         model = ["--model", str(self.model_folder)]
-        common = ["--page-size", str(a.page_size), "--detok-shards", str(a.detok_shards)]
-        self.spawn("tokenizer", "services.tokenizer", *model, *common)
+        pages = ["--page-size", str(a.page_size)]
+        shards = ["--detok-shards", str(a.detok_shards)]  # the tokenizer picks each request's
+        self.spawn("tokenizer", "services.tokenizer", *model, *pages, *shards)
         self.spawn("prefix-index", "services.prefix_index")
         self.spawn("scheduler", "services.scheduler", "--router", self.router)
         for shard in range(a.detok_shards):
@@ -123,7 +124,7 @@ class LocalMesh:
                 f"executor-{i}",
                 "services.executor",
                 *model,
-                *common,
+                *pages,
                 "--instance-id", f"executor-{i}",
                 "--device", a.device,
                 "--kv-cache-tokens", str(a.kv_cache_tokens),

@@ -215,3 +215,19 @@ async def test_an_executor_with_another_page_size_is_never_routed_to(mesh, caplo
     sched = scheduler(mesh)
     assert "ghost" in sched.router.refused
     assert all(a.executor_id != "ghost" for a in sched.inflight.assignments.values())
+
+
+def test_the_gateway_says_once_when_an_executor_holds_less_context_than_it_accepts(caplog):
+    from common.config import MeshConfig
+    from services.gateway.config import GatewayConfig
+    from services.gateway.mesh_client import MeshClient
+
+    client = MeshClient(GatewayConfig(mesh=MeshConfig(instance_id="gw"), max_model_len=8192))
+    short = Heartbeat(**{**GOOD_BEAT, "max_model_len": 2048})
+    roomy = Heartbeat(**{**GOOD_BEAT, "executor_id": "big", "max_model_len": 8192})
+    with caplog.at_level("ERROR"):
+        for beat in (short, short, roomy):
+            asyncio.run(client._on_heartbeat(beat))
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and "holds at most 2048 tokens" in errors[0], errors
+    assert "accepts 8192" in errors[0]

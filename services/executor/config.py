@@ -19,7 +19,6 @@ class ExecutorConfig:
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
     enable_prefix_caching: bool = True
-    detok_shards: int = 1
     heartbeat_s: float = 0.25
     # Speculative decoding: "off", "ngram" (prompt lookup, in process) or "remote" (the
     # speculator service's draft model); k draft tokens per decode step at most.
@@ -46,8 +45,6 @@ class ExecutorConfig:
             raise ValueError("kv_cache_tokens must hold at least one page")
         if not 0 <= self.engine_nice <= 19:
             raise ValueError("engine_nice must be within 0..19")
-        if self.detok_shards < 1:
-            raise ValueError("detok_shards must be >= 1")
 
     @property
     def executor_id(self) -> str:
@@ -70,7 +67,6 @@ def parse_args(argv: list[str] | None = None) -> ExecutorConfig:
     )
     p.add_argument("--max-num-seqs", type=int, default=int(env("MAX_NUM_SEQS", "64")))
     p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--detok-shards", type=int, default=int(env("DETOK_SHARDS", "1")))
     p.add_argument("--speculator", choices=SPECULATORS, default=env("SPECULATOR", "off"))
     p.add_argument(
         "--num-speculative-tokens", type=int, default=int(env("NUM_SPECULATIVE_TOKENS", "0"))
@@ -98,7 +94,6 @@ def parse_args(argv: list[str] | None = None) -> ExecutorConfig:
         max_num_batched_tokens=a.max_num_batched_tokens,
         max_num_seqs=a.max_num_seqs,
         enable_prefix_caching=not a.no_prefix_caching,
-        detok_shards=a.detok_shards,
         speculator=a.speculator,
         num_speculative_tokens=a.num_speculative_tokens if a.speculator != "off" else 0,
         speculator_timeout_s=a.speculator_timeout,

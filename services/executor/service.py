@@ -217,6 +217,7 @@ class ExecutorService:
                 sent_at=time.time(),
                 request_ids=[*self.requests, *(r.request_id for r in self.pending_adds)],
                 incarnation=self.incarnation,
+                max_model_len=self.engine.max_seq_len,
             ),
         )
 
@@ -356,7 +357,7 @@ class ExecutorService:
             logprobs = None
             if out.logprobs is not None:
                 logprobs = [TokenLogprobs(lp.token_id, lp.logprob, lp.top) for lp in out.logprobs]
-            by_shard[req.detok_shard % self.config.detok_shards].append(
+            by_shard[req.detok_shard].append(
                 SeqTokens(
                     request_id=out.request_id,
                     token_ids=out.new_token_ids,

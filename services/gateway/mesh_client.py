@@ -51,6 +51,7 @@ class MeshClient:
             config.startup_grace_s,
         )
         self._aborts: set[asyncio.Task[None]] = set()
+        self._short_executors: dict[str, int] = {}  # executor -> its context, if too short
 
     async def start(self) -> None:
         await self.service.connect()
@@ -83,6 +84,22 @@ class MeshClient:
 
     async def _on_heartbeat(self, heartbeat: Heartbeat) -> None:
         self.liveness.saw_heartbeat(heartbeat)
+        if 0 < heartbeat.max_model_len < self.config.max_model_len:
+            self.context_mismatch(heartbeat.executor_id, heartbeat.max_model_len)
+
+    def context_mismatch(self, executor_id: str, holds: int) -> None:
+        """Said once per executor: the gateway would accept requests it must refuse."""
+        if self._short_executors.get(executor_id) == holds:
+            return
+        self._short_executors[executor_id] = holds
+        log.error(
+            "gateway: executor %s holds at most %d tokens per sequence, but this gateway "
+            "accepts %d (--max-model-len): longer requests will fail there; lower "
+            "--max-model-len or give the executor more --kv-cache-tokens",
+            executor_id,
+            holds,
+            self.config.max_model_len,
+        )
 
     async def _on_presence(self, presence: Presence) -> None:
         self.liveness.saw(presence)
