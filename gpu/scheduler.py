@@ -92,14 +92,16 @@ class Scheduler:
     def _admit(self, budget: int, scheduled: list[ScheduledSeq]) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            if not seq.table.pages:
-                cached = self.blocks.match_prefix(seq.table, seq.all_token_ids)
-                seq.num_computed = cached
-                if not seq.admitted:
-                    seq.num_cached_prompt_tokens = min(cached, len(seq.prompt_token_ids))
+            cached = self.blocks.match_prefix(seq.table, seq.all_token_ids)
+            seq.num_computed = cached
+            if not seq.admitted:
+                seq.num_cached_prompt_tokens = min(cached, len(seq.prompt_token_ids))
             num_new = min(seq.num_pending, budget)
             if not self.blocks.allocate(seq.table, seq.num_computed + num_new):
-                # Keep the matched prefix pages referenced while it waits: it is next in line.
+                # Let go of the matched prefix: a waiting sequence holds no pages. Held, they
+                # could lock out a sequence preempted ahead of it, with nothing left running.
+                self.blocks.free(seq.table)
+                seq.num_computed = 0
                 break
             self.waiting.popleft()
             if not seq.admitted:
