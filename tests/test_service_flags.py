@@ -78,7 +78,9 @@ SERVICES: dict[str, list[Row]] = {
         ("--kv-cache-tokens", "MESHSERVE_KV_CACHE_TOKENS", "4096"),
         ("--max-num-batched-tokens", "MESHSERVE_MAX_NUM_BATCHED_TOKENS", "256"),
         ("--max-num-seqs", "MESHSERVE_MAX_NUM_SEQS", "8"),
-        ("--no-prefix-caching", None, None),
+        # The one flag without a variable before the parsers were derived: added, so that
+        # "every flag is also MESHSERVE_<FLAG>" (README) holds without exceptions.
+        ("--no-prefix-caching", "MESHSERVE_NO_PREFIX_CACHING", None),
         ("--speculator", "MESHSERVE_SPECULATOR", "remote"),
         ("--num-speculative-tokens", "MESHSERVE_NUM_SPECULATIVE_TOKENS", "5"),
         ("--speculator-timeout", "MESHSERVE_SPECULATOR_TIMEOUT", "0.5"),
