@@ -4,11 +4,11 @@ A service's frozen config dataclass is the one place a setting's name, default, 
 environment variable are written: each field declared with ``setting()`` becomes a flag, and
 ``build_parser`` / ``from_args`` turn the class into an argparse parser and parsed flags back
 into the class. Naming, unless a setting says otherwise: field ``page_size`` is the flag
-``--page-size``, and a flag ``--x-y`` is the variable ``MESHSERVE_X_Y`` (the variable is named
-after the flag, so the README's "every flag is also ``MESHSERVE_<FLAG>``" holds for renamed
-flags too). Precedence: flag, then variable, then the dataclass default. Variables are read
-when the parser is built (what ``parse`` does on every call), and an empty variable counts as
-unset (compose writes ``${X:-}`` for the ones a user may leave out).
+``--page-size``, and a flag ``--x-y`` is the variable ``MESHSERVE_X_Y`` (named after the flag,
+not the field, since ``MESHSERVE_<FLAG>`` is what the README tells users). Precedence: flag,
+then variable, then the dataclass default. Variables are read when the parser is built (what
+``parse`` does on every call), and an empty variable counts as unset (compose writes
+``${X:-}`` for the ones a user may leave out).
 
 Types come from the annotations: ``int``, ``float``, ``str``, ``bool`` (a switch: the flag, or
 its variable set to 1/true/yes, flips the default), ``T | None`` (an empty value is None) and
