@@ -1,14 +1,13 @@
-"""Settings every service shares, from CLI flags with environment-variable defaults.
+"""Settings every service shares, and the shared definitions of settings several services take.
 
-Each service declares its own frozen config dataclass holding a ``MeshConfig``; flags win over
+Each service declares its own frozen config dataclass holding a ``MeshConfig``; its flags and
+``MESHSERVE_*`` variables are derived from the fields (``common.settings``): flags win over
 environment variables (``MESHSERVE_<FLAG>``), which win over defaults. The config is logged once
 at start-up and never mutated.
 """
 
 from __future__ import annotations
 
-import argparse
-import os
 import socket
 import ssl
 import uuid
@@ -16,24 +15,57 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common.nats_permissions import inbox_prefix
+from common.settings import setting
 from common.subjects import DEFAULT_PREFIX, Subjects
 
+# Tokenizer (page hashes), executors (KV pages) and speculator (draft KV pages) must page alike:
+# the scheduler refuses executors paging differently from the tokenizer.
+PAGE_SIZE = 16
 
-def env(name: str, default: str) -> str:
-    return os.environ.get(f"MESHSERVE_{name}", default)
+
+def model_setting() -> Any:
+    """``--model``: tokenizer, detokenizer and executors must load the same model."""
+    return setting(
+        help="a Hugging Face folder, a .gguf file, or 'default' (the bundled SmolLM2-135M); "
+        "tokenizer, detokenizer and executors must name the same model"
+    )
+
+
+def page_size_setting() -> Any:
+    """``--page-size`` of tokenizer, executor and speculator."""
+    return setting(
+        PAGE_SIZE, "KV page size in tokens; tokenizer, executors and speculator must agree"
+    )
+
+
+def device_setting() -> Any:
+    """``--device`` of the services that run a model (executor, speculator)."""
+    return setting("cpu", "torch device to run the model on (cpu, cuda, cuda:1, ...)")
+
+
+def port_or_off(text: str) -> int | None:
+    """``--metrics-port``: a negative port (the -1 that scripts pass) means not served."""
+    port = int(text)
+    return None if port < 0 else port
 
 
 @dataclass(frozen=True)
 class NatsAuth:
     """How a service proves itself to NATS and checks the server (all optional)."""
 
-    user: str | None = None
-    password: str | None = field(default=None, repr=False)
-    creds_file: str | None = None  # a NATS .creds file (JWT + nkey seed)
-    nkey_seed_file: str | None = None
-    tls_ca: str | None = None  # verify the server with this CA (turns TLS on)
-    tls_cert: str | None = None  # client certificate for mutual TLS
-    tls_key: str | None = None
+    user: str | None = setting(None, "NATS user name", flag="--nats-user")
+    password: str | None = setting(None, "NATS password", flag="--nats-password", repr=False)
+    creds_file: str | None = setting(
+        None, "a NATS .creds file: JWT + nkey seed", flag="--nats-creds"
+    )
+    nkey_seed_file: str | None = setting(None, "a NATS nkey seed file", flag="--nats-nkey-seed")
+    tls_ca: str | None = setting(
+        None, "verify the NATS server with this CA; turns TLS on", flag="--nats-tls-ca"
+    )
+    tls_cert: str | None = setting(
+        None, "client certificate for mutual TLS", flag="--nats-tls-cert"
+    )
+    tls_key: str | None = setting(None, "client certificate's key", flag="--nats-tls-key")
 
     def __post_init__(self) -> None:
         if (self.user is None) != (self.password is None):
@@ -60,42 +92,30 @@ class NatsAuth:
             options["tls"] = context
         return options
 
-    @staticmethod
-    def add_args(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--nats-user", default=env("NATS_USER", "") or None)
-        parser.add_argument("--nats-password", default=env("NATS_PASSWORD", "") or None)
-        parser.add_argument("--nats-creds", default=env("NATS_CREDS", "") or None)
-        parser.add_argument("--nats-nkey-seed", default=env("NATS_NKEY_SEED", "") or None)
-        parser.add_argument("--nats-tls-ca", default=env("NATS_TLS_CA", "") or None)
-        parser.add_argument("--nats-tls-cert", default=env("NATS_TLS_CERT", "") or None)
-        parser.add_argument("--nats-tls-key", default=env("NATS_TLS_KEY", "") or None)
-
-    @classmethod
-    def from_args(cls, a: argparse.Namespace) -> NatsAuth:
-        return cls(
-            a.nats_user,
-            a.nats_password,
-            a.nats_creds,
-            a.nats_nkey_seed,
-            a.nats_tls_ca,
-            a.nats_tls_cert,
-            a.nats_tls_key,
-        )
-
 
 @dataclass(frozen=True)
 class MeshConfig:
-    nats_url: str = "nats://127.0.0.1:4222"
-    subject_prefix: str = DEFAULT_PREFIX
-    instance_id: str = ""
-    log_level: str = "INFO"
+    """Where the mesh is and who this service is in it: the settings every service takes."""
+
+    nats_url: str = setting("nats://127.0.0.1:4222", "NATS server URL")
+    subject_prefix: str = setting(DEFAULT_PREFIX, "first token of every subject, one per mesh")
+    instance_id: str = setting("", "this process's id in the mesh; empty: host name + random")
+    log_level: str = setting("INFO", "logging level")
     auth: NatsAuth = field(default_factory=NatsAuth)
-    # Observability (common/telemetry.py, common/metrics.py): the OTLP/HTTP base URL for
-    # traces ("" = the standard OTEL_* variables decide), and the port of /metrics + /health
-    # for services without an HTTP API (None = not served; 0 = any free port).
-    otlp_endpoint: str = ""
-    metrics_port: int | None = None
-    metrics_host: str = "0.0.0.0"
+    # Observability: traces (common/telemetry.py) and /metrics + /health for services without
+    # an HTTP API of their own (common/metrics.py).
+    otlp_endpoint: str = setting(
+        "",
+        "OTLP/HTTP base URL for traces, e.g. http://jaeger:4318; empty: the "
+        "OTEL_EXPORTER_OTLP_* variables decide",
+    )
+    metrics_port: int | None = setting(
+        None,
+        "serve /metrics and /health on this port; -1: off, 0: any free port (the "
+        "gateway serves them on its HTTP port anyway)",
+        parse=port_or_off,
+    )
+    metrics_host: str = setting("0.0.0.0", "address /metrics and /health listen on")
 
     def __post_init__(self) -> None:
         if not self.nats_url:
@@ -111,38 +131,3 @@ class MeshConfig:
     @property
     def subjects(self) -> Subjects:
         return Subjects(self.subject_prefix)
-
-    @staticmethod
-    def add_args(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--nats-url", default=env("NATS_URL", "nats://127.0.0.1:4222"))
-        parser.add_argument("--subject-prefix", default=env("SUBJECT_PREFIX", DEFAULT_PREFIX))
-        parser.add_argument("--instance-id", default=env("INSTANCE_ID", ""))
-        parser.add_argument("--log-level", default=env("LOG_LEVEL", "INFO"))
-        NatsAuth.add_args(parser)
-        parser.add_argument(
-            "--otlp-endpoint",
-            default=env("OTLP_ENDPOINT", ""),
-            help="OTLP/HTTP base URL for traces, e.g. http://jaeger:4318 "
-            "(default: the OTEL_EXPORTER_OTLP_* variables)",
-        )
-        parser.add_argument(
-            "--metrics-port",
-            type=int,
-            default=int(env("METRICS_PORT", "-1")),
-            help="serve /metrics and /health on this port (-1: off; the gateway always serves "
-            "them on its HTTP port)",
-        )
-        parser.add_argument("--metrics-host", default=env("METRICS_HOST", "0.0.0.0"))
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> MeshConfig:
-        return cls(
-            args.nats_url,
-            args.subject_prefix,
-            args.instance_id,
-            args.log_level,
-            auth=NatsAuth.from_args(args),
-            otlp_endpoint=args.otlp_endpoint,
-            metrics_port=None if args.metrics_port < 0 else args.metrics_port,
-            metrics_host=args.metrics_host,
-        )

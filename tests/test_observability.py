@@ -8,7 +8,6 @@ One trace per request holds a span from every service, linked parent to child:
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 from collections import Counter, defaultdict
 
@@ -16,6 +15,7 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from common import settings
 from common.config import MeshConfig
 from common.runtime import Service
 from common.telemetry import otlp_traces_endpoint
@@ -316,9 +316,7 @@ def test_otlp_endpoint_is_the_flag_else_the_standard_variables():
 
 def test_observability_flags_and_environment(monkeypatch):
     def parse(*argv: str) -> MeshConfig:
-        parser = argparse.ArgumentParser()
-        MeshConfig.add_args(parser)
-        return MeshConfig.from_args(parser.parse_args(argv))
+        return settings.parse(MeshConfig, list(argv))
 
     assert parse().metrics_port is None and parse().otlp_endpoint == ""
     config = parse("--otlp-endpoint", "http://jaeger:4318", "--metrics-port", "9100")

@@ -10,7 +10,6 @@ request with them, and the stream continues with the next executor's tokens.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import time
 from collections import defaultdict
@@ -18,7 +17,7 @@ from dataclasses import dataclass, field
 
 from opentelemetry.trace import Span
 
-from common.config import MeshConfig, env
+from common.config import MeshConfig, model_setting
 from common.messages import (
     AbortRequests,
     SeqTokens,
@@ -34,6 +33,7 @@ from common.messages import (
 from common.metrics import DetokenizerMetrics
 from common.recent_ids import RecentIds
 from common.runtime import Service
+from common.settings import parse, setting
 from common.telemetry import Attr, extract
 from common.tokenizer import IncrementalDetokenizer, Tokenizer
 from gpu.gguf import resolve_model_path
@@ -49,8 +49,12 @@ Source = tuple[str, str]
 @dataclass(frozen=True)
 class DetokenizerConfig:
     mesh: MeshConfig
-    model: str | None
-    shard: int = 0
+    model: str | None = model_setting()
+    shard: int = setting(
+        0,
+        "this process's shard, 0 .. the tokenizer's --detok-shards - 1",
+        env="MESHSERVE_DETOK_SHARD",
+    )
 
     def __post_init__(self) -> None:
         if self.shard < 0:
@@ -58,12 +62,7 @@ class DetokenizerConfig:
 
 
 def parse_args(argv: list[str] | None = None) -> DetokenizerConfig:
-    p = argparse.ArgumentParser("python -m services.detokenizer")
-    MeshConfig.add_args(p)
-    p.add_argument("--model", default=env("MODEL", "") or None)
-    p.add_argument("--shard", type=int, default=int(env("DETOK_SHARD", "0")))
-    a = p.parse_args(argv)
-    return DetokenizerConfig(MeshConfig.from_args(a), a.model, a.shard)
+    return parse(DetokenizerConfig, argv, "python -m services.detokenizer")
 
 
 @dataclass

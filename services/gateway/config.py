@@ -6,7 +6,9 @@ import argparse
 import ipaddress
 from dataclasses import dataclass, field
 
-from common.config import MeshConfig, env
+from common import settings
+from common.config import MeshConfig
+from common.settings import setting
 from services.gateway.health import REQUIRED_STAGES, STAGES
 
 # OpenAI's chat API defaults max_tokens to "the rest of the context". The gateway cannot count
@@ -23,27 +25,58 @@ MAX_PRIORITY = 2**31 - 1  # what the scheduler's int field is meant to hold
 @dataclass(frozen=True)
 class GatewayConfig:
     mesh: MeshConfig = field(default_factory=MeshConfig)
-    host: str = "0.0.0.0"
-    port: int = 8000
-    served_model_name: str = "smollm2"
-    max_model_len: int = 8192
-    request_timeout_s: float = 600.0
-    max_n: int = 8
-    max_body_bytes: int = 4 * 1024 * 1024
-    max_stop: int = DEFAULT_MAX_STOP
-    max_client_priority: int = DEFAULT_MAX_CLIENT_PRIORITY
-    chat_max_tokens_cap: int = CHAT_DEFAULT_MAX_TOKENS
-    heartbeat_ttl_s: float = 5.0
+    host: str = setting("0.0.0.0", "address the HTTP API listens on")
+    port: int = setting(8000, "port of the HTTP API (and its /metrics and /health)")
+    served_model_name: str = setting("smollm2", "the model name clients send")
+    max_model_len: int = setting(8192, "context length accepted: prompt + max_tokens")
+    request_timeout_s: float = setting(600.0, "a request's deadline, in seconds")
+    max_n: int = setting(8, "most completions one request may ask for (n)")
+    max_body_bytes: int = setting(4 * 1024 * 1024, "largest request body accepted")
+    max_stop: int = setting(
+        DEFAULT_MAX_STOP, "most stop sequences a request may set (OpenAI allows 4)"
+    )
+    max_client_priority: int = setting(
+        DEFAULT_MAX_CLIENT_PRIORITY,
+        "a request's 'priority' must be an integer in -P..P; as in vLLM, a lower value "
+        "runs first and the default 0 is in the middle; 0 disables client priorities (any "
+        "non-zero priority is rejected)",
+        metavar="P",
+    )
+    chat_max_tokens_cap: int = setting(
+        CHAT_DEFAULT_MAX_TOKENS, "cap on the default max_tokens of a chat request that sets none"
+    )
+    heartbeat_ttl_s: float = setting(
+        5.0, "/health fails when no executor heartbeat arrived for this long"
+    )
     # Stages /health and every request need a live member of (services/gateway/health.py),
     # how long a member counts after its last presence announcement, and how long after the
     # gateway starts a missing stage is waited for rather than reported.
-    required_stages: tuple[str, ...] = REQUIRED_STAGES
-    presence_ttl_s: float = 3.0
-    startup_grace_s: float = 3.0
-    shutdown_timeout_s: float = 30.0
-    api_keys: tuple[str, ...] = field(default=(), repr=False)  # empty: no authentication
-    # Serve without API keys on a non-loopback address anyway (``parse_args`` refuses otherwise).
-    allow_unauthenticated: bool = False
+    required_stages: tuple[str, ...] = setting(
+        REQUIRED_STAGES, f"stages that must have a live member, of {', '.join(STAGES)}"
+    )
+    presence_ttl_s: float = setting(
+        3.0, "a service counts as gone this long after its last presence announcement"
+    )
+    startup_grace_s: float = setting(
+        3.0, "after start, requests wait this long for a missing stage to announce itself"
+    )
+    shutdown_timeout_s: float = setting(
+        30.0, "on SIGTERM, requests in flight get this long to finish"
+    )
+    api_keys: tuple[str, ...] = setting(
+        (),
+        "bearer tokens accepted on /v1/* and /metrics (none: no authentication)",
+        flag="--api-key",
+        env="MESHSERVE_API_KEYS",
+        repr=False,
+    )
+    # Serve without API keys on a non-loopback address anyway (``serving_config`` refuses
+    # otherwise).
+    allow_unauthenticated: bool = setting(
+        False,
+        "serve /v1/* and /metrics without API keys on a non-loopback --host (refused "
+        "otherwise: anyone who reaches the port could use the API)",
+    )
 
     def __post_init__(self) -> None:
         checks = {
@@ -95,83 +128,11 @@ def is_loopback(host: str) -> bool:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m services.gateway", description="meshserve OpenAI-compatible HTTP gateway"
+    return settings.build_parser(
+        GatewayConfig,
+        prog="python -m services.gateway",
+        description="meshserve OpenAI-compatible HTTP gateway",
     )
-    MeshConfig.add_args(parser)
-    parser.add_argument("--host", default=env("HOST", "0.0.0.0"))
-    parser.add_argument("--port", type=int, default=int(env("PORT", "8000")))
-    parser.add_argument("--served-model-name", default=env("SERVED_MODEL_NAME", "smollm2"))
-    parser.add_argument("--max-model-len", type=int, default=int(env("MAX_MODEL_LEN", "8192")))
-    parser.add_argument(
-        "--request-timeout-s", type=float, default=float(env("REQUEST_TIMEOUT_S", "600"))
-    )
-    parser.add_argument("--max-n", type=int, default=int(env("MAX_N", "8")))
-    parser.add_argument(
-        "--max-body-bytes", type=int, default=int(env("MAX_BODY_BYTES", str(4 * 1024 * 1024)))
-    )
-    parser.add_argument(
-        "--max-stop",
-        type=int,
-        default=int(env("MAX_STOP", str(DEFAULT_MAX_STOP))),
-        help="most stop sequences a request may set (OpenAI allows 4)",
-    )
-    parser.add_argument(
-        "--max-client-priority",
-        type=int,
-        default=int(env("MAX_CLIENT_PRIORITY", str(DEFAULT_MAX_CLIENT_PRIORITY))),
-        metavar="P",
-        help="a request's 'priority' must be an integer in -P..P; as in vLLM, a lower value "
-        "runs first and the default 0 is in the middle; 0 disables client priorities (any "
-        "non-zero priority is rejected)",
-    )
-    parser.add_argument(
-        "--chat-max-tokens-cap",
-        type=int,
-        default=int(env("CHAT_MAX_TOKENS_CAP", str(CHAT_DEFAULT_MAX_TOKENS))),
-        help="cap on the default max_tokens of a chat request that sets none",
-    )
-    parser.add_argument(
-        "--heartbeat-ttl-s",
-        type=float,
-        default=float(env("HEARTBEAT_TTL_S", "5")),
-        help="/health fails when no executor heartbeat arrived for this long",
-    )
-    parser.add_argument(
-        "--required-stages",
-        default=env("REQUIRED_STAGES", ",".join(REQUIRED_STAGES)),
-        help=f"comma-separated stages that must have a live member (of {', '.join(STAGES)})",
-    )
-    parser.add_argument(
-        "--presence-ttl-s",
-        type=float,
-        default=float(env("PRESENCE_TTL_S", "3")),
-        help="a service counts as gone this long after its last presence announcement",
-    )
-    parser.add_argument(
-        "--startup-grace-s",
-        type=float,
-        default=float(env("STARTUP_GRACE_S", "3")),
-        help="after start, requests wait this long for a missing stage to announce itself",
-    )
-    parser.add_argument(
-        "--shutdown-timeout-s", type=float, default=float(env("SHUTDOWN_TIMEOUT_S", "30"))
-    )
-    parser.add_argument(
-        "--api-key",
-        action="append",
-        dest="api_keys",
-        default=None,
-        help="accepted bearer token (repeatable; env MESHSERVE_API_KEYS, comma-separated)",
-    )
-    parser.add_argument(
-        "--allow-unauthenticated",
-        action="store_true",
-        default=env("ALLOW_UNAUTHENTICATED", "").lower() in ("1", "true", "yes"),
-        help="serve /v1/* and /metrics without API keys on a non-loopback --host (refused "
-        "otherwise: anyone who reaches the port could use the API)",
-    )
-    return parser
 
 
 def unauthenticated_exposure(config: GatewayConfig) -> str | None:
@@ -197,25 +158,4 @@ def serving_config(argv: list[str] | None = None) -> GatewayConfig:
 
 
 def parse_args(argv: list[str] | None = None) -> GatewayConfig:
-    args = build_parser().parse_args(argv)
-    keys = args.api_keys or [k for k in env("API_KEYS", "").split(",") if k.strip()]
-    return GatewayConfig(
-        mesh=MeshConfig.from_args(args),
-        host=args.host,
-        port=args.port,
-        served_model_name=args.served_model_name,
-        max_model_len=args.max_model_len,
-        request_timeout_s=args.request_timeout_s,
-        max_n=args.max_n,
-        max_body_bytes=args.max_body_bytes,
-        max_stop=args.max_stop,
-        max_client_priority=args.max_client_priority,
-        chat_max_tokens_cap=args.chat_max_tokens_cap,
-        heartbeat_ttl_s=args.heartbeat_ttl_s,
-        required_stages=tuple(s.strip() for s in args.required_stages.split(",") if s.strip()),
-        presence_ttl_s=args.presence_ttl_s,
-        startup_grace_s=args.startup_grace_s,
-        shutdown_timeout_s=args.shutdown_timeout_s,
-        api_keys=tuple(k.strip() for k in keys),
-        allow_unauthenticated=args.allow_unauthenticated,
-    )
+    return settings.from_args(GatewayConfig, build_parser().parse_args(argv))

@@ -14,16 +14,16 @@ executor's next snapshot. An executor that sends neither heartbeats nor events f
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import time
 from dataclasses import dataclass
 
-from common.config import MeshConfig, env
+from common.config import MeshConfig
 from common.kv_stream import ensure_kv_stream
 from common.messages import Heartbeat, IndexMatchReply, IndexMatchRequest, KVEventBatch
 from common.runtime import Service
+from common.settings import parse, setting
 from services.prefix_index.radix import RadixTree
 
 log = logging.getLogger("meshserve.prefix_index")
@@ -32,7 +32,12 @@ log = logging.getLogger("meshserve.prefix_index")
 @dataclass(frozen=True)
 class PrefixIndexConfig:
     mesh: MeshConfig
-    executor_timeout_s: float = 30.0
+    executor_timeout_s: float = setting(
+        30.0,
+        "forget an executor that sent neither heartbeats nor KV events for this long",
+        flag="--executor-timeout",
+        env="MESHSERVE_INDEX_EXECUTOR_TIMEOUT",
+    )
 
     def __post_init__(self) -> None:
         if self.executor_timeout_s <= 0:
@@ -40,13 +45,7 @@ class PrefixIndexConfig:
 
 
 def parse_args(argv: list[str] | None = None) -> PrefixIndexConfig:
-    p = argparse.ArgumentParser("python -m services.prefix_index")
-    MeshConfig.add_args(p)
-    p.add_argument(
-        "--executor-timeout", type=float, default=float(env("INDEX_EXECUTOR_TIMEOUT", "30"))
-    )
-    a = p.parse_args(argv)
-    return PrefixIndexConfig(MeshConfig.from_args(a), a.executor_timeout)
+    return parse(PrefixIndexConfig, argv, "python -m services.prefix_index")
 
 
 class PrefixIndexService:

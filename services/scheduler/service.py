@@ -15,7 +15,6 @@ second replica in the same queue group shares the submit stream but each keeps i
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
 import heapq
@@ -24,7 +23,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from common.config import MeshConfig, env
+from common.config import MeshConfig
 from common.messages import (
     AbortRequests,
     ErrorEvent,
@@ -41,6 +40,7 @@ from common.messages import (
 from common.metrics import SchedulerMetrics
 from common.recent_ids import RecentIds
 from common.runtime import NoAnswer, RequestError, Service
+from common.settings import parse, setting
 from services.scheduler.inflight import Assignment, Inflight, Rank
 from services.scheduler.router import POLICIES, Router
 from services.scheduler.tracing import RouteTraces
@@ -51,14 +51,33 @@ log = logging.getLogger("meshserve.scheduler")
 @dataclass(frozen=True)
 class SchedulerServiceConfig:
     mesh: MeshConfig
-    router: str = "least-load"
-    max_queue: int = 1024
-    heartbeat_timeout_s: float = 2.0
-    overlap_weight: float = 2.0  # kv router: cost of one uncached page vs one page of load
-    max_imbalance: float = 256.0  # kv router: skip executors this many pages above the lightest
-    index_timeout_s: float = 0.1  # kv router: past this, route by load alone
-    migration_limit: int = 3  # moves off lost executors per request; past it, an error
-    priority_aging_s: float = 1.0  # seconds of waiting one priority level is worth
+    router: str = setting("least-load", "how a request picks its executor", choices=POLICIES)
+    max_queue: int = setting(1024, "requests waiting for an executor; past it, 429")
+    heartbeat_timeout_s: float = setting(
+        2.0,
+        "an executor silent this long is lost (its requests move)",
+        flag="--heartbeat-timeout",
+    )
+    overlap_weight: float = setting(
+        2.0, "kv router: cost of one uncached page against one page of load"
+    )
+    max_imbalance: float = setting(
+        256.0, "kv router: skip executors this many pages above the lightest"
+    )
+    index_timeout_s: float = setting(
+        0.1, "kv router: past this, route by load alone", flag="--index-timeout"
+    )
+    migration_limit: int = setting(
+        3,
+        "how often one request may move off a lost executor and continue on another "
+        "(0: never; its client gets an executor_failed error instead)",
+    )
+    priority_aging_s: float = setting(
+        1.0,
+        "seconds of waiting one priority level is worth (lower priority values run "
+        "first, as in vLLM; aging bounds how long a request can be overtaken)",
+        flag="--priority-aging",
+    )
     progress_timeout_s: float = 1.0  # the detokenizer's answer on what a stream received
 
     def __post_init__(self) -> None:
@@ -75,42 +94,7 @@ class SchedulerServiceConfig:
 
 
 def parse_args(argv: list[str] | None = None) -> SchedulerServiceConfig:
-    p = argparse.ArgumentParser("python -m services.scheduler")
-    MeshConfig.add_args(p)
-    p.add_argument("--router", choices=POLICIES, default=env("ROUTER", "least-load"))
-    p.add_argument("--max-queue", type=int, default=int(env("MAX_QUEUE", "1024")))
-    p.add_argument(
-        "--heartbeat-timeout", type=float, default=float(env("HEARTBEAT_TIMEOUT", "2.0"))
-    )
-    p.add_argument("--overlap-weight", type=float, default=float(env("OVERLAP_WEIGHT", "2.0")))
-    p.add_argument("--max-imbalance", type=float, default=float(env("MAX_IMBALANCE", "256")))
-    p.add_argument("--index-timeout", type=float, default=float(env("INDEX_TIMEOUT", "0.1")))
-    p.add_argument(
-        "--migration-limit",
-        type=int,
-        default=int(env("MIGRATION_LIMIT", "3")),
-        help="how often one request may move off a lost executor and continue on another "
-        "(0: never; its client gets an executor_failed error instead)",
-    )
-    p.add_argument(
-        "--priority-aging",
-        type=float,
-        default=float(env("PRIORITY_AGING", "1.0")),
-        help="seconds of waiting one priority level is worth (lower priority values run "
-        "first, as in vLLM; aging bounds how long a request can be overtaken)",
-    )
-    a = p.parse_args(argv)
-    return SchedulerServiceConfig(
-        MeshConfig.from_args(a),
-        a.router,
-        a.max_queue,
-        a.heartbeat_timeout,
-        a.overlap_weight,
-        a.max_imbalance,
-        a.index_timeout,
-        a.migration_limit,
-        a.priority_aging,
-    )
+    return parse(SchedulerServiceConfig, argv, "python -m services.scheduler")
 
 
 class SchedulerService:

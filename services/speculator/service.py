@@ -12,7 +12,6 @@ decodes without drafts.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 from concurrent.futures import ThreadPoolExecutor
@@ -20,9 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
-from common.config import MeshConfig, env
+from common.config import MeshConfig, device_setting, page_size_setting
 from common.messages import ProposeReply, ProposeRequest
 from common.runtime import Service
+from common.settings import parse, setting
 from gpu.gguf import resolve_model_path
 from gpu.loader import load_model
 from gpu.proposers import DraftModelProposer
@@ -36,11 +36,19 @@ log = logging.getLogger("meshserve.speculator")
 @dataclass(frozen=True)
 class SpeculatorConfig:
     mesh: MeshConfig
-    draft_model: str
-    device: str = "cpu"
-    page_size: int = 16
-    kv_cache_tokens: int = 65536
-    top_n: int = 32  # support of a sampled draft token's distribution sent to the executor
+    draft_model: str = setting(help="the draft model: a Hugging Face folder or a .gguf file")
+    device: str = device_setting()
+    page_size: int = page_size_setting()
+    kv_cache_tokens: int = setting(
+        65536,
+        "the draft model's KV cache, in tokens (all sequences it holds)",
+        env="MESHSERVE_DRAFT_KV_CACHE_TOKENS",
+    )
+    top_n: int = setting(
+        32,
+        "support of a sampled draft token's distribution sent to the executor",
+        env="MESHSERVE_DRAFT_TOP_N",
+    )
     max_batched_tokens: int = 2048
 
     def __post_init__(self) -> None:
@@ -49,21 +57,7 @@ class SpeculatorConfig:
 
 
 def parse_args(argv: list[str] | None = None) -> SpeculatorConfig:
-    p = argparse.ArgumentParser("python -m services.speculator")
-    MeshConfig.add_args(p)
-    p.add_argument(
-        "--draft-model", default=env("DRAFT_MODEL", ""), required=not env("DRAFT_MODEL", "")
-    )
-    p.add_argument("--device", default=env("DEVICE", "cpu"))
-    p.add_argument("--page-size", type=int, default=int(env("PAGE_SIZE", "16")))
-    p.add_argument(
-        "--kv-cache-tokens", type=int, default=int(env("DRAFT_KV_CACHE_TOKENS", "65536"))
-    )
-    p.add_argument("--top-n", type=int, default=int(env("DRAFT_TOP_N", "32")))
-    a = p.parse_args(argv)
-    return SpeculatorConfig(
-        MeshConfig.from_args(a), a.draft_model, a.device, a.page_size, a.kv_cache_tokens, a.top_n
-    )
+    return parse(SpeculatorConfig, argv, "python -m services.speculator")
 
 
 def build_proposer(config: SpeculatorConfig) -> DraftModelProposer:

@@ -5,7 +5,6 @@ Stateless; run any number of replicas in the ``tokenizer`` queue group.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import time
 import zlib
@@ -14,9 +13,10 @@ from dataclasses import dataclass
 from opentelemetry import trace
 
 from common.block_hash import page_hashes
-from common.config import MeshConfig, env
+from common.config import MeshConfig, model_setting, page_size_setting
 from common.messages import GenerateRequest, TokenizedRequest
 from common.runtime import RequestError, Service
+from common.settings import parse, setting
 from common.telemetry import Attr
 from common.tokenizer import Tokenizer, TokenizerError
 from gpu.config import ModelConfig
@@ -26,9 +26,11 @@ from gpu.gguf import resolve_model_path
 @dataclass(frozen=True)
 class TokenizerConfig:
     mesh: MeshConfig
-    model: str | None
-    page_size: int = 16
-    detok_shards: int = 1
+    model: str | None = model_setting()
+    page_size: int = page_size_setting()
+    detok_shards: int = setting(
+        1, "detokenizer shards; each request goes to one, picked from its id"
+    )
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.detok_shards < 1:
@@ -36,13 +38,7 @@ class TokenizerConfig:
 
 
 def parse_args(argv: list[str] | None = None) -> TokenizerConfig:
-    p = argparse.ArgumentParser("python -m services.tokenizer")
-    MeshConfig.add_args(p)
-    p.add_argument("--model", default=env("MODEL", "") or None)
-    p.add_argument("--page-size", type=int, default=int(env("PAGE_SIZE", "16")))
-    p.add_argument("--detok-shards", type=int, default=int(env("DETOK_SHARDS", "1")))
-    a = p.parse_args(argv)
-    return TokenizerConfig(MeshConfig.from_args(a), a.model, a.page_size, a.detok_shards)
+    return parse(TokenizerConfig, argv, "python -m services.tokenizer")
 
 
 def detok_shard(request_id: str, shards: int) -> int:
