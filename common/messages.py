@@ -271,7 +271,15 @@ def _page_size_ok(value: int) -> bool:
 
 @dataclass(frozen=True)
 class SamplingSpec(Message):
-    """The request's sampling and stopping settings as validated by the gateway."""
+    """The request's sampling and stopping settings as validated by the gateway.
+
+    Every field but ``DETOKENIZER_ONLY`` is also a field of the engine's ``SamplingParams``
+    under the same name, and ``services.sampling`` converts by name: add a field to both.
+    """
+
+    # Applied to text by the detokenizer (it gets them in ``StreamStart``); the engine never
+    # sees them.
+    DETOKENIZER_ONLY: ClassVar[frozenset[str]] = frozenset({"stop", "skip_special_tokens"})
 
     max_tokens: int = 16
     temperature: float = 1.0

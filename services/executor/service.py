@@ -48,12 +48,12 @@ from gpu.loader import load_model
 from gpu.proposers import NgramProposer
 from gpu.quant import kv_cache_dtype
 from gpu.runner import ModelRunner
-from gpu.sampling import SamplingParams
 from gpu.sequence import Sequence
 from services.executor.config import ExecutorConfig
 from services.executor.kv_events import KVEventPublisher
 from services.executor.speculation import RemoteProposer
 from services.executor.timeline import Timelines
+from services.sampling import sampling_params
 
 log = logging.getLogger("meshserve.executor")
 
@@ -76,24 +76,6 @@ def fit_payload(
     first, first_bad = fit_payload(dataclasses.replace(step, seqs=step.seqs[:half]), limit)
     rest, rest_bad = fit_payload(dataclasses.replace(step, seqs=step.seqs[half:]), limit)
     return first + rest, first_bad + rest_bad
-
-
-def sampling_params(req: TokenizedRequest, eos_ids: frozenset[int]) -> SamplingParams:
-    p = req.params
-    return SamplingParams(
-        temperature=p.temperature,
-        top_p=p.top_p,
-        top_k=p.top_k,
-        min_p=p.min_p,
-        seed=p.seed,
-        presence_penalty=p.presence_penalty,
-        frequency_penalty=p.frequency_penalty,
-        repetition_penalty=p.repetition_penalty,
-        max_tokens=p.max_tokens,
-        stop_token_ids=tuple(p.stop_token_ids),
-        ignore_eos=p.ignore_eos,
-        logprobs=p.logprobs,
-    )
 
 
 class ExecutorService:
@@ -284,7 +266,7 @@ class ExecutorService:
                 log.warning("executor: ignoring a second submit of %s", req.request_id)
                 continue
             try:
-                params = sampling_params(req, self.engine.eos_token_ids)
+                params = sampling_params(req.params)
                 self.engine.add_request(
                     req.request_id, req.prompt_token_ids, params, req.output_token_ids
                 )
