@@ -6,6 +6,12 @@ field's type (nested messages included) and raises ``MessageError`` naming the b
 malformed message is a clear error for the receiver, never a crash deep in a handler.
 Grouped by the lifecycle in DESIGN.md: gateway -> tokenizer -> scheduler -> executor ->
 detokenizer -> gateway.
+
+Names: a message that is the wire form of an engine type (``gpu/``) is that type's name with
+``Wire`` in front (``WireSamplingParams`` for ``SamplingParams``, ``WireTokenLogprob`` for
+``TokenLogprob``), so code that holds both (the executor) says which one it has. Messages with
+no engine counterpart carry no prefix; ``TextLogprob`` is a logprob after detokenization (the
+token as text), which only the detokenizer and the gateway see.
 """
 
 from __future__ import annotations
@@ -270,11 +276,12 @@ def _page_size_ok(value: int) -> bool:
 
 
 @dataclass(frozen=True)
-class SamplingSpec(Message):
-    """The request's sampling and stopping settings as validated by the gateway.
+class WireSamplingParams(Message):
+    """The request's sampling and stopping settings as validated by the gateway: the wire form
+    of the engine's ``gpu.sampling.SamplingParams``.
 
-    Every field but ``DETOKENIZER_ONLY`` is also a field of the engine's ``SamplingParams``
-    under the same name, and ``services.sampling`` converts by name: add a field to both.
+    Every field but ``DETOKENIZER_ONLY`` is also a field of ``SamplingParams`` under the same
+    name, and ``services.sampling`` converts by name: add a field to both.
     """
 
     # Applied to text by the detokenizer (it gets them in ``StreamStart``); the engine never
@@ -309,7 +316,7 @@ class GenerateRequest(Message):
 
     request_id: str
     reply_to: str
-    params: SamplingSpec
+    params: WireSamplingParams
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     messages: list[ChatMessage] | None = None
@@ -325,7 +332,7 @@ class GenerateRequest(Message):
 class TokenizedRequest(Message):
     request_id: str
     reply_to: str
-    params: SamplingSpec
+    params: WireSamplingParams
     prompt_token_ids: list[int]
     block_hashes: list[int]
     detok_shard: int
@@ -452,7 +459,11 @@ class PresenceProbe(Message):
 
 
 @dataclass(frozen=True)
-class TokenLogprobs(Message):
+class WireTokenLogprob(Message):
+    """One generated token's logprob and its top alternatives, by token id: the wire form of
+    the engine's ``gpu.engine.TokenLogprob`` (the detokenizer turns it into a ``TextLogprob``).
+    """
+
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
@@ -481,7 +492,7 @@ class SeqTokens(Message):
     finish_reason: str | None
     output_tokens: int
     start: StreamStart | None = None
-    logprobs: list[TokenLogprobs] | None = None
+    logprobs: list[WireTokenLogprob] | None = None
 
 
 @dataclass(frozen=True)
@@ -537,6 +548,9 @@ class StreamProgressReply(Message):
 
 @dataclass(frozen=True)
 class TextLogprob(Message):
+    """A ``WireTokenLogprob`` detokenized: the token and its alternatives as text, and the
+    token's UTF-8 bytes (a token may hold part of a character)."""
+
     token: str
     logprob: float
     token_bytes: list[int]
@@ -625,7 +639,7 @@ class DraftSeq(Message):
     token_ids: list[int]
     num_prompt_tokens: int
     num_draft: int  # at most this many tokens
-    params: SamplingSpec
+    params: WireSamplingParams
 
 
 @dataclass(frozen=True)

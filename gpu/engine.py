@@ -50,6 +50,9 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class TokenLogprob:
+    """A generated token's logprob and its top ``(token id, logprob)`` alternatives (on the
+    wire: ``common.messages.WireTokenLogprob``)."""
+
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)

@@ -15,9 +15,9 @@ from common.config import MeshConfig
 from common.messages import (
     AbortRequests,
     ErrorEvent,
-    SamplingSpec,
     StepTokens,
     TokenizedRequest,
+    WireSamplingParams,
 )
 from common.nats_server import LocalNatsServer
 from services.executor.config import ExecutorConfig
@@ -96,7 +96,9 @@ async def executor(small_nats, tiny_llama):
 
 
 def request(rid: str, max_tokens: int = 8, stop: list[str] | None = None, **kw) -> TokenizedRequest:
-    params = SamplingSpec(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, stop=stop or [])
+    params = WireSamplingParams(
+        max_tokens=max_tokens, temperature=0.0, ignore_eos=True, stop=stop or []
+    )
     return TokenizedRequest(rid, "test.inbox", params, [5, 6, 7, 8, 9], [], 0, **kw)
 
 

@@ -10,12 +10,12 @@ import pytest
 from common.messages import (
     Message,
     MessageError,
-    SamplingSpec,
     SeqTokens,
     StepTokens,
     StreamStart,
     TokenizedRequest,
-    TokenLogprobs,
+    WireSamplingParams,
+    WireTokenLogprob,
     decode_any,
 )
 
@@ -24,7 +24,7 @@ def request(**overrides) -> TokenizedRequest:
     fields: dict[str, Any] = dict(
         request_id="r1",
         reply_to="_INBOX.1",
-        params=SamplingSpec(max_tokens=8, temperature=0.5, stop=["\n\n"], seed=3),
+        params=WireSamplingParams(max_tokens=8, temperature=0.5, stop=["\n\n"], seed=3),
         prompt_token_ids=[5, 6, 7],
         block_hashes=[2**63 - 1, 0],
         detok_shard=1,
@@ -35,7 +35,7 @@ def request(**overrides) -> TokenizedRequest:
 
 
 def step() -> StepTokens:
-    lp = TokenLogprobs(7, -0.25, [(7, -0.25), (9, -1.5)])
+    lp = WireTokenLogprob(7, -0.25, [(7, -0.25), (9, -1.5)])
     return StepTokens(
         "executor-0",
         [
@@ -54,7 +54,7 @@ def step() -> StepTokens:
         request(deadline=12.5),
         request(output_token_ids=[9, 8], migrations=1),
         step(),
-        SamplingSpec(),
+        WireSamplingParams(),
     ],
 )
 def test_round_trip(message: Message) -> None:

@@ -13,7 +13,7 @@ from openai.types.chat import ChatCompletionChunk
 
 from common.block_hash import page_hashes
 from common.config import MeshConfig
-from common.messages import AbortRequests, Heartbeat, SamplingSpec, TokenizedRequest
+from common.messages import AbortRequests, Heartbeat, TokenizedRequest, WireSamplingParams
 from services.scheduler.router import Router
 from services.scheduler.service import SchedulerService, SchedulerServiceConfig
 from tests.mesh import MeshHarness
@@ -35,7 +35,9 @@ def heartbeat(executor: str, pending_tokens: int = 0, running: int = 0) -> Heart
 
 
 def request(tokens: list[int], rid: str = "r") -> TokenizedRequest:
-    return TokenizedRequest(rid, "inbox", SamplingSpec(), tokens, page_hashes(tokens, PAGE), 0)
+    return TokenizedRequest(
+        rid, "inbox", WireSamplingParams(), tokens, page_hashes(tokens, PAGE), 0
+    )
 
 
 def router(policy: str = "kv", **loads: int) -> Router:

@@ -37,7 +37,7 @@ from common.messages import (
     StepTokens,
     StreamStart,
     TokenizedRequest,
-    TokenLogprobs,
+    WireTokenLogprob,
 )
 from common.metrics import EngineSnapshot, ExecutorMetrics
 from common.recent_ids import RecentIds
@@ -227,8 +227,8 @@ class ExecutorService:
     async def propose_drafts(self, remote: RemoteProposer) -> None:
         """Drafts for the coming step from the speculator (see ``speculation.py``); the engine
         is idle meanwhile, and submits/aborts arriving now wait for the next iteration."""
-        specs = {rid: req.params for rid, req in self.requests.items()}
-        self.engine.set_drafts(await remote.propose(self.engine.draft_requests(), specs))
+        sampling = {rid: req.params for rid, req in self.requests.items()}
+        self.engine.set_drafts(await remote.propose(self.engine.draft_requests(), sampling))
 
     async def expire_deadlines(self) -> None:
         """A request past its deadline stops here too (its pages are freed), not only at the
@@ -338,7 +338,9 @@ class ExecutorService:
                 )
             logprobs = None
             if out.logprobs is not None:
-                logprobs = [TokenLogprobs(lp.token_id, lp.logprob, lp.top) for lp in out.logprobs]
+                logprobs = [
+                    WireTokenLogprob(lp.token_id, lp.logprob, lp.top) for lp in out.logprobs
+                ]
             by_shard[req.detok_shard].append(
                 SeqTokens(
                     request_id=out.request_id,

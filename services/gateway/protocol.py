@@ -14,7 +14,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from common.messages import ChatMessage, SamplingSpec
+from common.messages import ChatMessage, WireSamplingParams
 from common.runtime import RequestError
 from services.gateway.config import GatewayConfig
 
@@ -53,13 +53,13 @@ class ApiRequest:
     n: int
     stream: bool
     include_usage: bool
-    params: SamplingSpec
+    params: WireSamplingParams
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     messages: list[ChatMessage] | None = None
     priority: int = 0
 
-    def choice_params(self, index: int) -> SamplingSpec:
+    def choice_params(self, index: int) -> WireSamplingParams:
         """Choice ``index`` samples with seed + index, so n seeded choices differ yet repeat."""
         if self.params.seed is None or index == 0:
             return self.params
@@ -458,10 +458,10 @@ def parse_logit_bias(body: Body) -> None:
 
 def parse_sampling(
     body: Body, config: GatewayConfig, max_tokens: int, logprobs: int | None
-) -> SamplingSpec:
+) -> WireSamplingParams:
     parse_logit_bias(body)
     top_k = body.integer("top_k", -1, -1, MAX_INT)
-    return SamplingSpec(
+    return WireSamplingParams(
         max_tokens=max_tokens,
         temperature=body.number("temperature", 1.0, 0.0, 2.0),
         top_p=body.number("top_p", 1.0, 0.0, 1.0, lo_open=True),

@@ -5,13 +5,13 @@ Used by both ends: the executor's ``RemoteProposer`` and the speculator service.
 
 from __future__ import annotations
 
-from common.messages import DraftSeq, DraftTokens, SamplingSpec
+from common.messages import DraftSeq, DraftTokens, WireSamplingParams
 from gpu.spec_decode import DraftRequest, Proposal
 from services.sampling import sampling_params
 
 
-def draft_seq(req: DraftRequest, spec: SamplingSpec) -> DraftSeq:
-    return DraftSeq(req.request_id, req.token_ids, req.num_prompt_tokens, req.num_draft, spec)
+def draft_seq(req: DraftRequest, sampling: WireSamplingParams) -> DraftSeq:
+    return DraftSeq(req.request_id, req.token_ids, req.num_prompt_tokens, req.num_draft, sampling)
 
 
 def draft_request(seq: DraftSeq) -> DraftRequest:
