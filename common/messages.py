@@ -334,7 +334,7 @@ class TokenizedRequest(Message):
     reply_to: str
     params: WireSamplingParams
     prompt_token_ids: list[int]
-    block_hashes: list[int]
+    page_hashes: list[int]
     detok_shard: int
     priority: int = 0
     deadline: float | None = None
@@ -600,7 +600,7 @@ class KVEventBatch(Message):
     ``seq`` counts an executor's batches from 1 since it started; a gap tells the index it
     missed changes. Apply in this order: ``cleared`` (forget everything the executor held),
     then ``evicted``, then ``stored`` (``(page_hash, parent_hash)``, chained hashes from
-    ``common.block_hash``; the parent of a prompt's first page is ``ROOT_HASH``). A batch with
+    ``common.page_hash``; the parent of a prompt's first page is ``ROOT_HASH``). A batch with
     ``cleared`` followed by stored pages is a full snapshot of the executor's cache.
     """
 
@@ -615,13 +615,13 @@ class KVEventBatch(Message):
 class IndexMatchRequest(Message):
     """Scheduler -> index: how much of this prompt does each executor hold?"""
 
-    block_hashes: list[int]
+    page_hashes: list[int]
     request_id: str = ""
 
 
 @dataclass(frozen=True)
 class IndexMatchReply(Message):
-    """Pages of the prompt's prefix (leading block hashes) each executor holds; absent = 0."""
+    """Pages of the prompt's prefix (leading page hashes) each executor holds; absent = 0."""
 
     overlaps: dict[str, int]
     num_executors: int = 0

@@ -106,7 +106,7 @@ async def idle(service: ExecutorService) -> None:
     async with asyncio.timeout(10):
         while service.requests or service.engine.has_unfinished() or service.pending_adds:
             await asyncio.sleep(0.02)
-    assert service.engine.blocks.num_free == service.engine.blocks.num_pages
+    assert service.engine.pages.num_free == service.engine.pages.num_pages
 
 
 async def test_a_step_over_the_payload_limit_is_split_and_every_stream_completes(executor):

@@ -184,7 +184,7 @@ async def test_disconnect_frees_sequence_and_pages(mesh):
         await asyncio.sleep(0.05)
     for ex in mesh.executor_services:
         assert not ex.engine.has_unfinished()
-        assert ex.engine.blocks.num_free == ex.engine.blocks.num_pages
+        assert ex.engine.pages.num_free == ex.engine.pages.num_pages
 
 
 @pytest.mark.parametrize(

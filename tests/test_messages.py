@@ -26,7 +26,7 @@ def request(**overrides) -> TokenizedRequest:
         reply_to="_INBOX.1",
         params=WireSamplingParams(max_tokens=8, temperature=0.5, stop=["\n\n"], seed=3),
         prompt_token_ids=[5, 6, 7],
-        block_hashes=[2**63 - 1, 0],
+        page_hashes=[2**63 - 1, 0],
         detok_shard=1,
         deadline=None,
     )

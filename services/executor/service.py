@@ -97,7 +97,7 @@ class ExecutorService:
         self.worker = worker or engine_thread(config.engine_nice)
         self.draining = False
         self.incarnation = uuid.uuid4().hex[:12]
-        self.load = (0, 0, engine.blocks.num_free, 0)  # running, waiting, free pages, pending
+        self.load = (0, 0, engine.pages.num_free, 0)  # running, waiting, free pages, pending
         self.kv_events = KVEventPublisher(self.svc, config.executor_id)
         self.metrics = ExecutorMetrics(self.svc.registry, config.executor_id, self.engine_state)
         self.timelines = Timelines(self.svc.tracer, self.metrics, config.executor_id)
@@ -158,15 +158,15 @@ class ExecutorService:
         pending = sum(self.to_compute(s) for s in sched.waiting) + sum(
             s.num_pending for s in sched.running
         )
-        self.load = (len(sched.running), len(sched.waiting), self.engine.blocks.num_free, pending)
+        self.load = (len(sched.running), len(sched.waiting), self.engine.pages.num_free, pending)
 
     def cached_prefix_tokens(self, req: TokenizedRequest) -> int:
         """Prompt tokens the prefix cache would serve ``req`` now. Load reports count only the
         rest: a waiting cache hit is not a full prefill, and the kv router must not see it as
         one (it would push requests away from the executor holding their prefix)."""
-        cache = self.engine.blocks.hash_to_page
+        cache = self.engine.pages.hash_to_page
         pages = 0
-        for page_hash in req.block_hashes:  # dict lookups only: safe while a step runs
+        for page_hash in req.page_hashes:  # dict lookups only: safe while a step runs
             if page_hash not in cache:
                 break
             pages += 1
@@ -187,7 +187,7 @@ class ExecutorService:
                 running=running,
                 waiting=waiting + len(self.pending_adds),
                 free_pages=free_pages,
-                total_pages=self.engine.blocks.num_pages,
+                total_pages=self.engine.pages.num_pages,
                 page_size=self.config.page_size,
                 max_num_seqs=self.config.max_num_seqs,
                 pending_tokens=pending
@@ -305,13 +305,13 @@ class ExecutorService:
 
     def engine_state(self) -> EngineSnapshot:
         """Read at scrape time, possibly mid-step: only atomic reads (lengths and ints)."""
-        blocks, sched, spec = self.engine.blocks, self.engine.scheduler, self.engine.spec
+        pages, sched, spec = self.engine.pages, self.engine.scheduler, self.engine.spec
         return EngineSnapshot(
             running=len(sched.running),
             waiting=len(sched.waiting) + len(self.pending_adds),
-            kv_cache_usage=1.0 - blocks.num_free / blocks.num_pages,
-            prefix_cache_queries=blocks.queries,
-            prefix_cache_hits=blocks.hits,
+            kv_cache_usage=1.0 - pages.num_free / pages.num_pages,
+            prefix_cache_queries=pages.queries,
+            prefix_cache_hits=pages.hits,
             spec_drafts=spec.num_spec_steps,
             spec_draft_tokens=spec.num_draft_tokens,
             spec_accepted_tokens=spec.num_accepted_tokens,

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 from opentelemetry import trace
 
-from common.block_hash import page_hashes
 from common.config import MeshConfig, env
 from common.messages import GenerateRequest, TokenizedRequest
+from common.page_hash import page_hashes
 from common.runtime import RequestError, Service
 from common.telemetry import Attr
 from common.tokenizer import Tokenizer, TokenizerError
@@ -122,7 +122,7 @@ class TokenizerService:
                 reply_to=req.reply_to,
                 params=params,
                 prompt_token_ids=ids,
-                block_hashes=page_hashes(ids, self.config.page_size),
+                page_hashes=page_hashes(ids, self.config.page_size),
                 detok_shard=detok_shard(req.request_id, self.config.detok_shards),
                 priority=req.priority,
                 deadline=req.deadline,
