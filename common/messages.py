@@ -22,7 +22,7 @@ import math
 import types
 import typing
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, TypeVar, Union, cast
 
 import msgpack
@@ -246,6 +246,9 @@ def _exact(kind: type) -> Converter:
 MAX_ID_LEN = 256  # executor and instance ids travel in subjects and metric labels
 MAX_PAGE_SIZE = 1 << 16  # tokens per KV page; real meshes use 1..256
 MAX_SHARDS = 1024  # detokenizer shards
+# Choices of one request: the tokenizer publishes one message per choice, so a forged n must not
+# make it publish millions. Far above any --max-n (OpenAI allows 128).
+MAX_CHOICES = 1024
 
 
 def _require(kind: str, checks: dict[str, bool]) -> None:
@@ -312,7 +315,12 @@ class ChatMessage(Message):
 
 @dataclass(frozen=True)
 class GenerateRequest(Message):
-    """One sequence to generate (the gateway splits ``n`` > 1 into n of these)."""
+    """One prompt and the ``n`` sequences (OpenAI's choices) to generate from it.
+
+    The tokenizer encodes the prompt once and forwards one ``TokenizedRequest`` per choice
+    (``choices``): from there on each choice is a request of its own, under its own id. An
+    error the tokenizer answers under ``request_id`` itself fails every choice.
+    """
 
     request_id: str
     reply_to: str
@@ -323,6 +331,27 @@ class GenerateRequest(Message):
     priority: int = 0
     deadline: float | None = None  # unix seconds; past it the request fails with a timeout
     arrival_time: float = 0.0
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        _require(
+            "GenerateRequest", {f"n must be within 1..{MAX_CHOICES}": 1 <= self.n <= MAX_CHOICES}
+        )
+
+    def choice_ids(self) -> list[str]:
+        """The request id of each choice, in choice order (the gateway awaits these)."""
+        return [f"{self.request_id}-{i}" for i in range(self.n)]
+
+    def choices(self) -> list[tuple[str, WireSamplingParams]]:
+        """Each choice's request id and sampling settings. Choice ``i`` samples with seed + i,
+        so seeded choices differ from each other yet repeat across identical requests (the
+        gateway keeps seed + n - 1 in range); unseeded choices differ by their own draws, and
+        greedy ones are all equal."""
+        seed = self.params.seed
+        return [
+            (cid, self.params if seed is None or i == 0 else replace(self.params, seed=seed + i))
+            for i, cid in enumerate(self.choice_ids())
+        ]
 
 
 # --- tokenizer -> scheduler -> executor ---------------------------------------------------------

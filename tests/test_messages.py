@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import msgpack
 import pytest
 
 from common.messages import (
+    MAX_CHOICES,
+    GenerateRequest,
     Message,
     MessageError,
     SeqTokens,
@@ -121,3 +124,26 @@ def test_garbage_and_decode_any() -> None:
     assert decode_any(step().encode(), TokenizedRequest, StepTokens) == step()
     with pytest.raises(MessageError, match="unexpected message type"):
         decode_any(step().encode(), TokenizedRequest)
+
+
+def test_choices_get_their_own_ids_and_seeds() -> None:
+    """OpenAI's n travels as one GenerateRequest; the tokenizer forwards ``choices()``."""
+    seeded = GenerateRequest("cmpl-1", "_INBOX.1", WireSamplingParams(seed=7), prompt="x", n=3)
+    assert seeded.choice_ids() == ["cmpl-1-0", "cmpl-1-1", "cmpl-1-2"]
+    assert [(cid, p.seed) for cid, p in seeded.choices()] == [
+        ("cmpl-1-0", 7),
+        ("cmpl-1-1", 8),
+        ("cmpl-1-2", 9),
+    ]
+    assert all(p == dataclasses.replace(seeded.params, seed=p.seed) for _, p in seeded.choices())
+    unseeded = dataclasses.replace(seeded, params=WireSamplingParams(temperature=0.0))
+    assert [p for _, p in unseeded.choices()] == [unseeded.params] * 3
+    assert GenerateRequest.decode(seeded.encode()) == seeded
+    assert GenerateRequest("r", "i", WireSamplingParams()).choice_ids() == ["r-0"]
+
+
+@pytest.mark.parametrize("n", [0, -1, MAX_CHOICES + 1])
+def test_a_forged_n_is_refused(n: int) -> None:
+    good = GenerateRequest("r", "_INBOX.1", WireSamplingParams(), prompt="x")
+    with pytest.raises(MessageError, match="n must be within"):
+        GenerateRequest.decode(raw(good, n=n))
