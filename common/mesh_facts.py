@@ -2,7 +2,7 @@
 route to) and the gateway (what ``/health`` says) both apply.
 
 The KV page size: the tokenizer hashes each prompt's full pages with its ``--page-size``
-(``TokenizedRequest.block_hashes``); an executor's prefix cache and the prefix index key pages
+(``TokenizedRequest.page_hashes``); an executor's prefix cache and the prefix index key pages
 by the executor's own page size. An executor paging differently still answers correctly (its
 engine hashes pages itself) but never matches a routed prefix, so cache-aware routing loses
 every hit there without a word. Such an executor is refused work, loudly, instead.
@@ -19,7 +19,7 @@ def mesh_page_size(
 ) -> tuple[int | None, str]:
     """The page size the mesh runs at, and whose it is (for error messages).
 
-    The tokenizers' when any announced one: the block hashes of every request come from
+    The tokenizers' when any announced one: the page hashes of every request come from
     them. Else the one most executors use (a tie goes to the executor listed first, i.e. seen
     first). ``None`` when nobody has said.
     """

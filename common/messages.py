@@ -6,6 +6,12 @@ field's type (nested messages included) and raises ``MessageError`` naming the b
 malformed message is a clear error for the receiver, never a crash deep in a handler.
 Grouped by the lifecycle in DESIGN.md: gateway -> tokenizer -> scheduler -> executor ->
 detokenizer -> gateway.
+
+Names: a message that is the wire form of an engine type (``gpu/``) is that type's name with
+``Wire`` in front (``WireSamplingParams`` for ``SamplingParams``, ``WireTokenLogprob`` for
+``TokenLogprob``), so code that holds both (the executor) says which one it has. Messages with
+no engine counterpart carry no prefix; ``TextLogprob`` is a logprob after detokenization (the
+token as text), which only the detokenizer and the gateway see.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import math
 import types
 import typing
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, TypeVar, Union, cast
 
 import msgpack
@@ -240,6 +246,9 @@ def _exact(kind: type) -> Converter:
 MAX_ID_LEN = 256  # executor and instance ids travel in subjects and metric labels
 MAX_PAGE_SIZE = 1 << 16  # tokens per KV page; real meshes use 1..256
 MAX_SHARDS = 1024  # detokenizer shards
+# Choices of one request: the tokenizer publishes one message per choice, so a forged n must not
+# make it publish millions. Far above any --max-n (OpenAI allows 128).
+MAX_CHOICES = 1024
 
 
 def _require(kind: str, checks: dict[str, bool]) -> None:
@@ -270,8 +279,17 @@ def _page_size_ok(value: int) -> bool:
 
 
 @dataclass(frozen=True)
-class SamplingSpec(Message):
-    """The request's sampling and stopping settings as validated by the gateway."""
+class WireSamplingParams(Message):
+    """The request's sampling and stopping settings as validated by the gateway: the wire form
+    of the engine's ``gpu.sampling.SamplingParams``.
+
+    Every field but ``DETOKENIZER_ONLY`` is also a field of ``SamplingParams`` under the same
+    name, and ``services.sampling`` converts by name: add a field to both.
+    """
+
+    # Applied to text by the detokenizer (it gets them in ``StreamStart``); the engine never
+    # sees them.
+    DETOKENIZER_ONLY: ClassVar[frozenset[str]] = frozenset({"stop", "skip_special_tokens"})
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -297,17 +315,43 @@ class ChatMessage(Message):
 
 @dataclass(frozen=True)
 class GenerateRequest(Message):
-    """One sequence to generate (the gateway splits ``n`` > 1 into n of these)."""
+    """One prompt and the ``n`` sequences (OpenAI's choices) to generate from it.
+
+    The tokenizer encodes the prompt once and forwards one ``TokenizedRequest`` per choice
+    (``choices``): from there on each choice is a request of its own, under its own id. An
+    error the tokenizer answers under ``request_id`` itself fails every choice.
+    """
 
     request_id: str
     reply_to: str
-    params: SamplingSpec
+    params: WireSamplingParams
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     messages: list[ChatMessage] | None = None
     priority: int = 0
     deadline: float | None = None  # unix seconds; past it the request fails with a timeout
     arrival_time: float = 0.0
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        _require(
+            "GenerateRequest", {f"n must be within 1..{MAX_CHOICES}": 1 <= self.n <= MAX_CHOICES}
+        )
+
+    def choice_ids(self) -> list[str]:
+        """The request id of each choice, in choice order (the gateway awaits these)."""
+        return [f"{self.request_id}-{i}" for i in range(self.n)]
+
+    def choices(self) -> list[tuple[str, WireSamplingParams]]:
+        """Each choice's request id and sampling settings. Choice ``i`` samples with seed + i,
+        so seeded choices differ from each other yet repeat across identical requests (the
+        gateway keeps seed + n - 1 in range); unseeded choices differ by their own draws, and
+        greedy ones are all equal."""
+        seed = self.params.seed
+        return [
+            (cid, self.params if seed is None or i == 0 else replace(self.params, seed=seed + i))
+            for i, cid in enumerate(self.choice_ids())
+        ]
 
 
 # --- tokenizer -> scheduler -> executor ---------------------------------------------------------
@@ -317,9 +361,9 @@ class GenerateRequest(Message):
 class TokenizedRequest(Message):
     request_id: str
     reply_to: str
-    params: SamplingSpec
+    params: WireSamplingParams
     prompt_token_ids: list[int]
-    block_hashes: list[int]
+    page_hashes: list[int]
     detok_shard: int
     priority: int = 0
     deadline: float | None = None
@@ -444,7 +488,11 @@ class PresenceProbe(Message):
 
 
 @dataclass(frozen=True)
-class TokenLogprobs(Message):
+class WireTokenLogprob(Message):
+    """One generated token's logprob and its top alternatives, by token id: the wire form of
+    the engine's ``gpu.engine.TokenLogprob`` (the detokenizer turns it into a ``TextLogprob``).
+    """
+
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
@@ -473,7 +521,7 @@ class SeqTokens(Message):
     finish_reason: str | None
     output_tokens: int
     start: StreamStart | None = None
-    logprobs: list[TokenLogprobs] | None = None
+    logprobs: list[WireTokenLogprob] | None = None
 
 
 @dataclass(frozen=True)
@@ -529,6 +577,9 @@ class StreamProgressReply(Message):
 
 @dataclass(frozen=True)
 class TextLogprob(Message):
+    """A ``WireTokenLogprob`` detokenized: the token and its alternatives as text, and the
+    token's UTF-8 bytes (a token may hold part of a character)."""
+
     token: str
     logprob: float
     token_bytes: list[int]
@@ -578,7 +629,7 @@ class KVEventBatch(Message):
     ``seq`` counts an executor's batches from 1 since it started; a gap tells the index it
     missed changes. Apply in this order: ``cleared`` (forget everything the executor held),
     then ``evicted``, then ``stored`` (``(page_hash, parent_hash)``, chained hashes from
-    ``common.block_hash``; the parent of a prompt's first page is ``ROOT_HASH``). A batch with
+    ``common.page_hash``; the parent of a prompt's first page is ``ROOT_HASH``). A batch with
     ``cleared`` followed by stored pages is a full snapshot of the executor's cache.
     """
 
@@ -593,13 +644,13 @@ class KVEventBatch(Message):
 class IndexMatchRequest(Message):
     """Scheduler -> index: how much of this prompt does each executor hold?"""
 
-    block_hashes: list[int]
+    page_hashes: list[int]
     request_id: str = ""
 
 
 @dataclass(frozen=True)
 class IndexMatchReply(Message):
-    """Pages of the prompt's prefix (leading block hashes) each executor holds; absent = 0."""
+    """Pages of the prompt's prefix (leading page hashes) each executor holds; absent = 0."""
 
     overlaps: dict[str, int]
     num_executors: int = 0
@@ -617,7 +668,7 @@ class DraftSeq(Message):
     token_ids: list[int]
     num_prompt_tokens: int
     num_draft: int  # at most this many tokens
-    params: SamplingSpec
+    params: WireSamplingParams
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ A request is one trace across the mesh. Its context travels as ``traceparent`` (
 the handler inside it). Messages that batch many requests (an executor step's tokens) carry
 one context per request in their body instead (``StreamStart.trace``), built by ``carrier``.
 
-The span tree of one request (one per choice below the gateway):
+The span tree of one request (one per choice below the tokenizer, which fans ``n`` out):
 
     gateway.request                  gateway, the root (or a child of the client's traceparent)
     └─ tokenizer.encode              tokenizer

@@ -3,7 +3,7 @@
 ``layers[i]`` has shape ``[num_pages, 2, page_size, num_kv_heads, head_dim]`` (index 0 of the
 second axis holds keys, 1 values), which is what ``append_paged_kv_cache`` and the FlashInfer
 wrappers take as ``paged_kv_cache``. The pool only holds memory; which sequence owns which
-page is the block manager's business (see ``gpu/block_manager.py``).
+page is the page manager's business (see ``gpu/page_manager.py``).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from gpu.attention.metadata import SeqChunk
-from gpu.block_manager import BlockManager, PageTable
+from gpu.page_manager import PageManager, PageTable
 from gpu.runner import ModelRunner
 from gpu.sampling import Sampler, SamplerInput
 from gpu.spec_decode import DraftRequest, Proposal
@@ -91,7 +91,7 @@ class DraftModelProposer:
         generator: torch.Generator | None = None,
     ) -> None:
         self.runner = runner
-        self.blocks = BlockManager(
+        self.pages = PageManager(
             runner.kv.spec.num_pages, runner.page_size, enable_prefix_caching=False
         )
         self.top_n = top_n
@@ -104,7 +104,7 @@ class DraftModelProposer:
         for rid in request_ids:
             state = self.states.pop(rid, None)
             if state is not None:
-                self.blocks.free(state.table)
+                self.pages.free(state.table)
 
     def propose(self, requests: list[DraftRequest]) -> dict[str, Proposal]:
         batch = [r for r in requests if self._fits(r)]
@@ -141,11 +141,11 @@ class DraftModelProposer:
             common += 1
         state.num_computed = min(common, len(token_ids) - 1)
         state.token_ids = list(token_ids)
-        self.blocks.truncate(state.table, state.num_computed)
+        self.pages.truncate(state.table, state.num_computed)
 
     def _reserve(self, state: _DraftState, num_tokens: int, busy: set[str]) -> bool:
         """Pages for ``num_tokens``; evicts idle sequences (LRU first) when the pool is full."""
-        while not self.blocks.allocate(state.table, num_tokens):
+        while not self.pages.allocate(state.table, num_tokens):
             victim = next((rid for rid in self.states if rid not in busy), None)
             if victim is None:
                 return False

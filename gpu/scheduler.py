@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from gpu.block_manager import BlockManager
+from gpu.page_manager import PageManager
 from gpu.sequence import SeqStatus, Sequence
 
 
@@ -44,9 +44,9 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, blocks: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, pages: PageManager) -> None:
         self.config = config
-        self.blocks = blocks
+        self.pages = pages
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -59,7 +59,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.blocks.free(seq.table)
+        self.pages.free(seq.table)
 
     @property
     def num_unfinished(self) -> int:
@@ -73,7 +73,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_pending, budget)
-            while not self.blocks.allocate(seq.table, seq.num_computed + num_new):
+            while not self.pages.allocate(seq.table, seq.num_computed + num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim)
@@ -92,20 +92,20 @@ class Scheduler:
     def _admit(self, budget: int, scheduled: list[ScheduledSeq]) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            cached = self.blocks.match_prefix(seq.table, seq.all_token_ids)
+            cached = self.pages.match_prefix(seq.table, seq.all_token_ids)
             seq.num_computed = cached
             if not seq.admitted:
                 seq.num_cached_prompt_tokens = min(cached, len(seq.prompt_token_ids))
             num_new = min(seq.num_pending, budget)
-            if not self.blocks.allocate(seq.table, seq.num_computed + num_new):
+            if not self.pages.allocate(seq.table, seq.num_computed + num_new):
                 # Let go of the matched prefix: a waiting sequence holds no pages. Held, they
                 # could lock out a sequence preempted ahead of it, with nothing left running.
-                self.blocks.free(seq.table)
+                self.pages.free(seq.table)
                 seq.num_computed = 0
                 break
             self.waiting.popleft()
             if not seq.admitted:
-                self.blocks.record_lookup(len(seq.prompt_token_ids), seq.num_cached_prompt_tokens)
+                self.pages.record_lookup(len(seq.prompt_token_ids), seq.num_cached_prompt_tokens)
             seq.status = SeqStatus.RUNNING
             seq.admitted = True
             self.running.append(seq)
@@ -114,7 +114,7 @@ class Scheduler:
         return budget
 
     def _preempt(self, seq: Sequence) -> None:
-        self.blocks.free(seq.table)
+        self.pages.free(seq.table)
         seq.num_computed = 0
         seq.num_preemptions += 1
         seq.status = SeqStatus.WAITING

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gpu.block_manager import PageTable
+from gpu.page_manager import PageTable
 from gpu.sampling import SamplingParams
 from gpu.spec_decode import DraftLength, Proposal
 

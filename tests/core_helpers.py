@@ -2,7 +2,7 @@
 (the shape of vLLM's tests/v1/core/utils.py): the rules run in milliseconds, no forward pass.
 
 The engine's modules are imported here and nowhere else in those tests, so renaming one (e.g.
-``gpu.block_manager.BlockManager`` -> ``gpu.page_manager.PageManager``) is a one-line change.
+``gpu.page_manager.PageManager``) is a one-line change.
 """
 
 from __future__ import annotations
@@ -11,9 +11,8 @@ import itertools
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
-from common.block_hash import page_hashes
-from gpu.block_manager import BlockManager as PageManager
-from gpu.block_manager import KVEvent, PageTable
+from common.page_hash import page_hashes
+from gpu.page_manager import KVEvent, PageManager, PageTable
 from gpu.sampling import SamplingParams
 from gpu.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from gpu.sequence import FinishReason, SeqStatus, Sequence

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from common.block_hash import ROOT_HASH
+from common.page_hash import ROOT_HASH
 from tests.core_helpers import (
     KVEvent,
     PageTable,

@@ -86,7 +86,7 @@ def test_greedy_matches_transformers_under_churn(tiny_llama, oracle):
             )
         if step == 6:
             assert engine.abort("4")
-        engine.blocks.check_invariants([s.table for s in engine.seqs.values()])
+        engine.pages.check_invariants([s.table for s in engine.seqs.values()])
 
     run_until_done(engine, outputs, churn)
     assert preempted, "the pool was meant to force preemption"
@@ -95,7 +95,7 @@ def test_greedy_matches_transformers_under_churn(tiny_llama, oracle):
             continue
         assert len(outputs[str(i)]) == max_tokens[i]
         assert outputs[str(i)] == hf_greedy(oracle, prompt, max_tokens[i]), f"request {i}"
-    assert engine.blocks.num_free == engine.blocks.num_pages
+    assert engine.pages.num_free == engine.pages.num_pages
 
 
 def test_prefix_hits_and_tiny_budget(tiny_llama, oracle):
@@ -107,7 +107,7 @@ def test_prefix_hits_and_tiny_budget(tiny_llama, oracle):
     first = system + tails[0]
     out = engine.generate([first], SamplingParams(max_tokens=6, **GREEDY))[0]
     assert out == hf_greedy(oracle, first, 6)
-    hits_before = engine.blocks.hits
+    hits_before = engine.pages.hits
     prompts = [system + t for t in tails[1:]]
     engine.add_request("a", prompts[0], SamplingParams(max_tokens=8, **GREEDY))
     engine.add_request("b", prompts[1], SamplingParams(max_tokens=8, **GREEDY))
@@ -118,7 +118,7 @@ def test_prefix_hits_and_tiny_budget(tiny_llama, oracle):
             outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
             cached[o.request_id] = o.cached_tokens
     assert cached == {"a": 20, "b": 20}  # 5 full pages of the 21-token system prompt
-    assert engine.blocks.hits - hits_before == 40
+    assert engine.pages.hits - hits_before == 40
     assert outputs["a"] == hf_greedy(oracle, prompts[0], 8)
     assert outputs["b"] == hf_greedy(oracle, prompts[1], 8)
 
@@ -214,10 +214,10 @@ def test_thousand_random_requests_leave_every_page_free(tiny_llama):
         for out in engine.step():
             if out.finish_reason is not None and out.request_id in live:
                 live.remove(out.request_id)
-        engine.blocks.check_invariants([s.table for s in engine.seqs.values()])
+        engine.pages.check_invariants([s.table for s in engine.seqs.values()])
         steps += 1
-    assert engine.blocks.num_free == engine.blocks.num_pages
-    assert all(c == 0 for c in engine.blocks.ref_counts)
-    assert engine.blocks.hits > 0
-    engine.blocks.reset_prefix_cache()
-    assert len(engine.blocks.free_pages) == engine.blocks.num_pages
+    assert engine.pages.num_free == engine.pages.num_pages
+    assert all(c == 0 for c in engine.pages.ref_counts)
+    assert engine.pages.hits > 0
+    engine.pages.reset_prefix_cache()
+    assert len(engine.pages.free_pages) == engine.pages.num_pages

@@ -15,9 +15,9 @@ from common.config import MeshConfig
 from common.messages import (
     AbortRequests,
     ErrorEvent,
-    SamplingSpec,
     StepTokens,
     TokenizedRequest,
+    WireSamplingParams,
 )
 from common.nats_server import LocalNatsServer
 from services.executor.config import ExecutorConfig
@@ -96,7 +96,9 @@ async def executor(small_nats, tiny_llama):
 
 
 def request(rid: str, max_tokens: int = 8, stop: list[str] | None = None, **kw) -> TokenizedRequest:
-    params = SamplingSpec(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, stop=stop or [])
+    params = WireSamplingParams(
+        max_tokens=max_tokens, temperature=0.0, ignore_eos=True, stop=stop or []
+    )
     return TokenizedRequest(rid, "test.inbox", params, [5, 6, 7, 8, 9], [], 0, **kw)
 
 
@@ -104,7 +106,7 @@ async def idle(service: ExecutorService) -> None:
     async with asyncio.timeout(10):
         while service.requests or service.engine.has_unfinished() or service.pending_adds:
             await asyncio.sleep(0.02)
-    assert service.engine.blocks.num_free == service.engine.blocks.num_pages
+    assert service.engine.pages.num_free == service.engine.pages.num_pages
 
 
 async def test_a_step_over_the_payload_limit_is_split_and_every_stream_completes(executor):

@@ -1,7 +1,8 @@
 """The gateway against a real nats-server and a fake mesh, driven by the openai client.
 
-The fake mesh stands in for tokenizer..detokenizer: it answers each ``GenerateRequest`` on its
-``reply_to`` with ``TextDeltas`` (tokens ``<choice>``, ``Hello``, `` world``, cut at
+The fake mesh stands in for tokenizer..detokenizer: it answers each choice of a
+``GenerateRequest`` (``choices()``, as the tokenizer fans it out) on its ``reply_to`` with
+``TextDeltas`` (tokens ``<choice>``, ``Hello``, `` world``, cut at
 max_tokens) or an ``ErrorEvent``, chosen by keywords in the prompt: ``error429`` fails before
 any token, ``fail-mid`` fails after one, ``hang`` sends one token then nothing, ``silent``
 never answers.
@@ -36,6 +37,7 @@ from common.messages import (
     TextDeltas,
     TextLogprob,
     Usage,
+    WireSamplingParams,
 )
 from common.nats_server import LocalNatsServer
 from common.subjects import Subjects
@@ -71,9 +73,10 @@ class FakeMesh:
         request = GenerateRequest.decode(msg.data)
         self.requests.append(request)
         self.sizes.append((len(msg.data), msg.headers))
-        task = asyncio.create_task(self.answer(request))
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
+        for choice_id, params in request.choices():
+            task = asyncio.create_task(self.answer(request, choice_id, params))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
 
     async def beat(self, draining: bool = False) -> None:
         beat = Heartbeat("ex0", 0, 0, 100, 100, 16, 8, 0, draining, time.time())
@@ -85,19 +88,24 @@ class FakeMesh:
             await self.nc.publish(request.reply_to, message.encode())
         await self.nc.flush()
 
-    async def answer(self, request: GenerateRequest) -> None:
+    async def answer(self, request: GenerateRequest, rid: str, params: WireSamplingParams) -> None:
         text = request.prompt or ""
         if request.messages:
             text = request.messages[-1].content
-        rid = request.request_id
         if "silent" in text:
             return
-        if "error429" in text:
-            await self.send(request, ErrorEvent(rid, 429, "queue is full", "rate_limit_error"))
-            return
         choice = rid.rsplit("-", 1)[1]
+        if "error429" in text:
+            if choice == "0":  # one choice is refused (a full queue); the others never answer
+                await self.send(request, ErrorEvent(rid, 429, "queue is full", "rate_limit_error"))
+            return
+        if "tokenizer-error" in text:  # the tokenizer fails before the request splits
+            if choice == "0":
+                error = ErrorEvent(request.request_id, 400, "bad template", param="messages")
+                await self.send(request, error)
+            return
         tokens = [f"<{choice}>", "Hello", " world"]
-        n = min(len(tokens), request.params.max_tokens)
+        n = min(len(tokens), params.max_tokens)
         for i, token in enumerate(tokens[:n]):
             if i == 1 and "hang" in text:
                 return
@@ -112,7 +120,7 @@ class FakeMesh:
                     token,
                     ("stop" if n == len(tokens) else "length") if last else None,
                     Usage(PROMPT_TOKENS, n, CACHED_TOKENS) if last else None,
-                    logprobs_for(token, request.params.logprobs, "nonfinite" in text),
+                    logprobs_for(token, params.logprobs, "nonfinite" in text),
                 ),
             )
 
@@ -212,7 +220,7 @@ async def test_completion_non_stream(env: Env) -> None:
     assert (result.usage.prompt_tokens, result.usage.completion_tokens) == (PROMPT_TOKENS, 3)
     assert result.usage.total_tokens == PROMPT_TOKENS + 3
     (request,) = env.fake.requests
-    assert request.request_id == f"{result.id}-0"
+    assert request.request_id == result.id and request.choice_ids() == [f"{result.id}-0"]
     assert request.prompt == "Say hi" and request.prompt_token_ids is None
     assert request.params.max_tokens == 16  # OpenAI's completions default
     assert request.params.seed is None
@@ -237,7 +245,7 @@ async def test_completion_stream_framing(env: Env) -> None:
         request_id = resp.headers["X-Request-Id"]
         events = sse_events(await resp.text())
     assert env.fake.requests[0].prompt_token_ids == [1, 2, 3]
-    assert env.fake.requests[0].request_id == f"{request_id}-0"
+    assert env.fake.requests[0].choice_ids() == [f"{request_id}-0"]
     *chunks, usage_chunk, done = events
     assert done == "[DONE]"
     for chunk in chunks:
@@ -280,7 +288,9 @@ async def test_n_choices_with_seed(env: Env) -> None:
         (0, "<0>Hello world"),
         (1, "<1>Hello world"),
     ]
-    assert sorted(r.params.seed or 0 for r in env.fake.requests) == [5, 6]
+    (request,) = env.fake.requests  # one request: the tokenizer fans the choices out
+    assert request.n == 2 and request.params.seed == 5
+    assert [params.seed for _, params in request.choices()] == [5, 6]
     assert result.usage is not None
     assert result.usage.prompt_tokens == PROMPT_TOKENS  # the shared prompt counts once
     assert result.usage.completion_tokens == 6
@@ -471,7 +481,20 @@ async def test_error_before_first_token_is_the_http_status(env: Env, stream: boo
     }
     # The first error fails the request; the other choice is aborted.
     await env.wait_for(lambda: len(env.fake.aborts) == 1)
-    assert env.fake.aborts[0].request_ids == [env.fake.requests[1].request_id]
+    assert env.fake.aborts[0].request_ids == [env.fake.requests[0].choice_ids()[1]]
+
+
+async def test_an_error_for_the_whole_request_fails_every_choice(env: Env) -> None:
+    """The tokenizer answers under the request's own id (it failed before the fan-out, or
+    while forwarding): the request fails, and every choice is aborted in case some went on."""
+    status, answer = await env.post(CMP, {"prompt": "tokenizer-error", "n": 3})
+    assert status == 400
+    assert answer["error"]["message"] == "bad template"
+    assert answer["error"]["param"] == "messages"
+    await env.wait_for(lambda: len(env.fake.aborts) == 1)
+    (request,) = env.fake.requests
+    assert sorted(env.fake.aborts[0].request_ids) == sorted(request.choice_ids())
+    assert len(env.server.mesh.inbox) == 0
 
 
 async def test_error_before_first_token_with_openai_client(env: Env) -> None:
@@ -516,7 +539,8 @@ async def test_client_disconnect_aborts_the_request(env: Env, stream: bool) -> N
             await env.http.post(env.url + "/v1/completions", json=body, timeout=timeout)
     await env.wait_for(lambda: len(env.fake.aborts) == 1)
     (abort,) = env.fake.aborts
-    assert sorted(abort.request_ids) == sorted(r.request_id for r in env.fake.requests)
+    (request,) = env.fake.requests
+    assert sorted(abort.request_ids) == sorted(request.choice_ids())
     assert abort.reason == "client disconnected"
     assert len(env.server.mesh.inbox) == 0  # nothing left routed to the dead request
 

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from common.messages import Heartbeat, SamplingSpec, TokenizedRequest
+from common.messages import Heartbeat, TokenizedRequest, WireSamplingParams
 from services.scheduler.inflight import Inflight
 
 
 def req(rid: str) -> TokenizedRequest:
-    return TokenizedRequest(rid, "inbox", SamplingSpec(), [1, 2, 3], [], 0)
+    return TokenizedRequest(rid, "inbox", WireSamplingParams(), [1, 2, 3], [], 0)
 
 
 def hb(executor: str, ids: list[str]) -> Heartbeat:

@@ -14,6 +14,7 @@ from gpu.engine import Engine, EngineConfig
 from gpu.loader import load_model
 from gpu.runner import ModelRunner
 from gpu.sampling import SamplingParams
+from services.tokenizer.service import TokenizerService
 from tests.mesh import MeshHarness, openai_client
 
 PROMPTS = ["Hello world", "The quick brown fox", "Serving language models", "café 你好"]
@@ -123,6 +124,33 @@ async def test_n_seed_and_logprobs(client):
     assert all(len(top) >= 1 for top in info.top_logprobs)
 
 
+async def test_n_choices_share_one_encode(mesh, client, monkeypatch):
+    """The tokenizer encodes the prompt once for n choices; choice i samples with seed + i (as
+    one request with that seed would), and greedy choices are all equal."""
+    tok = next(s for s in mesh.services if isinstance(s, TokenizerService))
+    calls = []
+    encode = tok.tokenizer.encode
+
+    def counting(*args, **kwargs):
+        calls.append(args)
+        return encode(*args, **kwargs)
+
+    monkeypatch.setattr(tok.tokenizer, "encode", counting)
+    kwargs = dict(model="tiny", prompt="Choices fan out", max_tokens=8)
+    kwargs["extra_body"] = {"ignore_eos": True}
+    sampled = await client.completions.create(n=3, temperature=1.0, seed=11, **kwargs)
+    assert len(calls) == 1
+    texts = [c.text for c in sorted(sampled.choices, key=lambda c: c.index)]
+    assert len(set(texts)) == 3, texts  # each choice draws its own tokens
+    assert sampled.usage.completion_tokens == 24
+    alone = await client.completions.create(n=1, temperature=1.0, seed=13, **kwargs)
+    assert alone.choices[0].text == texts[2]  # choice 2 of seed 11 is seed 13
+    greedy = await client.completions.create(n=3, temperature=0, **kwargs)
+    assert len(calls) == 3
+    assert len({c.text for c in greedy.choices}) == 1
+    assert sorted(c.index for c in greedy.choices) == [0, 1, 2]
+
+
 async def test_stop_string_spanning_tokens_never_reaches_client(client, offline):
     tok, greedy = offline
     prompt = "The quick brown fox"
@@ -184,7 +212,7 @@ async def test_disconnect_frees_sequence_and_pages(mesh):
         await asyncio.sleep(0.05)
     for ex in mesh.executor_services:
         assert not ex.engine.has_unfinished()
-        assert ex.engine.blocks.num_free == ex.engine.blocks.num_pages
+        assert ex.engine.pages.num_free == ex.engine.pages.num_pages
 
 
 @pytest.mark.parametrize(

@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import msgpack
 import pytest
 
 from common.messages import (
+    MAX_CHOICES,
+    GenerateRequest,
     Message,
     MessageError,
-    SamplingSpec,
     SeqTokens,
     StepTokens,
     StreamStart,
     TokenizedRequest,
-    TokenLogprobs,
+    WireSamplingParams,
+    WireTokenLogprob,
     decode_any,
 )
 
@@ -24,9 +27,9 @@ def request(**overrides) -> TokenizedRequest:
     fields: dict[str, Any] = dict(
         request_id="r1",
         reply_to="_INBOX.1",
-        params=SamplingSpec(max_tokens=8, temperature=0.5, stop=["\n\n"], seed=3),
+        params=WireSamplingParams(max_tokens=8, temperature=0.5, stop=["\n\n"], seed=3),
         prompt_token_ids=[5, 6, 7],
-        block_hashes=[2**63 - 1, 0],
+        page_hashes=[2**63 - 1, 0],
         detok_shard=1,
         deadline=None,
     )
@@ -35,7 +38,7 @@ def request(**overrides) -> TokenizedRequest:
 
 
 def step() -> StepTokens:
-    lp = TokenLogprobs(7, -0.25, [(7, -0.25), (9, -1.5)])
+    lp = WireTokenLogprob(7, -0.25, [(7, -0.25), (9, -1.5)])
     return StepTokens(
         "executor-0",
         [
@@ -54,7 +57,7 @@ def step() -> StepTokens:
         request(deadline=12.5),
         request(output_token_ids=[9, 8], migrations=1),
         step(),
-        SamplingSpec(),
+        WireSamplingParams(),
     ],
 )
 def test_round_trip(message: Message) -> None:
@@ -121,3 +124,26 @@ def test_garbage_and_decode_any() -> None:
     assert decode_any(step().encode(), TokenizedRequest, StepTokens) == step()
     with pytest.raises(MessageError, match="unexpected message type"):
         decode_any(step().encode(), TokenizedRequest)
+
+
+def test_choices_get_their_own_ids_and_seeds() -> None:
+    """OpenAI's n travels as one GenerateRequest; the tokenizer forwards ``choices()``."""
+    seeded = GenerateRequest("cmpl-1", "_INBOX.1", WireSamplingParams(seed=7), prompt="x", n=3)
+    assert seeded.choice_ids() == ["cmpl-1-0", "cmpl-1-1", "cmpl-1-2"]
+    assert [(cid, p.seed) for cid, p in seeded.choices()] == [
+        ("cmpl-1-0", 7),
+        ("cmpl-1-1", 8),
+        ("cmpl-1-2", 9),
+    ]
+    assert all(p == dataclasses.replace(seeded.params, seed=p.seed) for _, p in seeded.choices())
+    unseeded = dataclasses.replace(seeded, params=WireSamplingParams(temperature=0.0))
+    assert [p for _, p in unseeded.choices()] == [unseeded.params] * 3
+    assert GenerateRequest.decode(seeded.encode()) == seeded
+    assert GenerateRequest("r", "i", WireSamplingParams()).choice_ids() == ["r-0"]
+
+
+@pytest.mark.parametrize("n", [0, -1, MAX_CHOICES + 1])
+def test_a_forged_n_is_refused(n: int) -> None:
+    good = GenerateRequest("r", "_INBOX.1", WireSamplingParams(), prompt="x")
+    with pytest.raises(MessageError, match="n must be within"):
+        GenerateRequest.decode(raw(good, n=n))

@@ -14,7 +14,6 @@ from common.messages import (
     AbortRequests,
     ErrorEvent,
     Heartbeat,
-    SamplingSpec,
     SeqTokens,
     StepTokens,
     StreamProgressReply,
@@ -23,6 +22,7 @@ from common.messages import (
     TextDelta,
     TextDeltas,
     TokenizedRequest,
+    WireSamplingParams,
     decode_any,
 )
 from common.nats_server import LocalNatsServer
@@ -179,7 +179,13 @@ async def test_aborted_and_expired_streams_are_forgotten(wire, tiny_llama):
 
 def tokenized(rid: str, migrations: int = 0) -> TokenizedRequest:
     return TokenizedRequest(
-        rid, f"inbox.{rid}", SamplingSpec(max_tokens=50), [3, 4, 5], [], 0, migrations=migrations
+        rid,
+        f"inbox.{rid}",
+        WireSamplingParams(max_tokens=50),
+        [3, 4, 5],
+        [],
+        0,
+        migrations=migrations,
     )
 
 

@@ -30,12 +30,12 @@ import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from common.block_hash import page_hashes
 from common.config import MeshConfig, NatsAuth
 from common.kv_stream import ensure_kv_stream
 from common.messages import KVEventBatch
 from common.nats_permissions import ANY, ROLES, inbox_prefix, server_config
 from common.nats_server import LocalNatsServer
+from common.page_hash import page_hashes
 from common.runtime import Service
 from common.subjects import Subjects
 from services.executor.kv_events import KVEventPublisher

@@ -331,7 +331,7 @@ def test_observability_flags_and_environment(monkeypatch):
 def test_a_request_received_mid_step_stays_queued(tiny_llama):
     """A request that arrives while a step runs waits in pending_adds; the end of that step
     must not close its queue span (it used to, with the step's start: a negative queue time)."""
-    from common.messages import SamplingSpec, TokenizedRequest
+    from common.messages import TokenizedRequest, WireSamplingParams
     from gpu.engine import Engine, EngineConfig
     from gpu.loader import load_model
     from gpu.runner import ModelRunner
@@ -342,7 +342,7 @@ def test_a_request_received_mid_step_stays_queued(tiny_llama):
     service = ExecutorService(parse_args(["--model", str(tiny_llama)]), engine)
     try:
         service.timelines.received("mid-step", 5)
-        mid_step = TokenizedRequest("mid-step", "_INBOX.t", SamplingSpec(), [3] * 5, [], 0)
+        mid_step = TokenizedRequest("mid-step", "_INBOX.t", WireSamplingParams(), [3] * 5, [], 0)
         service.pending_adds.append(mid_step)
         service.timelines.stepped(1, 2, [], service.admitted)
         assert "mid-step" in service.timelines.queued

@@ -10,9 +10,9 @@ import time
 import aiohttp
 import pytest
 
-from common.block_hash import ROOT_HASH, page_hashes
 from common.config import MeshConfig
 from common.messages import KVEventBatch
+from common.page_hash import ROOT_HASH, page_hashes
 from gpu.engine import Engine, EngineConfig
 from gpu.loader import load_model
 from gpu.runner import ModelRunner
@@ -122,11 +122,11 @@ async def test_index_view_equals_engine_caches_step_by_step(tiny_llama):
                 for ev, st in batch_events(events):
                     seq[executor] += 1
                     await index.on_events(KVEventBatch(executor, seq[executor], False, ev, st), 0)
-                assert index.tree.pages_of(executor) == set(eng.blocks.hash_to_page)
+                assert index.tree.pages_of(executor) == set(eng.pages.hash_to_page)
         hashes = page_hashes(prompt, PAGE)
         overlaps = (await index.on_match(_match(hashes))).overlaps
         for executor, eng in engines.items():
-            expected = contiguous_overlap(set(eng.blocks.hash_to_page), hashes)
+            expected = contiguous_overlap(set(eng.pages.hash_to_page), hashes)
             assert overlaps.get(executor, 0) == expected
     assert stored > 48 and evicted > 0, (stored, evicted)  # the pools really turned over
     assert index.gaps == 0
@@ -159,7 +159,7 @@ async def _views(mesh: MeshHarness, index: PrefixIndexService):
             for ex in mesh.executor_services
         )
         actual = {
-            ex.config.executor_id: set(ex.engine.blocks.hash_to_page)
+            ex.config.executor_id: set(ex.engine.pages.hash_to_page)
             for ex in mesh.executor_services
         }
         seen = {e: index.tree.pages_of(e) for e in actual}

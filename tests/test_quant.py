@@ -294,11 +294,11 @@ def test_page_accounting_holds_for_every_format(tiny_llama, fmt):
         if rng.random() < 0.15:
             engine.abort(live.pop(rng.randrange(len(live))))
         engine.step()
-        engine.blocks.check_invariants([s.table for s in engine.seqs.values()])
+        engine.pages.check_invariants([s.table for s in engine.seqs.values()])
     while engine.has_unfinished():
         engine.step()
-        engine.blocks.check_invariants([s.table for s in engine.seqs.values()])
-    assert engine.blocks.num_free == engine.blocks.num_pages
+        engine.pages.check_invariants([s.table for s in engine.seqs.values()])
+    assert engine.pages.num_free == engine.pages.num_pages
 
 
 def test_fp8_kv_cache_runs_and_stays_close(tiny_llama):
@@ -312,7 +312,7 @@ def test_fp8_kv_cache_runs_and_stays_close(tiny_llama):
     assert 0 < rel < 0.1
     engine = make_engine(tiny_llama, "int8", kv_dtype=FP8)
     out = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
-    assert len(out[0]) == 6 and engine.blocks.num_free == engine.blocks.num_pages
+    assert len(out[0]) == 6 and engine.pages.num_free == engine.pages.num_pages
 
 
 @pytest.mark.slow

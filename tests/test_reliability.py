@@ -214,7 +214,7 @@ async def test_deadline_ends_request_and_frees_pages(harness):
             break
         await asyncio.sleep(0.05)
     assert not executor.engine.has_unfinished()
-    assert executor.engine.blocks.num_free == executor.engine.blocks.num_pages
+    assert executor.engine.pages.num_free == executor.engine.pages.num_pages
     # Every other stage forgot it too: the executor's abort reached them.
     detok = next(s for s in mesh.services if type(s).__name__ == "DetokenizerService")
     sched = next(s for s in mesh.services if type(s).__name__ == "SchedulerService")

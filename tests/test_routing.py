@@ -11,9 +11,9 @@ import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletionChunk
 
-from common.block_hash import page_hashes
 from common.config import MeshConfig
-from common.messages import AbortRequests, Heartbeat, SamplingSpec, TokenizedRequest
+from common.messages import AbortRequests, Heartbeat, TokenizedRequest, WireSamplingParams
+from common.page_hash import page_hashes
 from services.scheduler.router import Router
 from services.scheduler.service import SchedulerService, SchedulerServiceConfig
 from tests.mesh import MeshHarness
@@ -35,7 +35,9 @@ def heartbeat(executor: str, pending_tokens: int = 0, running: int = 0) -> Heart
 
 
 def request(tokens: list[int], rid: str = "r") -> TokenizedRequest:
-    return TokenizedRequest(rid, "inbox", SamplingSpec(), tokens, page_hashes(tokens, PAGE), 0)
+    return TokenizedRequest(
+        rid, "inbox", WireSamplingParams(), tokens, page_hashes(tokens, PAGE), 0
+    )
 
 
 def router(policy: str = "kv", **loads: int) -> Router:
@@ -155,7 +157,7 @@ def cached_tokens(out: Completion | ChatCompletionChunk) -> int:
 
 
 async def _requests_admitted(mesh: MeshHarness) -> list[int]:  # on the mesh's loop
-    return [ex.engine.blocks.queries for ex in mesh.executor_services]
+    return [ex.engine.pages.queries for ex in mesh.executor_services]
 
 
 async def test_requests_follow_their_cached_prefix(mesh, openai_clients):
@@ -164,7 +166,7 @@ async def test_requests_follow_their_cached_prefix(mesh, openai_clients):
     system = [rng.randrange(3, 500) for _ in range(8 * PAGE + 5)]  # 8 full pages
     first = await client.completions.create(model="tiny", prompt=[*system, 9], max_tokens=2)
     assert cached_tokens(first) == 0
-    holder = next(i for i, ex in enumerate(mesh.executor_services) if ex.engine.blocks.queries > 0)
+    holder = next(i for i, ex in enumerate(mesh.executor_services) if ex.engine.pages.queries > 0)
     deadline = time.monotonic() + 5
     while not mesh.index.tree.match(page_hashes(system, PAGE)):  # the index hears of it
         assert time.monotonic() < deadline
@@ -209,7 +211,7 @@ async def test_prefix_hit_metrics_match_usage(mesh, openai_clients):
 
 
 async def _hits_and_queries(mesh: MeshHarness) -> list[tuple[int, int]]:
-    return [(ex.engine.blocks.hits, ex.engine.blocks.queries) for ex in mesh.executor_services]
+    return [(ex.engine.pages.hits, ex.engine.pages.queries) for ex in mesh.executor_services]
 
 
 async def test_routing_falls_back_to_load_when_the_index_is_gone(mesh, openai_clients):

@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 
 from common.config import MeshConfig
-from common.messages import AbortRequests, Heartbeat, SamplingSpec, TokenizedRequest
+from common.messages import AbortRequests, Heartbeat, TokenizedRequest, WireSamplingParams
 from services.scheduler.service import SchedulerService, SchedulerServiceConfig
 
 
 def request(rid: str, priority: int = 0) -> TokenizedRequest:
-    return TokenizedRequest(rid, "inbox", SamplingSpec(), [3, 4, 5], [], 0, priority=priority)
+    return TokenizedRequest(rid, "inbox", WireSamplingParams(), [3, 4, 5], [], 0, priority=priority)
 
 
 def full(executor: str = "a") -> Heartbeat:

@@ -59,10 +59,10 @@ def run(engine: Engine, requests: dict[str, tuple[list[int], SamplingParams]], j
             outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
             if out.finish_reason is not None:
                 finish[out.request_id] = out.finish_reason
-        engine.blocks.check_invariants([s.table for s in engine.seqs.values()])
+        engine.pages.check_invariants([s.table for s in engine.seqs.values()])
         step += 1
         assert step < 5000
-    assert engine.blocks.num_free == engine.blocks.num_pages
+    assert engine.pages.num_free == engine.pages.num_pages
     return outputs, finish
 
 
@@ -290,7 +290,7 @@ def test_draft_model_state_is_incremental_and_bounded(tiny_llama):
     proposer.propose([DraftRequest("b", prompts_for(8, [60])[0], 60, 4, params)])
     assert "a" not in proposer.states
     proposer.release(["b"])
-    assert proposer.blocks.num_free == proposer.blocks.num_pages
+    assert proposer.pages.num_free == proposer.pages.num_pages
 
 
 def test_drafts_only_take_free_pages(tiny_llama):

@@ -93,4 +93,4 @@ def test_questions_are_reproducible_and_resume(teacher, tmp_path):
     # a fresh run with the same seed writes the same questions; another seed, other ones
     assert questions("b.json", 16) == more
     assert not set(questions("c.json", 3, seed=2)) & set(more)
-    assert not engine.has_unfinished() and engine.blocks.num_free == engine.blocks.num_pages
+    assert not engine.has_unfinished() and engine.pages.num_free == engine.pages.num_pages

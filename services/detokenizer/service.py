@@ -27,8 +27,8 @@ from common.messages import (
     TextDelta,
     TextDeltas,
     TextLogprob,
-    TokenLogprobs,
     Usage,
+    WireTokenLogprob,
 )
 from common.metrics import DetokenizerMetrics
 from common.recent_ids import RecentIds
@@ -246,7 +246,7 @@ class DetokenizerService:
         self.ended.prune()
         self.withdrawn.prune()
 
-    def logprobs(self, entries: list[TokenLogprobs] | None) -> list[TextLogprob] | None:
+    def logprobs(self, entries: list[WireTokenLogprob] | None) -> list[TextLogprob] | None:
         if entries is None:
             return None
         result = []

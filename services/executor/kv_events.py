@@ -25,7 +25,7 @@ from collections.abc import Iterable, Iterator
 from common.kv_stream import ROLLUP, ensure_kv_stream
 from common.messages import KVEventBatch
 from common.runtime import Service
-from gpu.block_manager import KVEvent
+from gpu.page_manager import KVEvent
 
 log = logging.getLogger("meshserve.executor")
 

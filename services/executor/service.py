@@ -37,7 +37,7 @@ from common.messages import (
     StepTokens,
     StreamStart,
     TokenizedRequest,
-    TokenLogprobs,
+    WireTokenLogprob,
 )
 from common.metrics import EngineSnapshot, ExecutorMetrics
 from common.recent_ids import RecentIds
@@ -48,12 +48,12 @@ from gpu.loader import load_model
 from gpu.proposers import NgramProposer
 from gpu.quant import kv_cache_dtype
 from gpu.runner import ModelRunner
-from gpu.sampling import SamplingParams
 from gpu.sequence import Sequence
 from services.executor.config import ExecutorConfig
 from services.executor.kv_events import KVEventPublisher
 from services.executor.speculation import RemoteProposer
 from services.executor.timeline import Timelines
+from services.sampling import sampling_params
 
 log = logging.getLogger("meshserve.executor")
 
@@ -78,24 +78,6 @@ def fit_payload(
     return first + rest, first_bad + rest_bad
 
 
-def sampling_params(req: TokenizedRequest, eos_ids: frozenset[int]) -> SamplingParams:
-    p = req.params
-    return SamplingParams(
-        temperature=p.temperature,
-        top_p=p.top_p,
-        top_k=p.top_k,
-        min_p=p.min_p,
-        seed=p.seed,
-        presence_penalty=p.presence_penalty,
-        frequency_penalty=p.frequency_penalty,
-        repetition_penalty=p.repetition_penalty,
-        max_tokens=p.max_tokens,
-        stop_token_ids=tuple(p.stop_token_ids),
-        ignore_eos=p.ignore_eos,
-        logprobs=p.logprobs,
-    )
-
-
 class ExecutorService:
     def __init__(
         self, config: ExecutorConfig, engine: Engine, worker: ThreadPoolExecutor | None = None
@@ -115,7 +97,7 @@ class ExecutorService:
         self.worker = worker or engine_thread(config.engine_nice)
         self.draining = False
         self.incarnation = uuid.uuid4().hex[:12]
-        self.load = (0, 0, engine.blocks.num_free, 0)  # running, waiting, free pages, pending
+        self.load = (0, 0, engine.pages.num_free, 0)  # running, waiting, free pages, pending
         self.kv_events = KVEventPublisher(self.svc, config.executor_id)
         self.metrics = ExecutorMetrics(self.svc.registry, config.executor_id, self.engine_state)
         self.timelines = Timelines(self.svc.tracer, self.metrics, config.executor_id)
@@ -176,15 +158,15 @@ class ExecutorService:
         pending = sum(self.to_compute(s) for s in sched.waiting) + sum(
             s.num_pending for s in sched.running
         )
-        self.load = (len(sched.running), len(sched.waiting), self.engine.blocks.num_free, pending)
+        self.load = (len(sched.running), len(sched.waiting), self.engine.pages.num_free, pending)
 
     def cached_prefix_tokens(self, req: TokenizedRequest) -> int:
         """Prompt tokens the prefix cache would serve ``req`` now. Load reports count only the
         rest: a waiting cache hit is not a full prefill, and the kv router must not see it as
         one (it would push requests away from the executor holding their prefix)."""
-        cache = self.engine.blocks.hash_to_page
+        cache = self.engine.pages.hash_to_page
         pages = 0
-        for page_hash in req.block_hashes:  # dict lookups only: safe while a step runs
+        for page_hash in req.page_hashes:  # dict lookups only: safe while a step runs
             if page_hash not in cache:
                 break
             pages += 1
@@ -205,7 +187,7 @@ class ExecutorService:
                 running=running,
                 waiting=waiting + len(self.pending_adds),
                 free_pages=free_pages,
-                total_pages=self.engine.blocks.num_pages,
+                total_pages=self.engine.pages.num_pages,
                 page_size=self.config.page_size,
                 max_num_seqs=self.config.max_num_seqs,
                 pending_tokens=pending
@@ -245,8 +227,8 @@ class ExecutorService:
     async def propose_drafts(self, remote: RemoteProposer) -> None:
         """Drafts for the coming step from the speculator (see ``speculation.py``); the engine
         is idle meanwhile, and submits/aborts arriving now wait for the next iteration."""
-        specs = {rid: req.params for rid, req in self.requests.items()}
-        self.engine.set_drafts(await remote.propose(self.engine.draft_requests(), specs))
+        sampling = {rid: req.params for rid, req in self.requests.items()}
+        self.engine.set_drafts(await remote.propose(self.engine.draft_requests(), sampling))
 
     async def expire_deadlines(self) -> None:
         """A request past its deadline stops here too (its pages are freed), not only at the
@@ -284,7 +266,7 @@ class ExecutorService:
                 log.warning("executor: ignoring a second submit of %s", req.request_id)
                 continue
             try:
-                params = sampling_params(req, self.engine.eos_token_ids)
+                params = sampling_params(req.params)
                 self.engine.add_request(
                     req.request_id, req.prompt_token_ids, params, req.output_token_ids
                 )
@@ -323,13 +305,13 @@ class ExecutorService:
 
     def engine_state(self) -> EngineSnapshot:
         """Read at scrape time, possibly mid-step: only atomic reads (lengths and ints)."""
-        blocks, sched, spec = self.engine.blocks, self.engine.scheduler, self.engine.spec
+        pages, sched, spec = self.engine.pages, self.engine.scheduler, self.engine.spec
         return EngineSnapshot(
             running=len(sched.running),
             waiting=len(sched.waiting) + len(self.pending_adds),
-            kv_cache_usage=1.0 - blocks.num_free / blocks.num_pages,
-            prefix_cache_queries=blocks.queries,
-            prefix_cache_hits=blocks.hits,
+            kv_cache_usage=1.0 - pages.num_free / pages.num_pages,
+            prefix_cache_queries=pages.queries,
+            prefix_cache_hits=pages.hits,
             spec_drafts=spec.num_spec_steps,
             spec_draft_tokens=spec.num_draft_tokens,
             spec_accepted_tokens=spec.num_accepted_tokens,
@@ -356,7 +338,9 @@ class ExecutorService:
                 )
             logprobs = None
             if out.logprobs is not None:
-                logprobs = [TokenLogprobs(lp.token_id, lp.logprob, lp.top) for lp in out.logprobs]
+                logprobs = [
+                    WireTokenLogprob(lp.token_id, lp.logprob, lp.top) for lp in out.logprobs
+                ]
             by_shard[req.detok_shard].append(
                 SeqTokens(
                     request_id=out.request_id,

@@ -17,7 +17,7 @@ import logging
 import time
 from collections.abc import Iterable, Mapping
 
-from common.messages import ProposeReply, ProposeRequest, SamplingSpec
+from common.messages import ProposeReply, ProposeRequest, WireSamplingParams
 from common.runtime import NoAnswer, Service
 from gpu.spec_decode import DraftRequest, Proposal
 from services.speculator.wire import draft_seq, proposal
@@ -38,12 +38,12 @@ class RemoteProposer:
         self.released.extend(request_ids)
 
     async def propose(
-        self, requests: list[DraftRequest], specs: Mapping[str, SamplingSpec]
+        self, requests: list[DraftRequest], sampling: Mapping[str, WireSamplingParams]
     ) -> dict[str, Proposal]:
         if not requests or time.monotonic() < self.backoff_until:
             return {}
         message = ProposeRequest(
-            [draft_seq(r, specs[r.request_id]) for r in requests if r.request_id in specs],
+            [draft_seq(r, sampling[r.request_id]) for r in requests if r.request_id in sampling],
             self.released,
         )
         self.released = []

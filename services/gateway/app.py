@@ -1,10 +1,10 @@
 """HTTP side of the gateway: aiohttp routes, OpenAI error middleware, SSE, server wiring.
 
 A request's life, top to bottom in ``Routes.generate``: read and validate the body, publish one
-``GenerateRequest`` per choice, wait for the first event (an error before the first byte is an
-HTTP error status), then either stream SSE chunks or aggregate one JSON response; whatever
-ends the request (done, error, timeout, client gone), ``MeshClient.release`` aborts what is
-still generating.
+``GenerateRequest`` (for all ``n`` choices: the tokenizer splits it), wait for the first event
+(an error before the first byte is an HTTP error status), then either stream SSE chunks or
+aggregate one JSON response; whatever ends the request (done, error, timeout, client gone),
+``MeshClient.release`` aborts what is still generating.
 """
 
 from __future__ import annotations

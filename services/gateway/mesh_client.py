@@ -1,6 +1,7 @@
 """The gateway's side of the mesh: submit requests, receive their events, abort, liveness.
 
-Outbound: one ``GenerateRequest`` per choice on ``tokenizer.encode``, ``AbortRequests`` on
+Outbound: one ``GenerateRequest`` for all ``n`` choices on ``tokenizer.encode`` (the tokenizer
+fans it out into one request per choice after encoding the prompt once), ``AbortRequests`` on
 ``requests.abort``. Inbound: this instance's inbox (text deltas and errors for its requests),
 executor heartbeats and every service's presence (``health.py``: /health, and requests fail
 at once while a stage they need has no live member).
@@ -138,7 +139,8 @@ class MeshClient:
             await asyncio.sleep(0.05)
 
     async def submit(self, api: ApiRequest, base_id: str) -> RequestStream:
-        """Publish the request's n choices; their events arrive on the returned stream."""
+        """Publish the request (all its n choices); their events arrive on the returned
+        stream."""
         nc = self.service.nc
         if not nc.is_connected:
             raise RequestError(
@@ -148,7 +150,6 @@ class MeshClient:
                 code="mesh_unavailable",
             )
         await self.require_stages()
-        request_ids = [f"{base_id}-{i}" for i in range(api.n)]
         span = trace.get_current_span()  # gateway.request, opened by the HTTP handler
         span.set_attributes(
             {
@@ -160,29 +161,27 @@ class MeshClient:
             }
         )
         now = time.time()
-        payloads = [
-            GenerateRequest(
-                request_id=request_id,
-                reply_to=self.inbox_subject,
-                params=api.choice_params(i),
-                prompt=api.prompt,
-                prompt_token_ids=api.prompt_token_ids,
-                messages=api.messages,
-                priority=api.priority,
-                deadline=now + self.config.request_timeout_s,
-                arrival_time=now,
-            ).encode()
-            for i, request_id in enumerate(request_ids)
-        ]
-        headers = inject(None)  # the trace context of gateway.request, for every choice
-        size = max(len(p) for p in payloads) + nats_header_bytes(headers)
+        request = GenerateRequest(
+            request_id=base_id,
+            reply_to=self.inbox_subject,
+            params=api.params,
+            prompt=api.prompt,
+            prompt_token_ids=api.prompt_token_ids,
+            messages=api.messages,
+            priority=api.priority,
+            deadline=now + self.config.request_timeout_s,
+            arrival_time=now,
+            n=api.n,
+        )
+        payload = request.encode()
+        headers = inject(None)  # the trace context of gateway.request
+        size = len(payload) + nats_header_bytes(headers)
         if size > nc.max_payload:
             raise too_large_for_the_bus(size, nc.max_payload, api)
-        stream = self.inbox.open(request_ids, self.config.request_timeout_s)
+        stream = self.inbox.open(request.choice_ids(), self.config.request_timeout_s, base_id)
         stream.observer = RequestObserver(self.metrics, span)
         try:
-            for payload in payloads:
-                await nc.publish(self.subjects.tokenizer_encode, payload, headers=headers)
+            await nc.publish(self.subjects.tokenizer_encode, payload, headers=headers)
         except asyncio.CancelledError:  # the client left while we published
             await self.release(stream)
             raise

@@ -10,11 +10,10 @@ model, as in vLLM).
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from common.messages import ChatMessage, SamplingSpec
+from common.messages import ChatMessage, WireSamplingParams
 from common.runtime import RequestError
 from services.gateway.config import GatewayConfig
 
@@ -46,24 +45,19 @@ MAX_STOP_TOKEN_IDS = 256
 
 @dataclass(frozen=True)
 class ApiRequest:
-    """A validated completions or chat request; ``n`` choices share ``params``."""
+    """A validated completions or chat request; ``n`` choices share ``params`` (each choice's
+    seed is derived from it in the tokenizer: ``GenerateRequest.choices``)."""
 
     kind: Kind
     model: str
     n: int
     stream: bool
     include_usage: bool
-    params: SamplingSpec
+    params: WireSamplingParams
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     messages: list[ChatMessage] | None = None
     priority: int = 0
-
-    def choice_params(self, index: int) -> SamplingSpec:
-        """Choice ``index`` samples with seed + index, so n seeded choices differ yet repeat."""
-        if self.params.seed is None or index == 0:
-            return self.params
-        return dataclasses.replace(self.params, seed=self.params.seed + index)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> RequestError:
@@ -458,15 +452,16 @@ def parse_logit_bias(body: Body) -> None:
 
 def parse_sampling(
     body: Body, config: GatewayConfig, max_tokens: int, logprobs: int | None
-) -> SamplingSpec:
+) -> WireSamplingParams:
     parse_logit_bias(body)
     top_k = body.integer("top_k", -1, -1, MAX_INT)
-    return SamplingSpec(
+    return WireSamplingParams(
         max_tokens=max_tokens,
         temperature=body.number("temperature", 1.0, 0.0, 2.0),
         top_p=body.number("top_p", 1.0, 0.0, 1.0, lo_open=True),
         top_k=-1 if top_k == 0 else top_k,  # 0 and -1 both mean "no top-k", as in vLLM
         min_p=body.number("min_p", 0.0, 0.0, 1.0),
+        # Choice i samples with seed + i (GenerateRequest.choices): room for n of them.
         seed=body.optional_integer("seed", SEED_RANGE[0], SEED_RANGE[1] - config.max_n),
         presence_penalty=body.number("presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=body.number("frequency_penalty", 0.0, -2.0, 2.0),

@@ -3,7 +3,8 @@
 Every stage replies to the same inbox subject (``subjects.gateway_inbox(instance_id)``), so one
 subscription serves all requests; ``Inbox.deliver`` routes each ``TextDelta`` / ``ErrorEvent``
 by its ``request_id`` to the ``RequestStream`` of the HTTP request that owns it (one HTTP
-request with ``n`` choices owns ``n`` request ids).
+request with ``n`` choices owns ``n`` choice ids, and its own id: the tokenizer answers an
+error for the whole request under it, before the request splits into choices).
 """
 
 from __future__ import annotations
@@ -27,13 +28,17 @@ class RequestStream:
     """The events of one HTTP request's sub-requests, in arrival order.
 
     Iterating yields ``(choice_index, TextDelta)`` until every choice has a finish_reason. An
-    ``ErrorEvent`` for any choice raises ``RequestError`` (the request fails as a whole, so
-    the caller aborts the other choices); passing the deadline raises a 504 ``RequestError``.
-    ``failure`` then says why, for the abort reason.
+    ``ErrorEvent`` for any choice, or for ``request_id`` (the whole request), raises
+    ``RequestError`` (the request fails as a whole, so the caller aborts the other choices);
+    passing the deadline raises a 504 ``RequestError``. ``failure`` then says why, for the
+    abort reason.
     """
 
-    def __init__(self, request_ids: list[str], deadline: float) -> None:
-        self.request_ids = tuple(request_ids)
+    def __init__(
+        self, request_ids: list[str], deadline: float, request_id: str | None = None
+    ) -> None:
+        self.request_ids = tuple(request_ids)  # the choices'
+        self.request_id = request_id
         self.deadline = deadline  # event-loop time
         self.failure: str | None = None
         self._index = {rid: i for i, rid in enumerate(request_ids)}
@@ -44,6 +49,11 @@ class RequestStream:
         # checks in a row found it unknown to the scheduler (``watchdog.py``).
         self.last_event_at = asyncio.get_running_loop().time()
         self.unknown_checks = 0
+
+    @property
+    def routed_ids(self) -> list[str]:
+        """Every id whose events belong to this stream: the choices', and the request's."""
+        return [*self.request_ids, *([self.request_id] if self.request_id else [])]
 
     @property
     def unfinished(self) -> list[str]:
@@ -61,11 +71,15 @@ class RequestStream:
     async def __anext__(self) -> tuple[int, TextDelta]:
         while self._open:
             event = await self._next_event()
-            if event.request_id not in self._open:
+            whole = event.request_id == self.request_id and isinstance(event, ErrorEvent)
+            if event.request_id not in self._open and not whole:
                 continue  # a late event for a choice that already ended
             if isinstance(event, ErrorEvent):
-                self._open.discard(event.request_id)  # the failing stage has dropped it
-                self.failure = f"another choice failed: {event.message}"
+                # The failing stage has dropped that choice. One that failed the whole request
+                # may have forwarded some choices already: they all stay open, to be aborted.
+                self._open.discard(event.request_id)
+                failed = "the request" if whole else "another choice"
+                self.failure = f"{failed} failed: {event.message}"
                 raise self._failed(
                     RequestError(event.message, event.status, event.type, event.param, event.code)
                 )
@@ -109,15 +123,18 @@ class Inbox:
         """How many HTTP requests are in flight."""
         return len(set(self._streams.values()))
 
-    def open(self, request_ids: list[str], timeout_s: float) -> RequestStream:
+    def open(
+        self, request_ids: list[str], timeout_s: float, request_id: str | None = None
+    ) -> RequestStream:
+        """A stream for the choices ``request_ids`` of the request ``request_id``."""
         deadline = asyncio.get_running_loop().time() + timeout_s
-        stream = RequestStream(request_ids, deadline)
-        for rid in request_ids:
+        stream = RequestStream(request_ids, deadline, request_id)
+        for rid in stream.routed_ids:
             self._streams[rid] = stream
         return stream
 
     def close(self, stream: RequestStream) -> None:
-        for rid in stream.request_ids:
+        for rid in stream.routed_ids:
             self._streams.pop(rid, None)
 
     def streams(self) -> list[RequestStream]:

@@ -1,11 +1,11 @@
 """Which executors hold which KV pages: a radix tree over chained page hashes (pure; no NATS).
 
-One node per page. A page's hash is chained (``common.block_hash``): it names the page's tokens
+One node per page. A page's hash is chained (``common.page_hash``): it names the page's tokens
 *and* every token before them, so a node has exactly one parent and the path from the root to
 a node spells a prompt prefix, one page per edge (as in Dynamo's KV router and SGLang's radix
 cache, with hashes for edge labels). Each node records the executors holding that page.
 
-``match`` walks a prompt's block hashes down from the root: an executor's overlap is the number
+``match`` walks a prompt's page hashes down from the root: an executor's overlap is the number
 of leading pages it holds *without a gap*, which is exactly what its local prefix cache can
 reuse (an executor that lost page 3 cannot use its page 4).
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from common.block_hash import ROOT_HASH
+from common.page_hash import ROOT_HASH
 
 
 class _Node:
@@ -77,12 +77,12 @@ class RadixTree:
             self._prune(node)
         return len(hashes)
 
-    def match(self, block_hashes: Iterable[int]) -> dict[str, int]:
+    def match(self, page_hashes: Iterable[int]) -> dict[str, int]:
         """For each executor holding the first page: how many leading pages it holds."""
         overlaps: dict[str, int] = {}
         node = self.root
         active: set[str] | None = None  # executors that hold every page so far
-        for depth, page_hash in enumerate(block_hashes, start=1):
+        for depth, page_hash in enumerate(page_hashes, start=1):
             child = node.children.get(page_hash)
             if child is None:
                 break

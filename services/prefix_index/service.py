@@ -1,5 +1,5 @@
 """Prefix-index handlers: mirror every executor's prefix cache from its KV events, and answer
-``index.match`` with each executor's overlap for a prompt's block hashes.
+``index.match`` with each executor's overlap for a prompt's page hashes.
 
 The state is the KV-event stream's: a replica replays the stream from its first message (one
 snapshot plus the deltas since, per executor; see ``common.kv_stream``), so a restarted
@@ -96,7 +96,7 @@ class PrefixIndexService:
             self.caught_up.set()
 
     async def on_match(self, req: IndexMatchRequest) -> IndexMatchReply:
-        return IndexMatchReply(self.tree.match(req.block_hashes), len(self.tree.held))
+        return IndexMatchReply(self.tree.match(req.page_hashes), len(self.tree.held))
 
     async def on_heartbeat(self, hb: Heartbeat) -> None:
         self.last_seen[hb.executor_id] = time.monotonic()

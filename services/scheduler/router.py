@@ -83,25 +83,25 @@ class ExecutorState:
 
 @dataclass
 class RecentRoutes:
-    """The block hashes of requests routed in the last ``ttl_s`` seconds, per executor."""
+    """The page hashes of requests routed in the last ``ttl_s`` seconds, per executor."""
 
     ttl_s: float = 10.0
     expiry: dict[int, dict[str, float]] = field(default_factory=dict)  # hash -> executor -> t
     _pruned_at: float = 0.0
 
-    def add(self, executor: str, block_hashes: Sequence[int], now: float) -> None:
+    def add(self, executor: str, page_hashes: Sequence[int], now: float) -> None:
         until = now + self.ttl_s
-        for page_hash in block_hashes:
+        for page_hash in page_hashes:
             self.expiry.setdefault(page_hash, {})[executor] = until
         if now - self._pruned_at > 1.0:
             self.prune(now)
 
-    def overlap(self, executor: str, block_hashes: Sequence[int], now: float) -> int:
-        """Leading pages of ``block_hashes`` recently routed to ``executor``."""
-        for depth, page_hash in enumerate(block_hashes):
+    def overlap(self, executor: str, page_hashes: Sequence[int], now: float) -> int:
+        """Leading pages of ``page_hashes`` recently routed to ``executor``."""
+        for depth, page_hash in enumerate(page_hashes):
             if self.expiry.get(page_hash, {}).get(executor, 0.0) < now:
                 return depth
-        return len(block_hashes)
+        return len(page_hashes)
 
     def prune(self, now: float) -> None:
         self._pruned_at = now
@@ -229,7 +229,7 @@ class Router:
         return self.policy == "kv"
 
     def overlap(self, executor: str, req: TokenizedRequest, reported: dict[str, int]) -> int:
-        recent = self.recent.overlap(executor, req.block_hashes, time.monotonic())
+        recent = self.recent.overlap(executor, req.page_hashes, time.monotonic())
         return max(reported.get(executor, 0), recent)
 
     def cost(self, state: ExecutorState, req: TokenizedRequest, overlap_pages: int) -> float:
@@ -271,6 +271,6 @@ class Router:
         cached = 0
         if self.policy == "kv":
             cached = self.overlap(executor_id, req, overlaps or {}) * state.heartbeat.page_size
-            self.recent.add(executor_id, req.block_hashes, time.monotonic())
+            self.recent.add(executor_id, req.page_hashes, time.monotonic())
         state.assigned_since_heartbeat += 1
         state.assigned_tokens_since_heartbeat += max(0, len(req.prompt_token_ids) - cached)

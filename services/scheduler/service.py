@@ -230,14 +230,14 @@ class SchedulerService:
         A silent index costs one timeout per second, not one per request: routing falls back
         to load alone meanwhile.
         """
-        if not self.router.wants_overlaps or not req.block_hashes:
+        if not self.router.wants_overlaps or not req.page_hashes:
             return {}
         if time.monotonic() < self.index_down_until:
             return {}
         try:
             reply = await self.svc.request(
                 self.svc.subjects.index_match,
-                IndexMatchRequest(req.block_hashes, req.request_id),
+                IndexMatchRequest(req.page_hashes, req.request_id),
                 IndexMatchReply,
                 self.config.index_timeout_s,
             )

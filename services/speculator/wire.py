@@ -5,29 +5,13 @@ Used by both ends: the executor's ``RemoteProposer`` and the speculator service.
 
 from __future__ import annotations
 
-from common.messages import DraftSeq, DraftTokens, SamplingSpec
-from gpu.sampling import SamplingParams
+from common.messages import DraftSeq, DraftTokens, WireSamplingParams
 from gpu.spec_decode import DraftRequest, Proposal
+from services.sampling import sampling_params
 
 
-def params_from_spec(spec: SamplingSpec) -> SamplingParams:
-    """What a draft needs of a request's settings (raises ``ValueError`` if out of range)."""
-    return SamplingParams(
-        temperature=spec.temperature,
-        top_p=spec.top_p,
-        top_k=spec.top_k,
-        min_p=spec.min_p,
-        seed=spec.seed,
-        presence_penalty=spec.presence_penalty,
-        frequency_penalty=spec.frequency_penalty,
-        repetition_penalty=spec.repetition_penalty,
-        max_tokens=spec.max_tokens,
-        ignore_eos=spec.ignore_eos,
-    )
-
-
-def draft_seq(req: DraftRequest, spec: SamplingSpec) -> DraftSeq:
-    return DraftSeq(req.request_id, req.token_ids, req.num_prompt_tokens, req.num_draft, spec)
+def draft_seq(req: DraftRequest, sampling: WireSamplingParams) -> DraftSeq:
+    return DraftSeq(req.request_id, req.token_ids, req.num_prompt_tokens, req.num_draft, sampling)
 
 
 def draft_request(seq: DraftSeq) -> DraftRequest:
@@ -36,7 +20,7 @@ def draft_request(seq: DraftSeq) -> DraftRequest:
         seq.token_ids,
         seq.num_prompt_tokens,
         seq.num_draft,
-        params_from_spec(seq.params),
+        sampling_params(seq.params),  # raises ValueError if out of range
     )
 
 

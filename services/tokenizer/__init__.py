@@ -1,1 +1,1 @@
-"""The tokenizer service: chat template, encode, prompt block hashes."""
+"""The tokenizer service: chat template, encode, prompt page hashes."""

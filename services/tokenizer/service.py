@@ -1,4 +1,5 @@
-"""Tokenizer handlers: render the chat template, encode, hash full pages, forward to the scheduler.
+"""Tokenizer handlers: render the chat template, encode, hash full pages, forward to the scheduler
+one request per choice (``GenerateRequest.n``).
 
 Stateless; run any number of replicas in the ``tokenizer`` queue group.
 """
@@ -12,9 +13,9 @@ from dataclasses import dataclass
 
 from opentelemetry import trace
 
-from common.block_hash import page_hashes
 from common.config import MeshConfig, model_setting, page_size_setting
 from common.messages import GenerateRequest, TokenizedRequest
+from common.page_hash import page_hashes
 from common.runtime import RequestError, Service
 from common.settings import parse, setting
 from common.telemetry import Attr
@@ -105,23 +106,26 @@ class TokenizerService:
                 param=field,
                 code="context_length_exceeded",
             )
-        params = req.params
         room = self.max_model_len - len(ids)
-        if params.max_tokens > room:
+        if req.params.max_tokens > room:
             # As vLLM does for chat defaults: never ask for more than the context allows;
             # the output then ends with finish_reason "length".
-            params = dataclasses.replace(params, max_tokens=room)
-        await self.svc.publish(
-            self.svc.subjects.scheduler_submit,
-            TokenizedRequest(
-                request_id=req.request_id,
-                reply_to=req.reply_to,
-                params=params,
-                prompt_token_ids=ids,
-                block_hashes=page_hashes(ids, self.config.page_size),
-                detok_shard=detok_shard(req.request_id, self.config.detok_shards),
-                priority=req.priority,
-                deadline=req.deadline,
-                arrival_time=req.arrival_time,
-            ),
-        )
+            req = dataclasses.replace(req, params=dataclasses.replace(req.params, max_tokens=room))
+        # The n choices share the prompt: encoded and hashed once, then one request per choice
+        # (its own id, so its own detokenizer shard, and its own seed).
+        hashes = page_hashes(ids, self.config.page_size)
+        for choice_id, params in req.choices():
+            await self.svc.publish(
+                self.svc.subjects.scheduler_submit,
+                TokenizedRequest(
+                    request_id=choice_id,
+                    reply_to=req.reply_to,
+                    params=params,
+                    prompt_token_ids=ids,
+                    page_hashes=hashes,
+                    detok_shard=detok_shard(choice_id, self.config.detok_shards),
+                    priority=req.priority,
+                    deadline=req.deadline,
+                    arrival_time=req.arrival_time,
+                ),
+            )

@@ -1,7 +1,7 @@
 """Which sequence owns which KV page, and the local prefix cache.
 
 Pages are reference-counted. A page whose tokens are all computed gets the chained hash of its
-prefix (``common.block_hash``) and becomes shareable: a later sequence whose prompt starts with
+prefix (``common.page_hash``) and becomes shareable: a later sequence whose prompt starts with
 the same tokens takes the page instead of recomputing it. A page nobody references keeps its
 hash and waits in an LRU queue; it is evicted (its hash forgotten) only when a fresh page is
 needed and the free list is empty. Stored and evicted hashes are reported as ``KVEvent``s so an
@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from common.block_hash import ROOT_HASH, page_hash
+from common.page_hash import ROOT_HASH, page_hash
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,10 @@ class PageTable:
     hashes: list[int] = field(default_factory=list)  # hashes[i] belongs to pages[i]
 
 
-class BlockManager:
+class PageManager:
+    """The KV cache's pages (``num_pages`` of ``page_size`` tokens): who holds each, and the
+    prefix cache over them."""
+
     def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True) -> None:
         self.num_pages = num_pages
         self.page_size = page_size
