@@ -218,7 +218,7 @@ def test_up_gives_up_on_a_service_that_dies_at_every_start(tiny_llama, tmp_path,
             time.sleep(0.1)
         assert up.proc.returncode == 1, up.log_tail()
         lines = [s for s in up.log().splitlines() if s.startswith("meshserve up: prefix-index")]
-        restarts = [s for s in lines if "died (exit code 1); restarting it in" in s]
+        restarts = [s for s in lines if "died (exit code 2); restarting it in" in s]  # bad flag
         assert [s.rsplit(" in ", 1)[1] for s in restarts] == ["0.5 s", "1.0 s", "2.0 s", "4.0 s"]
         assert lines[-1].endswith("it crashed 5 times within 60 s, giving up on it"), lines
         time.sleep(0.5)

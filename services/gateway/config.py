@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from common import settings
 from common.config import MeshConfig
+from common.messages import MAX_CHOICES
 from common.settings import setting
 from services.gateway.health import REQUIRED_STAGES, STAGES
 
@@ -84,7 +85,7 @@ class GatewayConfig:
             "served_model_name must not be empty": bool(self.served_model_name),
             "max_model_len must be >= 2": self.max_model_len >= 2,
             "request_timeout_s must be > 0": self.request_timeout_s > 0,
-            "max_n must be >= 1": self.max_n >= 1,
+            f"max_n must be within 1..{MAX_CHOICES}": 1 <= self.max_n <= MAX_CHOICES,
             "max_body_bytes must be >= 1024": self.max_body_bytes >= 1024,
             "max_stop must be >= 0": self.max_stop >= 0,
             f"max_client_priority must be in 0..{MAX_PRIORITY}": (
