@@ -310,14 +310,17 @@ class Engine:
         outputs = []
         for i, seq in enumerate(seqs):
             num_draft, accepted = len(drafts[i]), result.num_accepted[i]
-            self.spec.record(num_draft, accepted, accepted + 1)
             if seq.draft_length is not None and self.config.adaptive_speculation:
                 seq.draft_length.update(num_draft, accepted)
             # KV is valid for the real tokens and the accepted drafts; the rejected positions
             # are recomputed (rolled back) and their pages released.
             seq.num_computed = seq.num_tokens + accepted
             seq.draft = None
-            outputs.append(self._emit(seq, result.token_ids[i], logprobs[i]))
+            out = self._emit(seq, result.token_ids[i], logprobs[i])
+            # Emitted, not accepted + 1: a stop token or max_tokens inside the accepted draft
+            # cuts the rest, and those tokens never reach the client.
+            self.spec.record(num_draft, accepted, len(out.new_token_ids))
+            outputs.append(out)
             if seq.finish_reason is None:
                 self.pages.truncate(seq.table, seq.num_tokens)
                 self.pages.commit_full_pages(seq.table, seq.all_token_ids, seq.num_computed)

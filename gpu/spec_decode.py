@@ -109,7 +109,7 @@ class SpecStats:
     num_spec_steps: int = 0  # sequence-steps that verified at least one draft token
     num_draft_tokens: int = 0  # draft tokens verified
     num_accepted_tokens: int = 0  # of which accepted
-    num_emitted_tokens: int = 0  # tokens those steps produced (accepted + one per step)
+    num_emitted_tokens: int = 0  # tokens those steps gave the client (after stop/length cuts)
     accepted_at: list[int] = field(default_factory=list)  # accepted_at[j]: draft position j
 
     @property
@@ -118,7 +118,8 @@ class SpecStats:
 
     @property
     def mean_accepted_length(self) -> float:
-        """Tokens per verifying target step for one sequence (1 + accepted drafts)."""
+        """Tokens emitted per verifying target step for one sequence: 1 + accepted drafts,
+        less whatever a stop token or ``max_tokens`` cut off."""
         return self.num_emitted_tokens / self.num_spec_steps if self.num_spec_steps else 0.0
 
     def record(self, num_draft: int, num_accepted: int, num_emitted: int) -> None:

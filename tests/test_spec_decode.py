@@ -130,6 +130,23 @@ def test_stop_token_and_max_tokens_inside_an_accepted_draft(tiny_llama):
     assert engine.spec.num_accepted_tokens == engine.spec.num_draft_tokens
 
 
+def test_tokens_cut_by_a_stop_inside_an_accepted_draft_are_not_counted_as_emitted(tiny_llama):
+    """Tokens per verify step count what the client gets: with an identical draft (k=4) the
+    first token is sampled plainly, then each verify step covers 5 positions; a stop token in
+    the second one's window ends the request there and the rest of that window is cut."""
+    prompt = prompts_for(4, [7])[0]
+    plain = make_engine(tiny_llama).generate([prompt], greedy(12))[0]
+    stop_at = next(t for i, t in enumerate(plain) if 6 <= i <= 9 and t not in plain[:i])
+    engine = make_engine(tiny_llama, draft_model(tiny_llama), k=4)
+    params = SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=(stop_at,))
+    out = engine.generate([prompt], params)[0]
+    assert out == plain[: plain.index(stop_at) + 1]
+    stats = engine.spec
+    assert stats.num_spec_steps == 2 and stats.num_accepted_tokens == 8
+    assert stats.num_emitted_tokens == len(out) - 1  # not 2 * (4 + 1)
+    assert stats.mean_accepted_length == (len(out) - 1) / 2
+
+
 def test_logprobs_with_speculation_equal_logprobs_without(tiny_llama):
     prompt = prompts_for(5, [9])[0]
     params = greedy(9, logprobs=3)
