@@ -56,8 +56,8 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoModelForCausalLM
 
     from common.tokenizer import Tokenizer
-    from gpu.chat_prompts import held_out_prompts
     from gpu.gguf import resolve_model_path
+    from tools.distill.chat_prompts import held_out_prompts
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="target: HF folder or .gguf (SmolLM2)")

@@ -74,8 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="meshserve", description="LLM serving on a NATS mesh")
     sub = parser.add_subparsers(dest="command", required=True)
     add_generate(sub)
-    from services.distill import add_distill
     from services.up import add_up
+    from tools.distill.cli import add_distill
 
     add_up(sub)
     add_distill(sub)
