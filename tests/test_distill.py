@@ -125,10 +125,10 @@ def test_distill_prompts_are_stable_distinct_and_held_out():
 
 
 def test_teacher_forced_agreement(tmp_path):
-    """``gpu.bench_agreement``: a draft identical to the target agrees everywhere and is always
+    """``tools.bench.agreement``: a draft identical to the target agrees everywhere and is always
     accepted; another model agrees less, and its rates stay probabilities."""
-    from gpu.bench_agreement import agreement, answers
     from tests.models import hf_model
+    from tools.bench.agreement import agreement, answers
 
     target_dir = write_tiny_model(tmp_path / "t", "llama", seed=1)
     other_dir = write_tiny_model(tmp_path / "o", "llama", seed=2)

@@ -1,6 +1,6 @@
 """Speculative decoding on held-out chat prompts: acceptance and speed, with and without.
 
-    python -m gpu.bench_spec --draft out/draft-smollm2-8l [--model PATH] [-k 4]
+    python -m tools.bench.spec --draft out/draft-smollm2-8l [--model PATH] [-k 4]
         [--prompts 8] [--max-tokens 128] [--concurrency 1] [--fixed-k] [--repeat 2]
 
 In one process and one run, the same held-out prompts (``HELD_OUT`` in
@@ -104,7 +104,9 @@ def run(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m tools.bench.spec", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--model", default=None, help="target: HF folder or .gguf (SmolLM2)")
     parser.add_argument("--draft", required=True, type=Path, help="draft model folder")
     parser.add_argument("-k", type=int, default=4, help="draft tokens per step (max)")

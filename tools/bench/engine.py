@@ -1,6 +1,6 @@
 """Throughput of the continuous-batching engine against sequential transformers ``generate()``.
 
-    python -m gpu.bench [--model PATH] [--concurrency 32] [--output-tokens 64]
+    python -m tools.bench.engine [--model PATH] [--concurrency 32] [--output-tokens 64]
 
 Runs, in one process and one run: (1) one request alone through the engine (single-stream
 decode tokens/s), (2) N concurrent requests through the engine, (3) the same N prompts through
@@ -97,7 +97,9 @@ def run_hf_sequential(folder: str, prompts: list[list[int]], max_tokens: int) ->
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m tools.bench.engine", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--model", default=None, help="HF folder or .gguf (default: SmolLM2)")
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--output-tokens", type=int, default=64)

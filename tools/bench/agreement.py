@@ -1,6 +1,6 @@
 """How often a draft would be accepted, measured without speculating: teacher-forced.
 
-    python -m gpu.bench_agreement --draft DIR [--model PATH] [--prompts 16] [--max-tokens 128]
+    python -m tools.bench.agreement --draft DIR [--model PATH] [--prompts 16] [--max-tokens 128]
 
 The target answers the held-out chat prompts greedily (the engine); then the target and the
 draft (Hugging Face transformers, fp32) score each whole answer in one pass. Printed, over the
@@ -59,7 +59,9 @@ def main(argv: list[str] | None = None) -> None:
     from gpu.gguf import resolve_model_path
     from tools.distill.chat_prompts import held_out_prompts
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m tools.bench.agreement", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--model", default=None, help="target: HF folder or .gguf (SmolLM2)")
     parser.add_argument("--draft", required=True)
     parser.add_argument("--prompts", type=int, default=16, help="held-out prompts (<= 16)")
