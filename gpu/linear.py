@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu.cpu_kernels import CpuKernels, PackedLinear
+from gpu.formats import check_quantization
 from gpu.quant import (
-    check_quantization,
     fp8_matmul_supported,
     pack_row_blocks,
     quantize_fp8,

@@ -14,8 +14,8 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from gpu.config import ModelConfig, ModelError
+from gpu.formats import check_quantization
 from gpu.model import CausalLM, expected_shapes
-from gpu.quant import check_quantization
 
 
 def weight_files(folder: Path) -> list[Path]:

@@ -22,7 +22,7 @@ def add_generate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
 
 def add_model_format_args(p: argparse.ArgumentParser) -> None:
     """``--quantization`` and ``--kv-cache-dtype`` (shared by ``generate`` and ``up``)."""
-    from gpu.quant import KV_CACHE_DTYPES, QUANTIZATIONS
+    from gpu.formats import KV_CACHE_DTYPES, QUANTIZATIONS
 
     p.add_argument(
         "--quantization",

@@ -4,7 +4,7 @@ import argparse
 from dataclasses import dataclass
 
 from common.config import MeshConfig, env
-from gpu.quant import KV_CACHE_DTYPES, QUANTIZATIONS
+from gpu.formats import KV_CACHE_DTYPES, QUANTIZATIONS
 
 SPECULATORS = ("off", "ngram", "remote")
 
