@@ -13,7 +13,7 @@ from gpu.loader import load_model
 from gpu.proposers import DraftModelProposer
 from gpu.runner import ModelRunner
 from gpu.sampling import SamplingParams
-from services.cli import main as cli_main
+from services.launcher.cli import main as cli_main
 from tests.models import write_tiny_model
 from tools.distill.chat_prompts import distill_prompts
 from tools.distill.recipe import DistillConfig, distill, generate_data, layer_candidates

@@ -56,7 +56,7 @@ class Up:
         self.port = free_port()
         self.log_path = tmp_path / "up.log"
         self.log_file = self.log_path.open("w")
-        cmd = [sys.executable, "-m", "services.cli", "up", "--model", str(model)]
+        cmd = [sys.executable, "-m", "services.launcher", "up", "--model", str(model)]
         cmd += ["--port", str(self.port), "--kv-cache-tokens", "1024"]
         cmd += ["--served-model-name", "tiny", *flags]
         self.proc = subprocess.Popen(

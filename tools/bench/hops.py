@@ -25,7 +25,8 @@ from collections import defaultdict
 
 import nats
 
-from services.up import LocalMesh, add_up
+from services.launcher.mesh import LocalMesh
+from services.launcher.up import add_up
 from tools.bench.mesh import WARMUP_TOKENS, poisson_arrivals, questions, run_mesh, warmup_questions
 from tools.bench.otlp_receiver import OtlpReceiver, ReceivedSpan
 

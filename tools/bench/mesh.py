@@ -41,7 +41,8 @@ from gpu.sampling import SamplingParams
 from loadtest.client import Endpoint, RequestResult, send_request
 from loadtest.runner import new_session
 from loadtest.workloads import RequestSpec
-from services.up import LocalMesh, add_up
+from services.launcher.mesh import LocalMesh
+from services.launcher.up import add_up
 from tools.bench.engine import QUESTIONS
 
 WARMUP_TOKENS = 8

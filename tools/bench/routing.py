@@ -71,7 +71,7 @@ class Mesh:
     def __init__(self, args: argparse.Namespace, router: str, log: Path) -> None:
         self.port = free_port()
         cmd = [
-            sys.executable, "-m", "services.cli", "up",
+            sys.executable, "-m", "services.launcher", "up",
             "--executors", str(args.executors),
             "--router", router,
             "--kv-cache-tokens", str(args.kv_cache_tokens),
