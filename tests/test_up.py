@@ -41,6 +41,11 @@ def cmdline(pid: int) -> list[str]:
         return []
 
 
+def resident_mb(pid: int) -> float:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(status.split("VmRSS:")[1].split()[0]) / 1024
+
+
 def child_running(parent: int, *words: str) -> int | None:
     """The pid of the live child of ``parent`` whose command line holds every one of ``words``."""
     for pid in children_of(parent):
@@ -133,6 +138,10 @@ def test_up_serves_and_ctrl_c_stops_every_process(tiny_llama, tmp_path):
     with meshserve_up(tiny_llama, tmp_path, "--executors", "2") as up:
         line = up.wait_up()
         assert f"http://127.0.0.1:{up.port}/v1" in line
+        # The launcher only starts processes: the runtime it starts is not in it (it held
+        # ~226 MB when it imported torch; ~25 MB without).
+        assert "libtorch" not in Path(f"/proc/{up.proc.pid}/maps").read_text()
+        assert resident_mb(up.proc.pid) < 120, resident_mb(up.proc.pid)
         kids = children_of(up.proc.pid)
         assert (
             len(kids) >= 7
@@ -224,3 +233,21 @@ def test_up_gives_up_on_a_service_that_dies_at_every_start(tiny_llama, tmp_path,
         time.sleep(0.5)
         alive = [k for k in seen if is_running(k)]
         assert not alive, f"processes left behind: {alive}"
+
+
+def test_the_launcher_imports_no_runtime():
+    """Building the whole ``meshserve`` command line (``up`` included) imports neither torch,
+    transformers nor numpy: ``meshserve up`` runs them only in the processes it starts."""
+    code = (
+        "import sys\n"
+        "from services.launcher import cli\n"
+        "try:\n"
+        "    cli.main(['up', '--help'])\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "heavy = sorted({'torch', 'transformers', 'numpy'} & set(sys.modules))\n"
+        "assert not heavy, heavy\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "--quantization" in out.stdout  # the runtime's choices are there all the same

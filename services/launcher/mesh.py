@@ -20,6 +20,26 @@ from common.nats_server import LocalNatsServer
 from services.launcher.supervisor import DeferredInterrupt, RestartPolicy, Supervisor
 
 
+def resolve_model(spec: str | None) -> Path:
+    """``--model`` as a Hugging Face folder (``python -m gpu.gguf``), in a process of its own:
+    converting a GGUF needs numpy and about a gigabyte for a while, and this process, which
+    only starts others, stays small for as long as the mesh runs."""
+    out = subprocess.run(
+        [sys.executable, "-m", "gpu.gguf", *([spec] if spec is not None else [])],
+        stdout=subprocess.PIPE,
+        text=True,
+        check=False,
+    )  # stderr is the user's: a conversion shows its progress there
+    lines = out.stdout.strip().splitlines()
+    try:
+        answer = json.loads(lines[-1]) if lines else {}
+    except ValueError:
+        answer = {}
+    if "folder" in answer:
+        return Path(answer["folder"])
+    raise ValueError(answer.get("error") or f"resolving model {spec!r} failed ({out.returncode})")
+
+
 @dataclass
 class LocalMesh:
     args: argparse.Namespace
@@ -150,9 +170,7 @@ class LocalMesh:
 
     @property
     def draft_folder(self) -> Path:
-        from gpu.gguf import resolve_model_path
-
-        return resolve_model_path(self.args.draft_model)
+        return resolve_model(self.args.draft_model)
 
     def wait_ready(self, timeout: float, watch: Callable[[], None] | None = None) -> None:
         """Until the gateway's /health is 200; ``watch`` (by default: fail if any process

@@ -14,7 +14,7 @@ import sys
 import time
 
 from services.launcher.flags import add_model_format_args
-from services.launcher.mesh import LocalMesh
+from services.launcher.mesh import LocalMesh, resolve_model
 from services.launcher.supervisor import DeferredInterrupt, RestartPolicy
 from services.scheduler.router import POLICIES
 
@@ -68,9 +68,7 @@ def add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def run_up(args: argparse.Namespace) -> int:
-    from gpu.gguf import resolve_model_path
-
-    mesh = LocalMesh(args, resolve_model_path(args.model))
+    mesh = LocalMesh(args, resolve_model(args.model))
     # Ctrl-C reaches the children too (same process group); they drain and exit. SIGINT is
     # handled explicitly: a shell starts background jobs with SIGINT ignored, and Python then
     # installs no KeyboardInterrupt handler, while the services handle it themselves (they
