@@ -1,22 +1,25 @@
 """The processes of a local mesh: a nats-server (unless given a URL) and one process per
-service, all started from one model folder, restartable one by one, stopped together."""
+service, all started from one model folder, restartable one by one, stopped together. With
+``logs``, each service writes to its own file there; without, to this process's stderr."""
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import json
 import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from common.nats_server import LocalNatsServer
+from services.launcher.console import ServiceLogs
 from services.launcher.supervisor import DeferredInterrupt, RestartPolicy, Supervisor
 
 
@@ -48,6 +51,7 @@ class LocalMesh:
     procs: list[tuple[str, subprocess.Popen[bytes]]] = field(default_factory=list)
     commands: dict[str, list[str]] = field(default_factory=dict)  # to start one again
     metrics_urls: dict[str, str] = field(default_factory=dict)  # service -> its /metrics
+    logs: ServiceLogs | None = None
 
     @property
     def nats_url(self) -> str:
@@ -70,14 +74,22 @@ class LocalMesh:
     def spawn(self, name: str, module: str, *flags: str) -> None:
         telemetry = self.telemetry_flags(name, module)
         cmd = [sys.executable, "-m", module, "--nats-url", self.nats_url, *telemetry, *flags]
+        if self.args.log_level == "debug":
+            cmd += ["--log-level", "DEBUG"]
         self.commands[name] = cmd
-        self.procs.append((name, subprocess.Popen(cmd)))
+        self.procs.append((name, self.popen(name)))
 
     def respawn(self, name: str) -> subprocess.Popen[bytes]:
         """Start service ``name`` again with the same command (ports included)."""
-        proc = subprocess.Popen(self.commands[name])
+        proc = self.popen(name)
         self.procs = [(n, proc if n == name else p) for n, p in self.procs]
         return proc
+
+    def popen(self, name: str) -> subprocess.Popen[bytes]:
+        if self.logs is None:
+            return subprocess.Popen(self.commands[name])
+        with self.logs.open(name) as log:  # the child keeps its own descriptor
+            return subprocess.Popen(self.commands[name], stdout=log, stderr=subprocess.STDOUT)
 
     def restart_nats(self) -> subprocess.Popen[bytes]:
         """A new local nats-server on the same port: the services reconnect by themselves
@@ -172,18 +184,34 @@ class LocalMesh:
     def draft_folder(self) -> Path:
         return resolve_model(self.args.draft_model)
 
-    def wait_ready(self, timeout: float, watch: Callable[[], None] | None = None) -> None:
-        """Until the gateway's /health is 200; ``watch`` (by default: fail if any process
-        exited) runs on every try."""
+    def health(self) -> tuple[int, dict[str, Any]] | None:
+        """The gateway's ``/health`` status and body; None while nothing answers."""
+        try:
+            with urllib.request.urlopen(f"{self.base_url}/health", timeout=1) as resp:
+                return resp.status, json.load(resp)
+        except urllib.error.HTTPError as exc:  # 503 while a stage is missing: a body all the same
+            with exc:
+                try:
+                    return exc.code, json.load(exc)
+                except ValueError:
+                    return exc.code, {}
+        except (OSError, ValueError):
+            return None
+
+    def wait_ready(
+        self,
+        timeout: float,
+        watch: Callable[[], None] | None = None,
+        until: Callable[[tuple[int, dict[str, Any]] | None], bool] | None = None,
+    ) -> None:
+        """Until ``until(health)`` (by default: the gateway's /health is 200); ``watch`` (by
+        default: fail if any process exited) runs on every try."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             (watch or self.check_alive)()
-            with (
-                contextlib.suppress(OSError),
-                urllib.request.urlopen(f"{self.base_url}/health", timeout=1) as resp,
-            ):
-                if resp.status == 200:
-                    return
+            health = self.health()
+            if until(health) if until is not None else (health is not None and health[0] == 200):
+                return
             time.sleep(0.25)
         raise TimeoutError(f"the mesh was not healthy within {timeout:.0f} s")
 

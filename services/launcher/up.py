@@ -9,10 +9,14 @@ crashing takes the whole local mesh down with a message and a non-zero exit.
 from __future__ import annotations
 
 import argparse
+import logging
 import signal
 import sys
 import time
+from pathlib import Path
 
+from gpu.cache_dir import cache_root
+from services.launcher.console import LEVELS, ReadyReport, ServiceLogs
 from services.launcher.flags import add_model_format_args
 from services.launcher.mesh import LocalMesh, resolve_model
 from services.launcher.supervisor import DeferredInterrupt, RestartPolicy
@@ -54,6 +58,20 @@ def add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_model_format_args(p)  # --quantization, --kv-cache-dtype (passed on to each executor)
     p.add_argument("--ready-timeout", type=float, default=600)
     p.add_argument(
+        "--log-dir",
+        type=Path,
+        default=None,
+        help="where each service writes its output, as <name>.log "
+        "(default: <cache>/logs/up-<port>, the cache being $MESHSERVE_CACHE or ~/.cache/meshserve)",
+    )
+    p.add_argument(
+        "--log-level",
+        choices=LEVELS,
+        default="warning",
+        help="the services' log records shown here as well as in their files (debug: every "
+        "line they write, and they log at debug level)",
+    )
+    p.add_argument(
         "--otlp-endpoint",
         default=None,
         help="send every service's traces to this OTLP/HTTP base URL (e.g. http://localhost:4318)",
@@ -68,7 +86,12 @@ def add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def run_up(args: argparse.Namespace) -> int:
-    mesh = LocalMesh(args, resolve_model(args.model))
+    folder = resolve_model(args.model)
+    log_dir = args.log_dir or cache_root() / "logs" / f"up-{args.port}"
+    logs = ServiceLogs(log_dir, logging.getLevelNamesMapping()[args.log_level.upper()])
+    mesh = LocalMesh(args, folder, logs=logs)
+    print(f"meshserve up: model {folder}", flush=True)
+    print(f"meshserve up: each service writes to {log_dir}/<name>.log", flush=True)
     # Ctrl-C reaches the children too (same process group); they drain and exit. SIGINT is
     # handled explicitly: a shell starts background jobs with SIGINT ignored, and Python then
     # installs no KeyboardInterrupt handler, while the services handle it themselves (they
@@ -79,18 +102,27 @@ def run_up(args: argparse.Namespace) -> int:
     try:
         with interrupts.deferred():  # every process started is in mesh, for stop() to end
             mesh.start()
+        if mesh.nats is not None:
+            print(f"  nats-server ready: {mesh.nats_url}", flush=True)
         supervisor = mesh.supervisor(RestartPolicy(), interrupts)
-        mesh.wait_ready(args.ready_timeout, supervisor.poll)
+
+        def watch() -> None:
+            supervisor.poll()
+            logs.echo()
+
+        ready = ReadyReport([name for name, _ in mesh.procs])
+        mesh.wait_ready(args.ready_timeout, watch, ready)
         print(f"meshserve is up: {mesh.base_url}/v1  (Ctrl-C stops it)", flush=True)
         for name, url in mesh.metrics_urls.items():
             print(f"  metrics of {name}: {url}", flush=True)
         while True:
-            supervisor.poll()
+            watch()
             time.sleep(0.2)
     except KeyboardInterrupt:
         print("stopping...", file=sys.stderr)
         return 0
     except (RuntimeError, TimeoutError) as exc:
+        logs.echo()  # what the services said before it came to this
         print(f"meshserve up: {exc}", file=sys.stderr)
         return 1
     finally:
@@ -99,3 +131,4 @@ def run_up(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         mesh.stop()
+        logs.echo()  # errors while draining

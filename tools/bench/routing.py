@@ -78,6 +78,7 @@ class Mesh:
             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
             "--port", str(self.port),
             "--served-model-name", MODEL_NAME,
+            "--log-dir", str(log.parent / f"{router}-logs"),  # each service's <name>.log
         ]  # fmt: skip
         if args.model:
             cmd += ["--model", args.model]
