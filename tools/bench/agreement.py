@@ -16,17 +16,20 @@ import argparse
 
 import torch
 
+from common.tokenizer import Tokenizer
+from gpu.engine import Engine, EngineConfig
+from gpu.gguf import resolve_model_path
+from gpu.loader import load_model
+from gpu.runner import ModelRunner
+from gpu.sampling import SamplingParams
+from tools.distill.chat_prompts import held_out_prompts
+
 TEMPERATURES = (1.0, 0.7)
 
 
 def answers(
     target: str, prompts: list[list[int]], max_tokens: int, eos: list[int]
 ) -> list[list[int]]:
-    from gpu.engine import Engine, EngineConfig
-    from gpu.loader import load_model
-    from gpu.runner import ModelRunner
-    from gpu.sampling import SamplingParams
-
     runner = ModelRunner(load_model(target, progress=False), num_pages=1024, page_size=16)
     engine = Engine(runner, EngineConfig(4096, len(prompts)), eos)
     return engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens))
@@ -53,11 +56,9 @@ def agreement(
 
 
 def main(argv: list[str] | None = None) -> None:
+    # transformers takes seconds to import: only this command needs it, not a test of the
+    # functions above.
     from transformers import AutoModelForCausalLM
-
-    from common.tokenizer import Tokenizer
-    from gpu.gguf import resolve_model_path
-    from tools.distill.chat_prompts import held_out_prompts
 
     parser = argparse.ArgumentParser(
         prog="python -m tools.bench.agreement", description=__doc__.split("\n")[0]

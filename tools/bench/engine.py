@@ -79,6 +79,8 @@ def run_decode_only(engine: Engine, prompt: list[int], max_tokens: int) -> Resul
 
 
 def run_hf_sequential(folder: str, prompts: list[list[int]], max_tokens: int) -> Result:
+    # transformers takes seconds to import; the mesh and quantization benchmarks import this
+    # module for its prompts and engine runs only.
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)

@@ -25,6 +25,7 @@ from collections import defaultdict
 
 import nats
 
+from gpu.gguf import resolve_model_path
 from services.launcher.mesh import LocalMesh
 from services.launcher.up import add_up
 from tools.bench.mesh import WARMUP_TOKENS, poisson_arrivals, questions, run_mesh, warmup_questions
@@ -90,8 +91,6 @@ def main(argv: list[str] | None = None) -> None:
     up = sub.choices["up"].parse_args([])
     receiver = OtlpReceiver().start()
     up.port, up.served_model_name, up.otlp_endpoint = args.port, "bench", receiver.endpoint
-    from gpu.gguf import resolve_model_path
-
     folder = resolve_model_path(up.model)
     up.model = str(folder)
     mesh = LocalMesh(up, folder)

@@ -34,11 +34,14 @@ import torch
 import torch.nn.functional as F
 
 from common.tokenizer import Tokenizer
+from gpu import cpu_kernels
 from gpu.attention.metadata import SeqChunk
 from gpu.engine import Engine, EngineConfig
 from gpu.gguf import resolve_model_path
+from gpu.linear import Linear
 from gpu.loader import load_model
 from gpu.model import CausalLM
+from gpu.quant import pack_row_blocks, quantize_int8
 from gpu.runner import ModelRunner
 from gpu.sampling import SamplingParams
 from tools.bench.engine import chat_prompts, run_decode_only, run_engine
@@ -168,8 +171,6 @@ def speed_report(
 
 def weight_mb(model: CausalLM) -> float:
     """MB of weights a decode step reads: every linear layer (the LM head included)."""
-    from gpu.linear import Linear
-
     total = sum(m.weight_bytes() for m in model.modules() if isinstance(m, Linear))
     return total / 1e6
 
@@ -181,9 +182,6 @@ def linear_options() -> dict[
     str, tuple[Callable[[torch.Tensor], object], Callable[..., torch.Tensor]]
 ]:
     """CPU ways to multiply by a weight ``[N, K]``: (prepare once, call per step)."""
-    from gpu import cpu_kernels
-    from gpu.quant import pack_row_blocks, quantize_int8
-
     opts: dict[str, tuple[Callable[[torch.Tensor], object], Callable[..., torch.Tensor]]] = {
         "fp32 F.linear [N,K]": (lambda w: w, lambda x, w: F.linear(x, w)),
         "fp32 x @ W_t [K,N]": (lambda w: w.t().contiguous(), lambda x, w: x @ w),
