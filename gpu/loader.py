@@ -14,8 +14,9 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from gpu.config import ModelConfig, ModelError
+from gpu.cpu_kernels import load as load_cpu_kernels
+from gpu.formats import check_quantization
 from gpu.model import CausalLM, expected_shapes
-from gpu.quant import check_quantization
 
 
 def weight_files(folder: Path) -> list[Path]:
@@ -78,8 +79,6 @@ def load_model(
         dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     kernels = None
     if cpu_kernels and torch.device(device).type == "cpu":
-        from gpu import cpu_kernels as kernels_module
-
-        kernels = kernels_module.load()
+        kernels = load_cpu_kernels()
     weights = load_weights(folder, config, progress)
     return CausalLM(config, weights, device, dtype, quantization, kernels)

@@ -22,20 +22,11 @@ from __future__ import annotations
 import torch
 
 from gpu.config import ModelError
+from gpu.formats import KV_CACHE_DTYPES
 
-QUANTIZATIONS = ("none", "int8", "fp8")
-KV_CACHE_DTYPES = ("auto", "fp8")
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
 INT8_MAX = 127.0
-
-
-def check_quantization(quantization: str) -> str:
-    if quantization not in QUANTIZATIONS:
-        raise ModelError(
-            f"unknown quantization {quantization!r}; choose one of {', '.join(QUANTIZATIONS)}"
-        )
-    return quantization
 
 
 def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from gpu.attention.backend import AttentionBackend
+from gpu.attention.flashinfer_backend import FlashInferPagedAttention
 from gpu.attention.metadata import BatchMetadata, SeqChunk, build_batch_metadata
 from gpu.attention.torch_backend import TorchPagedAttention
 from gpu.config import ModelConfig, ModelError
@@ -25,8 +26,6 @@ def make_backend(
 ) -> AttentionBackend:
     """FlashInfer on CUDA; plain torch elsewhere (with the fused decode kernel if given)."""
     if device.type == "cuda":
-        from gpu.attention.flashinfer_backend import FlashInferPagedAttention
-
         return FlashInferPagedAttention(
             config.num_attention_heads, config.num_key_value_heads, config.head_dim, device
         )

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from loadtest.client import Endpoint
+from loadtest.compare import compare_files
 from loadtest.results import build_document, run_record, write_document
 from loadtest.runner import LoadConfig, new_session, run_load, warmup
 from loadtest.stats import parse_slo
@@ -273,6 +274,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "run":
         return _cmd_run(args, parser)
     if args.command == "report":
+        # matplotlib (slow to import): only a report draws, not every run of the load generator.
         from loadtest.report import write_report
 
         written = write_report(args.files, args.out)
@@ -280,8 +282,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(path)
         return 0
     if args.command == "compare":
-        from loadtest.compare import compare_files
-
         print(compare_files(args.a, args.b))
         return 0
     parser.error(f"unknown command {args.command!r}")

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from common.nats_server import free_port
-from services.up import LocalMesh, add_up
+from services.launcher.mesh import LocalMesh
+from services.launcher.up import add_up
 from tests.mesh import openai_client
 from tests.models import write_tiny_model
 

@@ -1,4 +1,4 @@
-"""services.bench end to end on the tiny model: both sides, both workloads, one table."""
+"""tools.bench.mesh end to end on the tiny model: both sides, both workloads, one table."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from services import bench
+from tools.bench import mesh as bench
 
 
 def test_poisson_arrivals_are_seeded_and_increasing() -> None:

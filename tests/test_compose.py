@@ -508,3 +508,9 @@ def test_dockerfile_builds_on_cuda_pytorch_with_flashinfer(compose):
     assert ports <= exposed
     for svc in mesh_services(compose).values():
         assert svc["build"]["dockerfile"] == "Dockerfile"
+    # every package pyproject installs is in the image (the `meshserve` command imports tools/)
+    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    for pattern in packages["packages"]["find"]["include"]:
+        name = pattern.rstrip("*")
+        assert f"COPY {name} ./{name}" in dockerfile, name
+        assert f"{name}/__init__.py" in dockerfile, name

@@ -8,15 +8,15 @@ import json
 import pytest
 import torch
 
-from gpu.chat_prompts import distill_prompts
-from gpu.distill import DistillConfig, distill, generate_data, layer_candidates
 from gpu.engine import Engine, EngineConfig
 from gpu.loader import load_model
 from gpu.proposers import DraftModelProposer
 from gpu.runner import ModelRunner
 from gpu.sampling import SamplingParams
-from services.cli import main as cli_main
+from services.launcher.cli import main as cli_main
 from tests.models import write_tiny_model
+from tools.distill.chat_prompts import distill_prompts
+from tools.distill.recipe import DistillConfig, distill, generate_data, layer_candidates
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +85,7 @@ def test_cli_distill(teacher, tmp_path, monkeypatch):
         seen["cfg"] = cfg
         return cfg.out
 
-    monkeypatch.setattr("gpu.distill.distill", fake)
+    monkeypatch.setattr("tools.distill.recipe.distill", fake)
     args = ["distill", "--teacher", str(teacher), "--out", str(tmp_path / "d")]
     flags = ["--layers", "3", "--steps", "7", "--prompts", "20", "--self-prompts", "5"]
     assert cli_main([*args, *flags]) == 0
@@ -114,7 +114,7 @@ def test_distill_prompts_are_stable_distinct_and_held_out():
     the published draft was trained on), never repeat, and never include a benchmark prompt."""
     import hashlib
 
-    from gpu.chat_prompts import distill_prompts, held_out_prompts
+    from tools.distill.chat_prompts import distill_prompts, held_out_prompts
 
     prompts = distill_prompts()
     assert len(prompts) == len(set(prompts)) == 4224
@@ -125,10 +125,10 @@ def test_distill_prompts_are_stable_distinct_and_held_out():
 
 
 def test_teacher_forced_agreement(tmp_path):
-    """``gpu.bench_agreement``: a draft identical to the target agrees everywhere and is always
+    """``tools.bench.agreement``: a draft identical to the target agrees everywhere and is always
     accepted; another model agrees less, and its rates stay probabilities."""
-    from gpu.bench_agreement import agreement, answers
     from tests.models import hf_model
+    from tools.bench.agreement import agreement, answers
 
     target_dir = write_tiny_model(tmp_path / "t", "llama", seed=1)
     other_dir = write_tiny_model(tmp_path / "o", "llama", seed=2)

@@ -23,9 +23,9 @@ import torch
 from gpu.attention import flashinfer_backend as fb
 from gpu.attention.metadata import SeqChunk, build_batch_metadata
 from gpu.attention.torch_backend import TorchPagedAttention
-from gpu.checks import check_flashinfer as chk
 from gpu.loader import load_model
 from gpu.runner import ModelRunner, make_backend
+from tools.gpu_check import check_flashinfer as chk
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -155,7 +155,7 @@ def fake_factory(fake):
 def test_module_imports_without_cuda_and_does_not_import_flashinfer():
     code = (
         "import sys\n"
-        "import gpu.attention.flashinfer_backend, gpu.checks.check_flashinfer, gpu.runner\n"
+        "import gpu.attention.flashinfer_backend, tools.gpu_check.check_flashinfer, gpu.runner\n"
         "assert 'flashinfer' not in sys.modules, 'flashinfer imported eagerly'\n"
     )
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)

@@ -7,6 +7,7 @@ the tolerances are wide because the machine is small and noisy.
 
 from __future__ import annotations
 
+import ast
 import itertools
 import json
 import math
@@ -524,3 +525,20 @@ def test_compare_prints_ratios(cli_files, capsys):
     assert main(["compare", str(cli_files["a"]), str(cli_files["b"])]) == 0
     text = capsys.readouterr().out
     assert "request throughput (req/s)" in text and "rate=30 vs rate=10" in text
+
+
+def test_loadtest_imports_nothing_of_meshserve():
+    """The load generator is for any OpenAI-compatible server: it must run from a checkout of
+    loadtest/ alone, so no module of it (function-local imports included) imports ours."""
+    ours = {"common", "services", "gpu", "tools", "tests"}
+    found = []
+    for path in sorted((REPO / "loadtest").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            found += [f"{path.name}:{node.lineno} {n}" for n in names if n.split(".")[0] in ours]
+    assert not found, found

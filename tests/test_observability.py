@@ -19,8 +19,8 @@ from common import settings
 from common.config import MeshConfig
 from common.runtime import Service
 from common.telemetry import otlp_traces_endpoint
-from loadtest.otlp_receiver import OtlpReceiver, ReceivedSpan
 from tests.mesh import MeshHarness, openai_client
+from tools.bench.otlp_receiver import OtlpReceiver, ReceivedSpan
 
 MAX_TOKENS = 5
 SPANS = {
@@ -354,7 +354,7 @@ def test_a_request_received_mid_step_stays_queued(tiny_llama):
 
 
 def test_hops_offsets_are_relative_to_each_requests_gateway_span():
-    from loadtest.hops import offsets
+    from tools.bench.hops import offsets
 
     def span(trace: str, name: str, start: int, end: int) -> ReceivedSpan:
         return ReceivedSpan("svc", name, trace, f"{trace}-{name}", None, start, end, 1)

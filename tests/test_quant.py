@@ -320,8 +320,8 @@ def test_int8_smollm2_agrees_with_fp32():
     """The acceptance bar: teacher-forced along fp32's greedy continuations of the benchmark's
     prompt set, int8 picks fp32's top-1 token at >= 95% of positions."""
     from common.tokenizer import Tokenizer
-    from gpu.bench_quant import quality_prompts, quality_report
     from gpu.gguf import resolve_model_path
+    from tools.bench.quant import quality_prompts, quality_report
 
     folder = resolve_model_path(None)
     prompts = quality_prompts(Tokenizer.from_folder(folder))

@@ -19,7 +19,7 @@ import pytest
 
 from common.config import NatsAuth
 from common.nats_server import LocalNatsServer
-from services.up import LocalMesh
+from services.launcher.mesh import LocalMesh
 from tests.mesh import MeshHarness
 
 LONG = {"max_tokens": 240, "ignore_eos": True}

@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from services.supervisor import (
+from services.launcher.supervisor import (
     DeferredInterrupt,
     GaveUp,
     RestartPolicy,

@@ -1,5 +1,5 @@
-"""Questions the teacher writes itself (``gpu.teacher_questions``): the filter keeps the
-benchmark held out, and the sampling is reproducible and resumable."""
+"""Questions the teacher writes itself (``tools.distill.teacher_questions``): the filter keeps
+the benchmark held out, and the sampling is reproducible and resumable."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ import json
 import pytest
 
 from common.tokenizer import Tokenizer
-from gpu.chat_prompts import held_out_prompts
 from gpu.engine import Engine, EngineConfig
 from gpu.gguf import resolve_model_path
 from gpu.loader import load_model
 from gpu.runner import ModelRunner
-from gpu.teacher_questions import (
+from tools.distill.chat_prompts import held_out_prompts
+from tools.distill.teacher_questions import (
     keep_question,
     near_held_out,
     teacher_questions,

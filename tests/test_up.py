@@ -41,6 +41,11 @@ def cmdline(pid: int) -> list[str]:
         return []
 
 
+def resident_mb(pid: int) -> float:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(status.split("VmRSS:")[1].split()[0]) / 1024
+
+
 def child_running(parent: int, *words: str) -> int | None:
     """The pid of the live child of ``parent`` whose command line holds every one of ``words``."""
     for pid in children_of(parent):
@@ -50,15 +55,18 @@ def child_running(parent: int, *words: str) -> int | None:
 
 
 class Up:
-    """A ``meshserve up`` process in its own session; every process's stderr goes to one log."""
+    """A ``meshserve up`` process in its own session: its console is ``stdout`` (read by the
+    test) and ``up.log`` (its stderr); each service writes to ``logs/<name>.log``."""
 
     def __init__(self, model: Path, tmp_path: Path, *flags: str) -> None:
         self.port = free_port()
         self.log_path = tmp_path / "up.log"
+        self.log_dir = tmp_path / "logs"
         self.log_file = self.log_path.open("w")
-        cmd = [sys.executable, "-m", "services.cli", "up", "--model", str(model)]
+        self.console: list[str] = []  # stdout lines read so far
+        cmd = [sys.executable, "-m", "services.launcher", "up", "--model", str(model)]
         cmd += ["--port", str(self.port), "--kv-cache-tokens", "1024"]
-        cmd += ["--served-model-name", "tiny", *flags]
+        cmd += ["--served-model-name", "tiny", "--log-dir", str(self.log_dir), *flags]
         self.proc = subprocess.Popen(
             cmd,
             stdout=subprocess.PIPE,
@@ -68,23 +76,33 @@ class Up:
         )
 
     def log(self) -> str:
+        """What ``up`` itself wrote to stderr (restarts, the services' warnings and errors)."""
         self.log_file.flush()
         return self.log_path.read_text(errors="replace")
 
+    def service_log(self, name: str) -> str:
+        path = self.log_dir / f"{name}.log"
+        return path.read_text(errors="replace") if path.is_file() else ""
+
     def log_tail(self) -> str:
-        return "\n".join(self.log().splitlines()[-40:])
+        tails = ["--- up (stderr):", *self.log().splitlines()[-40:]]
+        for path in sorted(self.log_dir.glob("*.log")):
+            tails += [f"--- {path.name}:", *self.service_log(path.stem).splitlines()[-15:]]
+        return "\n".join(tails)
 
     def wait_up(self, timeout: float = 180) -> str:
         deadline = time.monotonic() + timeout
         line = ""
         while time.monotonic() < deadline and "is up" not in line:
             line = self.proc.stdout.readline() if self.proc.stdout else ""
+            if line:
+                self.console.append(line.rstrip("\n"))
             if self.proc.poll() is not None:
                 pytest.fail(f"meshserve up exited with {self.proc.returncode}:\n{self.log_tail()}")
         return line
 
     def wait_log(self, text: str, count: int = 1, timeout: float = 10) -> None:
-        """Until ``text`` is in the log ``count`` times."""
+        """Until ``text`` is in up's own log ``count`` times."""
         deadline = time.monotonic() + timeout
         while self.log().count(text) < count:
             assert time.monotonic() < deadline, f"no {text!r} in the log:\n{self.log_tail()}"
@@ -133,6 +151,10 @@ def test_up_serves_and_ctrl_c_stops_every_process(tiny_llama, tmp_path):
     with meshserve_up(tiny_llama, tmp_path, "--executors", "2") as up:
         line = up.wait_up()
         assert f"http://127.0.0.1:{up.port}/v1" in line
+        # The launcher only starts processes: the runtime it starts is not in it (it held
+        # ~226 MB when it imported torch; ~25 MB without).
+        assert "libtorch" not in Path(f"/proc/{up.proc.pid}/maps").read_text()
+        assert resident_mb(up.proc.pid) < 120, resident_mb(up.proc.pid)
         kids = children_of(up.proc.pid)
         assert (
             len(kids) >= 7
@@ -148,7 +170,26 @@ def test_up_serves_and_ctrl_c_stops_every_process(tiny_llama, tmp_path):
         alive = [k for k in kids if is_running(k)]
         assert not alive, f"processes left behind: {alive}"
         # nats-server outlived the services' drains (it is stopped last, not by the Ctrl-C)
-        assert "draining connection timed out" not in up.log_tail(), up.log_tail()
+        for path in up.log_dir.glob("*.log"):
+            assert "draining connection timed out" not in path.read_text(), up.log_tail()
+
+
+def test_up_console_says_what_a_user_needs_and_the_rest_goes_to_files(tiny_llama, tmp_path):
+    """Before "is up": the model, where the logs are, each service once, the URL; no config
+    dumps or access-log lines (those are in the services' files)."""
+    with meshserve_up(tiny_llama, tmp_path) as up:
+        line = up.wait_up()
+        console = [*up.console, *up.log().splitlines()]
+        assert len(console) < 25, "\n".join(console)
+        assert f"http://127.0.0.1:{up.port}/v1" in line
+        assert any(str(up.log_dir) in c for c in console), console
+        names = ["tokenizer", "prefix-index", "scheduler", "detokenizer-0", "executor-0"]
+        for name in [*names, "gateway"]:
+            assert f"  {name} ready" in console, console
+            assert up.service_log(name), f"{name} wrote nothing to {up.log_dir}"
+        assert "executor config: ExecutorConfig(" in up.service_log("executor-0")
+        assert not [c for c in console if "config:" in c or "GET /health" in c], console
+        up.ctrl_c_stops_everything()
 
 
 def test_up_restarts_a_killed_executor_while_the_other_serves(tiny_llama, tmp_path):
@@ -177,7 +218,7 @@ def test_up_restarts_a_killed_executor_while_the_other_serves(tiny_llama, tmp_pa
         )
         up.wait_log(f"meshserve up: executor-0 restarted (pid {new})")
         joined = "executor executor-0 connected to nats"
-        while up.log().count(joined) < 2:  # until it joined the mesh, the other one serves
+        while up.service_log("executor-0").count(joined) < 2:  # until it joined, the other serves
             assert time.monotonic() < deadline, f"executor-0 never joined:\n{up.log_tail()}"
             status, text = up.chat("while it starts")
             assert status == 200 and text, (status, text, up.log_tail())
@@ -224,3 +265,21 @@ def test_up_gives_up_on_a_service_that_dies_at_every_start(tiny_llama, tmp_path,
         time.sleep(0.5)
         alive = [k for k in seen if is_running(k)]
         assert not alive, f"processes left behind: {alive}"
+
+
+def test_the_launcher_imports_no_runtime():
+    """Building the whole ``meshserve`` command line (``up`` included) imports neither torch,
+    transformers nor numpy: ``meshserve up`` runs them only in the processes it starts."""
+    code = (
+        "import sys\n"
+        "from services.launcher import cli\n"
+        "try:\n"
+        "    cli.main(['up', '--help'])\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "heavy = sorted({'torch', 'transformers', 'numpy'} & set(sys.modules))\n"
+        "assert not heavy, heavy\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "--quantization" in out.stdout  # the runtime's choices are there all the same

@@ -50,7 +50,7 @@ def decode_uses_tensor_cores(num_q_heads: int, num_kv_heads: int) -> bool:
 
     The CUDA-core decode kernel handles one query row per KV head; once several query heads
     share a KV head (GQA group of 4 or more) the tensor-core kernel, which treats the group as
-    a small matrix, is the faster one. gpu/checks/check_flashinfer.py times both.
+    a small matrix, is the faster one. tools/gpu_check/check_flashinfer.py times both.
     """
     return num_q_heads // num_kv_heads >= 4
 

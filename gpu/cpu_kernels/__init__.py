@@ -32,6 +32,7 @@ are tested against).
 
 from gpu.cpu_kernels.build import build, load
 from gpu.cpu_kernels.decoder import FusedDecoder
-from gpu.cpu_kernels.wrappers import CpuKernels, DecodeAttention, PackedLinear
+from gpu.cpu_kernels.prepared import DecodeAttention, PackedLinear
+from gpu.cpu_kernels.wrappers import CpuKernels
 
 __all__ = ["CpuKernels", "DecodeAttention", "FusedDecoder", "PackedLinear", "build", "load"]

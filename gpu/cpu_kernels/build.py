@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from gpu.cache_dir import cache_root
 from gpu.cpu_kernels.wrappers import CpuKernels
 
 logger = logging.getLogger(__name__)
@@ -74,8 +75,6 @@ def load() -> CpuKernels | None:
     compiler or Python headers) or with ``MESHSERVE_CPU_KERNELS=0``."""
     if os.environ.get("MESHSERVE_CPU_KERNELS", "1") == "0":
         return None
-    from gpu.gguf import cache_root
-
     return build(cache_root() / "kernels")
 
 

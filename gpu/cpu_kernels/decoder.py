@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gpu.cpu_kernels.wrappers import DecodeAttention, PackedLinear, check_rope_tables
+from gpu.cpu_kernels.prepared import DecodeAttention, PackedLinear, check_rope_tables
 
 LAYER_FIELDS = 18  # decoder.c: two norms, then four linears of (kind, weight, scale, bias)
 

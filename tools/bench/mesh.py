@@ -1,6 +1,6 @@
 """The same workloads through the whole mesh and through the in-process engine, side by side.
 
-    python -m services.bench [--model PATH] [--concurrency 16] [--requests 64]
+    python -m tools.bench.mesh [--model PATH] [--concurrency 16] [--requests 64]
                              [--output-tokens 64] [--rounds 3] [--rate-fraction 0.5]
 
 Both sides get the same chat prompts, the same engine settings, greedy decoding and exactly
@@ -33,7 +33,6 @@ from collections import deque
 from dataclasses import dataclass
 
 from common.tokenizer import Tokenizer
-from gpu.bench import QUESTIONS
 from gpu.engine import Engine, EngineConfig
 from gpu.gguf import resolve_model_path
 from gpu.loader import load_model
@@ -42,7 +41,9 @@ from gpu.sampling import SamplingParams
 from loadtest.client import Endpoint, RequestResult, send_request
 from loadtest.runner import new_session
 from loadtest.workloads import RequestSpec
-from services.up import LocalMesh, add_up
+from services.launcher.mesh import LocalMesh
+from services.launcher.up import add_up
+from tools.bench.engine import QUESTIONS
 
 WARMUP_TOKENS = 8
 
@@ -193,7 +194,9 @@ def median_ttft(sides: list[Side], q: float) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m tools.bench.mesh", description=__doc__.split("\n")[0]
+    )
     sub = parser.add_subparsers()
     add_up(sub)  # reuse meshserve up's flags for the mesh side
     up_args = sub.choices["up"].parse_args([])

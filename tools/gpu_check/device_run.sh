@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Run gpu/checks/check_flashinfer.py on the lent GPU machine: no internet, Python 3.12 with a
+# Run tools/gpu_check/check_flashinfer.py on the lent GPU machine: no internet, Python 3.12 with a
 # CUDA build of torch, nvcc and ninja preinstalled, flashinfer absent (see README.md here).
 #
 # From the repository root there:
-#   bash gpu/checks/device_run.sh [--stage] [--no-aot] [check_flashinfer.py arguments...]
+#   bash tools/gpu_check/device_run.sh [--stage] [--no-aot] [check_flashinfer.py arguments...]
 #
-# It expects the files gpu/checks/make_carry.sh builds, carried in the call:
+# It expects the files tools/gpu_check/make_carry.sh builds, carried in the call:
 #   out/carry/           flashinfer slim tarball + apache-tvm-ffi cp312 wheel (+ the kernels
 #                        prebuilt for sm_90a, unless --no-aot: then FlashInfer compiles them);
 #                        always, on a fresh machine; unpacked once into $STATE_DIR/site
@@ -196,7 +196,7 @@ left=$((LIMIT - (SECONDS - started)))
 ((left > 30)) || left=30
 log "running check_flashinfer ${mode[*]-} ${model_args[*]-} ${args[*]-} (limit ${left}s)"
 timeout --signal=TERM --kill-after=15 "$left" \
-    "$PY" -m gpu.checks.check_flashinfer --out "$RESULTS/$name.json" \
+    "$PY" -m tools.gpu_check.check_flashinfer --out "$RESULTS/$name.json" \
     "${model_args[@]}" "${mode[@]}" "${args[@]}" 2>&1 | tee "$RESULTS/$name.log"
 rc=${PIPESTATUS[0]}
 if ((rc == 124 || rc == 137)); then

@@ -4,7 +4,7 @@ An instruction-tuned model given its chat template up to the start of a user tur
 else, writes a user message: the kind of request it was tuned on (the "Magpie" recipe, Xu et
 al. 2024). Sampled at temperature 1, these are the teacher's own distribution of questions;
 a draft distilled on its answers to them sees free-form requests instead of the eight-to-forty
-phrasings of ``gpu.chat_prompts``.
+phrasings of ``tools.distill.chat_prompts``.
 
 Kept: a turn the teacher ended itself (a stop token, not the length limit), of 3 to 60 words,
 printable (no broken UTF-8 or control characters), not seen before (case and punctuation
@@ -21,7 +21,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from gpu.chat_prompts import held_out_prompts
+from tools.distill.chat_prompts import held_out_prompts
 
 SENTINEL = "\x00meshserve-user-turn\x00"
 MIN_WORDS, MAX_WORDS = 3, 60
@@ -76,6 +76,7 @@ def teacher_questions(
     path: Path, count: int, engine: Any, tokenizer: Any, batch: int, seed: int
 ) -> list[str]:
     """``count`` questions written by the teacher behind ``engine``; resumes from ``path``."""
+    # gpu.sampling imports torch; the prompt and filter half of this module is plain text.
     from gpu.sampling import SamplingParams
     from gpu.sequence import FinishReason
 

@@ -1,11 +1,12 @@
 """Speculative decoding on held-out chat prompts: acceptance and speed, with and without.
 
-    python -m gpu.bench_spec --draft out/draft-smollm2-8l [--model PATH] [-k 4]
+    python -m tools.bench.spec --draft out/draft-smollm2-8l [--model PATH] [-k 4]
         [--prompts 8] [--max-tokens 128] [--concurrency 1] [--fixed-k] [--repeat 2]
 
-In one process and one run, the same held-out prompts (``gpu.chat_prompts.HELD_OUT``, never
-seen by ``meshserve distill``) go through the engine three times, greedy: without speculation,
-with the draft model proposing ``k`` tokens, and with prompt lookup (n-gram) proposing ``k``.
+In one process and one run, the same held-out prompts (``HELD_OUT`` in
+``tools.distill.chat_prompts``, never seen by ``meshserve distill``) go through the engine
+three times, greedy: without speculation, with the draft model proposing ``k`` tokens, and
+with prompt lookup (n-gram) proposing ``k``.
 Prints one table: output tokens, seconds, tokens/s, target forward passes (and per output
 token), draft tokens verified and accepted, the acceptance rate, and the mean tokens per
 verifying target step (1 + accepted drafts, per sequence). Greedy outputs of every run are
@@ -24,7 +25,6 @@ from pathlib import Path
 import torch
 
 from common.tokenizer import Tokenizer
-from gpu.chat_prompts import held_out_prompts
 from gpu.engine import Engine, EngineConfig
 from gpu.gguf import resolve_model_path
 from gpu.loader import load_model
@@ -32,6 +32,7 @@ from gpu.proposers import DraftModelProposer, NgramProposer
 from gpu.runner import ModelRunner
 from gpu.sampling import SamplingParams
 from gpu.spec_decode import Proposer
+from tools.distill.chat_prompts import held_out_prompts
 
 
 @dataclass(frozen=True)
@@ -103,7 +104,9 @@ def run(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m tools.bench.spec", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--model", default=None, help="target: HF folder or .gguf (SmolLM2)")
     parser.add_argument("--draft", required=True, type=Path, help="draft model folder")
     parser.add_argument("-k", type=int, default=4, help="draft tokens per step (max)")

@@ -6,6 +6,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+from services.launcher.flags import add_model_format_args
+from services.launcher.up import add_up
+from tools.distill.cli import add_distill
+
 
 def add_generate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("generate", help="complete one prompt offline with the engine")
@@ -20,30 +24,15 @@ def add_generate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     p.set_defaults(func=run_generate)
 
 
-def add_model_format_args(p: argparse.ArgumentParser) -> None:
-    """``--quantization`` and ``--kv-cache-dtype`` (shared by ``generate`` and ``up``)."""
-    from gpu.quant import KV_CACHE_DTYPES, QUANTIZATIONS
-
-    p.add_argument(
-        "--quantization",
-        choices=QUANTIZATIONS,
-        default="none",
-        help="weight format, quantized at load time (int8: weight-only, per channel; "
-        "fp8: e4m3, Hopper/Ada or CPU emulation)",
-    )
-    p.add_argument(
-        "--kv-cache-dtype",
-        choices=KV_CACHE_DTYPES,
-        default="auto",
-        help="KV cache storage (auto: the model's dtype)",
-    )
-
-
 def run_generate(args: argparse.Namespace) -> int:
+    # The runtime (torch) is imported only to generate: every ``meshserve`` command builds
+    # this parser, and ``meshserve up`` must stay a light process (it only starts the runtime
+    # in other processes).
     from common.tokenizer import Tokenizer
     from gpu.engine import Engine
     from gpu.gguf import resolve_model_path
     from gpu.loader import load_model
+    from gpu.quant import kv_cache_dtype
     from gpu.runner import ModelRunner
     from gpu.sampling import SamplingParams
 
@@ -56,8 +45,6 @@ def run_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, seed=args.seed, max_tokens=args.max_tokens
     )
-    from gpu.quant import kv_cache_dtype
-
     model = load_model(folder, quantization=args.quantization)
     runner = ModelRunner(
         model,
@@ -74,9 +61,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="meshserve", description="LLM serving on a NATS mesh")
     sub = parser.add_subparsers(dest="command", required=True)
     add_generate(sub)
-    from services.distill import add_distill
-    from services.up import add_up
-
     add_up(sub)
     add_distill(sub)
     args = parser.parse_args(argv)

@@ -1,6 +1,6 @@
 """Quality and speed of each weight format against the unquantized model (fp32; bf16 on CUDA).
 
-    python -m gpu.bench_quant [--model PATH] [--formats none,int8,fp8] [--repeats 3]
+    python -m tools.bench.quant [--model PATH] [--formats none,int8,fp8] [--repeats 3]
                               [--concurrency 32] [--output-tokens 64] [--linear]
 
 Quality (teacher-forced): the fp32 model first continues every prompt of a fixed set greedily
@@ -9,10 +9,11 @@ pass, and at every continuation position its next-token distribution is compared
 mean KL(fp32 || format) in nats, and top-1 agreement. Teacher forcing keeps one early flip from
 derailing the rest, so every position measures the format itself.
 
-Speed (engine, as ``gpu.bench`` measures it): single-stream decode tokens/s (first output token
-to last, one request alone) and throughput with ``--concurrency`` requests at once, each run
-``--repeats`` times (best and median). On CPU, fp8 runs through ``torch._scaled_mm``'s slow CPU
-path and is left out of the speed table unless asked for with ``--speed-formats``.
+Speed (engine, as ``tools.bench.engine`` measures it): single-stream decode tokens/s (first
+output token to last, one request alone) and throughput with ``--concurrency`` requests at
+once, each run ``--repeats`` times (best and median). On CPU, fp8 runs through
+``torch._scaled_mm``'s slow CPU path and is left out of the speed table unless asked for with
+``--speed-formats``.
 
 ``--linear`` adds a micro-benchmark of the CPU matmul options for the model's layer shapes.
 ``--device cuda`` runs the same report on a GPU (reference: the bf16 model), fp8 included.
@@ -33,14 +34,17 @@ import torch
 import torch.nn.functional as F
 
 from common.tokenizer import Tokenizer
+from gpu import cpu_kernels
 from gpu.attention.metadata import SeqChunk
-from gpu.bench import chat_prompts, run_decode_only, run_engine
 from gpu.engine import Engine, EngineConfig
 from gpu.gguf import resolve_model_path
+from gpu.linear import Linear
 from gpu.loader import load_model
 from gpu.model import CausalLM
+from gpu.quant import pack_row_blocks, quantize_int8
 from gpu.runner import ModelRunner
 from gpu.sampling import SamplingParams
+from tools.bench.engine import chat_prompts, run_decode_only, run_engine
 
 # A fixed prompt set: chat questions (the model is an instruct model) and plain text.
 QUALITY_QUESTIONS = [
@@ -167,8 +171,6 @@ def speed_report(
 
 def weight_mb(model: CausalLM) -> float:
     """MB of weights a decode step reads: every linear layer (the LM head included)."""
-    from gpu.linear import Linear
-
     total = sum(m.weight_bytes() for m in model.modules() if isinstance(m, Linear))
     return total / 1e6
 
@@ -180,9 +182,6 @@ def linear_options() -> dict[
     str, tuple[Callable[[torch.Tensor], object], Callable[..., torch.Tensor]]
 ]:
     """CPU ways to multiply by a weight ``[N, K]``: (prepare once, call per step)."""
-    from gpu import cpu_kernels
-    from gpu.quant import pack_row_blocks, quantize_int8
-
     opts: dict[str, tuple[Callable[[torch.Tensor], object], Callable[..., torch.Tensor]]] = {
         "fp32 F.linear [N,K]": (lambda w: w, lambda x, w: F.linear(x, w)),
         "fp32 x @ W_t [K,N]": (lambda w: w.t().contiguous(), lambda x, w: x @ w),
@@ -266,7 +265,9 @@ def _fmt_runs(values: list[float]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m tools.bench.quant", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--model", default=None, help="HF folder or .gguf (default: SmolLM2)")
     parser.add_argument("--formats", default="int8,fp8", help="formats compared with fp32")
     parser.add_argument("--speed-formats", default=None, help="default: none,int8 on CPU")

@@ -2,9 +2,9 @@
 
     meshserve distill --teacher PATH --out DIR [--layers 8] [--steps 300]
 
-1. **Data.** The teacher answers a fixed set of chat prompts (``gpu.chat_prompts``; the
+1. **Data.** The teacher answers a fixed set of chat prompts (``chat_prompts`` here; the
    held-out benchmark prompts are never used), then, with ``self_prompts``, questions it wrote
-   itself (``gpu.teacher_questions``: free-form, not templates), through the engine, half
+   itself (``teacher_questions``: free-form, not templates), through the engine, half
    greedy and half sampled at temperature 1 (top-p 0.95), and reports its top-20 logprobs at
    every answer position (``SamplingParams.logprobs``): the teacher's own distributions over
    its own text. Saved to ``DIR/work/data.pt`` after every batch of prompts, so an interrupted
@@ -40,7 +40,13 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from gpu.chat_prompts import distill_prompts
+from common.tokenizer import Tokenizer
+from gpu.engine import Engine, EngineConfig
+from gpu.loader import load_model
+from gpu.runner import ModelRunner
+from gpu.sampling import SamplingParams
+from tools.distill.chat_prompts import distill_prompts
+from tools.distill.teacher_questions import teacher_questions
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +70,7 @@ class DistillConfig:
     warmup_steps: int = 10
     checkpoint_every: int = 25
     num_prompts: int = 128
-    self_prompts: int = 0  # questions the teacher writes itself (gpu.teacher_questions)
+    self_prompts: int = 0  # questions the teacher writes itself (teacher_questions.py)
     max_new_tokens: int = 128
     gen_batch: int = 64
     val_samples: int = 8
@@ -108,12 +114,7 @@ def _atomic_save(obj: Any, path: Path) -> None:
 
 
 # -- 1. teacher data ------------------------------------------------------------------------------
-def _teacher_engine(cfg: DistillConfig) -> tuple[Any, Any]:
-    from common.tokenizer import Tokenizer
-    from gpu.engine import Engine, EngineConfig
-    from gpu.loader import load_model
-    from gpu.runner import ModelRunner
-
+def _teacher_engine(cfg: DistillConfig) -> tuple[Tokenizer, Engine]:
     tokenizer = Tokenizer.from_folder(cfg.teacher)
     runner = ModelRunner(load_model(cfg.teacher, progress=False), num_pages=2048, page_size=16)
     return tokenizer, Engine(runner, EngineConfig(2048, cfg.gen_batch), tokenizer.eos_token_ids)
@@ -122,9 +123,6 @@ def _teacher_engine(cfg: DistillConfig) -> tuple[Any, Any]:
 def generate_data(cfg: DistillConfig) -> list[Sample]:
     """The teacher's answers and top-20 logprobs; resumes from ``work/data.pt``. The prompts:
     the first ``num_prompts`` fixed ones, then ``self_prompts`` questions the teacher wrote."""
-    from gpu.sampling import SamplingParams
-    from gpu.teacher_questions import teacher_questions
-
     cfg.work.mkdir(parents=True, exist_ok=True)
     path = cfg.work / "data.pt"
     state: dict[str, Any] = {"num_prompts_done": 0, "samples": []}
@@ -211,6 +209,7 @@ def layer_candidates(num_teacher: int, num_student: int) -> dict[str, list[int]]
 
 def build_student(teacher: Any, layer_ids: list[int]) -> Any:
     """A copy of ``teacher`` (a transformers causal LM) keeping only ``layer_ids``."""
+    # transformers takes seconds to import: only the training half of a run needs it.
     from transformers import AutoModelForCausalLM
 
     config = teacher.config.__class__.from_dict(teacher.config.to_dict())
@@ -304,7 +303,7 @@ def write_folder(student: Any, cfg: DistillConfig, meta: dict[str, Any]) -> None
 
 def distill(cfg: DistillConfig) -> Path:
     """Run (or resume) the whole recipe; returns the output folder."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # heavy: see build_student
 
     cfg.work.mkdir(parents=True, exist_ok=True)
     samples = generate_data(cfg)

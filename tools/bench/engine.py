@@ -1,6 +1,6 @@
 """Throughput of the continuous-batching engine against sequential transformers ``generate()``.
 
-    python -m gpu.bench [--model PATH] [--concurrency 32] [--output-tokens 64]
+    python -m tools.bench.engine [--model PATH] [--concurrency 32] [--output-tokens 64]
 
 Runs, in one process and one run: (1) one request alone through the engine (single-stream
 decode tokens/s), (2) N concurrent requests through the engine, (3) the same N prompts through
@@ -60,7 +60,7 @@ def run_engine(engine: Engine, prompts: list[list[int]], max_tokens: int, name: 
     start = time.perf_counter()
     outputs = engine.generate(prompts, params)
     seconds = time.perf_counter() - start
-    engine.blocks.reset_prefix_cache()  # no run profits from the previous one's cache
+    engine.pages.reset_prefix_cache()  # no run profits from the previous one's cache
     return Result(name, len(prompts), sum(len(o) for o in outputs), seconds)
 
 
@@ -74,11 +74,13 @@ def run_decode_only(engine: Engine, prompt: list[int], max_tokens: int) -> Resul
     while engine.has_unfinished():
         produced += sum(len(o.new_token_ids) for o in engine.step())
     seconds = time.perf_counter() - start
-    engine.blocks.reset_prefix_cache()
+    engine.pages.reset_prefix_cache()
     return Result("engine, 1 stream, decode only", 1, produced, seconds)
 
 
 def run_hf_sequential(folder: str, prompts: list[list[int]], max_tokens: int) -> Result:
+    # transformers takes seconds to import; the mesh and quantization benchmarks import this
+    # module for its prompts and engine runs only.
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
@@ -97,7 +99,9 @@ def run_hf_sequential(folder: str, prompts: list[list[int]], max_tokens: int) ->
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m tools.bench.engine", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--model", default=None, help="HF folder or .gguf (default: SmolLM2)")
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--output-tokens", type=int, default=64)

@@ -5,8 +5,8 @@ receiver in this process, sends seeded Poisson arrivals (streaming chat, greedy,
 length), then prints, for each span of a request's trace, when it started and ended relative to
 the gateway's ``gateway.request`` span (p50/p90 over the requests)::
 
-    python -m loadtest.hops --rate 1.2 --requests 40      # under load (the mesh benchmark's rate)
-    python -m loadtest.hops --rate 0.3 --requests 10      # one request at a time
+    python -m tools.bench.hops --rate 1.2 --requests 40   # under load (the mesh benchmark's rate)
+    python -m tools.bench.hops --rate 0.3 --requests 10   # one request at a time
 
 The gaps between one service's span and the next are the hops: a NATS publish, the server's
 forwarding, and the next service's wake-up and decode. A raw nats-py request/reply round trip
@@ -25,9 +25,11 @@ from collections import defaultdict
 
 import nats
 
-from loadtest.otlp_receiver import OtlpReceiver, ReceivedSpan
-from services.bench import WARMUP_TOKENS, poisson_arrivals, questions, run_mesh, warmup_questions
-from services.up import LocalMesh, add_up
+from gpu.gguf import resolve_model_path
+from services.launcher.mesh import LocalMesh
+from services.launcher.up import add_up
+from tools.bench.mesh import WARMUP_TOKENS, poisson_arrivals, questions, run_mesh, warmup_questions
+from tools.bench.otlp_receiver import OtlpReceiver, ReceivedSpan
 
 ECHO = """
 import asyncio, sys, nats
@@ -77,7 +79,7 @@ def offsets(spans: list[ReceivedSpan]) -> dict[str, list[float]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m loadtest.hops", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m tools.bench.hops", description=__doc__)
     parser.add_argument("--rate", type=float, default=1.2, help="arrivals per second")
     parser.add_argument("--requests", type=int, default=40)
     parser.add_argument("--output-tokens", type=int, default=64)
@@ -89,8 +91,6 @@ def main(argv: list[str] | None = None) -> None:
     up = sub.choices["up"].parse_args([])
     receiver = OtlpReceiver().start()
     up.port, up.served_model_name, up.otlp_endpoint = args.port, "bench", receiver.endpoint
-    from gpu.gguf import resolve_model_path
-
     folder = resolve_model_path(up.model)
     up.model = str(folder)
     mesh = LocalMesh(up, folder)

@@ -1,4 +1,5 @@
-"""``meshserve distill``: build a draft model for speculative decoding (see ``gpu.distill``)."""
+"""``meshserve distill``: build a draft model for speculative decoding (the recipe:
+``tools.distill.recipe``)."""
 
 from __future__ import annotations
 
@@ -36,10 +37,12 @@ def add_distill(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
 
 
 def run_distill(args: argparse.Namespace) -> int:
+    # Imported here: the ``meshserve`` command builds this subcommand's parser in every run
+    # (``meshserve up`` too), and only a distillation needs torch.
     import torch
 
-    from gpu.distill import DistillConfig, distill
     from gpu.gguf import resolve_model_path
+    from tools.distill.recipe import DistillConfig, distill
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.threads:

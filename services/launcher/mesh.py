@@ -1,29 +1,46 @@
-"""``meshserve up``: a local nats-server plus every service as its own process.
-
-The model (default: the bundled SmolLM2) is resolved and converted once here, so every service
-loads the same folder. Ctrl-C (or SIGTERM) stops every process this started. A process that
-dies is restarted with backoff (``services.supervisor``) while the rest keeps serving; one
-that keeps crashing takes the whole local mesh down with a message and a non-zero exit.
-"""
+"""The processes of a local mesh: a nats-server (unless given a URL) and one process per
+service, all started from one model folder, restartable one by one, stopped together. With
+``logs``, each service writes to its own file there; without, to this process's stderr."""
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import json
 import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from common.nats_server import LocalNatsServer
-from services.scheduler.router import POLICIES
-from services.supervisor import DeferredInterrupt, RestartPolicy, Supervisor
+from services.launcher.console import ServiceLogs
+from services.launcher.supervisor import DeferredInterrupt, RestartPolicy, Supervisor
+
+
+def resolve_model(spec: str | None) -> Path:
+    """``--model`` as a Hugging Face folder (``python -m gpu.gguf``), in a process of its own:
+    converting a GGUF needs numpy and about a gigabyte for a while, and this process, which
+    only starts others, stays small for as long as the mesh runs."""
+    out = subprocess.run(
+        [sys.executable, "-m", "gpu.gguf", *([spec] if spec is not None else [])],
+        stdout=subprocess.PIPE,
+        text=True,
+        check=False,
+    )  # stderr is the user's: a conversion shows its progress there
+    lines = out.stdout.strip().splitlines()
+    try:
+        answer = json.loads(lines[-1]) if lines else {}
+    except ValueError:
+        answer = {}
+    if "folder" in answer:
+        return Path(answer["folder"])
+    raise ValueError(answer.get("error") or f"resolving model {spec!r} failed ({out.returncode})")
 
 
 @dataclass
@@ -34,6 +51,7 @@ class LocalMesh:
     procs: list[tuple[str, subprocess.Popen[bytes]]] = field(default_factory=list)
     commands: dict[str, list[str]] = field(default_factory=dict)  # to start one again
     metrics_urls: dict[str, str] = field(default_factory=dict)  # service -> its /metrics
+    logs: ServiceLogs | None = None
 
     @property
     def nats_url(self) -> str:
@@ -56,14 +74,22 @@ class LocalMesh:
     def spawn(self, name: str, module: str, *flags: str) -> None:
         telemetry = self.telemetry_flags(name, module)
         cmd = [sys.executable, "-m", module, "--nats-url", self.nats_url, *telemetry, *flags]
+        if self.args.log_level == "debug":
+            cmd += ["--log-level", "DEBUG"]
         self.commands[name] = cmd
-        self.procs.append((name, subprocess.Popen(cmd)))
+        self.procs.append((name, self.popen(name)))
 
     def respawn(self, name: str) -> subprocess.Popen[bytes]:
         """Start service ``name`` again with the same command (ports included)."""
-        proc = subprocess.Popen(self.commands[name])
+        proc = self.popen(name)
         self.procs = [(n, proc if n == name else p) for n, p in self.procs]
         return proc
+
+    def popen(self, name: str) -> subprocess.Popen[bytes]:
+        if self.logs is None:
+            return subprocess.Popen(self.commands[name])
+        with self.logs.open(name) as log:  # the child keeps its own descriptor
+            return subprocess.Popen(self.commands[name], stdout=log, stderr=subprocess.STDOUT)
 
     def restart_nats(self) -> subprocess.Popen[bytes]:
         """A new local nats-server on the same port: the services reconnect by themselves
@@ -156,22 +182,36 @@ class LocalMesh:
 
     @property
     def draft_folder(self) -> Path:
-        from gpu.gguf import resolve_model_path
+        return resolve_model(self.args.draft_model)
 
-        return resolve_model_path(self.args.draft_model)
+    def health(self) -> tuple[int, dict[str, Any]] | None:
+        """The gateway's ``/health`` status and body; None while nothing answers."""
+        try:
+            with urllib.request.urlopen(f"{self.base_url}/health", timeout=1) as resp:
+                return resp.status, json.load(resp)
+        except urllib.error.HTTPError as exc:  # 503 while a stage is missing: a body all the same
+            with exc:
+                try:
+                    return exc.code, json.load(exc)
+                except ValueError:
+                    return exc.code, {}
+        except (OSError, ValueError):
+            return None
 
-    def wait_ready(self, timeout: float, watch: Callable[[], None] | None = None) -> None:
-        """Until the gateway's /health is 200; ``watch`` (by default: fail if any process
-        exited) runs on every try."""
+    def wait_ready(
+        self,
+        timeout: float,
+        watch: Callable[[], None] | None = None,
+        until: Callable[[tuple[int, dict[str, Any]] | None], bool] | None = None,
+    ) -> None:
+        """Until ``until(health)`` (by default: the gateway's /health is 200); ``watch`` (by
+        default: fail if any process exited) runs on every try."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             (watch or self.check_alive)()
-            with (
-                contextlib.suppress(OSError),
-                urllib.request.urlopen(f"{self.base_url}/health", timeout=1) as resp,
-            ):
-                if resp.status == 200:
-                    return
+            health = self.health()
+            if until(health) if until is not None else (health is not None and health[0] == 200):
+                return
             time.sleep(0.25)
         raise TimeoutError(f"the mesh was not healthy within {timeout:.0f} s")
 
@@ -193,89 +233,3 @@ class LocalMesh:
                 proc.wait()
         if self.nats is not None:
             self.nats.stop()
-
-
-def add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("up", help="start nats-server and every service locally")
-    p.add_argument("--model", default=None, help="HF folder or .gguf file (default: SmolLM2)")
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--executors", type=int, default=1)
-    p.add_argument("--detok-shards", type=int, default=1)
-    p.add_argument("--nats-url", default=None, help="use this NATS server instead of starting one")
-    p.add_argument("--device", default="cpu")
-    p.add_argument(
-        "--router",
-        choices=POLICIES,
-        default=None,
-        help="kv (cache-aware; the default with several executors), least-load, round-robin",
-    )
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--kv-cache-tokens", type=int, default=16384)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument(
-        "--draft-model",
-        default=None,
-        help="speculative decoding: a draft model (same tokenizer) served by the speculator",
-    )
-    p.add_argument(
-        "--speculator",
-        choices=("off", "ngram", "remote"),
-        default=None,
-        help="remote: the draft model (the default with --draft-model); ngram: prompt lookup",
-    )
-    p.add_argument("--num-speculative-tokens", type=int, default=4, help="draft tokens, k")
-    from services.cli import add_model_format_args
-
-    add_model_format_args(p)  # --quantization, --kv-cache-dtype (passed on to each executor)
-    p.add_argument("--ready-timeout", type=float, default=600)
-    p.add_argument(
-        "--otlp-endpoint",
-        default=None,
-        help="send every service's traces to this OTLP/HTTP base URL (e.g. http://localhost:4318)",
-    )
-    p.add_argument(
-        "--metrics-port",
-        type=int,
-        default=None,
-        help="serve each non-gateway service's /metrics on consecutive ports from this one",
-    )
-    p.set_defaults(func=run_up)
-
-
-def run_up(args: argparse.Namespace) -> int:
-    from gpu.gguf import resolve_model_path
-
-    mesh = LocalMesh(args, resolve_model_path(args.model))
-    # Ctrl-C reaches the children too (same process group); they drain and exit. SIGINT is
-    # handled explicitly: a shell starts background jobs with SIGINT ignored, and Python then
-    # installs no KeyboardInterrupt handler, while the services handle it themselves (they
-    # would exit and this process would restart them).
-    interrupts = DeferredInterrupt()
-    signal.signal(signal.SIGTERM, interrupts.handler)
-    signal.signal(signal.SIGINT, interrupts.handler)
-    try:
-        with interrupts.deferred():  # every process started is in mesh, for stop() to end
-            mesh.start()
-        supervisor = mesh.supervisor(RestartPolicy(), interrupts)
-        mesh.wait_ready(args.ready_timeout, supervisor.poll)
-        print(f"meshserve is up: {mesh.base_url}/v1  (Ctrl-C stops it)", flush=True)
-        for name, url in mesh.metrics_urls.items():
-            print(f"  metrics of {name}: {url}", flush=True)
-        while True:
-            supervisor.poll()
-            time.sleep(0.2)
-    except KeyboardInterrupt:
-        print("stopping...", file=sys.stderr)
-        return 0
-    except (RuntimeError, TimeoutError) as exc:
-        print(f"meshserve up: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        # A second Ctrl-C must not cut the stop short and leave services behind; stop() kills
-        # whatever has not drained after its deadline.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        mesh.stop()

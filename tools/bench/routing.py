@@ -7,7 +7,7 @@ run --workload shared-prefix`` against it, stop it. Then print one table: prefix
 (cached / prompt tokens, from each response's ``usage.prompt_tokens_details.cached_tokens``),
 TTFT p50/p99, throughput, and the ratios against the first policy::
 
-    python -m loadtest.bench_routing --kv-cache-tokens 2560 --num-prefixes 8 --prefix-len 512 \\
+    python -m tools.bench.routing --kv-cache-tokens 2560 --num-prefixes 8 --prefix-len 512 \\
         --num-requests 150 --concurrency 8
 
 Both meshes run the same seed, so they see the same requests in the same order.
@@ -47,7 +47,7 @@ ROWS: list[tuple[str, tuple[str, ...]]] = [
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m loadtest.bench_routing", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m tools.bench.routing", description=__doc__)
     p.add_argument("--routers", default="round-robin,kv", help="policies, first is the baseline")
     p.add_argument("--model", default=None, help="HF folder or .gguf (default: SmolLM2)")
     p.add_argument("--executors", type=int, default=2)
@@ -71,13 +71,14 @@ class Mesh:
     def __init__(self, args: argparse.Namespace, router: str, log: Path) -> None:
         self.port = free_port()
         cmd = [
-            sys.executable, "-m", "services.cli", "up",
+            sys.executable, "-m", "services.launcher", "up",
             "--executors", str(args.executors),
             "--router", router,
             "--kv-cache-tokens", str(args.kv_cache_tokens),
             "--max-num-batched-tokens", str(args.max_num_batched_tokens),
             "--port", str(self.port),
             "--served-model-name", MODEL_NAME,
+            "--log-dir", str(log.parent / f"{router}-logs"),  # each service's <name>.log
         ]  # fmt: skip
         if args.model:
             cmd += ["--model", args.model]

@@ -19,8 +19,8 @@ The default model is SmolLM2-135M (``gpu.gguf.resolve_model_path(None)``); where
 installed (an offline GPU host) a random model of SmolLM2's exact shape stands in, which checks
 the same code paths and times the same work, and the JSON says so.
 
-Usage (see gpu/checks/README.md for the offline GPU host):
-    python -m gpu.checks.check_flashinfer --out out/flashinfer_check.json [--model PATH]
+Usage (see tools/gpu_check/README.md for the offline GPU host):
+    python -m tools.gpu_check.check_flashinfer --out out/flashinfer_check.json [--model PATH]
 Exit status 0 when every check passed, 1 otherwise.
 """
 

@@ -1,6 +1,6 @@
 """How often a draft would be accepted, measured without speculating: teacher-forced.
 
-    python -m gpu.bench_agreement --draft DIR [--model PATH] [--prompts 16] [--max-tokens 128]
+    python -m tools.bench.agreement --draft DIR [--model PATH] [--prompts 16] [--max-tokens 128]
 
 The target answers the held-out chat prompts greedily (the engine); then the target and the
 draft (Hugging Face transformers, fp32) score each whole answer in one pass. Printed, over the
@@ -16,17 +16,20 @@ import argparse
 
 import torch
 
+from common.tokenizer import Tokenizer
+from gpu.engine import Engine, EngineConfig
+from gpu.gguf import resolve_model_path
+from gpu.loader import load_model
+from gpu.runner import ModelRunner
+from gpu.sampling import SamplingParams
+from tools.distill.chat_prompts import held_out_prompts
+
 TEMPERATURES = (1.0, 0.7)
 
 
 def answers(
     target: str, prompts: list[list[int]], max_tokens: int, eos: list[int]
 ) -> list[list[int]]:
-    from gpu.engine import Engine, EngineConfig
-    from gpu.loader import load_model
-    from gpu.runner import ModelRunner
-    from gpu.sampling import SamplingParams
-
     runner = ModelRunner(load_model(target, progress=False), num_pages=1024, page_size=16)
     engine = Engine(runner, EngineConfig(4096, len(prompts)), eos)
     return engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens))
@@ -53,13 +56,13 @@ def agreement(
 
 
 def main(argv: list[str] | None = None) -> None:
+    # transformers takes seconds to import: only this command needs it, not a test of the
+    # functions above.
     from transformers import AutoModelForCausalLM
 
-    from common.tokenizer import Tokenizer
-    from gpu.chat_prompts import held_out_prompts
-    from gpu.gguf import resolve_model_path
-
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m tools.bench.agreement", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--model", default=None, help="target: HF folder or .gguf (SmolLM2)")
     parser.add_argument("--draft", required=True)
     parser.add_argument("--prompts", type=int, default=16, help="held-out prompts (<= 16)")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build, on a machine with PyPI access, what an offline GPU host needs to run
-# gpu/checks/check_flashinfer.py (see gpu/checks/README.md):
+# tools/gpu_check/check_flashinfer.py (see tools/gpu_check/README.md):
 #
 #   out/carry/flashinfer-python-<ver>-slim.tar.xz   flashinfer/ + its dist-info, with the
 #                                                   sub-folders of data/csrc dropped
@@ -18,7 +18,7 @@
 # one device call can carry out/carry + out/carry-model-1 and the next out/carry-model-2 (the
 # per-call upload limit is 64 MiB; README: "The real SmolLM2 on the device").
 #
-# Usage: bash gpu/checks/make_carry.sh [--model] [--no-aot] [OUT_DIR]
+# Usage: bash tools/gpu_check/make_carry.sh [--model] [--no-aot] [OUT_DIR]
 # Env:   FLASHINFER_SPEC (default flashinfer-python==0.7.*), TVM_FFI_SPEC, PYTHON,
 #        TARGET_PYTHON (default 3.12, the GPU host's CPython), CALL_LIMIT_MB (default 60),
 #        CUDA_HOME, AOT_ARCH (default 9.0), AOT_HEAD_DIMS (default 64), XZ_LEVEL (default 9).
@@ -149,7 +149,7 @@ if [[ $WITH_AOT == 1 ]]; then
             export FLASHINFER_CUDA_ARCH_LIST=$arch FLASHINFER_WORKSPACE_BASE=$work/jit
             export MAX_JOBS=${MAX_JOBS:-$(nproc)}
             export PYTHONPATH=$work/tree:$work/host-site:$ROOT
-            "$PYTHON" -m gpu.checks.check_flashinfer --export-aot "$work/aot" \
+            "$PYTHON" -m tools.gpu_check.check_flashinfer --export-aot "$work/aot" \
                 --head-dims "${AOT_HEAD_DIMS:-64}" >"$work/aot.log" 2>&1
         ) || {
             tail -40 "$work/aot.log" >&2

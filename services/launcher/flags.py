@@ -1,0 +1,24 @@
+"""Flags that more than one ``meshserve`` subcommand takes."""
+
+from __future__ import annotations
+
+import argparse
+
+from gpu.formats import KV_CACHE_DTYPES, QUANTIZATIONS
+
+
+def add_model_format_args(p: argparse.ArgumentParser) -> None:
+    """``--quantization`` and ``--kv-cache-dtype`` (shared by ``generate`` and ``up``)."""
+    p.add_argument(
+        "--quantization",
+        choices=QUANTIZATIONS,
+        default="none",
+        help="weight format, quantized at load time (int8: weight-only, per channel; "
+        "fp8: e4m3, Hopper/Ada or CPU emulation)",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default="auto",
+        help="KV cache storage (auto: the model's dtype)",
+    )

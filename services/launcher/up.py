@@ -1,0 +1,134 @@
+"""``meshserve up``: a local nats-server plus every service as its own process.
+
+The model (default: the bundled SmolLM2) is resolved and converted once here, so every service
+loads the same folder. Ctrl-C (or SIGTERM) stops every process this started. A process that
+dies is restarted with backoff (``supervisor``) while the rest keeps serving; one that keeps
+crashing takes the whole local mesh down with a message and a non-zero exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import time
+from pathlib import Path
+
+from gpu.cache_dir import cache_root
+from services.launcher.console import LEVELS, ReadyReport, ServiceLogs
+from services.launcher.flags import add_model_format_args
+from services.launcher.mesh import LocalMesh, resolve_model
+from services.launcher.supervisor import DeferredInterrupt, RestartPolicy
+from services.scheduler.router import POLICIES
+
+
+def add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("up", help="start nats-server and every service locally")
+    p.add_argument("--model", default=None, help="HF folder or .gguf file (default: SmolLM2)")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--executors", type=int, default=1)
+    p.add_argument("--detok-shards", type=int, default=1)
+    p.add_argument("--nats-url", default=None, help="use this NATS server instead of starting one")
+    p.add_argument("--device", default="cpu")
+    p.add_argument(
+        "--router",
+        choices=POLICIES,
+        default=None,
+        help="kv (cache-aware; the default with several executors), least-load, round-robin",
+    )
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--kv-cache-tokens", type=int, default=16384)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument(
+        "--draft-model",
+        default=None,
+        help="speculative decoding: a draft model (same tokenizer) served by the speculator",
+    )
+    p.add_argument(
+        "--speculator",
+        choices=("off", "ngram", "remote"),
+        default=None,
+        help="remote: the draft model (the default with --draft-model); ngram: prompt lookup",
+    )
+    p.add_argument("--num-speculative-tokens", type=int, default=4, help="draft tokens, k")
+    add_model_format_args(p)  # --quantization, --kv-cache-dtype (passed on to each executor)
+    p.add_argument("--ready-timeout", type=float, default=600)
+    p.add_argument(
+        "--log-dir",
+        type=Path,
+        default=None,
+        help="where each service writes its output, as <name>.log "
+        "(default: <cache>/logs/up-<port>, the cache being $MESHSERVE_CACHE or ~/.cache/meshserve)",
+    )
+    p.add_argument(
+        "--log-level",
+        choices=LEVELS,
+        default="warning",
+        help="the services' log records shown here as well as in their files (debug: every "
+        "line they write, and they log at debug level)",
+    )
+    p.add_argument(
+        "--otlp-endpoint",
+        default=None,
+        help="send every service's traces to this OTLP/HTTP base URL (e.g. http://localhost:4318)",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve each non-gateway service's /metrics on consecutive ports from this one",
+    )
+    p.set_defaults(func=run_up)
+
+
+def run_up(args: argparse.Namespace) -> int:
+    folder = resolve_model(args.model)
+    log_dir = args.log_dir or cache_root() / "logs" / f"up-{args.port}"
+    logs = ServiceLogs(log_dir, logging.getLevelNamesMapping()[args.log_level.upper()])
+    mesh = LocalMesh(args, folder, logs=logs)
+    print(f"meshserve up: model {folder}", flush=True)
+    print(f"meshserve up: each service writes to {log_dir}/<name>.log", flush=True)
+    # Ctrl-C reaches the children too (same process group); they drain and exit. SIGINT is
+    # handled explicitly: a shell starts background jobs with SIGINT ignored, and Python then
+    # installs no KeyboardInterrupt handler, while the services handle it themselves (they
+    # would exit and this process would restart them).
+    interrupts = DeferredInterrupt()
+    signal.signal(signal.SIGTERM, interrupts.handler)
+    signal.signal(signal.SIGINT, interrupts.handler)
+    try:
+        with interrupts.deferred():  # every process started is in mesh, for stop() to end
+            mesh.start()
+        if mesh.nats is not None:
+            print(f"  nats-server ready: {mesh.nats_url}", flush=True)
+        supervisor = mesh.supervisor(RestartPolicy(), interrupts)
+
+        def watch() -> None:
+            supervisor.poll()
+            logs.echo()
+
+        ready = ReadyReport([name for name, _ in mesh.procs])
+        mesh.wait_ready(args.ready_timeout, watch, ready)
+        print(f"meshserve is up: {mesh.base_url}/v1  (Ctrl-C stops it)", flush=True)
+        for name, url in mesh.metrics_urls.items():
+            print(f"  metrics of {name}: {url}", flush=True)
+        while True:
+            watch()
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        print("stopping...", file=sys.stderr)
+        return 0
+    except (RuntimeError, TimeoutError) as exc:
+        logs.echo()  # what the services said before it came to this
+        print(f"meshserve up: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        # A second Ctrl-C must not cut the stop short and leave services behind; stop() kills
+        # whatever has not drained after its deadline.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        mesh.stop()
+        logs.echo()  # errors while draining

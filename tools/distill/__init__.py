@@ -1,0 +1,1 @@
+"""Distilling a draft model from its target for speculative decoding (``meshserve distill``)."""
