@@ -24,6 +24,20 @@ WARMUP = REQUESTS // 5
 CONCURRENCY = 48
 
 
+async def wait_healthy(url: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as session:
+        while True:
+            try:
+                async with session.get(url) as resp:
+                    if resp.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            assert time.monotonic() < deadline, f"{url} never turned healthy"
+            await asyncio.sleep(0.2)
+
+
 def rss_kib(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         for line in f:
@@ -32,10 +46,9 @@ def rss_kib(pid: int) -> int:
     raise RuntimeError(f"no VmRSS for {pid}")
 
 
-DEADLINE_S = 3.0  # the gateway's --request-timeout-s in the soak: the long requests pass it
-
-
-async def one(session: aiohttp.ClientSession, url: str, rng: random.Random) -> str:
+async def one(
+    session: aiohttp.ClientSession, url: str, rng: random.Random, expiring_url: str
+) -> str:
     body = {
         "model": "tiny",
         "prompt": " ".join(
@@ -46,7 +59,9 @@ async def one(session: aiohttp.ClientSession, url: str, rng: random.Random) -> s
         "stream": True,
         "temperature": rng.choice([0.0, 0.8]),
     }
-    if rng.random() < 0.03:  # outlives its deadline: ends with a timeout error
+    expiring = rng.random() < 0.03
+    if expiring:  # through the gateway whose deadline no request can meet: it must expire
+        url = expiring_url
         body.update(prompt="mesh", max_tokens=200, ignore_eos=True)
     abort_after = rng.randrange(1, 4) if rng.random() < 0.15 else None
     if rng.random() < 0.05:  # gone within milliseconds: before the scheduler queues it
@@ -59,7 +74,7 @@ async def one(session: aiohttp.ClientSession, url: str, rng: random.Random) -> s
         return "ok" if resp.status == 200 else f"http_{resp.status}"
     async with session.post(url, json=body) as resp:
         if resp.status == 504:
-            return "timed out"
+            return "expired" if expiring else "timed out"
         if resp.status != 200:
             return f"http_{resp.status}"
         lines = 0
@@ -67,7 +82,8 @@ async def one(session: aiohttp.ClientSession, url: str, rng: random.Random) -> s
             if line.startswith(b"data: [DONE]"):
                 return "ok"
             if line.startswith(b'data: {"error"'):
-                return "timed out" if b"request_timeout" in line else "error"
+                timed_out = b"request_timeout" in line
+                return ("expired" if expiring else "timed out") if timed_out else "error"
             if line.startswith(b"data: "):
                 lines += 1
                 if abort_after is not None and lines >= abort_after:
@@ -75,7 +91,7 @@ async def one(session: aiohttp.ClientSession, url: str, rng: random.Random) -> s
     return "truncated"
 
 
-async def drive(url: str, count: int, seed: int, halfway=None) -> dict[str, int]:
+async def drive(url: str, expiring_url: str, count: int, seed: int, halfway=None) -> dict[str, int]:
     """``count`` requests from CONCURRENCY clients; ``halfway()`` runs once half are sent."""
     rng = random.Random(seed)
     outcomes: dict[str, int] = {}
@@ -85,7 +101,7 @@ async def drive(url: str, count: int, seed: int, halfway=None) -> dict[str, int]
         for i in remaining:
             if halfway is not None and i == count // 2:
                 halfway()
-            kind = await one(session, url, rng)
+            kind = await one(session, url, rng, expiring_url)
             outcomes[kind] = outcomes.get(kind, 0) + 1
 
     connector = aiohttp.TCPConnector(limit=0)
@@ -113,23 +129,41 @@ async def executor_pages(nats_url: str, executors: int) -> dict[str, Heartbeat]:
     return seen
 
 
-async def test_soak_pages_free_and_memory_flat(process_mesh, monkeypatch):
+EXPIRING_DEADLINE_S = 0.05  # a second gateway's --request-timeout-s: 200 tokens never fit
+
+
+async def test_soak_pages_free_and_memory_flat(process_mesh):
     from common.nats_server import free_port
 
-    monkeypatch.setenv("MESHSERVE_REQUEST_TIMEOUT_S", str(DEADLINE_S))  # the gateway's
     mesh = process_mesh(executors=2, kv_cache_tokens=2048, metrics_port=free_port())
     url = mesh.base_url + "/v1/completions"
-    warm = await drive(url, WARMUP, seed=1)
+    # Requests that outlive their deadline: the same mesh behind a gateway with a deadline no
+    # request can meet (the main gateway's is the default 600 s, so none of its requests can
+    # expire however slow the machine is).
+    port = free_port()
+    mesh.spawn(
+        "gateway-expiring",
+        "services.gateway",
+        "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny",
+        "--max-model-len", "256", "--request-timeout-s", str(EXPIRING_DEADLINE_S),
+    )  # fmt: skip
+    expiring_url = f"http://127.0.0.1:{port}/v1/completions"
+    await wait_healthy(f"http://127.0.0.1:{port}/health")
+    warm = await drive(url, expiring_url, WARMUP, seed=1)
     assert warm.get("ok", 0) > WARMUP // 2, warm
     baseline = {name: rss_kib(p.pid) for name, p in mesh.procs}
     victim = next(p for name, p in mesh.procs if name == "executor-1")
     outcomes = await drive(
-        url, REQUESTS - WARMUP, seed=2, halfway=lambda: os.kill(victim.pid, signal.SIGKILL)
+        url,
+        expiring_url,
+        REQUESTS - WARMUP,
+        seed=2,
+        halfway=lambda: os.kill(victim.pid, signal.SIGKILL),
     )
-    # Nothing failed, nothing truncated: the dead executor's requests moved to the other; the
-    # only errors are deadlines (the long requests, and any short one the kill delayed past it).
-    assert set(outcomes) <= {"ok", "aborted", "left early", "timed out"}, outcomes
-    assert all(outcomes.get(k, 0) > 0 for k in ("aborted", "left early", "timed out")), outcomes
+    # Nothing failed, nothing truncated, nothing timed out: the dead executor's requests moved
+    # to the other; the only errors are the expiring gateway's deadlines.
+    assert set(outcomes) <= {"ok", "aborted", "left early", "expired"}, outcomes
+    assert all(outcomes.get(k, 0) > 0 for k in ("aborted", "left early", "expired")), outcomes
     final = {name: rss_kib(p.pid) for name, p in mesh.procs if name != "executor-1"}
     grown = {n: (baseline[n], final[n]) for n in final if final[n] > baseline[n] * 1.10}
     assert not grown, f"memory grew more than 10% (KiB before, after): {grown}"
