@@ -1,17 +1,19 @@
 """Speculative decoding on held-out chat prompts: acceptance and speed, with and without.
 
-    python -m tools.bench.spec --draft out/draft-smollm2-8l [--model PATH] [-k 4]
+    python -m tools.bench.spec [--draft out/draft-smollm2-16l] [--model PATH] [-k 4]
         [--prompts 8] [--max-tokens 128] [--concurrency 1] [--fixed-k] [--repeat 2]
 
 In one process and one run, the same held-out prompts (``HELD_OUT`` in
 ``tools.distill.chat_prompts``, never seen by ``meshserve distill``) go through the engine
-three times, greedy: without speculation, with the draft model proposing ``k`` tokens, and
-with prompt lookup (n-gram) proposing ``k``.
-Prints one table: output tokens, seconds, tokens/s, target forward passes (and per output
-token), draft tokens verified and accepted, the acceptance rate, and the mean tokens per
-verifying target step (1 + accepted drafts, per sequence). Greedy outputs of every run are
-checked against the run without speculation. Each configuration runs ``--repeat`` times in
-turn and the best time is kept. fp32 on CPU (CUDA when ``--device cuda``).
+three times, greedy: without speculation, with the draft model proposing ``k`` tokens (when
+``--draft`` is given), and with prompt lookup (n-gram) proposing ``k``.
+Prints one table: output tokens, seconds, tokens/s, target forward passes and output tokens
+per target pass (the headline: what the client gets for each pass of the big model), draft
+tokens verified and accepted, the acceptance rate, and the mean tokens emitted per verifying
+target step (1 + accepted drafts, less what a stop token or max_tokens cut, per sequence).
+Greedy outputs of every run are checked against the run without speculation. Each
+configuration runs ``--repeat`` times in turn and the best time is kept. fp32 on CPU (CUDA
+when ``--device cuda``).
 """
 
 from __future__ import annotations
@@ -108,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
         prog="python -m tools.bench.spec", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--model", default=None, help="target: HF folder or .gguf (SmolLM2)")
-    parser.add_argument("--draft", required=True, type=Path, help="draft model folder")
+    parser.add_argument("--draft", type=Path, default=None, help="draft model folder")
     parser.add_argument("-k", type=int, default=4, help="draft tokens per step (max)")
     parser.add_argument("--fixed-k", action="store_true", help="do not adapt k per sequence")
     parser.add_argument("--prompts", type=int, default=8, help="held-out prompts (<= 16)")
@@ -128,14 +130,17 @@ def main(argv: list[str] | None = None) -> None:
     eos = list(tokenizer.eos_token_ids)
     pages = 4096
     target = ModelRunner(load_model(folder, device=device, progress=False), pages, 16)
-    draft_runner = ModelRunner(load_model(args.draft, device=device, progress=False), pages, 16)
-    if draft_runner.config.vocab_size != target.config.vocab_size:
-        raise SystemExit("the draft's vocabulary differs from the target's")
-    draft = DraftModelProposer(draft_runner, generator=torch.Generator(device).manual_seed(0))
-    runs: list[tuple[str, Proposer | None]] = [
-        ("no speculation", None),
-        (f"draft model, k={args.k}", draft),
-    ]
+    runs: list[tuple[str, Proposer | None]] = [("no speculation", None)]
+    draft_name = "none"
+    if args.draft is not None:
+        draft_model = load_model(args.draft, device=device, progress=False)
+        draft_runner = ModelRunner(draft_model, pages, 16)
+        if draft_runner.config.vocab_size != target.config.vocab_size:
+            raise SystemExit("the draft's vocabulary differs from the target's")
+        generator = torch.Generator(device).manual_seed(0)
+        draft = DraftModelProposer(draft_runner, generator=generator)
+        runs.append((f"draft model, k={args.k}", draft))
+        draft_name = f"{args.draft.name} ({draft_runner.config.num_hidden_layers} layers)"
     if not args.no_ngram:
         runs.append((f"n-gram, k={args.k}", NgramProposer()))
     warm = argparse.Namespace(**{**vars(args), "max_tokens": 16})
@@ -152,21 +157,22 @@ def main(argv: list[str] | None = None) -> None:
     out = sys.stdout
     out.write(
         f"\ntarget {folder.name} ({target.config.num_hidden_layers} layers), draft "
-        f"{args.draft.name} ({draft_runner.config.num_hidden_layers} layers), {device.type} "
+        f"{draft_name}, {device.type} "
         f"fp32, {torch.get_num_threads()} threads, {len(prompts)} held-out chat prompts, "
         f"greedy, max {args.max_tokens} tokens, concurrency {args.concurrency}, "
         f"{'fixed' if args.fixed_k else 'adaptive'} k, best of {args.repeat} runs\n\n"
     )
     out.write(
-        "| run | output tokens | seconds | tokens/s | speed-up | target passes | passes/token "
-        "| draft passes | drafted | accepted | acceptance | tokens/verify step | same output |\n"
+        "| run | output tokens | seconds | tokens/s | speed-up | target passes "
+        "| tokens/target pass | draft passes | drafted | accepted | acceptance "
+        "| tokens/verify step | same output |\n"
     )
     out.write("|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     for r in results:
         out.write(
             f"| {r.name} | {r.output_tokens} | {r.seconds:.1f} | {r.tokens_per_s:.2f} | "
             f"{r.tokens_per_s / base.tokens_per_s:.2f}x | {r.forward_passes} | "
-            f"{r.forward_passes / r.output_tokens:.3f} | {r.draft_passes} | {r.drafted} | "
+            f"{r.output_tokens / r.forward_passes:.3f} | {r.draft_passes} | {r.drafted} | "
             f"{r.accepted} | {r.acceptance} | {r.mean_accepted_length} | "
             f"{'yes' if r.outputs == base.outputs else 'NO'} |\n"
         )
