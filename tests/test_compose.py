@@ -39,6 +39,7 @@ import yaml
 
 from common.metrics import all_metric_names
 from common.nats_permissions import ROLES, password_variable
+from tests.environ import RecordingEnviron
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -197,26 +198,6 @@ def test_executors_each_reserve_their_own_gpu(compose):
     assert sorted(ids) == sorted(executors), "an executor's id differs from its service name"
     assert all(svc["environment"]["MESHSERVE_DEVICE"] == "cuda" for svc in executors.values())
     assert gpu_devices(mesh["speculator"]), "the speculator's draft model needs a GPU"
-
-
-class RecordingEnviron(dict[str, str]):
-    """``os.environ`` stand-in that remembers which variables were looked up."""
-
-    def __init__(self, values: dict[str, str]) -> None:
-        super().__init__(values)
-        self.read: set[str] = set()
-
-    def get(self, key: str, default: Any = None) -> Any:
-        self.read.add(key)
-        return super().get(key, default)
-
-    def __getitem__(self, key: str) -> str:
-        self.read.add(key)
-        return super().__getitem__(key)
-
-    def __contains__(self, key: object) -> bool:
-        self.read.add(str(key))
-        return super().__contains__(key)
 
 
 def compose_mesh_services() -> list[str]:

@@ -25,38 +25,14 @@ from tests.mesh import MeshHarness
 LONG = {"max_tokens": 240, "ignore_eos": True}
 
 
-async def stream_outcome(session, base_url, prompt, body=None, timeout=60):
-    """Stream one completion; return ("ok", text) or ("error", status/message)."""
-    payload = {"model": "tiny", "prompt": prompt, "stream": True, **(body or LONG)}
-    text: list[str] = []
-    try:
-        async with asyncio.timeout(timeout):
-            async with session.post(f"{base_url}/completions", json=payload) as resp:
-                if resp.status != 200:
-                    return "error", str(resp.status)
-                async for line in resp.content:
-                    if not line.startswith(b"data: "):
-                        continue
-                    data = line[6:].strip()
-                    if data == b"[DONE]":
-                        return "ok", "".join(text)
-                    if b'"error"' in data:
-                        return "error", data.decode()
-                    text.append(data.decode())
-                return "error", "stream ended without [DONE]"
-    except TimeoutError:
-        return "hung", prompt
-    except (aiohttp.ClientError, ConnectionError) as exc:
-        return "error", type(exc).__name__
-
-
 def pid_of(mesh: LocalMesh, name: str) -> int:
     return next(p.pid for n, p in mesh.procs if n == name)
 
 
-async def stream_text(session, base_url, prompt, body, timeout=90):
-    """Stream one completion; return ("ok", its text) or ("error"/"hung", what went wrong)."""
-    payload = {"model": "tiny", "prompt": prompt, "stream": True, **body}
+async def stream_outcome(session, base_url, prompt, body=None, timeout=90):
+    """Stream one completion: ("ok", its text), or ("error", the status or error chunk), or
+    ("hung", the prompt) past ``timeout``."""
+    payload = {"model": "tiny", "prompt": prompt, "stream": True, **(body or LONG)}
     text: list[str] = []
     try:
         async with asyncio.timeout(timeout):
@@ -76,6 +52,8 @@ async def stream_text(session, base_url, prompt, body, timeout=90):
                 return "error", "stream ended without [DONE]"
     except TimeoutError:
         return "hung", prompt
+    except (aiohttp.ClientError, ConnectionError) as exc:
+        return "error", type(exc).__name__
 
 
 async def test_kill_9_executor_mid_stream_migrates_every_request(process_mesh):
@@ -86,9 +64,9 @@ async def test_kill_9_executor_mid_stream_migrates_every_request(process_mesh):
     body = {"max_tokens": 160, "ignore_eos": True, "temperature": 0}
     prompts = [f"request {i} says" for i in range(16)]
     async with aiohttp.ClientSession() as session:
-        reference = await asyncio.gather(*(stream_text(session, base, p, body) for p in prompts))
+        reference = await asyncio.gather(*(stream_outcome(session, base, p, body) for p in prompts))
         assert all(kind == "ok" for kind, _ in reference), reference
-        tasks = [asyncio.create_task(stream_text(session, base, p, body)) for p in prompts]
+        tasks = [asyncio.create_task(stream_outcome(session, base, p, body)) for p in prompts]
         await asyncio.sleep(1.0)  # streams are flowing on both executors
         os.kill(pid_of(mesh, "executor-0"), signal.SIGKILL)
         outcomes = await asyncio.gather(*tasks)
@@ -108,7 +86,8 @@ async def test_kill_9_without_migration_fails_streams_clearly(process_mesh, monk
     base = mesh.base_url + "/v1"
     async with aiohttp.ClientSession() as session:
         tasks = [
-            asyncio.create_task(stream_text(session, base, f"request {i}", LONG)) for i in range(8)
+            asyncio.create_task(stream_outcome(session, base, f"request {i}", LONG))
+            for i in range(8)
         ]
         await asyncio.sleep(0.5)
         os.kill(pid_of(mesh, "executor-0"), signal.SIGKILL)

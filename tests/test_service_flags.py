@@ -22,6 +22,8 @@ from typing import Any
 
 import pytest
 
+from tests.environ import RecordingEnviron
+
 # (flag, environment variable, a sample value that is not the default; None: a switch)
 Row = tuple[str, str, str | None]
 
@@ -126,26 +128,6 @@ SERVICE_ENV = {
         "MESHSERVE_NUM_SPECULATIVE_TOKENS": "2",
     },
 }
-
-
-class RecordingEnviron(dict[str, str]):
-    """``os.environ`` stand-in that remembers which variables were looked up."""
-
-    def __init__(self, values: dict[str, str]) -> None:
-        super().__init__(values)
-        self.read: set[str] = set()
-
-    def get(self, key: str, default: Any = None) -> Any:
-        self.read.add(key)
-        return super().get(key, default)
-
-    def __getitem__(self, key: str) -> str:
-        self.read.add(key)
-        return super().__getitem__(key)
-
-    def __contains__(self, key: object) -> bool:
-        self.read.add(str(key))
-        return super().__contains__(key)
 
 
 def rows(module: str) -> list[Row]:
