@@ -95,3 +95,18 @@ async def test_one_request_id_is_queued_and_run_once(scheduler):
     await sched.on_submit(request("x"))  # and while an executor holds it
     await drain(sched, 2)
     assert sent == ["x"]
+
+
+def test_ended_ids_are_forgotten_after_their_ttl_and_bounded_in_number():
+    from common.recent_ids import RecentIds
+
+    now = [0.0]
+    ended: RecentIds[str, bool] = RecentIds(ttl_s=10, max_size=3, clock=lambda: now[0])
+    for rid in ("a", "b", "c", "d"):
+        ended.add(rid, True)
+    assert "a" not in ended and len(ended) == 3  # the oldest went first
+    now[0] = 11
+    assert "b" not in ended  # expired
+    ended.add("e", True)
+    ended.prune()
+    assert len(ended) == 1 and "e" in ended

@@ -179,6 +179,7 @@ class ExecutorService:
         return max(1, seq.num_pending - self.cached_prefix_tokens(req))
 
     async def heartbeat(self) -> None:
+        self.ended.prune()  # here for want of a sweep: it runs a few times a second anyway
         running, waiting, free_pages, pending = self.load
         await self.svc.publish(
             self.subjects.executor_heartbeat,
