@@ -8,19 +8,10 @@ from typing import Any
 import msgpack
 import pytest
 
-from common.messages import (
-    MAX_CHOICES,
-    GenerateRequest,
-    Message,
-    MessageError,
-    SeqTokens,
-    StepTokens,
-    StreamStart,
-    TokenizedRequest,
-    WireSamplingParams,
-    WireTokenLogprob,
-    decode_any,
-)
+from common.wire.codec import Message, MessageError, decode_any
+from common.wire.detokenizer import SeqTokens, StepTokens, StreamStart, WireTokenLogprob
+from common.wire.executor import TokenizedRequest
+from common.wire.tokenizer import MAX_CHOICES, GenerateRequest, WireSamplingParams
 
 
 def request(**overrides) -> TokenizedRequest:
