@@ -35,16 +35,11 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Status, StatusCode, Tracer
 
 from common.config import MeshConfig
-from common.messages import (
-    ErrorEvent,
-    Message,
-    MessageError,
-    Presence,
-    PresenceProbe,
-    decode_any,
-)
 from common.metrics import MetricsServer, ServiceMetrics, new_registry
 from common.telemetry import Tracing, extract, inject
+from common.wire.codec import Message, MessageError, decode_any
+from common.wire.gateway import ErrorEvent
+from common.wire.presence import Presence, PresenceProbe
 
 log = logging.getLogger("meshserve")
 

@@ -51,7 +51,7 @@ class EngineConfig:
 @dataclass(frozen=True)
 class TokenLogprob:
     """A generated token's logprob and its top ``(token id, logprob)`` alternatives (on the
-    wire: ``common.messages.WireTokenLogprob``)."""
+    wire: ``common.wire.detokenizer.WireTokenLogprob``)."""
 
     token_id: int
     logprob: float

@@ -87,7 +87,7 @@ class SamplingParams:
     Invalid values raise ``ValueError`` whose message starts with the field name.
     ``stop_token_ids``, ``ignore_eos`` and ``max_tokens`` are carried for the engine; the sampler
     itself does not use them. A request from the mesh arrives as
-    ``common.messages.WireSamplingParams`` with the same field names; ``services.sampling``
+    ``common.wire.tokenizer.WireSamplingParams`` with the same field names; ``services.sampling``
     converts it.
     """
 

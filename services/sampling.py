@@ -1,6 +1,6 @@
 """The one conversion from a request's sampling settings on the wire to the engine's.
 
-``common.messages.WireSamplingParams`` (validated by the gateway, carried by every hop) and
+``common.wire.tokenizer.WireSamplingParams`` (validated by the gateway, carried by every hop) and
 ``gpu.sampling.SamplingParams`` (what the engine and the sampler read) share their fields by
 name. ``sampling_params`` copies every field the engine type has, so a field the wire adds is
 carried as soon as the engine type has it too, and cannot be forgotten by a hand-written copy
@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from common.messages import WireSamplingParams
+from common.wire.tokenizer import WireSamplingParams
 from gpu.sampling import SamplingParams
 
 # The engine's fields, in its order: exactly what is copied from the wire.

@@ -8,16 +8,12 @@ import nats
 import pytest
 
 from common.config import MeshConfig
-from common.messages import (
-    AbortRequests,
-    SeqTokens,
-    StepTokens,
-    StreamStart,
-    TextDeltas,
-    decode_any,
-)
 from common.nats_server import LocalNatsServer
 from common.tokenizer import Tokenizer
+from common.wire.codec import decode_any
+from common.wire.detokenizer import SeqTokens, StepTokens, StreamStart
+from common.wire.executor import AbortRequests
+from common.wire.gateway import TextDeltas
 from services.detokenizer.service import DetokenizerConfig, DetokenizerService
 from services.detokenizer.stops import StopMatcher
 

@@ -12,14 +12,11 @@ import nats.errors
 import pytest
 
 from common.config import MeshConfig
-from common.messages import (
-    AbortRequests,
-    ErrorEvent,
-    StepTokens,
-    TokenizedRequest,
-    WireSamplingParams,
-)
 from common.nats_server import LocalNatsServer
+from common.wire.detokenizer import StepTokens
+from common.wire.executor import AbortRequests, TokenizedRequest
+from common.wire.gateway import ErrorEvent
+from common.wire.tokenizer import WireSamplingParams
 from services.executor.config import ExecutorConfig
 from services.executor.service import ExecutorService, build_engine
 

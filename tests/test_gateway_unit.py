@@ -28,19 +28,12 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from common.config import MeshConfig
-from common.messages import (
-    AbortRequests,
-    ErrorEvent,
-    GenerateRequest,
-    Heartbeat,
-    TextDelta,
-    TextDeltas,
-    TextLogprob,
-    Usage,
-    WireSamplingParams,
-)
 from common.nats_server import LocalNatsServer
 from common.subjects import Subjects
+from common.wire.executor import AbortRequests
+from common.wire.gateway import ErrorEvent, TextDelta, TextDeltas, TextLogprob, Usage
+from common.wire.scheduler import Heartbeat
+from common.wire.tokenizer import GenerateRequest, WireSamplingParams
 from services.gateway import GatewayConfig, GatewayServer, parse_args
 from services.gateway.responses import ResponseBuilder
 

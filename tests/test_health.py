@@ -16,8 +16,9 @@ import nats
 import pytest
 
 from common.config import MeshConfig
-from common.messages import Heartbeat, Presence
 from common.nats_server import LocalNatsServer
+from common.wire.presence import Presence
+from common.wire.scheduler import Heartbeat
 from services.detokenizer.service import DetokenizerConfig, DetokenizerService
 from services.gateway import GatewayConfig, GatewayServer
 from services.gateway.health import MeshLiveness

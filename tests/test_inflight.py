@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from common.messages import Heartbeat, TokenizedRequest, WireSamplingParams
+from common.wire.executor import TokenizedRequest
+from common.wire.scheduler import Heartbeat
+from common.wire.tokenizer import WireSamplingParams
 from services.scheduler.inflight import Inflight
 
 

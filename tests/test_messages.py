@@ -3,24 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import pkgutil
+import typing
 from typing import Any
 
 import msgpack
 import pytest
 
-from common.messages import (
-    MAX_CHOICES,
-    GenerateRequest,
-    Message,
-    MessageError,
-    SeqTokens,
-    StepTokens,
-    StreamStart,
-    TokenizedRequest,
-    WireSamplingParams,
-    WireTokenLogprob,
-    decode_any,
-)
+import common.wire
+from common.wire.codec import Message, MessageError, decode_any
+from common.wire.detokenizer import SeqTokens, StepTokens, StreamStart, WireTokenLogprob
+from common.wire.executor import TokenizedRequest
+from common.wire.tokenizer import MAX_CHOICES, GenerateRequest, WireSamplingParams
 
 
 def request(**overrides) -> TokenizedRequest:
@@ -147,3 +142,31 @@ def test_a_forged_n_is_refused(n: int) -> None:
     good = GenerateRequest("r", "_INBOX.1", WireSamplingParams(), prompt="x")
     with pytest.raises(MessageError, match="n must be within"):
         GenerateRequest.decode(raw(good, n=n))
+
+
+def wire_classes() -> list[type[Message]]:
+    """Every message class of ``common.wire``, from each module's own definitions."""
+    found = []
+    for info in pkgutil.iter_modules(common.wire.__path__):
+        module = importlib.import_module(f"common.wire.{info.name}")
+        found += [
+            value
+            for value in vars(module).values()
+            if isinstance(value, type)
+            and issubclass(value, Message)
+            and value is not Message
+            and value.__module__ == module.__name__
+        ]
+    return found
+
+
+def test_every_message_class_resolves_its_fields_and_has_its_own_tag() -> None:
+    """The decoder resolves field types in the defining module's globals (a nested class of
+    another module must be imported there), and the type tag is the bare class name (two
+    classes of one name in different modules would be one message on the wire)."""
+    classes = wire_classes()
+    assert len(classes) >= 28
+    for kind in classes:
+        assert typing.get_type_hints(kind), kind
+    names = [kind.__name__ for kind in classes]
+    assert len(names) == len(set(names)), sorted(names)

@@ -10,23 +10,20 @@ import dataclasses
 import pytest
 
 from common.config import MeshConfig
-from common.messages import (
-    AbortRequests,
-    ErrorEvent,
-    Heartbeat,
+from common.nats_server import LocalNatsServer
+from common.tokenizer import Tokenizer
+from common.wire.codec import decode_any
+from common.wire.detokenizer import (
     SeqTokens,
     StepTokens,
     StreamProgressReply,
     StreamProgressRequest,
     StreamStart,
-    TextDelta,
-    TextDeltas,
-    TokenizedRequest,
-    WireSamplingParams,
-    decode_any,
 )
-from common.nats_server import LocalNatsServer
-from common.tokenizer import Tokenizer
+from common.wire.executor import AbortRequests, TokenizedRequest
+from common.wire.gateway import ErrorEvent, TextDelta, TextDeltas
+from common.wire.scheduler import Heartbeat
+from common.wire.tokenizer import WireSamplingParams
 from gpu.sampling import SamplingParams
 from services.detokenizer.service import DetokenizerConfig, DetokenizerService
 from services.scheduler.service import SchedulerService, SchedulerServiceConfig

@@ -32,12 +32,12 @@ from nats.aio.msg import Msg
 
 from common.config import MeshConfig, NatsAuth
 from common.kv_stream import ensure_kv_stream
-from common.messages import KVEventBatch
 from common.nats_permissions import ANY, ROLES, inbox_prefix, server_config
 from common.nats_server import LocalNatsServer
 from common.page_hash import page_hashes
 from common.runtime import Service
 from common.subjects import Subjects
+from common.wire.prefix_index import KVEventBatch
 from services.executor.kv_events import KVEventPublisher
 from tests.mesh import MeshHarness
 

@@ -331,7 +331,8 @@ def test_observability_flags_and_environment(monkeypatch):
 def test_a_request_received_mid_step_stays_queued(tiny_llama):
     """A request that arrives while a step runs waits in pending_adds; the end of that step
     must not close its queue span (it used to, with the step's start: a negative queue time)."""
-    from common.messages import TokenizedRequest, WireSamplingParams
+    from common.wire.executor import TokenizedRequest
+    from common.wire.tokenizer import WireSamplingParams
     from gpu.engine import Engine, EngineConfig
     from gpu.loader import load_model
     from gpu.runner import ModelRunner

@@ -11,8 +11,8 @@ import aiohttp
 import pytest
 
 from common.config import MeshConfig
-from common.messages import KVEventBatch
 from common.page_hash import ROOT_HASH, page_hashes
+from common.wire.prefix_index import KVEventBatch
 from gpu.engine import Engine, EngineConfig
 from gpu.loader import load_model
 from gpu.runner import ModelRunner
@@ -134,7 +134,7 @@ async def test_index_view_equals_engine_caches_step_by_step(tiny_llama):
 
 
 def _match(hashes: list[int]):  # the scheduler's question
-    from common.messages import IndexMatchRequest
+    from common.wire.prefix_index import IndexMatchRequest
 
     return IndexMatchRequest(hashes)
 

@@ -12,8 +12,10 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletionChunk
 
 from common.config import MeshConfig
-from common.messages import AbortRequests, Heartbeat, TokenizedRequest, WireSamplingParams
 from common.page_hash import page_hashes
+from common.wire.executor import AbortRequests, TokenizedRequest
+from common.wire.scheduler import Heartbeat
+from common.wire.tokenizer import WireSamplingParams
 from services.scheduler.router import Router
 from services.scheduler.service import SchedulerService, SchedulerServiceConfig
 from tests.mesh import MeshHarness

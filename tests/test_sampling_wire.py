@@ -6,7 +6,8 @@ import dataclasses
 
 import pytest
 
-from common.messages import DraftSeq, WireSamplingParams
+from common.wire.speculator import DraftSeq
+from common.wire.tokenizer import WireSamplingParams
 from gpu.sampling import SamplingParams
 from services import sampling
 from services.sampling import sampling_params

@@ -7,7 +7,9 @@ from __future__ import annotations
 import pytest
 
 from common.config import MeshConfig
-from common.messages import AbortRequests, Heartbeat, TokenizedRequest, WireSamplingParams
+from common.wire.executor import AbortRequests, TokenizedRequest
+from common.wire.scheduler import Heartbeat
+from common.wire.tokenizer import WireSamplingParams
 from services.scheduler.service import SchedulerService, SchedulerServiceConfig
 
 

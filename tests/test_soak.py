@@ -15,8 +15,8 @@ import time
 import aiohttp
 import nats
 
-from common.messages import Heartbeat
 from common.subjects import Subjects
+from common.wire.scheduler import Heartbeat
 from tests.mesh import metric_value
 
 REQUESTS = int(os.environ.get("MESHSERVE_SOAK_REQUESTS", "5000"))

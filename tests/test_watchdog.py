@@ -8,7 +8,8 @@ import time
 
 import aiohttp
 
-from common.messages import ErrorEvent, RequestStatusReply
+from common.wire.gateway import ErrorEvent
+from common.wire.scheduler import RequestStatusReply
 from services.gateway.streams import Inbox
 from services.gateway.watchdog import check_stalled
 from tests.mesh import MeshHarness

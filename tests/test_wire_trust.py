@@ -16,7 +16,9 @@ import nats
 import pytest
 
 from common.mesh_facts import mesh_page_size, page_size_refusals
-from common.messages import Heartbeat, MessageError, Presence
+from common.wire.codec import MessageError
+from common.wire.presence import Presence
+from common.wire.scheduler import Heartbeat
 from services.scheduler.router import Router
 from services.scheduler.service import SchedulerService
 from tests.mesh import MeshHarness

@@ -18,24 +18,21 @@ from dataclasses import dataclass, field
 from opentelemetry.trace import Span
 
 from common.config import MeshConfig, model_setting
-from common.messages import (
-    AbortRequests,
-    SeqTokens,
-    StepTokens,
-    StreamProgressReply,
-    StreamProgressRequest,
-    TextDelta,
-    TextDeltas,
-    TextLogprob,
-    Usage,
-    WireTokenLogprob,
-)
 from common.metrics import DetokenizerMetrics
 from common.recent_ids import RecentIds
 from common.runtime import Service
 from common.settings import parse, setting
 from common.telemetry import Attr, extract
 from common.tokenizer import IncrementalDetokenizer, Tokenizer
+from common.wire.detokenizer import (
+    SeqTokens,
+    StepTokens,
+    StreamProgressReply,
+    StreamProgressRequest,
+    WireTokenLogprob,
+)
+from common.wire.executor import AbortRequests
+from common.wire.gateway import TextDelta, TextDeltas, TextLogprob, Usage
 from gpu.gguf import resolve_model_path
 from services.detokenizer.stops import StopMatcher
 

@@ -23,8 +23,8 @@ import time
 from collections.abc import Iterable, Iterator
 
 from common.kv_stream import ROLLUP, ensure_kv_stream
-from common.messages import KVEventBatch
 from common.runtime import Service
+from common.wire.prefix_index import KVEventBatch
 from gpu.page_manager import KVEvent
 
 log = logging.getLogger("meshserve.executor")

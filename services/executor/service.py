@@ -28,20 +28,14 @@ from concurrent.futures import ThreadPoolExecutor
 import nats.errors
 import torch
 
-from common.messages import (
-    AbortRequests,
-    ErrorEvent,
-    Heartbeat,
-    Message,
-    SeqTokens,
-    StepTokens,
-    StreamStart,
-    TokenizedRequest,
-    WireTokenLogprob,
-)
 from common.metrics import EngineSnapshot, ExecutorMetrics
 from common.recent_ids import RecentIds
 from common.runtime import Service
+from common.wire.codec import Message
+from common.wire.detokenizer import SeqTokens, StepTokens, StreamStart, WireTokenLogprob
+from common.wire.executor import AbortRequests, TokenizedRequest
+from common.wire.gateway import ErrorEvent
+from common.wire.scheduler import Heartbeat
 from gpu.engine import Engine, EngineConfig, StepOutput
 from gpu.gguf import resolve_model_path
 from gpu.loader import load_model

@@ -17,8 +17,9 @@ import logging
 import time
 from collections.abc import Iterable, Mapping
 
-from common.messages import ProposeReply, ProposeRequest, WireSamplingParams
 from common.runtime import NoAnswer, Service
+from common.wire.speculator import ProposeReply, ProposeRequest
+from common.wire.tokenizer import WireSamplingParams
 from gpu.spec_decode import DraftRequest, Proposal
 from services.speculator.wire import draft_seq, proposal
 

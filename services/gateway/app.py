@@ -19,10 +19,10 @@ from typing import Any
 
 from aiohttp import web
 
-from common.messages import TextDelta
 from common.metrics import metrics_handler
 from common.runtime import RequestError, serve_until_shutdown
 from common.telemetry import Attr
+from common.wire.gateway import TextDelta
 from services.gateway.config import GatewayConfig
 from services.gateway.mesh_client import MeshClient
 from services.gateway.observe import request_span

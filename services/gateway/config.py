@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 from common import settings
 from common.config import MeshConfig
-from common.messages import MAX_CHOICES
 from common.settings import setting
+from common.wire.tokenizer import MAX_CHOICES
 from services.gateway.health import REQUIRED_STAGES, STAGES
 
 # OpenAI's chat API defaults max_tokens to "the rest of the context". The gateway cannot count

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from common.mesh_facts import page_size_refusals
-from common.messages import Heartbeat, Presence
+from common.wire.presence import Presence
+from common.wire.scheduler import Heartbeat
 
 # Stage names are the services' runtime names (``Service(name, ...)``), as announced.
 STAGES = ("tokenizer", "scheduler", "detokenizer", "executor", "prefix-index", "speculator")

@@ -23,10 +23,13 @@ from typing import Any
 from nats.aio.msg import Msg
 from opentelemetry import trace
 
-from common.messages import AbortRequests, GenerateRequest, Heartbeat, Presence
 from common.metrics import GatewayMetrics
 from common.runtime import RequestError, Service
 from common.telemetry import Attr, inject
+from common.wire.executor import AbortRequests
+from common.wire.presence import Presence
+from common.wire.scheduler import Heartbeat
+from common.wire.tokenizer import GenerateRequest
 from services.gateway.config import GatewayConfig
 from services.gateway.health import MeshLiveness
 from services.gateway.observe import RequestObserver

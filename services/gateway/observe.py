@@ -27,10 +27,10 @@ from contextlib import contextmanager
 
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
 
-from common.messages import TextDelta
 from common.metrics import GatewayMetrics
 from common.runtime import RequestError
 from common.telemetry import Attr, extract, trace_id_hex
+from common.wire.gateway import TextDelta
 
 # W3C Trace Context: a tracestate holds at most 32 members, and a vendor that must shorten one
 # keeps at least 512 characters, dropping members over 128 characters first, then members from

@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from common.messages import ChatMessage, WireSamplingParams
 from common.runtime import RequestError
+from common.wire.tokenizer import ChatMessage, WireSamplingParams
 from services.gateway.config import GatewayConfig
 
 Kind = Literal["completion", "chat"]

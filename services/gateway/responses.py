@@ -12,8 +12,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.messages import TextDelta, TextLogprob, Usage
 from common.runtime import RequestError
+from common.wire.gateway import TextDelta, TextLogprob, Usage
 from services.gateway.protocol import ApiRequest
 
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf; vLLM (and OpenAI) send this finite floor instead

@@ -12,8 +12,9 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from common.messages import ErrorEvent, MessageError, TextDelta, TextDeltas, decode_any
 from common.runtime import RequestError
+from common.wire.codec import MessageError, decode_any
+from common.wire.gateway import ErrorEvent, TextDelta, TextDeltas
 from services.gateway.observe import RequestObserver
 
 log = logging.getLogger("meshserve.gateway")

@@ -16,9 +16,11 @@ import asyncio
 import logging
 from typing import Protocol, TypeVar
 
-from common.messages import ErrorEvent, Message, RequestStatusQuery, RequestStatusReply
 from common.runtime import NoAnswer
 from common.subjects import Subjects
+from common.wire.codec import Message
+from common.wire.gateway import ErrorEvent
+from common.wire.scheduler import RequestStatusQuery, RequestStatusReply
 from services.gateway.streams import Inbox
 
 log = logging.getLogger("meshserve.gateway")

@@ -21,9 +21,10 @@ from dataclasses import dataclass
 
 from common.config import MeshConfig
 from common.kv_stream import ensure_kv_stream
-from common.messages import Heartbeat, IndexMatchReply, IndexMatchRequest, KVEventBatch
 from common.runtime import Service
 from common.settings import parse, setting
+from common.wire.prefix_index import IndexMatchReply, IndexMatchRequest, KVEventBatch
+from common.wire.scheduler import Heartbeat
 from services.prefix_index.radix import RadixTree
 
 log = logging.getLogger("meshserve.prefix_index")

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 from opentelemetry.context import Context
 
-from common.messages import Heartbeat, TokenizedRequest
+from common.wire.executor import TokenizedRequest
+from common.wire.scheduler import Heartbeat
 
 # A request's place in the global queue: (priority key, arrival order); kept if it re-queues.
 Rank = tuple[float, int]

@@ -47,7 +47,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from common.mesh_facts import page_size_refusals
-from common.messages import Heartbeat, Presence, TokenizedRequest
+from common.wire.executor import TokenizedRequest
+from common.wire.presence import Presence
+from common.wire.scheduler import Heartbeat
 
 log = logging.getLogger("meshserve.scheduler")
 

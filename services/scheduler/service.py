@@ -24,23 +24,16 @@ import time
 from dataclasses import dataclass
 
 from common.config import MeshConfig
-from common.messages import (
-    AbortRequests,
-    ErrorEvent,
-    Heartbeat,
-    IndexMatchReply,
-    IndexMatchRequest,
-    Presence,
-    RequestStatusQuery,
-    RequestStatusReply,
-    StreamProgressReply,
-    StreamProgressRequest,
-    TokenizedRequest,
-)
 from common.metrics import SchedulerMetrics
 from common.recent_ids import RecentIds
 from common.runtime import NoAnswer, RequestError, Service
 from common.settings import parse, setting
+from common.wire.detokenizer import StreamProgressReply, StreamProgressRequest
+from common.wire.executor import AbortRequests, TokenizedRequest
+from common.wire.gateway import ErrorEvent
+from common.wire.prefix_index import IndexMatchReply, IndexMatchRequest
+from common.wire.presence import Presence
+from common.wire.scheduler import Heartbeat, RequestStatusQuery, RequestStatusReply
 from services.scheduler.inflight import Assignment, Inflight, Rank
 from services.scheduler.router import POLICIES, Router
 from services.scheduler.tracing import RouteTraces

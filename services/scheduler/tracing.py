@@ -19,9 +19,9 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Span, Status, StatusCode, Tracer
 
-from common.messages import TokenizedRequest
 from common.metrics import SchedulerMetrics
 from common.telemetry import Attr
+from common.wire.executor import TokenizedRequest
 
 
 @dataclass

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import torch
 
 from common.config import MeshConfig, device_setting, page_size_setting
-from common.messages import ProposeReply, ProposeRequest
 from common.runtime import Service
 from common.settings import parse, setting
+from common.wire.speculator import ProposeReply, ProposeRequest
 from gpu.gguf import resolve_model_path
 from gpu.loader import load_model
 from gpu.proposers import DraftModelProposer

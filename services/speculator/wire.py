@@ -1,11 +1,12 @@
-"""Speculation on the wire: ``gpu.spec_decode`` types <-> ``common.messages``.
+"""Speculation on the wire: ``gpu.spec_decode`` types <-> ``common.wire.speculator``.
 
 Used by both ends: the executor's ``RemoteProposer`` and the speculator service.
 """
 
 from __future__ import annotations
 
-from common.messages import DraftSeq, DraftTokens, WireSamplingParams
+from common.wire.speculator import DraftSeq, DraftTokens
+from common.wire.tokenizer import WireSamplingParams
 from gpu.spec_decode import DraftRequest, Proposal
 from services.sampling import sampling_params
 

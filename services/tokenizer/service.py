@@ -14,12 +14,13 @@ from dataclasses import dataclass
 from opentelemetry import trace
 
 from common.config import MeshConfig, model_setting, page_size_setting
-from common.messages import GenerateRequest, TokenizedRequest
 from common.page_hash import page_hashes
 from common.runtime import RequestError, Service
 from common.settings import parse, setting
 from common.telemetry import Attr
 from common.tokenizer import Tokenizer, TokenizerError
+from common.wire.executor import TokenizedRequest
+from common.wire.tokenizer import GenerateRequest
 from gpu.config import ModelConfig
 from gpu.gguf import resolve_model_path
 

@@ -1,0 +1,75 @@
+"""What a detokenizer shard receives: an executor step's tokens (``detok.<shard>``) and the
+scheduler's question of what each stream has received (``detok.<shard>.progress``,
+request/reply).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from common.wire.codec import Message
+
+
+@dataclass(frozen=True)
+class WireTokenLogprob(Message):
+    """One generated token's logprob and its top alternatives, by token id: the wire form of
+    the engine's ``gpu.engine.TokenLogprob`` (the detokenizer turns it into a ``TextLogprob``).
+    """
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class StreamStart(Message):
+    """What the detokenizer needs to know about a request, sent once with its first tokens
+    from an executor (per-request fields never ride along in every step's message)."""
+
+    stop: list[str]
+    skip_special_tokens: bool
+    prompt_tokens: int
+    cached_tokens: int
+    # The request's W3C trace context (traceparent/tracestate): a StepTokens message carries
+    # many requests, so their contexts travel here rather than in the NATS headers.
+    trace: dict[str, str] = field(default_factory=dict)
+    reply_to: str = ""  # the gateway inbox its text goes to
+    deadline: float | None = None  # unix seconds: past it, the detokenizer forgets the stream
+
+
+@dataclass(frozen=True)
+class SeqTokens(Message):
+    request_id: str
+    token_ids: list[int]
+    finish_reason: str | None
+    output_tokens: int
+    start: StreamStart | None = None
+    logprobs: list[WireTokenLogprob] | None = None
+
+
+@dataclass(frozen=True)
+class StepTokens(Message):
+    """Every new token of one executor step for one detokenizer shard."""
+
+    executor_id: str
+    seqs: list[SeqTokens]
+    incarnation: str = ""  # the executor process's (``Heartbeat.incarnation``)
+
+
+@dataclass(frozen=True)
+class StreamProgressRequest(Message):
+    """The scheduler moves these requests away from ``executor_id`` (lost): which tokens has
+    each streamed? The detokenizer stops accepting their tokens from that executor from now."""
+
+    executor_id: str
+    request_ids: list[str]
+    incarnation: str = ""  # which process under that id (a restarted one is not withdrawn)
+
+
+@dataclass(frozen=True)
+class StreamProgressReply(Message):
+    """Tokens received so far per stream this shard holds (a request absent here and from
+    ``ended`` never started); ``ended``: finished or aborted, nothing to move."""
+
+    streamed: dict[str, list[int]]
+    ended: list[str] = field(default_factory=list)

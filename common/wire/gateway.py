@@ -1,0 +1,56 @@
+"""What a gateway instance receives in its inbox (``gateway.<id>.inbox``): text from the
+detokenizers and errors from any stage.
+
+``ErrorEvent`` is also the error answer of every request/reply (``Service.request`` in
+``common/runtime.py`` decodes it for any asker).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from common.wire.codec import Message
+
+
+@dataclass(frozen=True)
+class TextLogprob(Message):
+    """A ``WireTokenLogprob`` detokenized: the token and its alternatives as text, and the
+    token's UTF-8 bytes (a token may hold part of a character)."""
+
+    token: str
+    logprob: float
+    token_bytes: list[int]
+    top: list[tuple[str, float]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Usage(Message):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class TextDelta(Message):
+    request_id: str
+    text: str
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    logprobs: list[TextLogprob] | None = None
+
+
+@dataclass(frozen=True)
+class TextDeltas(Message):
+    deltas: list[TextDelta]
+
+
+@dataclass(frozen=True)
+class ErrorEvent(Message):
+    """A request failed at some stage; the gateway answers the client with it."""
+
+    request_id: str
+    status: int
+    message: str
+    type: str = "invalid_request_error"
+    code: str | None = None
+    param: str | None = None

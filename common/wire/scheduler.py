@@ -1,0 +1,70 @@
+"""What the scheduler receives: executor heartbeats (``executor.heartbeat``) and the gateway's
+status queries (``scheduler.status``, request/reply).
+
+The gateway (health) and the prefix index (which executors are alive) also read heartbeats.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from common.wire.codec import MAX_PAGE_SIZE, Message, id_ok, page_size_ok, require, time_ok
+
+
+@dataclass(frozen=True)
+class Heartbeat(Message):
+    """An executor's load, sent periodically; the scheduler routes by it."""
+
+    executor_id: str
+    running: int
+    waiting: int
+    free_pages: int
+    total_pages: int
+    page_size: int
+    max_num_seqs: int
+    pending_tokens: int  # prompt tokens still to prefill plus one per running decode
+    draining: bool = False
+    sent_at: float = 0.0
+    # Which requests the executor holds: the scheduler learns from it which have finished,
+    # and which to move elsewhere if the executor dies.
+    request_ids: list[str] = field(default_factory=list)
+    # Random per process start: a restarted executor under the same id is a new incarnation,
+    # and the scheduler moves whatever the previous one held at once.
+    incarnation: str = ""
+    # The longest sequence (prompt + output) it can hold: the model's context or its KV pool,
+    # whichever is less. The gateway checks its own --max-model-len against it.
+    max_model_len: int = 0
+
+    def __post_init__(self) -> None:
+        # Only values no working executor sends: a rejected heartbeat makes the executor look
+        # silent, and after the scheduler's timeout its requests are re-routed or failed.
+        pages_ok = 0 <= self.free_pages <= self.total_pages
+        require(
+            "Heartbeat",
+            {
+                "executor_id must be a non-empty subject-safe id": id_ok(self.executor_id),
+                "running must be >= 0": self.running >= 0,
+                "waiting must be >= 0": self.waiting >= 0,
+                "total_pages must be >= 1": self.total_pages >= 1,
+                "free_pages must be within 0..total_pages": pages_ok,
+                f"page_size must be within 1..{MAX_PAGE_SIZE}": page_size_ok(self.page_size),
+                "max_num_seqs must be >= 1": self.max_num_seqs >= 1,
+                "pending_tokens must be >= 0": self.pending_tokens >= 0,
+                "sent_at must be a finite time >= 0": time_ok(self.sent_at),
+                "request_ids must be non-empty strings": all(self.request_ids),
+            },
+        )
+
+
+@dataclass(frozen=True)
+class RequestStatusQuery(Message):
+    """The gateway has heard nothing of these requests for a while: are they still alive?"""
+
+    request_ids: list[str]
+
+
+@dataclass(frozen=True)
+class RequestStatusReply(Message):
+    """The ids the scheduler holds (queued, or routed to an executor that is alive)."""
+
+    known: list[str]

@@ -1,0 +1,92 @@
+"""What the tokenizer receives: a request from the gateway (``tokenizer.encode``).
+
+``WireSamplingParams`` rides along in ``TokenizedRequest`` (scheduler, executor) and
+``DraftSeq`` (speculator) too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import ClassVar
+
+from common.wire.codec import Message, require
+
+# Choices of one request: the tokenizer publishes one message per choice, so a forged n must not
+# make it publish millions. Far above any --max-n (OpenAI allows 128).
+MAX_CHOICES = 1024
+
+
+@dataclass(frozen=True)
+class WireSamplingParams(Message):
+    """The request's sampling and stopping settings as validated by the gateway: the wire form
+    of the engine's ``gpu.sampling.SamplingParams``.
+
+    Every field but ``DETOKENIZER_ONLY`` is also a field of ``SamplingParams`` under the same
+    name, and ``services.sampling`` converts by name: add a field to both.
+    """
+
+    # Applied to text by the detokenizer (it gets them in ``StreamStart``); the engine never
+    # sees them.
+    DETOKENIZER_ONLY: ClassVar[frozenset[str]] = frozenset({"stop", "skip_special_tokens"})
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+
+@dataclass(frozen=True)
+class ChatMessage(Message):
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
+class GenerateRequest(Message):
+    """One prompt and the ``n`` sequences (OpenAI's choices) to generate from it.
+
+    The tokenizer encodes the prompt once and forwards one ``TokenizedRequest`` per choice
+    (``choices``): from there on each choice is a request of its own, under its own id. An
+    error the tokenizer answers under ``request_id`` itself fails every choice.
+    """
+
+    request_id: str
+    reply_to: str
+    params: WireSamplingParams
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[ChatMessage] | None = None
+    priority: int = 0
+    deadline: float | None = None  # unix seconds; past it the request fails with a timeout
+    arrival_time: float = 0.0
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        require(
+            "GenerateRequest", {f"n must be within 1..{MAX_CHOICES}": 1 <= self.n <= MAX_CHOICES}
+        )
+
+    def choice_ids(self) -> list[str]:
+        """The request id of each choice, in choice order (the gateway awaits these)."""
+        return [f"{self.request_id}-{i}" for i in range(self.n)]
+
+    def choices(self) -> list[tuple[str, WireSamplingParams]]:
+        """Each choice's request id and sampling settings. Choice ``i`` samples with seed + i,
+        so seeded choices differ from each other yet repeat across identical requests (the
+        gateway keeps seed + n - 1 in range); unseeded choices differ by their own draws, and
+        greedy ones are all equal."""
+        seed = self.params.seed
+        return [
+            (cid, self.params if seed is None or i == 0 else replace(self.params, seed=seed + i))
+            for i, cid in enumerate(self.choice_ids())
+        ]
