@@ -79,10 +79,27 @@ class Wire:
         self.deltas: list[TextDelta] = []
 
     async def step(self, executor: str, seq: SeqTokens, incarnation: str = "") -> None:
+        """Publish one step and wait until the detokenizer has handled it (and what it sent
+        the inbox has had a moment to arrive)."""
+        handled = self.svc.svc.metrics.messages.labels("detokenizer", "StepTokens")
+        before = handled._value.get()
         step = StepTokens(executor, [seq], incarnation)
         await self.nc.publish(self.svc.svc.subjects.detok(0), step.encode())
         await self.nc.flush()
+        async with asyncio.timeout(10):
+            while handled._value.get() == before:
+                await asyncio.sleep(0.005)
+        await self.nc.flush()
         await asyncio.sleep(0.05)
+
+    async def until_text(self, text: str, finished: bool = False) -> None:
+        """Until the inbox has received ``text`` (deltas travel on after the step's handler),
+        and the stream's last delta when ``finished``."""
+        async with asyncio.timeout(10):
+            while self.text != text or (
+                finished and not (self.deltas and self.deltas[-1].finish_reason)
+            ):
+                await asyncio.sleep(0.01)
 
     @property
     def text(self) -> str:
@@ -123,7 +140,7 @@ async def test_a_stream_moves_to_another_executor_without_repeating_or_dropping(
     await wire.step("ex-b", SeqTokens("r", ids[3:5], None, 5, start()))
     await wire.step("ex-a", SeqTokens("r", [ids[5]], None, 5))
     await wire.step("ex-b", SeqTokens("r", ids[5:], "length", len(ids)))
-    assert wire.text == Tokenizer.from_folder(tiny_llama).decode(ids)
+    await wire.until_text(Tokenizer.from_folder(tiny_llama).decode(ids), finished=True)
     assert wire.deltas[-1].finish_reason == "length"
     assert wire.deltas[-1].usage.completion_tokens == len(ids)
     assert wire.svc.streams == {}
@@ -141,7 +158,7 @@ async def test_a_stream_moves_to_a_restarted_executor_under_the_same_id(wire, ti
     await wire.svc.on_progress(StreamProgressRequest("executor-0", ["r"], "old"))
     await wire.step("executor-0", SeqTokens("r", [ids[2]], None, 3), "old")  # late: dropped
     await wire.step("executor-0", SeqTokens("r", ids[2:], "length", len(ids), start()), "new")
-    assert wire.text == tok.decode(ids)
+    await wire.until_text(tok.decode(ids), finished=True)
     assert wire.deltas[-1].finish_reason == "length"
 
 
@@ -149,6 +166,8 @@ async def test_a_second_executor_cannot_take_over_a_live_stream(wire, tiny_llama
     ids = Tokenizer.from_folder(tiny_llama).encode("alpha beta gamma")
     await wire.step("ex-a", SeqTokens("r", ids[:2], None, 2, start()))
     await wire.step("ex-b", SeqTokens("r", ids, None, len(ids), start()))  # a duplicate run
+    await wire.until_text(Tokenizer.from_folder(tiny_llama).decode(ids[:2]))
+    await asyncio.sleep(0.2)  # and nothing of the duplicate run follows
     assert wire.text == Tokenizer.from_folder(tiny_llama).decode(ids[:2])
 
 

@@ -182,8 +182,14 @@ class Received:
         self.messages.append(msg.data)
 
 
-async def settle() -> None:
-    await asyncio.sleep(0.2)  # the server forwards asynchronously; give it a moment
+async def settle(*expected: Received) -> None:
+    """Until each of ``expected`` has received a message (the server forwards asynchronously,
+    and a loaded machine can take a while), then a moment more for anything that must NOT
+    arrive to have had its chance."""
+    async with asyncio.timeout(10):
+        while not all(r.messages for r in expected):
+            await asyncio.sleep(0.02)
+    await asyncio.sleep(0.2)
 
 
 async def test_the_tokenizer_cannot_forge_an_executor_heartbeat(login):
@@ -200,7 +206,7 @@ async def test_the_tokenizer_cannot_forge_an_executor_heartbeat(login):
     assert await tokenizer.violations(1) == [denied("publish", S.executor_heartbeat)]
     await executor.nc.publish(S.executor_heartbeat, b"real")
     await executor.nc.flush()
-    await settle()
+    await settle(beats)
     assert beats.messages == [b"real"]
     assert await scheduler.violations() == [] and await executor.violations() == []
 
@@ -224,7 +230,7 @@ async def test_the_tokenizer_cannot_read_other_traffic(login):
     await gateway.nc.flush()
     await detokenizer.nc.publish(inbox, b"the answer")
     await detokenizer.nc.flush()
-    await settle()
+    await settle(owner)
     assert owner.messages == [b"the answer"] and spied.messages == []
 
 
@@ -244,7 +250,7 @@ async def test_a_service_announces_only_itself(login):
         denied("publish", S.presence("scheduler")),
         denied("publish", S.presence_probe),
     ]
-    await settle()
+    await settle(seen, probes)
     assert seen.messages == [b"me"] and probes.messages == [b"who is there?"]
 
 
@@ -267,7 +273,7 @@ async def test_the_tokenizer_can_do_its_job(login):
     await tokenizer.nc.publish(inbox, b"error reply")  # a request it cannot tokenize
     for login_ in (gateway, tokenizer):
         await login_.nc.flush()
-    await settle()
+    await settle(encode, submitted, replies)
     assert (encode.messages, submitted.messages, replies.messages) == (
         [b"prompt"],
         [b"tokens"],
