@@ -180,6 +180,15 @@ async def test_64_concurrent_streams(client, offline):
 
 
 async def test_requests_spread_over_two_executors(client, mesh):
+    # Routing goes by the last heartbeat: wait until both report the previous test's load gone
+    # (a stale busy heartbeat would rightly send everything to the other executor).
+    sched = next(s for s in mesh.services if type(s).__name__ == "SchedulerService")
+    async with asyncio.timeout(10):
+        while len(sched.router.executors) < 2 or any(
+            st.heartbeat.running or st.heartbeat.waiting or st.heartbeat.pending_tokens
+            for st in sched.router.executors.values()
+        ):
+            await asyncio.sleep(0.05)
     before = [e.engine.num_steps for e in mesh.executor_services]
     await asyncio.gather(
         *(
