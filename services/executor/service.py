@@ -231,22 +231,10 @@ class ExecutorService:
         now = time.time()
         expired = [r for r in self.requests.values() if r.deadline and r.deadline < now]
         for req in expired:
-            self.engine.abort(req.request_id)
-            self.forget(req.request_id, "timeout")
-            await self.try_publish(
-                req.reply_to,
-                ErrorEvent(
-                    req.request_id,
-                    504,
-                    "The request timed out.",
-                    "timeout_error",
-                    "request_timeout",
-                ),
+            timeout = ErrorEvent(
+                req.request_id, 504, "The request timed out.", "timeout_error", "request_timeout"
             )
-        if expired:
-            await self.try_publish(
-                self.subjects.abort, AbortRequests([r.request_id for r in expired], "timeout")
-            )
+            await self.fail_request(req.request_id, timeout, "timeout")
 
     async def apply_pending(self) -> None:
         adds, self.pending_adds = self.pending_adds, []
@@ -346,8 +334,6 @@ class ExecutorService:
                     logprobs=logprobs,
                 )
             )
-            if out.finish_reason is not None:
-                self.forget(out.request_id, out.finish_reason.value)
         limit = self.svc.nc.max_payload - PAYLOAD_HEADROOM
         for shard, seqs in by_shard.items():
             step = StepTokens(self.config.executor_id, seqs, self.incarnation)
@@ -378,15 +364,20 @@ class ExecutorService:
                                 "delivery_failed",
                             ),
                         )
+        # Forgotten only now: a finished request whose last tokens could not be sent still
+        # needs its inbox for the error above.
+        for out in outputs:
+            if out.finish_reason is not None and out.request_id in self.requests:
+                self.forget(out.request_id, out.finish_reason.value)
 
-    async def fail_request(self, request_id: str, error: ErrorEvent) -> None:
+    async def fail_request(self, request_id: str, error: ErrorEvent, reason: str = "error") -> None:
         """End one request here with ``error`` for its client; every stage forgets it."""
         req = self.requests.get(request_id)
         self.engine.abort(request_id)
-        self.forget(request_id, "error")
+        self.forget(request_id, reason)
         if req is not None:
             await self.try_publish(req.reply_to, error)
-        await self.try_publish(self.subjects.abort, AbortRequests([request_id], "error"))
+        await self.try_publish(self.subjects.abort, AbortRequests([request_id], reason))
 
     async def drain(self) -> None:
         """Finish what we hold, then stop; the heartbeat says we take nothing new."""
