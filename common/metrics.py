@@ -134,7 +134,13 @@ class MetricsServer:
     async def start(self) -> None:
         runner = web.AppRunner(self.app, access_log=None)
         await runner.setup()
-        await web.TCPSite(runner, self.host, self.requested_port).start()
+        try:
+            await web.TCPSite(runner, self.host, self.requested_port).start()
+        except OSError as exc:
+            await runner.cleanup()
+            # One line the supervisor's log shows instead of a traceback.
+            where = f"{self.host}:{self.requested_port}"
+            raise SystemExit(f"cannot serve /metrics on {where}: {exc.strerror}") from None
         self._runner = runner
         log.info("metrics on http://%s:%d/metrics", self.host, self.port)
 

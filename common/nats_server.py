@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import shutil
 import socket
 import subprocess
@@ -17,6 +18,27 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def free_port_range(count: int, low: int = 20000, high: int = 32000) -> int:
+    """The first of ``count`` consecutive free loopback ports (for ``--metrics-port``, which
+    gives each service the next one). Drawn below Linux's ephemeral range (32768-60999) so a
+    client connection opened meanwhile cannot take one of them: a kernel-chosen free port
+    says nothing about the ports after it."""
+    for _ in range(200):
+        base = random.randrange(low, high - count)
+        if all(_bindable(port) for port in range(base, base + count)):
+            return base
+    raise RuntimeError(f"no {count} consecutive free ports in [{low}, {high})")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def nats_server_binary() -> str:

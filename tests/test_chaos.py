@@ -17,7 +17,7 @@ from collections import Counter
 import aiohttp
 import pytest
 
-from common.nats_server import free_port
+from common.nats_server import free_port_range
 from tests.mesh import metric_value
 from tests.test_up import Up, child_running, children_of, cmdline, is_running
 
@@ -62,7 +62,7 @@ async def stream(session: aiohttp.ClientSession, url: str, rng: random.Random) -
 
 @pytest.mark.timeout(400)
 async def test_every_request_ends_and_nothing_is_left_behind(tiny_llama, tmp_path):
-    metrics = free_port()
+    metrics = free_port_range(16)
     up = Up(tiny_llama, tmp_path, "--executors", "2", "--metrics-port", str(metrics))
     up.wait_up()
     url = f"http://127.0.0.1:{up.port}/v1/completions"

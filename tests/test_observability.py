@@ -371,3 +371,19 @@ def test_hops_offsets_are_relative_to_each_requests_gateway_span():
     assert got["tokenizer.encode start"] == [2.0, 4.0]
     assert got["tokenizer.encode end"] == [3.0, 5.0]
     assert got["gateway.request end"] == [8.0, 10.0]
+
+
+async def test_a_taken_metrics_port_is_one_clear_line_not_a_traceback():
+    import socket
+
+    from prometheus_client import CollectorRegistry
+
+    from common.metrics import MetricsServer
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        server = MetricsServer(CollectorRegistry(), lambda: None, "127.0.0.1", port)
+        with pytest.raises(SystemExit, match=f"cannot serve /metrics on 127.0.0.1:{port}: "):
+            await server.start()

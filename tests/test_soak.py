@@ -133,9 +133,9 @@ EXPIRING_DEADLINE_S = 0.05  # a second gateway's --request-timeout-s: 200 tokens
 
 
 async def test_soak_pages_free_and_memory_flat(process_mesh):
-    from common.nats_server import free_port
+    from common.nats_server import free_port, free_port_range
 
-    mesh = process_mesh(executors=2, kv_cache_tokens=2048, metrics_port=free_port())
+    mesh = process_mesh(executors=2, kv_cache_tokens=2048, metrics_port=free_port_range(16))
     url = mesh.base_url + "/v1/completions"
     # Requests that outlive their deadline: the same mesh behind a gateway with a deadline no
     # request can meet (the main gateway's is the default 600 s, so none of its requests can
