@@ -30,7 +30,12 @@ _CDF_METRICS = (
 
 
 def _pyplot() -> Any:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit(
+            "loadtest report draws with matplotlib: pip install 'meshserve[report]'"
+        ) from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

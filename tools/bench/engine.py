@@ -1,11 +1,14 @@
 """Throughput of the continuous-batching engine against sequential transformers ``generate()``.
 
     python -m tools.bench.engine [--model PATH] [--concurrency 32] [--output-tokens 64]
+        [--rounds 2]
 
 Runs, in one process and one run: (1) one request alone through the engine (single-stream
 decode tokens/s), (2) N concurrent requests through the engine, (3) the same N prompts through
-Hugging Face ``generate()`` one after another (greedy, same output length), and prints a table
-with tokens/s and the ratio. fp32 on CPU.
+Hugging Face ``generate()`` one after another (greedy, same output length). Both sides are
+warmed the same way (one short untimed run each) and then take turns, (1) (2) (3) per round,
+for ``--rounds`` rounds, so a shift of the machine's load over minutes reaches every side; the
+table shows each side's median round and the ratio of the medians. fp32 on CPU.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import argparse
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -78,7 +82,7 @@ def run_decode_only(engine: Engine, prompt: list[int], max_tokens: int) -> Resul
     return Result("engine, 1 stream, decode only", 1, produced, seconds)
 
 
-def run_hf_sequential(folder: str, prompts: list[list[int]], max_tokens: int) -> Result:
+def load_hf(folder: str) -> Any:
     # transformers takes seconds to import; the mesh and quantization benchmarks import this
     # module for its prompts and engine runs only.
     from transformers import AutoModelForCausalLM
@@ -86,6 +90,10 @@ def run_hf_sequential(folder: str, prompts: list[list[int]], max_tokens: int) ->
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     model.eval()  # type: ignore[no-untyped-call]
     model.generation_config.eos_token_id = None
+    return model
+
+
+def run_hf_sequential(model: Any, prompts: list[list[int]], max_tokens: int) -> Result:
     produced = 0
     start = time.perf_counter()
     with torch.inference_mode():
@@ -96,6 +104,12 @@ def run_hf_sequential(folder: str, prompts: list[list[int]], max_tokens: int) ->
             produced += out.shape[1] - len(prompt)
     seconds = time.perf_counter() - start
     return Result("transformers generate(), sequential", len(prompts), produced, seconds)
+
+
+def median_round(results: list[Result]) -> Result:
+    """The run with the median speed (the lower middle one of an even count)."""
+    ordered = sorted(results, key=lambda r: r.tokens_per_s)
+    return ordered[(len(ordered) - 1) // 2]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -112,6 +126,7 @@ def main(argv: list[str] | None = None) -> None:
         help="prompts for the sequential baseline (default: all)",
     )
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--rounds", type=int, default=2, help="turns of each side")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -124,17 +139,28 @@ def main(argv: list[str] | None = None) -> None:
         tokenizer.eos_token_ids,
     )
     prompts = chat_prompts(tokenizer, args.concurrency)
-    run_engine(engine, prompts[:2], 4, "warm-up")
-    single = run_decode_only(engine, prompts[0], args.output_tokens)
-    batched = run_engine(
-        engine, prompts, args.output_tokens, f"engine, {args.concurrency} concurrent"
-    )
     hf_prompts = prompts[: args.hf_requests or len(prompts)]
-    hf = run_hf_sequential(str(folder), hf_prompts, args.output_tokens)
-    rows = [single, batched, hf]
+    hf_model = load_hf(str(folder))
+    # The same untimed warm-up for both sides: the first calls of new shapes are slow.
+    run_engine(engine, prompts[:2], 4, "warm-up")
+    run_hf_sequential(hf_model, prompts[:2], 4)
+    rounds: list[list[Result]] = []
+    for _ in range(args.rounds):
+        rounds.append(
+            [
+                run_decode_only(engine, prompts[0], args.output_tokens),
+                run_engine(
+                    engine, prompts, args.output_tokens, f"engine, {args.concurrency} concurrent"
+                ),
+                run_hf_sequential(hf_model, hf_prompts, args.output_tokens),
+            ]
+        )
+    rows = [median_round([r[side] for r in rounds]) for side in range(3)]
+    _, batched, hf = rows
     print(
         f"\nmodel {folder.name}, fp32 CPU, {torch.get_num_threads()} threads, "
-        f"{args.output_tokens} output tokens per request\n"
+        f"{args.output_tokens} output tokens per request, median of {args.rounds} "
+        "interleaved rounds\n"
     )
     print(f"| {'run':<40} | requests | output tokens | seconds | tokens/s |")
     print(f"|{'-' * 42}|----------|---------------|---------|----------|")

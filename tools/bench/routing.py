@@ -10,7 +10,9 @@ TTFT p50/p99, throughput, and the ratios against the first policy::
     python -m tools.bench.routing --kv-cache-tokens 2560 --num-prefixes 8 --prefix-len 512 \\
         --num-requests 150 --concurrency 8
 
-Both meshes run the same seed, so they see the same requests in the same order.
+Both meshes run the same seed, so they see the same requests in the same order. With
+``--rounds R`` the policies take turns R times (A B A B, each on a fresh mesh warmed the same
+way), and the table shows each policy's round with the median output throughput.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="per request, s")
+    p.add_argument("--rounds", type=int, default=1, help="turns of each policy")
     p.add_argument("--out-dir", default="out/bench_routing")
     return p
 
@@ -180,23 +183,32 @@ def comparison(summaries: dict[str, dict[str, Any]]) -> str:
     return format_table(headers, rows)
 
 
+def median_round(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The round with the median output throughput (the lower middle one of an even count)."""
+    ordered = sorted(runs, key=lambda s: float(get(s, ("output_token_throughput",)) or 0.0))
+    return ordered[(len(ordered) - 1) // 2]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    summaries: dict[str, dict[str, Any]] = {}
-    for router in args.routers.split(","):
-        mesh = Mesh(args, router, out_dir / f"{router}.log")
-        try:
-            mesh.wait_ready()
-            started = time.monotonic()
-            warm_up(mesh.base_url, args)
-            out = out_dir / f"{router}.json"
-            run_load(mesh.base_url, args, out)
-            print(f"{router}: {time.monotonic() - started:.0f} s", flush=True)
-        finally:
-            mesh.stop()
-        summaries[router] = load_runs(out)[0].summary
+    routers = args.routers.split(",")
+    rounds: dict[str, list[dict[str, Any]]] = {router: [] for router in routers}
+    for r in range(args.rounds):
+        for router in routers:
+            mesh = Mesh(args, router, out_dir / f"{router}-{r}.log")
+            try:
+                mesh.wait_ready()
+                started = time.monotonic()
+                warm_up(mesh.base_url, args)
+                out = out_dir / f"{router}-{r}.json"
+                run_load(mesh.base_url, args, out)
+                print(f"{router} round {r + 1}: {time.monotonic() - started:.0f} s", flush=True)
+            finally:
+                mesh.stop()
+            rounds[router].append(load_runs(out)[0].summary)
+    summaries = {router: median_round(runs) for router, runs in rounds.items()}
     print()
     print(comparison(summaries))
     (out_dir / "summary.txt").write_text(comparison(summaries) + "\n")
