@@ -347,6 +347,8 @@ class EngineSnapshot:
     spec_draft_tokens: int = 0  # draft tokens verified
     spec_accepted_tokens: int = 0  # of which accepted
     spec_accepted_per_pos: tuple[int, ...] = ()  # [j]: drafts whose token j was accepted
+    spec_emitted_tokens: int = 0  # tokens the verifying steps gave clients, after stop cuts
+    forward_passes: int = 0  # steps that ran the target model (prefill chunks included)
 
 
 class ExecutorMetrics:
@@ -375,6 +377,10 @@ class ExecutorMetrics:
                 ("spec_decode_num_drafts", "Drafts verified (per sequence-step).", s.spec_drafts),
                 ("spec_decode_num_draft_tokens", "Draft tokens verified.", s.spec_draft_tokens),
                 ("spec_decode_num_accepted_tokens", "Drafts accepted.", s.spec_accepted_tokens),
+                ("spec_decode_num_emitted_tokens",
+                 "Tokens the verifying steps emitted (after stop and length cuts).",
+                 s.spec_emitted_tokens),
+                ("engine_forward_passes", "Steps that ran the target model.", s.forward_passes),
             )  # fmt: skip
             for name, doc, value in counters:
                 counter = CounterMetricFamily(PREFIX + name, doc, labels=labels)

@@ -261,6 +261,8 @@ async def test_metrics_count_every_request(mesh, client):
         assert delta(ex, f"meshserve:{hist}_seconds_count") == n, hist
     assert delta(ex, "meshserve:prompt_tokens_total") == sum(p for _, p, _ in results)
     assert delta(ex, "meshserve:generation_tokens_total") == generated
+    # Every pass gave at least one request a token, and some pass ran: 0 < passes <= tokens.
+    assert 0 < delta(ex, "meshserve:engine_forward_passes_total") <= generated
     assert delta(ex, "meshserve:prefix_cache_queries_total") >= sum(p for _, p, _ in results)
     assert total(after[ex], "meshserve:num_requests_running") == 0
     assert ("meshserve:spec_decode_num_draft_tokens_total", (("executor_id", "executor-0"),)) in (

@@ -299,6 +299,8 @@ class ExecutorService:
             spec_draft_tokens=spec.num_draft_tokens,
             spec_accepted_tokens=spec.num_accepted_tokens,
             spec_accepted_per_pos=tuple(spec.accepted_at),
+            spec_emitted_tokens=spec.num_emitted_tokens,
+            forward_passes=self.engine.num_forward_passes,
         )
 
     async def publish_outputs(self, outputs: list[StepOutput]) -> None:
