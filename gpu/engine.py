@@ -137,7 +137,10 @@ class Engine:
         if len(output_token_ids) >= params.max_tokens:
             raise ValueError("the request already generated max_tokens tokens")
         if params.logit_bias:
-            self.runner.check_token_ids([t for t, _ in params.logit_bias])
+            try:
+                self.runner.check_token_ids([t for t, _ in params.logit_bias])
+            except ModelError as exc:
+                raise ValueError(f"logit_bias: {exc}") from None
         seq = Sequence(request_id, list(prompt_token_ids), params)
         seq.output_token_ids = list(output_token_ids)
         if grammar is not None:

@@ -1,0 +1,147 @@
+"""Tool calls out of generated text, as it streams, in the format the tokenizer announced
+(``common.tool_formats``).
+
+``ToolCallParser.feed`` takes each text delta and returns the content that is certainly not part
+of a call (text that might open one is held back) and the calls completed so far; ``finish``
+flushes the rest at the end of the choice. A block that does not parse as a call is content:
+the client sees what the model wrote rather than losing it.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from common.tool_formats import HERMES_CLOSE, HERMES_OPEN, LLAMA3_JSON, LLAMA3_PYTHON_TAG
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # a JSON object as text, as OpenAI sends it
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def parse_call(text: str, names: set[str]) -> ToolCall | None:
+    """``{"name": ..., "arguments"|"parameters": {...}}`` naming one of ``names``, or None."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(value, dict) or value.get("name") not in names:
+        return None
+    arguments = value.get("arguments", value.get("parameters", {}))
+    if isinstance(arguments, str):  # some models write the arguments as a JSON string
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return None
+    if not isinstance(arguments, dict):
+        return None
+    return ToolCall(new_call_id(), value["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+def held_prefix(text: str, tag: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
+
+
+class ToolCallParser:
+    def __init__(self, tool_format: str, names: set[str]) -> None:
+        self.llama = tool_format == LLAMA3_JSON
+        self.names = names
+        self.buffer = ""
+        self.inside = False  # hermes: within <tool_call>...</tool_call>
+        self.undecided = True  # llama3_json: no text yet that says whether it is a call
+        self.plain = False  # llama3_json: it is content, streamed as it comes
+        self.calls: list[ToolCall] = []
+
+    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+        self.buffer += text
+        return self._llama() if self.llama else self._hermes(final=False)
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        if not self.llama:
+            return self._hermes(final=True)
+        text, self.buffer = self.buffer, ""
+        calls = self._llama_calls(text)
+        if calls is None:
+            return text, []
+        self.calls += calls
+        return "", calls
+
+    def _hermes(self, final: bool) -> tuple[str, list[ToolCall]]:
+        content: list[str] = []
+        calls: list[ToolCall] = []
+        while self.buffer:
+            if not self.inside:
+                at = self.buffer.find(HERMES_OPEN)
+                if at < 0:
+                    keep = 0 if final else held_prefix(self.buffer, HERMES_OPEN)
+                    content.append(self.buffer[: len(self.buffer) - keep])
+                    self.buffer = self.buffer[len(self.buffer) - keep :]
+                    break
+                content.append(self.buffer[:at])
+                self.buffer = self.buffer[at:]
+                self.inside = True
+            end = self.buffer.find(HERMES_CLOSE)
+            if end < 0 and not final:
+                break
+            block = self.buffer[len(HERMES_OPEN) : end if end >= 0 else None]
+            call = parse_call(block.strip(), self.names)
+            taken = end + len(HERMES_CLOSE) if end >= 0 else len(self.buffer)
+            if call is None:
+                content.append(self.buffer[:taken])
+            else:
+                calls.append(call)
+            self.buffer = self.buffer[taken:]
+            self.inside = False
+        self.calls += calls
+        text = "".join(content)
+        if self.calls and not text.strip():
+            text = ""  # whitespace between calls is no content
+        return text, calls
+
+    def _llama(self) -> tuple[str, list[ToolCall]]:
+        if self.undecided:
+            head = self.buffer.lstrip()
+            if not head:
+                return "", []
+            self.undecided = False
+            self.plain = not head.startswith(("{", LLAMA3_PYTHON_TAG))
+        if self.plain:
+            text, self.buffer = self.buffer, ""
+            return text, []
+        return "", []  # a call: held to the end, then parsed whole
+
+    def _llama_calls(self, text: str) -> list[ToolCall] | None:
+        body = text.strip().removeprefix(LLAMA3_PYTHON_TAG).strip()
+        decoder = json.JSONDecoder()
+        calls = []
+        while body:  # one or more objects, separated by ";"
+            try:
+                _, end = decoder.raw_decode(body)
+            except ValueError:
+                return None
+            call = parse_call(body[:end], self.names)
+            if call is None:
+                return None
+            calls.append(call)
+            body = body[end:].lstrip().removeprefix(";").lstrip()
+        return calls or None
