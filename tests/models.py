@@ -22,15 +22,8 @@ TINY_BASE: dict[str, Any] = dict(
 )
 
 
-def write_tiny_model(
-    folder: Path,
-    kind: str = "llama",
-    seed: int = 0,
-    chat_template: str | None = None,
-    **overrides: Any,
-) -> Path:
-    """Write a random model of ``kind`` (llama | qwen2 | llama31 | mistral) to ``folder``
-    (its tokenizer's chat template: plain ChatML unless ``chat_template``)."""
+def write_tiny_model(folder: Path, kind: str = "llama", seed: int = 0, **overrides: Any) -> Path:
+    """Write a random model of ``kind`` (llama | qwen2 | llama31 | mistral) to ``folder``."""
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
@@ -70,7 +63,18 @@ def write_tiny_model(
             else:
                 p.normal_(0, 0.08)
     model.save_pretrained(folder, safe_serialization=True)
-    write_tiny_tokenizer(folder, params["vocab_size"], chat_template or CHATML)
+    write_tiny_tokenizer(folder, params["vocab_size"])
+    return folder
+
+
+def set_chat_template(folder: Path, template: str) -> Path:
+    """Replace the chat template of a tiny model's tokenizer (e.g. ``QWEN_TOOLS``)."""
+    import json
+
+    config_file = folder / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["chat_template"] = template
+    config_file.write_text(json.dumps(config))
     return folder
 
 

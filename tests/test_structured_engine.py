@@ -5,6 +5,7 @@ matcher rolls back so later masks are right)."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import jsonschema
 import pytest
@@ -38,6 +39,7 @@ def parts(tiny_llama):
     model = load_model(tiny_llama, progress=False)
     info = tokenizer_info(tok.backend, model.config.vocab_size, list(tok.eos_token_ids))
     wire = grammar_for(ResponseFormat("json_schema", json.dumps(SCHEMA)), None, "hermes")
+    assert wire is not None
     compiled = xgr.GrammarCompiler(info).compile_grammar(wire.ebnf)
     return tok, model, compiled
 
@@ -48,7 +50,7 @@ def make_engine(model, tok, k: int = 0) -> Engine:
     )
 
 
-def valid(tok, ids: list[int]) -> dict:
+def valid(tok, ids: list[int]) -> Any:
     value = json.loads(tok.decode(ids))
     jsonschema.validate(value, SCHEMA)
     return value
