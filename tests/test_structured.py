@@ -68,7 +68,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     },
 }
 
-WEATHER = {
+WEATHER: dict[str, Any] = {
     "type": "function",
     "function": {
         "name": "get_weather",
@@ -83,7 +83,7 @@ WEATHER = {
         },
     },
 }
-CLOCK = {
+CLOCK: dict[str, Any] = {
     "type": "function",
     "function": {
         "name": "get_time",
@@ -128,7 +128,7 @@ def schema_format(name: str) -> dict[str, Any]:
     }
 
 
-async def stream_choices(client, **kwargs) -> tuple[dict[int, str], dict[int, str], dict]:
+async def stream_choices(client, **kwargs) -> tuple[dict[int, str], dict[int, str], dict[int, Any]]:
     """Text, finish reason and tool calls per choice index, from a streamed chat."""
     text: dict[int, str] = {}
     reasons: dict[int, str] = {}
@@ -344,7 +344,7 @@ async def test_a_schema_xgrammar_cannot_enforce_is_a_400_naming_the_part(client)
             messages=ASK,
             response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
         )
-    error = info.value.body
+    error: Any = info.value.body
     assert error["param"] == "response_format.json_schema.schema"
     assert error["code"] == "invalid_schema"
     assert "/properties/code" in error["message"] and "Lookbehind" in error["message"]
@@ -352,7 +352,8 @@ async def test_a_schema_xgrammar_cannot_enforce_is_a_400_naming_the_part(client)
         await client.completions.create(
             model="tiny", prompt="x", max_tokens=2, logit_bias={"100000": 5}
         )
-    assert "logit_bias" in info.value.body["message"]
+    body: Any = info.value.body
+    assert "logit_bias" in body["message"]
     # The mesh keeps serving.
     reply = await client.chat.completions.create(
         model="tiny", messages=ASK, response_format=schema_format("array"), max_tokens=100
