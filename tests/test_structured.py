@@ -121,7 +121,7 @@ async def client(mesh):
         yield c
 
 
-def schema_format(name: str) -> dict[str, Any]:
+def schema_format(name: str) -> Any:
     return {
         "type": "json_schema",
         "json_schema": {"name": name, "schema": SCHEMAS[name], "strict": True},
