@@ -378,7 +378,7 @@ async def test_speculative_decoding_keeps_outputs_valid(tools_model):
                 )
                 for choice in reply.choices:
                     assert choice.finish_reason == "stop"
-                    jsonschema.validate(json.loads(choice.message.content), SCHEMAS[name])
+                    jsonschema.validate(json.loads(choice.message.content or ""), SCHEMAS[name])
         spec = harness.executor_services[0].engine.spec
         assert spec.num_draft_tokens > 0  # drafts were proposed and checked
     finally:
