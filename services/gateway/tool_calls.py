@@ -113,10 +113,9 @@ class ToolCallParser:
             self.buffer = self.buffer[taken:]
             self.inside = False
         self.calls += calls
-        text = "".join(content)
-        if self.calls and not text.strip():
-            text = ""  # whitespace between calls is no content
-        return text, calls
+        if self.calls:  # whitespace between and after calls is layout, not content
+            content = [piece for piece in content if piece.strip()]
+        return "".join(content), calls
 
     def _llama(self) -> tuple[str, list[ToolCall]]:
         if self.undecided:
