@@ -7,7 +7,7 @@ import json
 import pytest
 
 from common.tool_formats import HERMES, LLAMA3_JSON, detect_tool_format
-from services.gateway.tool_calls import ToolCallParser
+from services.gateway.tool_calls import ToolCall, ToolCallParser
 from tests.models import CHATML, QWEN_TOOLS
 
 NAMES = {"get_weather", "get_time"}
@@ -20,8 +20,8 @@ def test_format_follows_the_chat_template():
     assert detect_tool_format(llama31) == LLAMA3_JSON
 
 
-def feed_all(parser: ToolCallParser, pieces: list[str]) -> tuple[str, list]:
-    text, calls = "", []
+def feed_all(parser: ToolCallParser, pieces: list[str]) -> tuple[str, list[ToolCall]]:
+    text, calls = "", list[ToolCall]()
     for piece in pieces:
         t, c = parser.feed(piece)
         text, calls = text + t, calls + c
