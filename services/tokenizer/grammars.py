@@ -66,7 +66,7 @@ def _from_schema(schema: str, *, strict: bool = True) -> xgr.Grammar:
 def _schema_grammar(schema: str, param: str, strict: bool = True) -> WireGrammar:
     try:
         return _wire(_from_schema(schema, strict=strict))
-    except RuntimeError as exc:
+    except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar's errors are RuntimeError
         raise _unsupported(schema, param, exc) from None
 
 
@@ -91,7 +91,7 @@ def _tool_grammar(tools_json: str, mode: str, name: str, tool_format: str) -> Wi
     schema = json.dumps(calls[0] if len(calls) == 1 else {"anyOf": calls})
     try:
         call = _from_schema(schema)
-    except RuntimeError as exc:
+    except (RuntimeError, ValueError, TypeError) as exc:
         raise _unsupported(schema, "tools", exc) from None
     if tool_format != HERMES:
         return _wire(call)
@@ -153,10 +153,10 @@ def _failing_part(schema: Any, path: str) -> str | None:
             continue
         try:
             _from_schema(json.dumps(sub))
-        except RuntimeError:
+        except (RuntimeError, ValueError, TypeError):
             return _failing_part(sub, sub_path) or sub_path
     try:
         _from_schema(json.dumps(schema))
-    except RuntimeError:
+    except (RuntimeError, ValueError, TypeError):
         return path
     return None
