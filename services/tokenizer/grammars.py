@@ -18,6 +18,10 @@ it under a grammar (runs of newlines: a known failure of ``any_whitespace`` in v
 tracker; our random test models do it at once). The grammar therefore fixes the layout to
 one-line JSON with ``", "`` and ``": "`` separators, which is also what OpenAI's structured
 outputs return: every token then moves the document towards its end.
+
+``strict``: every schema is enforced in xgrammar's strict mode (no properties or items beyond
+what the schema lists), which is what OpenAI's ``strict: true`` means; a non-strict request
+gets the same guarantee rather than a looser one. ``json_object`` allows any object.
 """
 
 from __future__ import annotations
