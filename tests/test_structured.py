@@ -138,12 +138,13 @@ async def stream_choices(client, **kwargs) -> tuple[dict[int, str], dict[int, st
             text[choice.index] = text.get(choice.index, "") + (choice.delta.content or "")
             for call in choice.delta.tool_calls or []:
                 slot = calls.setdefault(choice.index, {}).setdefault(
-                    call.index, {"id": "", "name": "", "arguments": ""}
+                    call.index, {"id": "", "name": "", "arguments": "", "fragments": 0}
                 )
                 slot["id"] += call.id or ""
                 if call.function is not None:
                     slot["name"] += call.function.name or ""
                     slot["arguments"] += call.function.arguments or ""
+                    slot["fragments"] += bool(call.function.arguments)
             if choice.finish_reason is not None:
                 reasons[choice.index] = choice.finish_reason
     return text, reasons, calls
@@ -248,6 +249,7 @@ async def test_forced_tool_calls(client, choice):
     assert reasons == {0: "tool_calls"} and text == {0: ""}
     (streamed,) = calls[0].values()
     check_call(streamed["name"], streamed["arguments"], streamed["id"], only)
+    assert streamed["fragments"] > 1  # the arguments stream as they are generated
     # Same seed, same tokens: the streamed call is the one the full response parsed.
     assert (streamed["name"], json.loads(streamed["arguments"])) == (
         call.function.name,

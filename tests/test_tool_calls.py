@@ -7,7 +7,7 @@ import json
 import pytest
 
 from common.tool_formats import HERMES, LLAMA3_JSON, detect_tool_format
-from services.gateway.tool_calls import ToolCall, ToolCallParser
+from services.gateway.tool_calls import CallDelta, ToolCall, ToolCallParser
 from tests.models import CHATML, QWEN_TOOLS
 
 NAMES = {"get_weather", "get_time"}
@@ -21,12 +21,22 @@ def test_format_follows_the_chat_template():
 
 
 def feed_all(parser: ToolCallParser, pieces: list[str]) -> tuple[str, list[ToolCall]]:
-    text, calls = "", list[ToolCall]()
+    """The content, and the calls as a client rebuilds them from the deltas (checked against
+    the parser's own record)."""
+    text, deltas = "", list[CallDelta]()
     for piece in pieces:
-        t, c = parser.feed(piece)
-        text, calls = text + t, calls + c
-    t, c = parser.finish()
-    return text + t, calls + c
+        t, d = parser.feed(piece)
+        text, deltas = text + t, deltas + d
+    t, d = parser.finish()
+    text, deltas = text + t, deltas + d
+    calls: list[ToolCall] = []
+    for delta in deltas:
+        if delta.id:
+            assert delta.index == len(calls)
+            calls.append(ToolCall(delta.id, delta.name, ""))
+        calls[delta.index].arguments += delta.arguments
+    assert calls == parser.calls
+    return text, calls
 
 
 def pieces_of(text: str, size: int) -> list[str]:
@@ -47,6 +57,16 @@ def test_hermes_calls_split_anywhere_in_the_stream(size):
         ("get_time", {"zone": "UTC"}),
     ]
     assert len({c.id for c in calls}) == 2
+
+
+def test_hermes_arguments_stream_before_the_call_ends():
+    parser = ToolCallParser(HERMES, NAMES)
+    _, opened = parser.feed('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa')
+    assert [(d.name, d.arguments) for d in opened] == [("get_weather", ""), ("", '{"city": "Pa')]
+    _, more = parser.feed('r}is"}}\n</tool_c')
+    assert [d.arguments for d in more] == ['r}is"}']  # a brace inside a string is text
+    assert parser.finish() == ("", [])
+    assert json.loads(parser.calls[0].arguments) == {"city": "Par}is"}
 
 
 def test_hermes_text_that_is_no_call_stays_content():

@@ -15,7 +15,7 @@ from typing import Any
 from common.runtime import RequestError
 from common.wire.gateway import TextDelta, TextLogprob, Usage
 from services.gateway.protocol import ApiRequest
-from services.gateway.tool_calls import ToolCall, ToolCallParser
+from services.gateway.tool_calls import CallDelta, ToolCallParser
 
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf; vLLM (and OpenAI) send this finite floor instead
 DONE = b"data: [DONE]\n\n"
@@ -116,7 +116,6 @@ class Choice:
     usage: Usage | None = None
     token_chars: int = 0  # characters of the tokens streamed so far (completions text_offset)
     tools: ToolCallParser | None = None  # a chat request with tools: calls out of the text
-    calls: list[ToolCall] = field(default_factory=list)
 
 
 class ResponseBuilder:
@@ -162,7 +161,7 @@ class ResponseBuilder:
             if delta.finish_reason is not None:
                 rest, more = choice.tools.finish()
                 text, calls = text + rest, calls + more
-            chunks += self.call_chunks(index, choice, calls)
+            chunks += [self.call_chunk(index, call) for call in calls]
         if text or delta.logprobs:
             entries = delta.logprobs or []
             content: Json = {"delta": {"content": text}} if self.chat else {"text": text}
@@ -176,26 +175,21 @@ class ResponseBuilder:
             choice.usage = delta.usage
         if delta.finish_reason is not None:
             reason = delta.finish_reason
-            if choice.calls and reason == "stop":
+            if choice.tools is not None and choice.tools.calls and reason == "stop":
                 reason = "tool_calls"
             choice.finish_reason = reason
             empty: Json = {"delta": {}} if self.chat else {"text": ""}
             chunks.append(self.chunk(index, {**empty, "finish_reason": reason}))
         return chunks
 
-    def call_chunks(self, index: int, choice: Choice, calls: list[ToolCall]) -> list[Json]:
-        """OpenAI's shape: a call opens with its id, type and name (empty arguments), then its
-        arguments follow as fragments of the JSON text (here one, the call being complete)."""
-        chunks = []
-        for call in calls:
-            k = len(choice.calls)
-            choice.calls.append(call)
-            opening = {"index": k, "id": call.id, "type": "function"}
-            opening["function"] = {"name": call.name, "arguments": ""}
-            chunks.append(self.chunk(index, {"delta": {"tool_calls": [opening]}}))
-            fragment = {"index": k, "function": {"arguments": call.arguments}}
-            chunks.append(self.chunk(index, {"delta": {"tool_calls": [fragment]}}))
-        return chunks
+    def call_chunk(self, index: int, call: CallDelta) -> Json:
+        """OpenAI's shape: a call opens with its index, id, type and name, then its arguments
+        follow as fragments of their JSON text."""
+        entry: Json = {"index": call.index, "function": {"arguments": call.arguments}}
+        if call.id:
+            entry.update(id=call.id, type="function")
+            entry["function"]["name"] = call.name
+        return self.chunk(index, {"delta": {"tool_calls": [entry]}})
 
     def chunk(self, index: int, fields: Json) -> Json:
         choice = {"index": index, "logprobs": None, "finish_reason": None, **fields}
@@ -231,9 +225,9 @@ class ResponseBuilder:
                 if self.chat
                 else {"text": text}
             )
-            if choice.calls:
+            if choice.tools is not None and choice.tools.calls:
                 body["message"]["content"] = text or None
-                body["message"]["tool_calls"] = [c.to_json() for c in choice.calls]
+                body["message"]["tool_calls"] = [c.to_json() for c in choice.tools.calls]
             logprobs = None
             if self.api.params.logprobs is not None:
                 logprobs = self.logprobs(choice.logprobs, 0)

@@ -10,6 +10,7 @@ the client sees what the model wrote rather than losing it.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -17,8 +18,10 @@ from typing import Any
 from common.tool_formats import HERMES_CLOSE, HERMES_OPEN, LLAMA3_JSON, LLAMA3_PYTHON_TAG
 
 
-@dataclass(frozen=True)
+@dataclass
 class ToolCall:
+    """A parsed call; ``arguments`` grows as the text streams in."""
+
     id: str
     name: str
     arguments: str  # a JSON object as text, as OpenAI sends it
@@ -29,6 +32,17 @@ class ToolCall:
             "type": "function",
             "function": {"name": self.name, "arguments": self.arguments},
         }
+
+
+@dataclass(frozen=True)
+class CallDelta:
+    """What one feed adds to call ``index``: its opening (``id`` and ``name`` set) and/or a
+    fragment of its arguments' JSON text."""
+
+    index: int
+    id: str = ""
+    name: str = ""
+    arguments: str = ""
 
 
 def new_call_id() -> str:
@@ -62,33 +76,79 @@ def held_prefix(text: str, tag: str) -> int:
     return 0
 
 
+# The head of a hermes call, up to its arguments: what lets them stream before the call ends.
+HERMES_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"([^"\\]*)"\s*,\s*"arguments"\s*:\s*(?=\{)')
+
+
+class ArgumentsScanner:
+    """Finds where a JSON object ends in text that arrives piece by piece (string-aware)."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.in_string = False
+        self.escaped = False
+        self.done = False
+
+    def take(self, text: str) -> int:
+        """How many characters of ``text`` belong to the object (all, until it closes)."""
+        for i, ch in enumerate(text):
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif ch == "\\":
+                    self.escaped = True
+                elif ch == '"':
+                    self.in_string = False
+            elif ch == '"':
+                self.in_string = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.done = True
+                    return i + 1
+        return len(text)
+
+
 class ToolCallParser:
+    """``feed``/``finish`` return ``(content, deltas)``; ``calls`` holds every call so far.
+
+    hermes: a call opens (id, name) as soon as its head ``{"name": ..., "arguments": `` has
+    arrived, and its arguments stream as they are generated; a block whose head has another
+    shape is parsed whole at its end. llama3_json: text that starts as JSON is held and parsed
+    at the end (several ``;``-separated calls)."""
+
     def __init__(self, tool_format: str, names: set[str]) -> None:
         self.llama = tool_format == LLAMA3_JSON
         self.names = names
         self.buffer = ""
         self.inside = False  # hermes: within <tool_call>...</tool_call>
+        self.scanner: ArgumentsScanner | None = None  # hermes: a call whose arguments stream
         self.undecided = True  # llama3_json: no text yet that says whether it is a call
         self.plain = False  # llama3_json: it is content, streamed as it comes
         self.calls: list[ToolCall] = []
 
-    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+    def feed(self, text: str) -> tuple[str, list[CallDelta]]:
         self.buffer += text
         return self._llama() if self.llama else self._hermes(final=False)
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
+    def finish(self) -> tuple[str, list[CallDelta]]:
         if not self.llama:
             return self._hermes(final=True)
         text, self.buffer = self.buffer, ""
         calls = self._llama_calls(text)
         if calls is None:
             return text, []
-        self.calls += calls
-        return "", calls
+        return "", [self._add(call) for call in calls]
 
-    def _hermes(self, final: bool) -> tuple[str, list[ToolCall]]:
+    def _add(self, call: ToolCall) -> CallDelta:
+        self.calls.append(call)
+        return CallDelta(len(self.calls) - 1, call.id, call.name, call.arguments)
+
+    def _hermes(self, final: bool) -> tuple[str, list[CallDelta]]:
         content: list[str] = []
-        calls: list[ToolCall] = []
+        deltas: list[CallDelta] = []
         while self.buffer:
             if not self.inside:
                 at = self.buffer.find(HERMES_OPEN)
@@ -98,26 +158,38 @@ class ToolCallParser:
                     self.buffer = self.buffer[len(self.buffer) - keep :]
                     break
                 content.append(self.buffer[:at])
-                self.buffer = self.buffer[at:]
+                self.buffer = self.buffer[at + len(HERMES_OPEN) :]
                 self.inside = True
+            if self.scanner is None:
+                head = HERMES_HEAD.match(self.buffer)
+                if head is not None and head.group(1) in self.names:
+                    deltas.append(self._add(ToolCall(new_call_id(), head.group(1), "")))
+                    self.scanner = ArgumentsScanner()
+                    self.buffer = self.buffer[head.end() :]
+            if self.scanner is not None and not self.scanner.done:
+                n = self.scanner.take(self.buffer)
+                if n:
+                    self.calls[-1].arguments += self.buffer[:n]
+                    deltas.append(CallDelta(len(self.calls) - 1, arguments=self.buffer[:n]))
+                    self.buffer = self.buffer[n:]
             end = self.buffer.find(HERMES_CLOSE)
             if end < 0 and not final:
-                break
-            block = self.buffer[len(HERMES_OPEN) : end if end >= 0 else None]
-            call = parse_call(block.strip(), self.names)
+                break  # the rest of the block (or the arguments) is still to come
             taken = end + len(HERMES_CLOSE) if end >= 0 else len(self.buffer)
-            if call is None:
-                content.append(self.buffer[:taken])
-            else:
-                calls.append(call)
+            if self.scanner is None:  # not the usual head: the block parses whole, or is text
+                call = parse_call(self.buffer[: end if end >= 0 else None].strip(), self.names)
+                if call is None:
+                    content.append(HERMES_OPEN + self.buffer[:taken])
+                else:
+                    deltas.append(self._add(call))
             self.buffer = self.buffer[taken:]
             self.inside = False
-        self.calls += calls
+            self.scanner = None
         if self.calls:  # whitespace between and after calls is layout, not content
             content = [piece for piece in content if piece.strip()]
-        return "".join(content), calls
+        return "".join(content), deltas
 
-    def _llama(self) -> tuple[str, list[ToolCall]]:
+    def _llama(self) -> tuple[str, list[CallDelta]]:
         if self.undecided:
             head = self.buffer.lstrip()
             if not head:
