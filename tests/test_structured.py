@@ -132,7 +132,7 @@ async def stream_choices(client, **kwargs) -> tuple[dict[int, str], dict[int, st
     """Text, finish reason and tool calls per choice index, from a streamed chat."""
     text: dict[int, str] = {}
     reasons: dict[int, str] = {}
-    calls: dict[int, dict[int, dict[str, str]]] = {}
+    calls: dict[int, dict[int, dict[str, Any]]] = {}
     async for chunk in await client.chat.completions.create(stream=True, **kwargs):
         for choice in chunk.choices:
             text[choice.index] = text.get(choice.index, "") + (choice.delta.content or "")
