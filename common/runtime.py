@@ -58,6 +58,7 @@ class PresenceFacts:
     shard: int | None = None
     page_size: int | None = None
     detok_shards: int | None = None
+    tool_format: str | None = None
 
 
 class RequestError(Exception):
@@ -199,6 +200,7 @@ class Service:
             shard=self.facts.shard,
             page_size=self.facts.page_size,
             detok_shards=self.facts.detok_shards,
+            tool_format=self.facts.tool_format,
         )
 
     async def announce(self) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -108,8 +109,13 @@ class Engine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         output_token_ids: list[int] | None = None,
+        grammar: Any = None,
     ) -> None:
         """Queue a request; raises ``ModelError``/``ValueError`` naming what is wrong with it.
+
+        ``grammar``: an ``xgrammar.CompiledGrammar`` (for this model's vocabulary and
+        ``eos_token_ids``) the output must follow (``gpu.grammar``); compiled by the caller,
+        off the step loop.
 
         ``output_token_ids``: tokens this request already generated elsewhere (a request
         migrated off a lost executor). They are prefilled with the prompt, count towards
@@ -130,8 +136,19 @@ class Engine:
             )
         if len(output_token_ids) >= params.max_tokens:
             raise ValueError("the request already generated max_tokens tokens")
+        if params.logit_bias:
+            try:
+                self.runner.check_token_ids([t for t, _ in params.logit_bias])
+            except ModelError as exc:
+                raise ValueError(f"logit_bias: {exc}") from None
         seq = Sequence(request_id, list(prompt_token_ids), params)
         seq.output_token_ids = list(output_token_ids)
+        if grammar is not None:
+            from gpu.grammar import GrammarState
+
+            seq.grammar = GrammarState(grammar, sorted(self.eos_token_ids))
+            if not seq.grammar.accept(output_token_ids):
+                raise ValueError("the tokens already generated do not follow the grammar")
         seq.generator = make_generator(params, self.runner.device)
         if seq.generator is not None and not params.is_greedy:
             skip_draws(seq.generator, len(output_token_ids), self.runner.config.vocab_size)
@@ -280,9 +297,17 @@ class Engine:
             return []
         seqs = [s for s, _ in plain]
         rows = [r for _, r in plain]
-        sampled = self.sampler(
-            logits[rows] if len(rows) < logits.shape[0] else logits, self._sampler_input(seqs)
-        )
+        inp = self._sampler_input(seqs)
+        constrained = [(i, s.grammar) for i, s in enumerate(seqs) if s.grammar is not None]
+        if constrained:
+            from gpu.grammar import allocate_bitmask, to_device
+
+            bitmask = allocate_bitmask(len(seqs), logits.shape[1])
+            for i, state in constrained:
+                state.next_mask(bitmask, i)
+            inp.token_bitmask = to_device(bitmask, logits.device)
+            inp.masked_rows = [i for i, _ in constrained]
+        sampled = self.sampler(logits[rows] if len(rows) < logits.shape[0] else logits, inp)
         token_ids = sampled.token_ids.tolist()
         outputs = []
         for i, seq in enumerate(seqs):
@@ -299,7 +324,9 @@ class Engine:
         seqs = [s for s, _ in spec]
         drafts = [s.draft for s in seqs if s.draft is not None]
         rows = [r + j for (s, r), d in zip(spec, drafts, strict=True) for j in range(len(d) + 1)]
-        result = verify(self.sampler, logits[rows], drafts, self._sampler_input(seqs))
+        inp = self._sampler_input(seqs)
+        self._draft_masks(seqs, drafts, inp, logits.shape[1], logits.device)
+        result = verify(self.sampler, logits[rows], drafts, inp)
         logprobs = self._spec_logprobs(seqs, result.token_ids, result.processed, result.row_starts)
         outputs = []
         for i, seq in enumerate(seqs):
@@ -349,6 +376,30 @@ class Engine:
         return out
 
     @staticmethod
+    def _draft_masks(
+        seqs: list[Sequence],
+        drafts: list[Proposal],
+        inp: SamplerInput,
+        vocab: int,
+        device: torch.device,
+    ) -> None:
+        """Grammar masks for every verified position of the constrained sequences: a draft
+        token the grammar rejects is then rejected by verification, and the matcher is back
+        where it was (the emitted tokens advance it in ``_emit``)."""
+        if all(s.grammar is None for s in seqs):
+            return
+        from gpu.grammar import allocate_bitmask, to_device
+
+        bitmask = allocate_bitmask(sum(len(d) + 1 for d in drafts), vocab)
+        start = 0
+        for seq, draft in zip(seqs, drafts, strict=True):
+            if seq.grammar is not None:
+                seq.grammar.draft_masks(draft.token_ids, bitmask, start)
+                inp.masked_rows.extend(range(start, start + len(draft) + 1))
+            start += len(draft) + 1
+        inp.token_bitmask = to_device(bitmask, device)
+
+    @staticmethod
     def _sampler_input(seqs: list[Sequence]) -> SamplerInput:
         return SamplerInput(
             params=[s.params for s in seqs],
@@ -392,6 +443,10 @@ class Engine:
         if token in params.stop_token_ids or (
             not params.ignore_eos and token in self.eos_token_ids
         ):
+            return FinishReason.STOP
+        if seq.grammar is not None and (not seq.grammar.accept([token]) or seq.grammar.terminated):
+            # Terminated: the document is complete, nothing may follow it. Not accepted cannot
+            # happen (the mask allowed only grammar tokens); ending beats an invalid document.
             return FinishReason.STOP
         if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_seq_len:
             return FinishReason.LENGTH

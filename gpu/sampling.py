@@ -7,6 +7,11 @@ own a seeded ``torch.Generator``.
 
 Pipeline (all math in fp32, the order vLLM and Hugging Face use):
 
+0. **Logit bias and grammar**, only on rows that have them: OpenAI's ``logit_bias`` is added
+   (a scatter over the listed ids), then a constrained row's token bitmask (``gpu.grammar``,
+   filled by the engine) sets every token its grammar does not allow to -inf. Rows without
+   either are not touched, so an unconstrained request in a constrained batch pays nothing.
+
 1. **Penalties**, only on rows that set one (``repetition_penalty != 1`` or a non-zero
    presence/frequency penalty), vectorised as gather/scatter on one concatenated tensor of
    flat ``row * V + token`` indices for the whole batch (no padding, and O(tokens) work rather
@@ -61,7 +66,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
 
 import torch
@@ -103,6 +108,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100])
 
     def __post_init__(self) -> None:
         def real_in(name: str, lo: float, hi: float, lo_open: bool = False) -> None:
@@ -144,6 +150,13 @@ class SamplingParams:
             raise ValueError(
                 f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"
             )
+        bias = tuple((pair[0], pair[1]) for pair in self.logit_bias)
+        if not all(_is_int(t) and t >= 0 and _is_real(b) and -100.0 <= b <= 100.0 for t, b in bias):
+            raise ValueError(
+                f"logit_bias must be (token id >= 0, bias in [-100, 100]) pairs, got "
+                f"{self.logit_bias!r}"
+            )
+        object.__setattr__(self, "logit_bias", bias)
 
     @property
     def is_greedy(self) -> bool:
@@ -193,6 +206,10 @@ class SamplerInput:
     prompt_token_ids: list[list[int]]
     output_token_ids: list[list[int]]
     generators: list[torch.Generator | None]
+    # Constrained decoding: int32 [B, ceil(V / 32)] allowed-token bits (``gpu.grammar``) on the
+    # logits' device, applied to ``masked_rows`` only.
+    token_bitmask: torch.Tensor | None = None
+    masked_rows: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -290,6 +307,28 @@ def apply_penalties(
             freq, pres = freq[row], pres[row]
             flat_logits[uniq] = flat_logits[uniq] - counts.to(torch.float32) * freq - pres
     return logits
+
+
+def apply_logit_bias(
+    logits: torch.Tensor, params: Sequence[SamplingParams], rows: Sequence[int]
+) -> None:
+    """Add each row's ``logit_bias`` in place on contiguous fp32 ``logits`` (ids past the LM
+    head are dropped, as for penalties): one scatter-add over the listed entries."""
+    vocab = logits.shape[1]
+    flat: list[int] = []
+    values: list[float] = []
+    for i in rows:
+        for token, bias in params[i].logit_bias:
+            if token < vocab:
+                flat.append(i * vocab + token)
+                values.append(bias)
+    if flat:
+        device = logits.device
+        logits.view(-1).index_add_(
+            0,
+            torch.tensor(flat, dtype=torch.int64, device=device),
+            torch.tensor(values, dtype=torch.float32, device=device),
+        )
 
 
 # Top-p looks for its cutoff among the top-K candidates of a row, K taken from this ladder
@@ -419,7 +458,12 @@ class Sampler:
         sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         pen_rows = [i for i, p in enumerate(params) if p.has_penalties]
 
-        if not pen_rows and not sampled_rows and all(p.logprobs is None for p in params):
+        if (
+            not pen_rows
+            and not sampled_rows
+            and not inp.masked_rows
+            and all(p.logprobs is None and not p.logit_bias for p in params)
+        ):
             # Fast path: all greedy, nothing to compute but an argmax (a bf16 -> fp32 cast is
             # exact and monotone, so no cast either).
             return SamplerOutput(logits.argmax(dim=-1), None, None)
@@ -458,11 +502,19 @@ class Sampler:
         written; it may be returned as is (fp32, nothing to apply) unless ``copy``."""
         params = inp.params
         pen_rows = any(p.has_penalties for p in params)
+        bias_rows = [i for i, p in enumerate(params) if p.logit_bias]
+        written = pen_rows or bool(bias_rows) or bool(inp.masked_rows)
         # The only full copy, and only when something must be written.
-        work = logits.to(
-            torch.float32, copy=copy or pen_rows, memory_format=torch.contiguous_format
-        )
-        owned = copy or pen_rows or logits.dtype != torch.float32
+        work = logits.to(torch.float32, copy=copy or written, memory_format=torch.contiguous_format)
+        owned = copy or written or logits.dtype != torch.float32
+        if bias_rows:
+            apply_logit_bias(work, params, bias_rows)
+        if inp.masked_rows:
+            if inp.token_bitmask is None:
+                raise ValueError("SamplerInput.masked_rows needs a token_bitmask")
+            from gpu.grammar import apply_bitmask  # xgrammar loads only for constrained batches
+
+            apply_bitmask(work, inp.token_bitmask, inp.masked_rows)
         if pen_rows:
             apply_penalties(work, params, inp.prompt_token_ids, inp.output_token_ids)
         # Temperature (greedy rows divide by 1, which is exact).

@@ -5,12 +5,16 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from gpu.page_manager import PageTable
 from gpu.sampling import SamplingParams
 from gpu.spec_decode import DraftLength, Proposal
+
+if TYPE_CHECKING:  # xgrammar (~0.9 s to import) loads with the first constrained request
+    from gpu.grammar import GrammarState
 
 
 class SeqStatus(enum.Enum):
@@ -47,6 +51,7 @@ class Sequence:
     generator: torch.Generator | None = None  # a seeded request's own, kept across steps
     draft: Proposal | None = None  # speculative tokens to verify in the next step
     draft_length: DraftLength | None = None  # adaptive k (speculation on)
+    grammar: GrammarState | None = None  # constrained decoding: follows the output tokens
 
     @property
     def all_token_ids(self) -> list[int]:

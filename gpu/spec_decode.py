@@ -184,12 +184,15 @@ def verify(
 ) -> Verification:
     """Verify each sequence's draft against the target logits of its ``len(draft) + 1``
     positions (``logits`` rows in batch order). ``inp`` has one row per sequence: its params,
-    tokens so far and generator. Penalties at draft position ``j`` see the drafts before it.
+    tokens so far and generator; its ``token_bitmask``/``masked_rows``, if any, index the
+    logits rows. Penalties at draft position ``j`` see the drafts before it. A draft token
+    a row's mask forbids has probability 0 there, so it is always rejected.
     """
     rows = [len(d) + 1 for d in drafts]
     if sum(rows) != logits.shape[0]:
         raise ValueError(f"{logits.shape[0]} logits rows for drafts needing {sum(rows)}")
-    row_inp = SamplerInput([], [], [], [])
+    # A bitmask (constrained sequences) already describes the logits rows, drafts included.
+    row_inp = SamplerInput([], [], [], [], inp.token_bitmask, inp.masked_rows)
     starts = []
     for i, draft in enumerate(drafts):
         starts.append(len(row_inp.params))

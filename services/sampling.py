@@ -47,7 +47,7 @@ _check_fields()  # at import: a service with mismatched types does not start
 
 def _engine_value(value: Any) -> Any:
     # The wire decodes sequences as lists; the engine's type is frozen and hashable (tuples).
-    return tuple(value) if isinstance(value, list) else value
+    return tuple(_engine_value(v) for v in value) if isinstance(value, list) else value
 
 
 def sampling_params(wire: WireSamplingParams) -> SamplingParams:

@@ -67,6 +67,17 @@ def write_tiny_model(folder: Path, kind: str = "llama", seed: int = 0, **overrid
     return folder
 
 
+def set_chat_template(folder: Path, template: str) -> Path:
+    """Replace the chat template of a tiny model's tokenizer (e.g. ``QWEN_TOOLS``)."""
+    import json
+
+    config_file = folder / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["chat_template"] = template
+    config_file.write_text(json.dumps(config))
+    return folder
+
+
 def hf_model(folder: Path) -> Any:
     from transformers import AutoModelForCausalLM
 
@@ -82,6 +93,44 @@ CHATML = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
+# Qwen2.5's template (tools in the system turn, <tool_call> JSON, tool results as
+# <tool_response> in a user turn), as Qwen2.5-Instruct's tokenizer_config.json has it.
+QWEN_TOOLS = (
+    "{%- if tools %}{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] }}"
+    "{%- else %}{{- 'You are a helpful assistant.' }}{%- endif %}"
+    '{{- "\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user '
+    "query.\\n\\nYou are provided with function signatures within <tools></tools> XML "
+    'tags:\\n<tools>" }}'
+    '{%- for tool in tools %}{{- "\\n" }}{{- tool | tojson }}{%- endfor %}'
+    '{{- "\\n</tools>\\n\\nFor each function call, return a json object with function name '
+    "and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n"
+    '{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n'
+    '</tool_call><|im_end|>\\n" }}'
+    "{%- else %}{%- if messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}{%- endif %}"
+    "{%- for message in messages %}"
+    '{%- if (message.role == "user") or (message.role == "system" and not loop.first) or '
+    '(message.role == "assistant" and not message.tool_calls) %}'
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"
+    "{%- elif message.role == \"assistant\" %}{{- '<|im_start|>' + message.role }}"
+    "{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}"
+    "{%- for tool_call in message.tool_calls %}"
+    "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}"
+    "{%- endif %}"
+    '{{- \'\\n<tool_call>\\n{"name": "\' }}{{- tool_call.name }}'
+    '{{- \'", "arguments": \' }}{{- tool_call.arguments | tojson }}'
+    "{{- '}\\n</tool_call>' }}{%- endfor %}{{- '<|im_end|>\\n' }}"
+    '{%- elif message.role == "tool" %}'
+    '{%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}'
+    "{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' }}{{- message.content }}{{- '\\n</tool_response>' }}"
+    '{%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}'
+    "{{- '<|im_end|>\\n' }}{%- endif %}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
 CORPUS = [
     "The quick brown fox jumps over the lazy dog. Hello world, hello mesh!",
     "Serving language models fast needs batching, paging and caching of keys and values.",
@@ -91,7 +140,7 @@ CORPUS = [
 ]
 
 
-def write_tiny_tokenizer(folder: Path, vocab_size: int = 512) -> None:
+def write_tiny_tokenizer(folder: Path, vocab_size: int = 512, chat_template: str = CHATML) -> None:
     """A byte-level BPE (every UTF-8 string encodes) with ChatML specials at ids 0, 1, 2."""
     import json
 
@@ -116,7 +165,7 @@ def write_tiny_tokenizer(folder: Path, vocab_size: int = 512) -> None:
             {
                 "bos_token": "<|im_start|>",
                 "eos_token": "<|im_end|>",
-                "chat_template": CHATML,
+                "chat_template": chat_template,
                 "tokenizer_class": "PreTrainedTokenizerFast",
             }
         )

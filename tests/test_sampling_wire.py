@@ -29,6 +29,7 @@ WIRE = WireSamplingParams(
     ignore_eos=True,
     logprobs=3,
     skip_special_tokens=False,
+    logit_bias=[(5, -100.0), (9, 2.5)],
 )
 
 

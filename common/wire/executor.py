@@ -14,6 +14,19 @@ from common.wire.tokenizer import WireSamplingParams
 
 
 @dataclass(frozen=True)
+class WireGrammar(Message):
+    """What a constrained request's output must match, as xgrammar EBNF text (built by the
+    tokenizer from a JSON schema or a tool-call format; it already parsed, so it compiles).
+    ``key`` names it (a hash of the text): each executor compiles a key once, off its step
+    loop, and keeps the compiled grammar for the next request with the same schema. The
+    compiled form (token masks for one vocabulary) stays in the executor: it is large and
+    tied to the executor's tokenizer, while the text is small and crosses any hop."""
+
+    key: str
+    ebnf: str
+
+
+@dataclass(frozen=True)
 class TokenizedRequest(Message):
     request_id: str
     reply_to: str
@@ -29,6 +42,7 @@ class TokenizedRequest(Message):
     # same stream from there; ``migrations`` counts how often that happened (a limit bounds it).
     output_token_ids: list[int] = field(default_factory=list)
     migrations: int = 0
+    grammar: WireGrammar | None = None  # constrained decoding (response_format, tools)
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,9 @@ class Presence(Message):
     shard: int | None = None
     page_size: int | None = None
     detok_shards: int | None = None
+    # A tokenizer's: the tool-call format of its chat template (``common.tool_formats``); the
+    # gateway parses tool calls out of the text with it.
+    tool_format: str | None = None
 
     def __post_init__(self) -> None:
         # The service name is one subject token of ``presence.<service>``: no dots.

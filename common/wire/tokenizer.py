@@ -43,12 +43,42 @@ class WireSamplingParams(Message):
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    # OpenAI's logit_bias as (token id, bias) pairs, biases in [-100, 100]: added to the logits.
+    logit_bias: list[tuple[int, float]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
 class ChatMessage(Message):
+    """One turn. ``tool_calls``: an assistant turn's calls as OpenAI spells them (a JSON array,
+    arguments already parsed into objects for the chat template); ``tool_call_id``: a tool
+    turn's answer to that call."""
+
     role: str
     content: str
+    tool_calls: str = ""  # JSON text: msgpack would need a schema for arbitrary objects
+    tool_call_id: str = ""
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class ResponseFormat(Message):
+    """``response_format`` other than text: ``json_object`` (any JSON object) or
+    ``json_schema`` with the schema as JSON text. The tokenizer turns it into a grammar."""
+
+    kind: str  # "json_object" | "json_schema"
+    schema: str = ""
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class ToolChoice(Message):
+    """The request's ``tools`` (a JSON array of OpenAI function tools, for the chat template)
+    and ``tool_choice``: ``none``, ``auto``, ``required`` or ``function`` (named: ``name``).
+    ``required`` and a named function are enforced with a grammar (the tokenizer builds it)."""
+
+    tools: str
+    mode: str = "auto"
+    name: str = ""
 
 
 @dataclass(frozen=True)
@@ -70,6 +100,8 @@ class GenerateRequest(Message):
     deadline: float | None = None  # unix seconds; past it the request fails with a timeout
     arrival_time: float = 0.0
     n: int = 1
+    response_format: ResponseFormat | None = None
+    tools: ToolChoice | None = None
 
     def __post_init__(self) -> None:
         require(

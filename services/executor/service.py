@@ -24,6 +24,7 @@ import time
 import uuid
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import nats.errors
 import torch
@@ -44,6 +45,7 @@ from gpu.quant import kv_cache_dtype
 from gpu.runner import ModelRunner
 from gpu.sequence import Sequence
 from services.executor.config import ExecutorConfig
+from services.executor.grammars import GrammarCache, tokenizer_info
 from services.executor.kv_events import KVEventPublisher
 from services.executor.speculation import RemoteProposer
 from services.executor.timeline import Timelines
@@ -83,6 +85,12 @@ class ExecutorService:
         self.requests: dict[str, TokenizedRequest] = {}
         self.started: set[str] = set()
         self.pending_adds: list[TokenizedRequest] = []
+        # Constrained requests whose grammar compiles (``grammars.py``), then its result until
+        # the request is added to the engine.
+        self.compiling: dict[str, TokenizedRequest] = {}
+        self.compiled: dict[str, Any] = {}
+        self._grammar_cache: asyncio.Task[GrammarCache] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
         self.pending_aborts: set[str] = set()
         # Requests that ended everywhere (the client left, a stop string): a submit that
         # arrives after its abort (they travel different paths) is dropped, not run for nobody.
@@ -115,6 +123,46 @@ class ExecutorService:
             log.info("executor: dropping %s: it was aborted before it arrived", req.request_id)
             return
         self.timelines.received(req.request_id, len(req.prompt_token_ids))
+        if req.grammar is not None:
+            self.compiling[req.request_id] = req
+            task = asyncio.create_task(self.compile_grammar(req))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+            return
+        self.pending_adds.append(req)
+        self.wake.set()
+
+    def grammar_cache(self) -> asyncio.Task[GrammarCache]:
+        """Built on first use, on a thread (xgrammar reads the whole vocabulary)."""
+        if self._grammar_cache is None:
+            folder = resolve_model_path(self.config.model)
+            vocab = self.engine.runner.config.vocab_size
+            stops = sorted(self.engine.eos_token_ids)
+
+            def build() -> GrammarCache:
+                from common.tokenizer import Tokenizer
+
+                backend = Tokenizer.from_folder(folder).backend
+                return GrammarCache(tokenizer_info(backend, vocab, stops))
+
+            self._grammar_cache = asyncio.ensure_future(asyncio.to_thread(build))
+        return self._grammar_cache
+
+    async def compile_grammar(self, req: TokenizedRequest) -> None:
+        """Compile off the step loop; the request joins the engine when its grammar is ready
+        (unless it was aborted meanwhile)."""
+        assert req.grammar is not None
+        try:
+            compiled = await (await self.grammar_cache()).get(req.grammar)
+        except ValueError as exc:
+            if self.compiling.pop(req.request_id, None) is not None:
+                self.timelines.finished(req.request_id, "error")
+                error = ErrorEvent(req.request_id, 400, str(exc), param="response_format")
+                await self.try_publish(req.reply_to, error)
+            return
+        if self.compiling.pop(req.request_id, None) is None:
+            return  # aborted while it compiled
+        self.compiled[req.request_id] = compiled
         self.pending_adds.append(req)
         self.wake.set()
 
@@ -127,8 +175,11 @@ class ExecutorService:
         ids = set(msg.request_ids)
         if not msg.executor_id:
             self.ended.add_all(ids, True)
+        compiling = [self.compiling.pop(rid) for rid in ids.intersection(self.compiling)]
+        for req in compiling:  # its compile goes on (the grammar is cached); it is not added
+            self.timelines.finished(req.request_id, "abort")
         if msg.error:  # they failed elsewhere: we know their clients' inboxes, so tell them
-            known = [*self.requests.values(), *self.pending_adds]
+            known = [*self.requests.values(), *self.pending_adds, *compiling]
             for req in (r for r in known if r.request_id in ids):
                 await self.try_publish(
                     req.reply_to,
@@ -138,6 +189,7 @@ class ExecutorService:
         for req in self.pending_adds:
             if req.request_id in ids:
                 self.timelines.finished(req.request_id, "abort")
+                self.compiled.pop(req.request_id, None)
             else:
                 kept.append(req)
         self.pending_adds = kept
@@ -180,7 +232,7 @@ class ExecutorService:
             Heartbeat(
                 executor_id=self.config.executor_id,
                 running=running,
-                waiting=waiting + len(self.pending_adds),
+                waiting=waiting + len(self.pending_adds) + len(self.compiling),
                 free_pages=free_pages,
                 total_pages=self.engine.pages.num_pages,
                 page_size=self.config.page_size,
@@ -192,7 +244,11 @@ class ExecutorService:
                 ),
                 draining=self.draining,
                 sent_at=time.time(),
-                request_ids=[*self.requests, *(r.request_id for r in self.pending_adds)],
+                request_ids=[
+                    *self.requests,
+                    *(r.request_id for r in self.pending_adds),
+                    *self.compiling,
+                ],
                 incarnation=self.incarnation,
                 max_model_len=self.engine.max_seq_len,
             ),
@@ -251,7 +307,11 @@ class ExecutorService:
             try:
                 params = sampling_params(req.params)
                 self.engine.add_request(
-                    req.request_id, req.prompt_token_ids, params, req.output_token_ids
+                    req.request_id,
+                    req.prompt_token_ids,
+                    params,
+                    req.output_token_ids,
+                    grammar=self.compiled.pop(req.request_id, None),
                 )
             except ValueError as exc:  # ModelError included: the request, not the executor
                 self.timelines.finished(req.request_id, "error")

@@ -179,7 +179,8 @@ class Routes:
     ) -> web.StreamResponse:
         api = parse(await read_json(request, self.config.max_body_bytes), self.config)
         response_id = f"{id_prefix}-{uuid.uuid4().hex}"
-        builder = ResponseBuilder(api, response_id, int(time.time()))
+        tool_format = self.mesh.liveness.tool_format
+        builder = ResponseBuilder(api, response_id, int(time.time()), tool_format)
         stream = await self.mesh.submit(api, response_id)
         try:
             first = await anext(stream)  # nothing sent yet: a failure here is an HTTP error

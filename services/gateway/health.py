@@ -76,6 +76,7 @@ class MeshLiveness:
         # expected to page and shard as the last one did until it says otherwise.
         self.detok_shards = 1
         self.page_size: int | None = None
+        self.tool_format = "hermes"  # common.tool_formats.HERMES until a tokenizer says
         self.started = time.monotonic()
 
     def start(self) -> None:
@@ -101,6 +102,8 @@ class MeshLiveness:
                 self.detok_shards = presence.detok_shards
             if presence.page_size is not None:
                 self.page_size = presence.page_size
+            if presence.tool_format is not None:
+                self.tool_format = presence.tool_format
 
     def saw_heartbeat(self, heartbeat: Heartbeat) -> None:
         self.executors.saw(heartbeat)

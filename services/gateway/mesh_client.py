@@ -175,6 +175,8 @@ class MeshClient:
             deadline=now + self.config.request_timeout_s,
             arrival_time=now,
             n=api.n,
+            response_format=api.response_format,
+            tools=api.tools,
         )
         payload = request.encode()
         headers = inject(None)  # the trace context of gateway.request

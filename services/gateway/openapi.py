@@ -43,6 +43,28 @@ _COMMON: dict[str, Any] = {
     "priority": {"type": "integer", "minimum": -10, "maximum": 10},
     "ignore_eos": {"type": "boolean"},
     "user": {"type": "string"},
+    "logit_bias": {
+        "type": "object",
+        "propertyNames": {"pattern": "^[0-9]+$"},
+        "additionalProperties": {**_NUMBER, "minimum": -100, "maximum": 100},
+        "maxProperties": 1024,
+    },
+}
+_TOOL = {
+    "type": "object",
+    "required": ["type", "function"],
+    "properties": {
+        "type": {"const": "function"},
+        "function": {
+            "type": "object",
+            "required": ["name"],
+            "properties": {
+                "name": {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"},
+                "description": {"type": "string"},
+                "parameters": {"type": "object"},
+            },
+        },
+    },
 }
 _ERROR = {
     "description": "An OpenAI error object",
@@ -127,6 +149,40 @@ SPEC: dict[str, Any] = {
                                     "content": {"type": "string"},
                                 },
                             },
+                        },
+                        "response_format": {
+                            "type": "object",
+                            "required": ["type"],
+                            "properties": {
+                                "type": {"enum": ["text", "json_object", "json_schema"]},
+                                "json_schema": {
+                                    "type": "object",
+                                    "required": ["name"],
+                                    "properties": {
+                                        "name": {"type": "string"},
+                                        "schema": {"type": "object"},
+                                        "strict": {"type": "boolean"},
+                                    },
+                                },
+                            },
+                        },
+                        "tools": {"type": "array", "items": _TOOL, "maxItems": 128},
+                        "tool_choice": {
+                            "oneOf": [
+                                {"enum": ["none", "auto", "required"]},
+                                {
+                                    "type": "object",
+                                    "required": ["type", "function"],
+                                    "properties": {
+                                        "type": {"const": "function"},
+                                        "function": {
+                                            "type": "object",
+                                            "required": ["name"],
+                                            "properties": {"name": {"type": "string"}},
+                                        },
+                                    },
+                                },
+                            ]
                         },
                         "max_completion_tokens": {"type": "integer", "minimum": 1},
                         "logprobs": {"type": "boolean"},

@@ -3,18 +3,20 @@
 Validation follows the OpenAI API (and vLLM where OpenAI is silent): optional fields may be
 absent or null; a wrong type or an out-of-range value is a 400 whose ``param`` names the field;
 an unknown ``model`` is a 404 ``model_not_found``. Unknown fields are ignored (clients send
-extras), but known features the mesh does not implement (tools, echo, logit_bias, ...) are
-rejected rather than silently dropped. ``model`` may be omitted (it defaults to the served
+extras), but known features the mesh does not implement (echo, suffix, functions, ...) are
+rejected rather than silently dropped. ``tools``/``tool_choice``/``response_format`` are read
+by ``services.gateway.structured``. ``model`` may be omitted (it defaults to the served
 model, as in vLLM).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from common.runtime import RequestError
-from common.wire.tokenizer import ChatMessage, WireSamplingParams
+from common.wire.tokenizer import ChatMessage, ResponseFormat, ToolChoice, WireSamplingParams
 from services.gateway.config import GatewayConfig
 
 Kind = Literal["completion", "chat"]
@@ -24,7 +26,13 @@ MAX_INT = 2**31 - 1
 SEED_RANGE = (-(2**63), 2**63 - 1)
 
 # developer is OpenAI's newer name for system; chat templates only know the classic roles.
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {
+    "system": "system",
+    "developer": "system",
+    "user": "user",
+    "assistant": "assistant",
+    "tool": "tool",
+}
 
 # vLLM only asks repetition_penalty > 0, but the sampler divides a seen token's positive logit
 # by it (and every logit by a temperature down to 1e-5): at 1e-40 that overflows fp32 and the
@@ -41,6 +49,9 @@ MAX_STOP_TOTAL_CHARS = 4096
 # stop_token_ids: models have a handful of end-of-turn ids; 256 covers every special token of
 # common tokenizers while bounding the per-token membership test and the message size.
 MAX_STOP_TOKEN_IDS = 256
+# logit_bias: OpenAI's bounds on each bias; the entry count bounds the per-step scatter.
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
+MAX_LOGIT_BIAS = 1024
 
 
 @dataclass(frozen=True)
@@ -58,6 +69,8 @@ class ApiRequest:
     prompt_token_ids: list[int] | None = None
     messages: list[ChatMessage] | None = None
     priority: int = 0
+    response_format: ResponseFormat | None = None
+    tools: ToolChoice | None = None
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> RequestError:
@@ -179,7 +192,10 @@ def parse_chat(raw: Any, config: GatewayConfig) -> ApiRequest:
     body = Body(raw)
     model = parse_model(body, config)
     messages = parse_messages(body.get("messages"))
-    reject_tools(body)
+    from services.gateway.structured import parse_response_format, parse_tools
+
+    response_format = parse_response_format(body)
+    tools = parse_tools(body)
     n = body.integer("n", 1, 1, config.max_n)
     limit = config.max_completion_tokens
     # max_completion_tokens replaces the deprecated max_tokens; either is honoured.
@@ -191,7 +207,8 @@ def parse_chat(raw: Any, config: GatewayConfig) -> ApiRequest:
     if top_logprobs is not None and not want_logprobs:
         raise bad_request("'logprobs' must be true when 'top_logprobs' is set.", "top_logprobs")
     logprobs = (top_logprobs or 0) if want_logprobs else None
-    return finish(body, "chat", model, n, max_tokens, logprobs, config, messages=messages)
+    api = finish(body, "chat", model, n, max_tokens, logprobs, config, messages=messages)
+    return dataclasses.replace(api, response_format=response_format, tools=tools)
 
 
 def finish(
@@ -334,14 +351,29 @@ def parse_message(value: Any, where: str) -> ChatMessage:
         )
     content = value.get("content")
     param = f"{where}.content"
+    tool_calls = ""
+    if role == "assistant" and value.get("tool_calls") is not None:
+        from services.gateway.structured import parse_message_tool_calls
+
+        tool_calls = parse_message_tool_calls(value["tool_calls"], f"{where}.tool_calls")
     if content is None and role == "assistant":
-        content = ""  # an assistant turn may carry no content
+        content = ""  # an assistant turn may carry no content (a tool call instead)
     if isinstance(content, list):
         parts = [parse_text_part(part, f"{param}[{i}]") for i, part in enumerate(content)]
         content = "\n".join(parts)
     if not isinstance(content, str):
         raise wrong_type(param, "a string or an array of text parts", content)
-    return ChatMessage(ROLES[role], unicode_text(content, param))
+    tool_call_id = value.get("tool_call_id")
+    if role == "tool" and not isinstance(tool_call_id, str):
+        raise wrong_type(f"{where}.tool_call_id", "a string", tool_call_id)
+    name = value.get("name")
+    return ChatMessage(
+        ROLES[role],
+        unicode_text(content, param),
+        tool_calls=tool_calls,
+        tool_call_id=tool_call_id if isinstance(tool_call_id, str) and role == "tool" else "",
+        name=name if isinstance(name, str) else "",
+    )
 
 
 def parse_text_part(part: Any, where: str) -> str:
@@ -357,21 +389,6 @@ def parse_text_part(part: Any, where: str) -> str:
     if not isinstance(text, str):
         raise wrong_type(f"{where}.text", "a string", text)
     return text
-
-
-def reject_tools(body: Body) -> None:
-    for name in ("tools", "functions"):
-        if body.get(name):
-            raise bad_request(f"'{name}' is not supported.", name, "unsupported_parameter")
-    if body.get("tool_choice") not in (None, "none", "auto"):  # without tools, auto is none
-        raise bad_request("'tool_choice' is not supported.", "tool_choice", "unsupported_parameter")
-    response_format = body.get("response_format")
-    if response_format is not None and response_format != {"type": "text"}:
-        raise bad_request(
-            'Only response_format {"type": "text"} is supported.',
-            "response_format",
-            "unsupported_value",
-        )
 
 
 def parse_stream_options(body: Body, stream: bool) -> bool:
@@ -445,15 +462,46 @@ def parse_token_ids(body: Body, name: str) -> list[int]:
     return list(value)
 
 
-def parse_logit_bias(body: Body) -> None:
-    if body.get("logit_bias"):
-        raise bad_request("'logit_bias' is not supported.", "logit_bias", "unsupported_parameter")
+def parse_logit_bias(body: Body) -> list[tuple[int, float]]:
+    """OpenAI's ``{"<token id>": bias}`` with biases in [-100, 100]; ids are checked against
+    the vocabulary by the executor (the gateway does not know it)."""
+    value = body.get("logit_bias")
+    if value is None:
+        return []
+    if not isinstance(value, dict):
+        raise wrong_type("logit_bias", "an object mapping token ids to biases", value)
+    if len(value) > MAX_LOGIT_BIAS:
+        raise bad_request(
+            f"'logit_bias' may hold at most {MAX_LOGIT_BIAS} tokens, got {len(value)}.",
+            "logit_bias",
+            "invalid_value",
+        )
+    lo, hi = LOGIT_BIAS_RANGE
+    out = []
+    for key, bias in value.items():
+        token = int(key) if isinstance(key, str) and key.isdigit() else -1
+        if not 0 <= token <= MAX_TOKEN_ID:
+            raise bad_request(
+                f"'logit_bias' keys must be token ids (non-negative integers as strings), "
+                f"got {key!r}.",
+                "logit_bias",
+                "invalid_value",
+            )
+        if isinstance(bias, bool) or not isinstance(bias, int | float) or not lo <= bias <= hi:
+            raise bad_request(
+                f"'logit_bias' values must be numbers in [{lo:g}, {hi:g}], got {bias!r} for "
+                f"token {key}.",
+                "logit_bias",
+                "invalid_value",
+            )
+        out.append((token, float(bias)))
+    return out
 
 
 def parse_sampling(
     body: Body, config: GatewayConfig, max_tokens: int, logprobs: int | None
 ) -> WireSamplingParams:
-    parse_logit_bias(body)
+    logit_bias = parse_logit_bias(body)
     top_k = body.integer("top_k", -1, -1, MAX_INT)
     return WireSamplingParams(
         max_tokens=max_tokens,
@@ -471,4 +519,5 @@ def parse_sampling(
         ignore_eos=body.boolean("ignore_eos", False),
         logprobs=logprobs,
         skip_special_tokens=body.boolean("skip_special_tokens", True),
+        logit_bias=logit_bias,
     )

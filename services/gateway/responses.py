@@ -15,6 +15,7 @@ from typing import Any
 from common.runtime import RequestError
 from common.wire.gateway import TextDelta, TextLogprob, Usage
 from services.gateway.protocol import ApiRequest
+from services.gateway.tool_calls import CallDelta, ToolCallParser
 
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf; vLLM (and OpenAI) send this finite floor instead
 DONE = b"data: [DONE]\n\n"
@@ -114,10 +115,17 @@ class Choice:
     finish_reason: str | None = None
     usage: Usage | None = None
     token_chars: int = 0  # characters of the tokens streamed so far (completions text_offset)
+    tools: ToolCallParser | None = None  # a chat request with tools: calls out of the text
 
 
 class ResponseBuilder:
-    def __init__(self, api: ApiRequest, response_id: str, created: int) -> None:
+    """``tool_format``: the mesh's (the tokenizer announces it); used when the request has
+    tools, whose calls are parsed out of the text (``message.tool_calls``, streamed as
+    ``delta.tool_calls``; ``finish_reason`` ``tool_calls``)."""
+
+    def __init__(
+        self, api: ApiRequest, response_id: str, created: int, tool_format: str = "hermes"
+    ) -> None:
         self.api = api
         self.chat = api.kind == "chat"
         self.head: Json = {
@@ -127,6 +135,10 @@ class ResponseBuilder:
             "model": api.model,
         }
         self.choices = [Choice() for _ in range(api.n)]
+        if api.tools is not None and api.tools.mode != "none":
+            names = {t["function"]["name"] for t in json.loads(api.tools.tools)}
+            for choice in self.choices:
+                choice.tools = ToolCallParser(tool_format, names)
 
     # --- streaming ---------------------------------------------------------------------------
 
@@ -143,23 +155,41 @@ class ResponseBuilder:
         """Record ``delta`` for choice ``index``; return the chunks that stream it."""
         choice = self.choices[index]
         chunks = []
-        if delta.text or delta.logprobs:
+        text = delta.text
+        if choice.tools is not None:
+            text, calls = choice.tools.feed(text)
+            if delta.finish_reason is not None:
+                rest, more = choice.tools.finish()
+                text, calls = text + rest, calls + more
+            chunks += [self.call_chunk(index, call) for call in calls]
+        if text or delta.logprobs:
             entries = delta.logprobs or []
-            text = delta.text
             content: Json = {"delta": {"content": text}} if self.chat else {"text": text}
             if self.api.params.logprobs is not None:
                 content["logprobs"] = self.logprobs(entries, choice.token_chars)
             chunks.append(self.chunk(index, content))
-            choice.text.append(delta.text)
+            choice.text.append(text)
             choice.logprobs.extend(entries)
             choice.token_chars += sum(len(e.token) for e in entries)
         if delta.usage is not None:
             choice.usage = delta.usage
         if delta.finish_reason is not None:
-            choice.finish_reason = delta.finish_reason
+            reason = delta.finish_reason
+            if choice.tools is not None and choice.tools.calls and reason == "stop":
+                reason = "tool_calls"
+            choice.finish_reason = reason
             empty: Json = {"delta": {}} if self.chat else {"text": ""}
-            chunks.append(self.chunk(index, {**empty, "finish_reason": delta.finish_reason}))
+            chunks.append(self.chunk(index, {**empty, "finish_reason": reason}))
         return chunks
+
+    def call_chunk(self, index: int, call: CallDelta) -> Json:
+        """OpenAI's shape: a call opens with its index, id, type and name, then its arguments
+        follow as fragments of their JSON text."""
+        entry: Json = {"index": call.index, "function": {"arguments": call.arguments}}
+        if call.id:
+            entry.update(id=call.id, type="function")
+            entry["function"]["name"] = call.name
+        return self.chunk(index, {"delta": {"tool_calls": [entry]}})
 
     def chunk(self, index: int, fields: Json) -> Json:
         choice = {"index": index, "logprobs": None, "finish_reason": None, **fields}
@@ -195,6 +225,9 @@ class ResponseBuilder:
                 if self.chat
                 else {"text": text}
             )
+            if choice.tools is not None and choice.tools.calls:
+                body["message"]["content"] = text or None
+                body["message"]["tool_calls"] = [c.to_json() for c in choice.tools.calls]
             logprobs = None
             if self.api.params.logprobs is not None:
                 logprobs = self.logprobs(choice.logprobs, 0)

@@ -7,9 +7,11 @@ Stateless; run any number of replicas in the ``tokenizer`` queue group.
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 import zlib
 from dataclasses import dataclass
+from typing import Any
 
 from opentelemetry import trace
 
@@ -19,10 +21,12 @@ from common.runtime import RequestError, Service
 from common.settings import parse, setting
 from common.telemetry import Attr
 from common.tokenizer import Tokenizer, TokenizerError
+from common.tool_formats import detect_tool_format, renders_tools
 from common.wire.executor import TokenizedRequest
-from common.wire.tokenizer import GenerateRequest
+from common.wire.tokenizer import ChatMessage, GenerateRequest
 from gpu.config import ModelConfig
 from gpu.gguf import resolve_model_path
+from services.tokenizer.grammars import grammar_for
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,9 @@ class TokenizerService:
         # (their caches would never match these hashes); the gateway learns the shards.
         self.svc.facts.page_size = config.page_size
         self.svc.facts.detok_shards = config.detok_shards
+        # The gateway parses tool calls in the format this template teaches the model.
+        self.tool_format = detect_tool_format(self.tokenizer.chat_template)
+        self.svc.facts.tool_format = self.tool_format
 
     async def start(self) -> None:
         await self.svc.connect()
@@ -75,9 +82,8 @@ class TokenizerService:
         """The prompt's token ids, and the request field they came from (for error params)."""
         try:
             if req.messages is not None:
-                text = self.tokenizer.apply_chat_template(
-                    [{"role": m.role, "content": m.content} for m in req.messages]
-                )
+                messages, tools = self.chat_input(req)
+                text = self.tokenizer.apply_chat_template(messages, tools=tools)
                 return self.tokenizer.encode(text, add_special_tokens=False), "messages"
             if req.prompt_token_ids is not None:
                 vocab = self.tokenizer.vocab_size
@@ -93,6 +99,21 @@ class TokenizerService:
             raise RequestError(str(exc), param="messages") from exc
         raise RequestError("the request has neither a prompt nor messages", param="prompt")
 
+    def chat_input(
+        self, req: GenerateRequest
+    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+        """The messages and tools as the chat template reads them (transformers' shapes).
+        Tools go to a template that renders them; one that does not gets them as a system
+        message in the hermes format (the gateway then parses that format)."""
+        messages = [chat_turn(m) for m in req.messages or []]
+        tools = None
+        if req.tools is not None and req.tools.mode != "none":
+            tools = json.loads(req.tools.tools)
+            if not renders_tools(self.tokenizer.chat_template):
+                messages.insert(0, {"role": "system", "content": hermes_preamble(tools)})
+                tools = None
+        return messages, tools
+
     async def on_request(self, req: GenerateRequest) -> None:
         if req.deadline and req.deadline < time.time():
             raise RequestError("The request timed out.", 504, "timeout_error", None, "timeout")
@@ -107,6 +128,7 @@ class TokenizerService:
                 param=field,
                 code="context_length_exceeded",
             )
+        grammar = grammar_for(req.response_format, req.tools, self.tool_format)
         room = self.max_model_len - len(ids)
         if req.params.max_tokens > room:
             # As vLLM does for chat defaults: never ask for more than the context allows;
@@ -128,5 +150,30 @@ class TokenizerService:
                     priority=req.priority,
                     deadline=req.deadline,
                     arrival_time=req.arrival_time,
+                    grammar=grammar,
                 ),
             )
+
+
+def chat_turn(message: ChatMessage) -> dict[str, Any]:
+    turn: dict[str, Any] = {"role": message.role, "content": message.content}
+    if message.tool_calls:
+        turn["tool_calls"] = json.loads(message.tool_calls)
+    if message.tool_call_id:
+        turn["tool_call_id"] = message.tool_call_id
+    if message.name:
+        turn["name"] = message.name
+    return turn
+
+
+def hermes_preamble(tools: list[dict[str, Any]]) -> str:
+    """The tool instructions of the Hermes/Qwen2.5 templates, for templates without any."""
+    listed = "\n".join(json.dumps(t) for t in tools)
+    return (
+        "You may call one or more functions to assist with the user query.\n\n"
+        "You are provided with function signatures within <tools></tools> XML tags:\n"
+        f"<tools>\n{listed}\n</tools>\n\n"
+        "For each function call, return a json object with function name and arguments within "
+        "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+        '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+    )

@@ -1,0 +1,74 @@
+"""Constrained decoding inside the engine: one xgrammar ``GrammarMatcher`` per constrained
+sequence, and the token bitmask of a batch's constrained rows.
+
+The matcher follows the sequence's output tokens: ``next_mask`` fills the allowed-token bitmask
+for the next position (the sampler sets every other logit to -inf), ``accept`` advances it by
+an emitted token. Speculative verification checks a draft with ``draft_masks``: the mask at
+each draft position is filled while the matcher walks the draft, a draft token the grammar
+rejects stops the walk (its own mask forbids it, so verification rejects it there), and the
+matcher is rolled back to where it started; only the tokens finally emitted are accepted.
+
+The grammar's stop tokens are the engine's end-of-sequence ids: once the document is complete
+the mask allows only them, and a matcher that accepted one has terminated (the engine then
+finishes the sequence, whatever ``ignore_eos`` says: nothing may follow the document).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import xgrammar as xgr
+
+
+def bitmask_width(vocab_size: int) -> int:
+    return xgr.get_bitmask_shape(1, vocab_size)[1]
+
+
+class GrammarState:
+    """One sequence's position in its grammar."""
+
+    def __init__(self, compiled: xgr.CompiledGrammar, stop_token_ids: Sequence[int]) -> None:
+        self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=list(stop_token_ids))
+
+    @property
+    def terminated(self) -> bool:
+        return bool(self.matcher.is_terminated())
+
+    def accept(self, token_ids: Sequence[int]) -> bool:
+        """Advance by emitted tokens; False at the first one the grammar does not allow (the
+        rest are not accepted)."""
+        return all(self.matcher.accept_token(int(t)) for t in token_ids)
+
+    def next_mask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Fill ``bitmask[row]`` with the tokens allowed next."""
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    def draft_masks(self, draft: Sequence[int], bitmask: torch.Tensor, row: int) -> None:
+        """Fill ``bitmask[row + j]`` for draft positions ``j = 0..len(draft)`` (the last one
+        is the bonus position), then roll the matcher back to where it was."""
+        walked = 0
+        for j in range(len(draft) + 1):
+            self.next_mask(bitmask, row + j)
+            if j == len(draft) or not self.matcher.accept_token(int(draft[j])):
+                break  # rows past a rejected token are never read: verification stops there
+            walked += 1
+            if self.terminated:
+                break  # a stop token: the engine drops whatever follows it
+        if walked:
+            self.matcher.rollback(walked)
+
+
+def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+    """All tokens allowed, on the CPU (xgrammar fills it there); ``to_device`` moves it."""
+    return xgr.allocate_token_bitmask(rows, vocab_size)
+
+
+def to_device(bitmask: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return bitmask if device.type == "cpu" else bitmask.to(device, non_blocking=True)
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """Set the disallowed logits of ``rows`` to -inf in place (xgrammar's CPU kernel on CPU,
+    its Triton kernel on CUDA); the other rows are not touched."""
+    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[1], indices=rows)

@@ -1,0 +1,218 @@
+"""Tool calls out of generated text, as it streams, in the format the tokenizer announced
+(``common.tool_formats``).
+
+``ToolCallParser.feed`` takes each text delta and returns the content that is certainly not part
+of a call (text that might open one is held back) and the calls completed so far; ``finish``
+flushes the rest at the end of the choice. A block that does not parse as a call is content:
+the client sees what the model wrote rather than losing it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from common.tool_formats import HERMES_CLOSE, HERMES_OPEN, LLAMA3_JSON, LLAMA3_PYTHON_TAG
+
+
+@dataclass
+class ToolCall:
+    """A parsed call; ``arguments`` grows as the text streams in."""
+
+    id: str
+    name: str
+    arguments: str  # a JSON object as text, as OpenAI sends it
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+
+
+@dataclass(frozen=True)
+class CallDelta:
+    """What one feed adds to call ``index``: its opening (``id`` and ``name`` set) and/or a
+    fragment of its arguments' JSON text."""
+
+    index: int
+    id: str = ""
+    name: str = ""
+    arguments: str = ""
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def parse_call(text: str, names: set[str]) -> ToolCall | None:
+    """``{"name": ..., "arguments"|"parameters": {...}}`` naming one of ``names``, or None."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(value, dict) or value.get("name") not in names:
+        return None
+    arguments = value.get("arguments", value.get("parameters", {}))
+    if isinstance(arguments, str):  # some models write the arguments as a JSON string
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return None
+    if not isinstance(arguments, dict):
+        return None
+    return ToolCall(new_call_id(), value["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+def held_prefix(text: str, tag: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
+
+
+# The head of a hermes call, up to its arguments: what lets them stream before the call ends.
+HERMES_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"([^"\\]*)"\s*,\s*"arguments"\s*:\s*(?=\{)')
+
+
+class ArgumentsScanner:
+    """Finds where a JSON object ends in text that arrives piece by piece (string-aware)."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.in_string = False
+        self.escaped = False
+        self.done = False
+
+    def take(self, text: str) -> int:
+        """How many characters of ``text`` belong to the object (all, until it closes)."""
+        for i, ch in enumerate(text):
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif ch == "\\":
+                    self.escaped = True
+                elif ch == '"':
+                    self.in_string = False
+            elif ch == '"':
+                self.in_string = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.done = True
+                    return i + 1
+        return len(text)
+
+
+class ToolCallParser:
+    """``feed``/``finish`` return ``(content, deltas)``; ``calls`` holds every call so far.
+
+    hermes: a call opens (id, name) as soon as its head ``{"name": ..., "arguments": `` has
+    arrived, and its arguments stream as they are generated; a block whose head has another
+    shape is parsed whole at its end. llama3_json: text that starts as JSON is held and parsed
+    at the end (several ``;``-separated calls)."""
+
+    def __init__(self, tool_format: str, names: set[str]) -> None:
+        self.llama = tool_format == LLAMA3_JSON
+        self.names = names
+        self.buffer = ""
+        self.inside = False  # hermes: within <tool_call>...</tool_call>
+        self.scanner: ArgumentsScanner | None = None  # hermes: a call whose arguments stream
+        self.undecided = True  # llama3_json: no text yet that says whether it is a call
+        self.plain = False  # llama3_json: it is content, streamed as it comes
+        self.calls: list[ToolCall] = []
+
+    def feed(self, text: str) -> tuple[str, list[CallDelta]]:
+        self.buffer += text
+        return self._llama() if self.llama else self._hermes(final=False)
+
+    def finish(self) -> tuple[str, list[CallDelta]]:
+        if not self.llama:
+            return self._hermes(final=True)
+        text, self.buffer = self.buffer, ""
+        calls = self._llama_calls(text)
+        if calls is None:
+            return text, []
+        return "", [self._add(call) for call in calls]
+
+    def _add(self, call: ToolCall) -> CallDelta:
+        self.calls.append(call)
+        return CallDelta(len(self.calls) - 1, call.id, call.name, call.arguments)
+
+    def _hermes(self, final: bool) -> tuple[str, list[CallDelta]]:
+        content: list[str] = []
+        deltas: list[CallDelta] = []
+        while self.buffer:
+            if not self.inside:
+                at = self.buffer.find(HERMES_OPEN)
+                if at < 0:
+                    keep = 0 if final else held_prefix(self.buffer, HERMES_OPEN)
+                    content.append(self.buffer[: len(self.buffer) - keep])
+                    self.buffer = self.buffer[len(self.buffer) - keep :]
+                    break
+                content.append(self.buffer[:at])
+                self.buffer = self.buffer[at + len(HERMES_OPEN) :]
+                self.inside = True
+            if self.scanner is None:
+                head = HERMES_HEAD.match(self.buffer)
+                if head is not None and head.group(1) in self.names:
+                    deltas.append(self._add(ToolCall(new_call_id(), head.group(1), "")))
+                    self.scanner = ArgumentsScanner()
+                    self.buffer = self.buffer[head.end() :]
+            if self.scanner is not None and not self.scanner.done:
+                n = self.scanner.take(self.buffer)
+                if n:
+                    self.calls[-1].arguments += self.buffer[:n]
+                    deltas.append(CallDelta(len(self.calls) - 1, arguments=self.buffer[:n]))
+                    self.buffer = self.buffer[n:]
+            end = self.buffer.find(HERMES_CLOSE)
+            if end < 0 and not final:
+                break  # the rest of the block (or the arguments) is still to come
+            taken = end + len(HERMES_CLOSE) if end >= 0 else len(self.buffer)
+            if self.scanner is None:  # not the usual head: the block parses whole, or is text
+                call = parse_call(self.buffer[: end if end >= 0 else None].strip(), self.names)
+                if call is None:
+                    content.append(HERMES_OPEN + self.buffer[:taken])
+                else:
+                    deltas.append(self._add(call))
+            self.buffer = self.buffer[taken:]
+            self.inside = False
+            self.scanner = None
+        if self.calls:  # whitespace between and after calls is layout, not content
+            content = [piece for piece in content if piece.strip()]
+        return "".join(content), deltas
+
+    def _llama(self) -> tuple[str, list[CallDelta]]:
+        if self.undecided:
+            head = self.buffer.lstrip()
+            if not head:
+                return "", []
+            self.undecided = False
+            self.plain = not head.startswith(("{", LLAMA3_PYTHON_TAG))
+        if self.plain:
+            text, self.buffer = self.buffer, ""
+            return text, []
+        return "", []  # a call: held to the end, then parsed whole
+
+    def _llama_calls(self, text: str) -> list[ToolCall] | None:
+        body = text.strip().removeprefix(LLAMA3_PYTHON_TAG).strip()
+        decoder = json.JSONDecoder()
+        calls = []
+        while body:  # one or more objects, separated by ";"
+            try:
+                _, end = decoder.raw_decode(body)
+            except ValueError:
+                return None
+            call = parse_call(body[:end], self.names)
+            if call is None:
+                return None
+            calls.append(call)
+            body = body[end:].lstrip().removeprefix(";").lstrip()
+        return calls or None

@@ -1,0 +1,166 @@
+"""A request's output constraint -> xgrammar EBNF text (``WireGrammar``), or a 400 naming the
+part of the schema that cannot be enforced.
+
+Why xgrammar (0.2.x): it is what vLLM and SGLang default to; it compiles a JSON schema into a
+pushdown automaton with a per-vocabulary token-mask cache, so the per-step cost is a bitmask
+fill of tens of microseconds, and it has a CPU path for applying the mask (our CPU executors)
+next to the CUDA one. llguidance is comparable but has no wheel pinned here; outlines-core
+compiles regex automata whose size explodes on nested schemas.
+
+Where the work happens: converting a schema to EBNF is cheap (tens of microseconds) and needs
+no vocabulary, so it happens here, once per distinct schema (cached), and catches every schema
+xgrammar cannot handle before the request is queued. Compiling the EBNF against a vocabulary
+(the token-mask cache: milliseconds to seconds) happens in each executor, off its step loop,
+once per ``WireGrammar.key`` (``services.executor.grammars``).
+
+Whitespace: JSON allows any amount between tokens, and models do spend their whole budget on
+it under a grammar (runs of newlines: a known failure of ``any_whitespace`` in vLLM's issue
+tracker; our random test models do it at once). The grammar therefore fixes the layout to
+one-line JSON with ``", "`` and ``": "`` separators, which is also what OpenAI's structured
+outputs return: every token then moves the document towards its end.
+
+``strict``: every schema is enforced in xgrammar's strict mode (no properties or items beyond
+what the schema lists), which is what OpenAI's ``strict: true`` means; a non-strict request
+gets the same guarantee rather than a looser one. ``json_object`` allows any object.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import re
+from typing import Any
+
+import xgrammar as xgr
+
+from common.runtime import RequestError
+from common.tool_formats import HERMES, HERMES_CLOSE, HERMES_OPEN, arguments_key
+from common.wire.executor import WireGrammar
+from common.wire.tokenizer import ResponseFormat, ToolChoice
+
+CACHE_SIZE = 512  # distinct schemas kept converted
+
+
+def grammar_for(
+    response_format: ResponseFormat | None, tools: ToolChoice | None, tool_format: str
+) -> WireGrammar | None:
+    """The grammar the output must follow, or None for free text. A forced tool call
+    (``required`` or a named function) wins over ``response_format``, which OpenAI applies to
+    content only."""
+    if tools is not None and tools.mode in ("required", "function"):
+        return _tool_grammar(tools.tools, tools.mode, tools.name, tool_format)
+    if response_format is None:
+        return None
+    if response_format.kind == "json_object":
+        return _schema_grammar('{"type": "object"}', "response_format", strict=False)
+    return _schema_grammar(response_format.schema, "response_format.json_schema.schema")
+
+
+def _wire(grammar: xgr.Grammar) -> WireGrammar:
+    text = str(grammar)
+    return WireGrammar(hashlib.blake2b(text.encode(), digest_size=16).hexdigest(), text)
+
+
+def _from_schema(schema: str, *, strict: bool = True) -> xgr.Grammar:
+    return xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=strict)
+
+
+@functools.lru_cache(maxsize=CACHE_SIZE)
+def _schema_grammar(schema: str, param: str, strict: bool = True) -> WireGrammar:
+    try:
+        return _wire(_from_schema(schema, strict=strict))
+    except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar's errors are RuntimeError
+        raise _unsupported(schema, param, exc) from None
+
+
+@functools.lru_cache(maxsize=CACHE_SIZE)
+def _tool_grammar(tools_json: str, mode: str, name: str, tool_format: str) -> WireGrammar:
+    tools = json.loads(tools_json)
+    functions = [t["function"] for t in tools]
+    if mode == "function":
+        functions = [f for f in functions if f["name"] == name]
+    key = arguments_key(tool_format)
+    calls = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": f["name"]},
+                key: f.get("parameters") or {"type": "object"},
+            },
+            "required": ["name", key],
+        }
+        for f in functions
+    ]
+    schema = json.dumps(calls[0] if len(calls) == 1 else {"anyOf": calls})
+    try:
+        call = _from_schema(schema)
+    except (RuntimeError, ValueError, TypeError) as exc:
+        raise _unsupported(schema, "tools", exc) from None
+    if tool_format != HERMES:
+        return _wire(call)
+    return _wire(
+        xgr.Grammar.concat(
+            xgr.Grammar.from_ebnf(f"root ::= {json.dumps(HERMES_OPEN + chr(10))}"),
+            call,
+            xgr.Grammar.from_ebnf(f"root ::= {json.dumps(chr(10) + HERMES_CLOSE)}"),
+        )
+    )
+
+
+# xgrammar's messages start with "[time] /path/file.cc:line: "; the rest is the reason.
+_LOCATION = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
+
+
+def _reason(exc: Exception) -> str:
+    return _LOCATION.sub("", str(exc).strip())
+
+
+def _unsupported(schema: str, param: str, exc: Exception) -> RequestError:
+    """A 400 that says which part of the schema xgrammar refused: the deepest subschema that
+    fails on its own (a JSON pointer), with xgrammar's reason."""
+    try:
+        where = _failing_part(json.loads(schema), "")
+    except ValueError:
+        where = None
+    at = f" at '{where or '/'}'" if where is not None else ""
+    return RequestError(
+        f"The JSON schema cannot be enforced{at}: {_reason(exc)}",
+        400,
+        "invalid_request_error",
+        param,
+        "invalid_schema",
+    )
+
+
+def _children(schema: Any, path: str) -> list[tuple[Any, str]]:
+    if not isinstance(schema, dict):
+        return []
+    out: list[tuple[Any, str]] = []
+    for key in ("properties", "$defs", "definitions", "patternProperties"):
+        for name, sub in (schema.get(key) or {}).items():
+            out.append((sub, f"{path}/{key}/{name}"))
+    for key in ("anyOf", "oneOf", "allOf", "prefixItems"):
+        for i, sub in enumerate(schema.get(key) or []):
+            out.append((sub, f"{path}/{key}/{i}"))
+    for key in ("items", "additionalProperties", "not"):
+        if isinstance(schema.get(key), dict):
+            out.append((schema[key], f"{path}/{key}"))
+    return out
+
+
+def _failing_part(schema: Any, path: str) -> str | None:
+    """The path of the deepest subschema that fails alone; None if the whole one converts.
+    Subschemas with references are skipped (they only resolve against the root)."""
+    for sub, sub_path in _children(schema, path):
+        if "$ref" in json.dumps(sub):
+            continue
+        try:
+            _from_schema(json.dumps(sub))
+        except (RuntimeError, ValueError, TypeError):
+            return _failing_part(sub, sub_path) or sub_path
+    try:
+        _from_schema(json.dumps(schema))
+    except (RuntimeError, ValueError, TypeError):
+        return path
+    return None

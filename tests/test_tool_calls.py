@@ -1,0 +1,91 @@
+"""Tool-call formats: chosen from the chat template, parsed out of streamed text."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from common.tool_formats import HERMES, LLAMA3_JSON, detect_tool_format
+from services.gateway.tool_calls import CallDelta, ToolCall, ToolCallParser
+from tests.models import CHATML, QWEN_TOOLS
+
+NAMES = {"get_weather", "get_time"}
+
+
+def test_format_follows_the_chat_template():
+    assert detect_tool_format(QWEN_TOOLS) == HERMES
+    assert detect_tool_format(CHATML) == HERMES  # no tool format: the hermes default
+    llama31 = "{{- '<|start_header_id|>ipython<|end_header_id|>' }}{{- '<|python_tag|>' }}"
+    assert detect_tool_format(llama31) == LLAMA3_JSON
+
+
+def feed_all(parser: ToolCallParser, pieces: list[str]) -> tuple[str, list[ToolCall]]:
+    """The content, and the calls as a client rebuilds them from the deltas (checked against
+    the parser's own record)."""
+    text, deltas = "", list[CallDelta]()
+    for piece in pieces:
+        t, d = parser.feed(piece)
+        text, deltas = text + t, deltas + d
+    t, d = parser.finish()
+    text, deltas = text + t, deltas + d
+    calls: list[ToolCall] = []
+    for delta in deltas:
+        if delta.id:
+            assert delta.index == len(calls)
+            calls.append(ToolCall(delta.id, delta.name, ""))
+        calls[delta.index].arguments += delta.arguments
+    assert calls == parser.calls
+    return text, calls
+
+
+def pieces_of(text: str, size: int) -> list[str]:
+    return [text[i : i + size] for i in range(0, len(text), size)]
+
+
+@pytest.mark.parametrize("size", [1, 3, 1000])
+def test_hermes_calls_split_anywhere_in_the_stream(size):
+    out = (
+        'Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+        "</tool_call>\n<tool_call>\n"
+        '{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+    )
+    text, calls = feed_all(ToolCallParser(HERMES, NAMES), pieces_of(out, size))
+    assert text == "Let me check."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris"}),
+        ("get_time", {"zone": "UTC"}),
+    ]
+    assert len({c.id for c in calls}) == 2
+
+
+def test_hermes_arguments_stream_before_the_call_ends():
+    parser = ToolCallParser(HERMES, NAMES)
+    _, opened = parser.feed('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa')
+    assert [(d.name, d.arguments) for d in opened] == [("get_weather", ""), ("", '{"city": "Pa')]
+    _, more = parser.feed('r}is"}}\n</tool_c')
+    assert [d.arguments for d in more] == ['r}is"}']  # a brace inside a string is text
+    assert parser.finish() == ("", [])
+    assert json.loads(parser.calls[0].arguments) == {"city": "Par}is"}
+
+
+def test_hermes_text_that_is_no_call_stays_content():
+    out = 'a < b <tool_call>\n{"name": "unknown", "arguments": {}}\n</tool_call> <tool_c'
+    text, calls = feed_all(ToolCallParser(HERMES, NAMES), pieces_of(out, 2))
+    assert calls == [] and text == out
+
+
+@pytest.mark.parametrize("size", [1, 1000])
+def test_llama3_json_calls(size):
+    out = (
+        '{"name": "get_time", "parameters": {"zone": "CET"}}; '
+        '{"name": "get_weather", "parameters": {"city": "a;b"}}'
+    )
+    text, calls = feed_all(ToolCallParser(LLAMA3_JSON, NAMES), pieces_of(out, size))
+    assert text == ""
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_time", {"zone": "CET"}),
+        ("get_weather", {"city": "a;b"}),
+    ]
+    text, calls = feed_all(ToolCallParser(LLAMA3_JSON, NAMES), ["It is ", "sunny."])
+    assert (text, calls) == ("It is sunny.", [])
