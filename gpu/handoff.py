@@ -61,6 +61,13 @@ def admit_prefilled(engine: Engine, request_id: str, first_token: int) -> bool:
     return True
 
 
+def withdraw(engine: Engine, request_id: str) -> PageTable | None:
+    """End a reservation but keep its pages held: the prefill side may still be writing into
+    them (a slow transfer, an abort that crossed it). ``release`` them once it cannot."""
+    seq = engine.reserved.pop(request_id, None)
+    return seq.table if seq is not None else None
+
+
 def detach_prefilled(engine: Engine, request_id: str) -> tuple[PageTable, int] | None:
     """Take a sequence that has just sampled its first token out of the engine, keeping its
     pages: (its page table, prompt tokens). Call ``release`` when they have been copied."""
