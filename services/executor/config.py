@@ -66,8 +66,6 @@ class ExecutorConfig:
             raise ValueError(f"role must be one of {', '.join(ROLES)}")
         if self.kv_transfer_timeout_s <= 0:
             raise ValueError("kv_transfer_timeout_s must be > 0")
-        if self.role != "mixed" and self.speculator != "off":
-            raise ValueError("speculative decoding is for mixed executors only (for now)")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -170,8 +170,8 @@ class LocalMesh:
                 "--kv-cache-tokens", str(a.kv_cache_tokens),
                 "--max-num-seqs", str(a.max_num_seqs),
                 "--max-num-batched-tokens", str(a.max_num_batched_tokens),
-                "--speculator", speculator if role == "mixed" else "off",
-                "--num-speculative-tokens", str(k if role == "mixed" else 0),
+                "--speculator", speculator,
+                "--num-speculative-tokens", str(k),
                 "--quantization", a.quantization,
                 "--kv-cache-dtype", a.kv_cache_dtype,
             )  # fmt: skip
