@@ -57,6 +57,7 @@ class Tally:
     itl_ms: list[float] = field(default_factory=list)
     tpot_ms: list[float] = field(default_factory=list)
     long_ttft_ms: list[float] = field(default_factory=list)
+    long_prompt_tokens: list[int] = field(default_factory=list)
     tokens: int = 0
     seconds: float = 0.0
     failed: int = 0
@@ -79,6 +80,8 @@ class Tally:
             return
         self.tokens += r.output_tokens
         self.long_ttft_ms.append(r.ttft_s * 1000)
+        if r.prompt_tokens is not None:
+            self.long_prompt_tokens.append(r.prompt_tokens)
 
 
 def pct(values: list[float], q: float) -> float:
@@ -188,7 +191,7 @@ def report(name: str, t: Tally, memcpy: float | None) -> list[str]:
         f"TPOT {statistics.fmean(t.tpot_ms) if t.tpot_ms else float('nan'):7.1f} ms  "
         f"long TTFT p50 {pct(t.long_ttft_ms, 50):8.0f} ms  p99 {pct(t.long_ttft_ms, 99):8.0f} ms  "
         f"out {t.tokens / t.seconds:6.1f} tok/s  long prompts {len(t.long_ttft_ms)}  "
-        f"failed {t.failed}"
+        f"(>= {min(t.long_prompt_tokens, default=0)} tokens)  failed {t.failed}"
     ]
     if t.kv_transfers:
         bw = t.kv_bytes / t.kv_seconds / 1e9
@@ -235,6 +238,7 @@ def main(argv: list[str] | None = None) -> None:
                 total.itl_ms += t.itl_ms
                 total.tpot_ms += t.tpot_ms
                 total.long_ttft_ms += t.long_ttft_ms
+                total.long_prompt_tokens += t.long_prompt_tokens
                 total.tokens += t.tokens
                 total.seconds += t.seconds
                 total.failed += t.failed
