@@ -168,3 +168,41 @@ async def test_killed_decode_executor_ends_every_request(process_mesh):
         outcomes = await asyncio.gather(*tasks)
         assert outcomes == reference
         await wait_idle(mesh, ["prefill-0"])
+
+
+async def test_the_kv_transfer_is_a_span_of_the_request_trace(tiny_llama):
+    """In one process (the harness): ``executor.kv_transfer`` with its bytes, pages and time
+    sits in the request's trace, under the scheduler's span like the prefill executor's."""
+    from tests.mesh import MeshHarness, runtime_of
+    from tools.bench.otlp_receiver import OtlpReceiver
+
+    receiver = OtlpReceiver().start()
+    mesh = MeshHarness(
+        tiny_llama, roles=("prefill", "decode"), otlp_endpoint=receiver.endpoint
+    ).start()
+    try:
+        async with aiohttp.ClientSession() as session:
+            await complete(session, mesh.base_url, PROMPTS[2], max_tokens=6, temperature=0)
+
+        def transfer(spans):
+            return [s for s in spans if s.name == "executor.kv_transfer"]
+
+        def flush() -> None:
+            for svc in mesh.executor_services:
+                svc.svc.tracing.flush(5)
+
+        assert receiver.wait_for(lambda spans: transfer(spans), poll=flush)
+        span = transfer(receiver.spans)[0]
+        assert receiver.wait_for(
+            lambda spans: any(s.name == "gateway.request" for s in spans),
+            poll=lambda: [r.tracing.flush(5) for r in map(runtime_of, mesh.services)],
+        )
+        roots = [s for s in receiver.spans if s.name == "gateway.request"]
+        assert span.trace_id in {r.trace_id for r in roots}
+        attrs = span.attributes
+        assert attrs["meshserve.kv_transfer.bytes"] > 0 and attrs["meshserve.kv_transfer.pages"] > 0
+        assert attrs["meshserve.peer_executor_id"] == "decode-0"
+        assert attrs["meshserve.executor_id"] == "prefill-0" and span.status_code != 2
+    finally:
+        mesh.stop()
+        receiver.stop()
