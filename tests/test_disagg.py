@@ -172,8 +172,10 @@ async def test_killed_decode_executor_ends_every_request(process_mesh):
 
 async def test_the_kv_transfer_is_a_span_of_the_request_trace(tiny_llama):
     """In one process (the harness): ``executor.kv_transfer`` with its bytes, pages and time
-    sits in the request's trace, under the scheduler's span like the prefill executor's."""
+    sits in the request's trace, under the scheduler's span like the prefill executor's; the
+    prefix index sees the prompt's pages in both pools, as they are."""
     from tests.mesh import MeshHarness, runtime_of
+    from tests.test_prefix_index import wait_for_agreement
     from tools.bench.otlp_receiver import OtlpReceiver
 
     receiver = OtlpReceiver().start()
@@ -183,6 +185,9 @@ async def test_the_kv_transfer_is_a_span_of_the_request_trace(tiny_llama):
     try:
         async with aiohttp.ClientSession() as session:
             await complete(session, mesh.base_url, PROMPTS[2], max_tokens=6, temperature=0)
+        assert mesh.index is not None
+        caches = await wait_for_agreement(mesh, mesh.index)
+        assert caches["prefill-0"] and caches["decode-0"]
 
         def transfer(spans):
             return [s for s in spans if s.name == "executor.kv_transfer"]
