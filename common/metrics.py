@@ -60,6 +60,7 @@ REQUEST_LATENCY_BUCKETS = (
     0.01, 0.025, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0,
     30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
 )  # fmt: skip
+KV_TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 QUEUE_BUCKETS = (
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
     10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0,
@@ -424,6 +425,21 @@ class ExecutorMetrics:
             "Time from a request's first token to its last.",
             REQUEST_LATENCY_BUCKETS,
         ).labels(executor_id)
+        # Disaggregated prefill: KV written from this (prefill) executor to a decode one.
+        pair = [*labels, "peer_executor_id"]
+        self.kv_transfer_bytes = Counter(
+            PREFIX + "kv_transfer_bytes", "KV bytes written to a decode executor.", pair,
+            registry=registry,
+        )  # fmt: skip
+        self.kv_transfer_time = Histogram(
+            PREFIX + "kv_transfer_time_seconds", "Time of one request's KV transfer.", pair,
+            buckets=KV_TRANSFER_BUCKETS, registry=registry,
+        )  # fmt: skip
+        self.kv_transfer_failures = Counter(
+            PREFIX + "kv_transfer_failures",
+            "KV transfers that failed or were not done in time (counted on both sides).",
+            pair, registry=registry,
+        )  # fmt: skip
 
 
 def all_metric_names() -> set[str]:

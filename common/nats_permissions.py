@@ -191,9 +191,20 @@ def executor(s: Subjects) -> Permissions:
             every(s.gateway_inbox),  # error replies
             s.abort,  # expired or failed requests
             every(s.kv_events),
+            every(s.executor_prefill),  # disaggregated: decode -> prefill executor
+            every(s.executor_prefilled),  # and back
         ],
-        subscribe=[every(s.executor_submit), s.abort],
-        requests=[s.speculator_propose],
+        subscribe=[
+            every(s.executor_submit),
+            s.abort,
+            every(s.executor_prefill),
+            every(s.executor_prefilled),
+            s.executor_heartbeat,  # decode role: are its prefill peers alive?
+        ],
+        # kv_agent: a decode peer's NIXL metadata; detok_progress: a decode executor falling
+        # back to local prefill asks what its prefill peer streamed
+        requests=[s.speculator_propose, every(s.executor_kv_agent), every(s.detok_progress)],
+        serves=[every(s.executor_kv_agent)],
         jetstream=kv_stream_api(s, "STREAM.CREATE", "STREAM.UPDATE"),  # ensure_kv_stream
     )
 

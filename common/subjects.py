@@ -54,6 +54,18 @@ class Subjects:
     def executor_submit(self, executor_id: str) -> str:
         return f"{self.prefix}.executor.{executor_id}.submit"
 
+    # disaggregated prefill/decode: decode executor -> prefill executor (compute this prompt
+    # into my pages), prefill -> decode (it is there), and prefill -> decode (request/reply)
+    # for the decode side's NIXL agent metadata
+    def executor_prefill(self, executor_id: str) -> str:
+        return f"{self.prefix}.executor.{executor_id}.prefill"
+
+    def executor_prefilled(self, executor_id: str) -> str:
+        return f"{self.prefix}.executor.{executor_id}.prefilled"
+
+    def executor_kv_agent(self, executor_id: str) -> str:
+        return f"{self.prefix}.executor.{executor_id}.kv_agent"
+
     # anyone -> every executor and the scheduler: stop these requests
     @property
     def abort(self) -> str:

@@ -69,6 +69,10 @@ class Attr:
     DECODE_STEPS = "meshserve.decode_steps"
     STREAM = "meshserve.stream"
     PRIORITY = "meshserve.priority"
+    PEER = "meshserve.peer_executor_id"  # the other side of a KV transfer
+    KV_BYTES = "meshserve.kv_transfer.bytes"
+    KV_PAGES = "meshserve.kv_transfer.pages"
+    KV_MS = "meshserve.kv_transfer.ms"
     HTTP_STATUS = "http.response.status_code"
 
 

@@ -93,6 +93,9 @@ class Engine:
         self.sampler = Sampler()
         self.eos_token_ids = frozenset(eos_token_ids or runner.config.eos_token_ids)
         self.seqs: dict[str, Sequence] = {}
+        # Disaggregated decode: sequences whose prompt KV another executor is writing into
+        # their pages (``gpu/handoff.py``); not scheduled until it arrives.
+        self.reserved: dict[str, Sequence] = {}
         self.num_steps = 0
         self.num_forward_passes = 0  # target forward passes (a step that ran the model)
         self._draft_limits: dict[str, int] = {}  # the last draft_requests' k per sequence
@@ -122,7 +125,20 @@ class Engine:
         ``max_tokens`` and the penalties, and a seeded request's generator skips the draws
         they took, so the continuation is the one an uninterrupted run would have sampled.
         """
-        if request_id in self.seqs:
+        seq = self.new_sequence(request_id, prompt_token_ids, params, output_token_ids, grammar)
+        self.seqs[request_id] = seq
+        self.scheduler.add(seq)
+
+    def new_sequence(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        output_token_ids: list[int] | None = None,
+        grammar: Any = None,
+    ) -> Sequence:
+        """A checked new sequence (for ``add_request`` and ``gpu.handoff.reserve``)."""
+        if request_id in self.seqs or request_id in self.reserved:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not prompt_token_ids:
             raise ModelError("the prompt is empty")
@@ -154,11 +170,14 @@ class Engine:
             skip_draws(seq.generator, len(output_token_ids), self.runner.config.vocab_size)
         if self.config.num_speculative_tokens:
             seq.draft_length = DraftLength(self.config.num_speculative_tokens)
-        self.seqs[request_id] = seq
-        self.scheduler.add(seq)
+        return seq
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its pages; False if it is unknown or already done."""
+        reserved = self.reserved.pop(request_id, None)
+        if reserved is not None:  # pages held for a prompt another executor computes
+            self.pages.free(reserved.table)
+            return True
         seq = self.seqs.pop(request_id, None)
         if seq is None:
             return False

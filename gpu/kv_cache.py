@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from common.kv_layout import KVLayout
 from gpu.config import ModelConfig
 
 
@@ -58,3 +59,20 @@ class KVCache:
         self.layers = [
             torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)
         ]
+
+    def layout(self) -> KVLayout:
+        """The pool's addresses for a transport (each layer is one contiguous buffer)."""
+        first = self.layers[0]
+        page_bytes = first[0].numel() * first.element_size()
+        return KVLayout(tuple(t.data_ptr() for t in self.layers), page_bytes, self.spec.num_pages)
+
+    def export_pages(self, pages: list[int]) -> torch.Tensor:
+        """A copy of these pages of every layer: ``[num_layers, len(pages), 2, page_size, ...]``."""
+        index = torch.tensor(pages, dtype=torch.long, device=self.layers[0].device)
+        return torch.stack([t.index_select(0, index) for t in self.layers])
+
+    def import_pages(self, pages: list[int], data: torch.Tensor) -> None:
+        """Write ``export_pages``' output into these pages (another pool's, same layout)."""
+        index = torch.tensor(pages, dtype=torch.long, device=self.layers[0].device)
+        for layer, values in zip(self.layers, data, strict=True):
+            layer.index_copy_(0, index, values.to(layer.device, layer.dtype))

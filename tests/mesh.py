@@ -61,6 +61,8 @@ HARNESS_ROLES = {
     "detok": "detokenizer",
     "index": "prefix-index",
     "executor": "executor",
+    "prefill": "executor",
+    "decode": "executor",
     "speculator": "speculator",
     "gw": "gateway",
 }
@@ -77,6 +79,9 @@ def runtime_of(service: Any) -> Service:
 class MeshHarness:
     model: Path
     executors: int = 1
+    # Disaggregated: one role per executor (``--role``), e.g. ("prefill", "decode"); their ids
+    # are then prefill-0, decode-0, ... as under ``meshserve up``.
+    roles: tuple[str, ...] = ()
     kv_cache_tokens: int = 4096
     page_size: int = 16
     max_num_seqs: int = 64
@@ -139,10 +144,13 @@ class MeshHarness:
         detok = DetokenizerService(DetokenizerConfig(self.mesh_config("detok"), model))
         self.index = PrefixIndexService(PrefixIndexConfig(self.mesh_config("index-0")))
         self.services = [tok, self.index, sched, detok]
-        for i in range(self.executors):
+        roles = self.roles or ("mixed",) * self.executors
+        for i, role in enumerate(roles):
+            name = f"executor-{i}" if role == "mixed" else f"{role}-{roles[:i].count(role)}"
             config = ExecutorConfig(
-                self.mesh_config(f"executor-{i}"),
+                self.mesh_config(name),
                 model,
+                role=role,
                 page_size=self.page_size,
                 kv_cache_tokens=self.kv_cache_tokens,
                 max_num_seqs=self.max_num_seqs,

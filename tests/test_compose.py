@@ -193,7 +193,11 @@ def test_executors_each_reserve_their_own_gpu(compose):
     assert len(executors) >= 2
     devices = [gpu_devices(svc) for svc in executors.values()]
     assert all(len(d) == 1 for d in devices), devices
-    assert len({d[0] for d in devices}) == len(devices), "two executors share a GPU"
+    # The disaggregated pair (profile disagg) replaces the mixed executors on the same GPUs.
+    for pool in ([s for s in executors.values() if "disagg" not in s.get("profiles", [])],
+                 [s for s in executors.values() if "disagg" in s.get("profiles", [])]):  # fmt: skip
+        used = [gpu_devices(svc)[0] for svc in pool]
+        assert len(set(used)) == len(used), "two executors share a GPU"
     ids = [svc["environment"]["MESHSERVE_INSTANCE_ID"] for svc in executors.values()]
     assert sorted(ids) == sorted(executors), "an executor's id differs from its service name"
     assert all(svc["environment"]["MESHSERVE_DEVICE"] == "cuda" for svc in executors.values())
@@ -481,9 +485,10 @@ def test_dockerfile_builds_on_cuda_pytorch_with_flashinfer(compose):
     base = re.search(r"ARG BASE_IMAGE=(\S+)", dockerfile)
     assert base and base.group(1).startswith("pytorch/pytorch:") and "cuda" in base.group(1)
     assert "-devel" in base.group(1), "FlashInfer's JIT needs nvcc: a devel image"
-    assert "pip install '.[cuda]'" in dockerfile
+    assert "pip install '.[cuda,disagg]'" in dockerfile
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert any(d.startswith("flashinfer") for d in extras["optional-dependencies"]["cuda"])
+    assert any(d.startswith("nixl") for d in extras["optional-dependencies"]["disagg"])
     exposed = {int(p) for p in re.findall(r"EXPOSE ([\d ]+)", dockerfile)[0].split()}
     ports = {health_port(svc) for svc in mesh_services(compose).values()}
     assert ports <= exposed

@@ -73,7 +73,7 @@ def test_service_logs_echo_new_complete_lines_and_keep_them_across_a_restart(tmp
 
 def test_ready_names_map_health_stages_to_up_names():
     names = ["tokenizer", "prefix-index", "scheduler", "detokenizer-0", "detokenizer-1"]
-    names += ["executor-0", "executor-1", "gateway"]
+    names += ["executor-0", "executor-1", "prefill-0", "decode-0", "gateway"]
     assert ready_names(names, None) == set()
     health = {
         "stages": {
@@ -81,11 +81,11 @@ def test_ready_names_map_health_stages_to_up_names():
             "prefix-index": {"live": []},
             "scheduler": {"live": ["vm-2"]},
             "detokenizer": {"live": ["vm-3"], "shards": {"0": ["vm-3"], "1": []}},
-            "executor": {"live": ["executor-1"], "draining": [], "refused": {}},
+            "executor": {"live": ["executor-1", "decode-0"], "draining": [], "refused": {}},
         }
     }
     got = ready_names(names, health)
-    assert got == {"tokenizer", "scheduler", "detokenizer-0", "executor-1", "gateway"}
+    assert got == {"tokenizer", "scheduler", "detokenizer-0", "executor-1", "decode-0", "gateway"}
 
 
 def test_ready_report_shows_each_service_once_and_waits_for_all():

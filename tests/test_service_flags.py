@@ -90,6 +90,8 @@ SERVICES: dict[str, list[Row]] = {
         ("--quantization", "MESHSERVE_QUANTIZATION", "int8"),
         ("--kv-cache-dtype", "MESHSERVE_KV_CACHE_DTYPE", "fp8"),
         ("--engine-nice", "MESHSERVE_ENGINE_NICE", "0"),
+        ("--role", "MESHSERVE_ROLE", "decode"),
+        ("--kv-transfer-timeout", "MESHSERVE_KV_TRANSFER_TIMEOUT", "5"),
     ],
     "services.gateway.config": [
         ("--host", "MESHSERVE_HOST", "127.0.0.1"),

@@ -45,6 +45,9 @@ class SeqTokens(Message):
     output_tokens: int
     start: StreamStart | None = None
     logprobs: list[WireTokenLogprob] | None = None
+    # Disaggregated prefill: the stream's next tokens come from this (decode) executor and
+    # incarnation; the detokenizer takes them from there on.
+    continues_on: tuple[str, str] | None = None
 
 
 @dataclass(frozen=True)

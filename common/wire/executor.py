@@ -1,5 +1,7 @@
 """What an executor receives: requests to run (``executor.<id>.submit``) and aborts
-(``requests.abort``).
+(``requests.abort``); with disaggregated prefill and decode, prompts to compute for another
+executor (``executor.<id>.prefill``), word that they are in its pages
+(``executor.<id>.prefilled``), and the question for its NIXL agent (``executor.<id>.kv_agent``).
 
 The scheduler receives ``TokenizedRequest`` first (``scheduler.submit``: it queues and routes
 it, then forwards it); the scheduler and the detokenizer also act on ``AbortRequests``.
@@ -9,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from common.wire.codec import Message
+from common.wire.codec import Message, id_ok, require
 from common.wire.tokenizer import WireSamplingParams
 
 
@@ -43,6 +45,10 @@ class TokenizedRequest(Message):
     output_token_ids: list[int] = field(default_factory=list)
     migrations: int = 0
     grammar: WireGrammar | None = None  # constrained decoding (response_format, tools)
+    # Disaggregated (sent to a decode executor): the prefill executor that computes the
+    # prompt and its first token, and that process's incarnation; "" for a local prefill.
+    prefill_executor: str = ""
+    prefill_incarnation: str = ""
 
 
 @dataclass(frozen=True)
@@ -57,3 +63,78 @@ class AbortRequests(Message):
     # Set when the requests failed rather than ended: the executor holding one (it knows the
     # client's inbox) sends this message to the client as a 503 error.
     error: str = ""
+
+
+ROLES = ("mixed", "prefill", "decode")
+
+
+@dataclass(frozen=True)
+class PrefillRequest(Message):
+    """Decode executor -> prefill executor: compute this prompt, stream its first token, and
+    write its KV into these pages of mine (every layer; page i holds tokens i*page_size...).
+    The pool is at ``layer_bases`` (``common.kv_layout.KVLayout``) behind NIXL agent
+    ``agent``; tokens after the first come from ``decode_executor``."""
+
+    request: TokenizedRequest
+    decode_executor: str
+    decode_incarnation: str
+    agent: str
+    layer_bases: list[int]
+    page_bytes: int
+    num_pages: int
+    pages: list[int]
+
+    def __post_init__(self) -> None:
+        require(
+            "PrefillRequest",
+            {
+                "decode_executor must be a subject-safe id": id_ok(self.decode_executor),
+                "layer_bases must be non-empty": bool(self.layer_bases),
+                "page_bytes and num_pages must be >= 1": self.page_bytes >= 1
+                and self.num_pages >= 1,
+                "pages must lie in the pool": all(0 <= p < self.num_pages for p in self.pages),
+            },
+        )
+
+
+PREFILL_OUTCOMES = ("written", "finished", "failed")
+
+
+@dataclass(frozen=True)
+class PrefillDone(Message):
+    """Prefill executor -> decode executor, after the transfer: ``written`` (the KV is in the
+    pages, NIXL's notification follows the data; decode from ``first_token`` on),
+    ``finished`` (the first token ended the request: release the pages) or ``failed``
+    (``error`` says why: compute the prompt locally)."""
+
+    request_id: str
+    outcome: str
+    first_token: int = -1
+    error: str = ""
+    bytes: int = 0
+    seconds: float = 0.0
+
+    def __post_init__(self) -> None:
+        require(
+            "PrefillDone",
+            {
+                "outcome must be one of " + ", ".join(PREFILL_OUTCOMES): (
+                    self.outcome in PREFILL_OUTCOMES
+                )
+            },
+        )
+
+
+@dataclass(frozen=True)
+class KVAgentQuery(Message):
+    """Prefill executor -> decode executor (request/reply), once per peer process."""
+
+    asker: str
+
+
+@dataclass(frozen=True)
+class KVAgentReply(Message):
+    """A NIXL agent's name and metadata (``nixl_agent.get_agent_metadata()``)."""
+
+    agent: str
+    metadata: bytes

@@ -34,6 +34,8 @@ class Heartbeat(Message):
     # The longest sequence (prompt + output) it can hold: the model's context or its KV pool,
     # whichever is less. The gateway checks its own --max-model-len against it.
     max_model_len: int = 0
+    # mixed (prefill and decode), prefill or decode (disaggregated; common.wire.executor.ROLES)
+    role: str = "mixed"
 
     def __post_init__(self) -> None:
         # Only values no working executor sends: a rejected heartbeat makes the executor look
@@ -52,6 +54,8 @@ class Heartbeat(Message):
                 "pending_tokens must be >= 0": self.pending_tokens >= 0,
                 "sent_at must be a finite time >= 0": time_ok(self.sent_at),
                 "request_ids must be non-empty strings": all(self.request_ids),
+                "role must be mixed, prefill or decode": self.role
+                in ("mixed", "prefill", "decode"),
             },
         )
 

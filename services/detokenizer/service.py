@@ -112,6 +112,9 @@ class DetokenizerService:
                 if self.never_seen(seq):
                     unknown.append(seq.request_id)
                 continue
+            if seq.continues_on is not None:
+                # Disaggregated: the prefill executor hands the stream to the decode one.
+                stream.source = seq.continues_on
             delta = self.advance(stream, seq)
             if delta is None:
                 continue

@@ -25,7 +25,8 @@ async def drain_and_stop(service: ExecutorService) -> None:
 
 
 async def _until_idle(service: ExecutorService) -> None:
-    while service.engine.has_unfinished() or service.pending_adds:
+    decode = service.decode_side  # reservations waiting for a prefill executor's KV
+    while service.engine.has_unfinished() or service.pending_adds or (decode and decode.busy):
         await asyncio.sleep(0.05)
 
 

@@ -4,6 +4,7 @@ from dataclasses import dataclass
 
 from common.config import MeshConfig, device_setting, model_setting, page_size_setting
 from common.settings import parse, setting
+from common.wire.executor import ROLES
 from gpu.formats import KV_CACHE_DTYPES, QUANTIZATIONS
 
 SPECULATORS = ("off", "ngram", "remote")
@@ -47,7 +48,24 @@ class ExecutorConfig:
         10, "niceness added to the engine's threads (0..19; 0 for dedicated cores)"
     )
 
+    role: str = setting(
+        "mixed",
+        "mixed: prefill and decode; prefill: compute prompts and write their KV to decode "
+        "executors (NIXL); decode: decode prompts computed by prefill executors",
+        choices=ROLES,
+    )
+    kv_transfer_timeout_s: float = setting(
+        30.0,
+        "decode role: seconds to wait for a prompt's KV from its prefill executor before "
+        "computing it here",
+        flag="--kv-transfer-timeout",
+    )
+
     def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}")
+        if self.kv_transfer_timeout_s <= 0:
+            raise ValueError("kv_transfer_timeout_s must be > 0")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -34,7 +34,13 @@ from common.recent_ids import RecentIds
 from common.runtime import Service
 from common.wire.codec import Message
 from common.wire.detokenizer import SeqTokens, StepTokens, StreamStart, WireTokenLogprob
-from common.wire.executor import AbortRequests, TokenizedRequest
+from common.wire.executor import (
+    AbortRequests,
+    KVAgentQuery,
+    PrefillDone,
+    PrefillRequest,
+    TokenizedRequest,
+)
 from common.wire.gateway import ErrorEvent
 from common.wire.scheduler import Heartbeat
 from gpu.engine import Engine, EngineConfig, StepOutput
@@ -45,8 +51,11 @@ from gpu.quant import kv_cache_dtype
 from gpu.runner import ModelRunner
 from gpu.sequence import Sequence
 from services.executor.config import ExecutorConfig
+from services.executor.decode_side import DecodeSide
 from services.executor.grammars import GrammarCache, tokenizer_info
 from services.executor.kv_events import KVEventPublisher
+from services.executor.kv_transport import KVTransport
+from services.executor.prefill_side import PrefillSide
 from services.executor.speculation import RemoteProposer
 from services.executor.timeline import Timelines
 from services.sampling import sampling_params
@@ -106,6 +115,17 @@ class ExecutorService:
         self.remote: RemoteProposer | None = None  # drafts from the speculator service
         if config.speculator == "remote":
             self.remote = RemoteProposer(self.svc, config.speculator_timeout_s)
+        # Disaggregation (--role prefill|decode): the KV pool registered with NIXL once.
+        self.transport: KVTransport | None = None
+        self.prefill_side: PrefillSide | None = None
+        self.decode_side: DecodeSide | None = None
+        if config.role != "mixed":
+            agent = f"{config.executor_id}-{self.incarnation}"
+            self.transport = KVTransport(agent, engine.runner.kv.layout())
+            if config.role == "prefill":
+                self.prefill_side = PrefillSide(self, self.transport)
+            else:
+                self.decode_side = DecodeSide(self, self.transport)
 
     async def start(self) -> None:
         await self.svc.connect()
@@ -113,6 +133,25 @@ class ExecutorService:
             self.subjects.executor_submit(self.config.executor_id), TokenizedRequest, self.on_submit
         )
         await self.svc.subscribe(self.subjects.abort, AbortRequests, self.on_abort)
+        me = self.config.executor_id
+        if self.prefill_side is not None:
+            side = self.prefill_side
+            await self.svc.subscribe(
+                self.subjects.executor_prefill(me), PrefillRequest, side.on_prefill
+            )
+        if self.decode_side is not None:
+            decode = self.decode_side
+            await self.svc.subscribe(
+                self.subjects.executor_prefilled(me), PrefillDone, decode.on_prefilled
+            )
+            # Whether each prefill peer lives: pages it may write into are held until it cannot.
+            await self.svc.subscribe(
+                self.subjects.executor_heartbeat, Heartbeat, decode.on_heartbeat
+            )
+            await self.svc.serve(
+                self.subjects.executor_kv_agent(me), KVAgentQuery, decode.on_kv_agent
+            )
+            self.svc.spawn(decode.pump(), "kv-pump")
         await self.kv_events.start()  # before the first step: the index starts from "cleared"
         self.svc.spawn(self.step_loop(), "step-loop")
         self.svc.spawn(self.svc.every(self.config.heartbeat_s, self.heartbeat), "heartbeat")
@@ -171,6 +210,9 @@ class ExecutorService:
         admitted removes it now, one for a running request is applied before the next step
         admits anything (so a withdraw-then-resubmit of the same id runs the new one)."""
         if msg.executor_id and msg.executor_id != self.config.executor_id:
+            # Another executor's requests withdrawn: ours too, if we prefill them for it.
+            if self.prefill_side is not None:
+                await self.prefill_side.peer_withdrawn(msg.executor_id, msg.request_ids)
             return
         ids = set(msg.request_ids)
         if not msg.executor_id:
@@ -251,6 +293,7 @@ class ExecutorService:
                 ],
                 incarnation=self.incarnation,
                 max_model_len=self.engine.max_seq_len,
+                role=self.config.role,
             ),
         )
 
@@ -262,7 +305,7 @@ class ExecutorService:
             await self.expire_deadlines()
             self.snapshot_load()
             if not self.engine.has_unfinished():
-                if self.draining:
+                if self.draining and not (self.decode_side and self.decode_side.busy):
                     return
                 self.wake.clear()
                 await self.wake.wait()
@@ -296,7 +339,7 @@ class ExecutorService:
         adds, self.pending_adds = self.pending_adds, []
         aborts, self.pending_aborts = self.pending_aborts, set()
         for rid in aborts:  # first: they arrived before anything still pending (on_abort)
-            if self.engine.abort(rid):
+            if self.drop(rid):
                 self.forget(rid)
         for req in adds:
             if req.request_id in self.requests:
@@ -305,19 +348,31 @@ class ExecutorService:
                 log.warning("executor: ignoring a second submit of %s", req.request_id)
                 continue
             try:
-                params = sampling_params(req.params)
-                self.engine.add_request(
-                    req.request_id,
-                    req.prompt_token_ids,
-                    params,
-                    req.output_token_ids,
-                    grammar=self.compiled.pop(req.request_id, None),
-                )
+                if not await self.reserve(req):
+                    params = sampling_params(req.params)
+                    self.engine.add_request(
+                        req.request_id,
+                        req.prompt_token_ids,
+                        params,
+                        req.output_token_ids,
+                        grammar=self.compiled.pop(req.request_id, None),
+                    )
             except ValueError as exc:  # ModelError included: the request, not the executor
                 self.timelines.finished(req.request_id, "error")
                 await self.try_publish(req.reply_to, ErrorEvent(req.request_id, 400, str(exc)))
                 continue
             self.requests[req.request_id] = req
+        if self.decode_side is not None:
+            await self.decode_side.apply()
+
+    async def reserve(self, req: TokenizedRequest) -> bool:
+        """A request paired with a prefill executor: reserve its pages here (decode side).
+        False: compute it here (not paired, not a decode executor, or no room now)."""
+        if self.decode_side is None or not req.prefill_executor or req.output_token_ids:
+            return False
+        if req.grammar is not None:  # the scheduler never pairs these (pairing.py)
+            return False
+        return await self.decode_side.reserve(req)
 
     async def try_publish(self, subject: str, message: Message | bytes) -> bool:
         """Publish; a failure (NATS down past its reconnect buffer, a payload over the limit)
@@ -331,12 +386,26 @@ class ExecutorService:
             return False
         return True
 
+    def drop(self, request_id: str) -> bool:
+        """Stop a request in the engine (between steps); False if it holds none of it. Pages
+        reserved for a prefill executor's write are held until it cannot write any more."""
+        if self.decode_side is not None and self.decode_side.withdraw(request_id):
+            return True
+        return self.engine.abort(request_id)
+
+    async def try_publish_quietly(self, subject: str, message: Message) -> None:
+        await self.try_publish(subject, message)
+
     def forget(self, request_id: str, reason: str = "abort") -> None:
         self.requests.pop(request_id, None)
         self.started.discard(request_id)
         self.timelines.finished(request_id, reason)
         if self.remote is not None:
             self.remote.release([request_id])
+        if self.prefill_side is not None:
+            self.prefill_side.forget(request_id)
+        if self.decode_side is not None:
+            self.decode_side.forget(request_id)
 
     def admitted(self, request_id: str) -> bool:
         """Has the engine scheduled this request at least once (or already dropped it)? One
@@ -394,6 +463,9 @@ class ExecutorService:
                     output_tokens=out.output_tokens,
                     start=start,
                     logprobs=logprobs,
+                    continues_on=self.prefill_side.continues_on(out.request_id)
+                    if self.prefill_side is not None
+                    else None,
                 )
             )
         limit = self.svc.nc.max_payload - PAYLOAD_HEADROOM
@@ -426,6 +498,8 @@ class ExecutorService:
                                 "delivery_failed",
                             ),
                         )
+        if self.prefill_side is not None:  # their KV to the decode side, before the next step
+            await self.prefill_side.hand_off(outputs)
         # Forgotten only now: a finished request whose last tokens could not be sent still
         # needs its inbox for the error above.
         for out in outputs:
@@ -435,7 +509,7 @@ class ExecutorService:
     async def fail_request(self, request_id: str, error: ErrorEvent, reason: str = "error") -> None:
         """End one request here with ``error`` for its client; every stage forgets it."""
         req = self.requests.get(request_id)
-        self.engine.abort(request_id)
+        self.drop(request_id)
         self.forget(request_id, reason)
         if req is not None:
             await self.try_publish(req.reply_to, error)
@@ -454,6 +528,8 @@ class ExecutorService:
         except Exception as exc:  # NATS gone: the index expires us by heartbeat instead
             log.warning("executor: could not clear its KV events: %s", exc)
         await self.svc.close()
+        if self.transport is not None:
+            self.transport.close()
 
 
 def engine_thread(nice: int = 0) -> ThreadPoolExecutor:

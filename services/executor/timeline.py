@@ -125,6 +125,33 @@ class Timelines:
             attributes=self.attributes(timeline.request_id),
         )
 
+    def context(self, request_id: str) -> Context | None:
+        """The request's parent context here (the scheduler's span), to publish under."""
+        timeline = self.active.get(request_id)
+        return timeline.parent if timeline is not None else None
+
+    def kv_transfer(
+        self, request_id: str, peer: str, started_ns: int, ended_ns: int, num_bytes: int,
+        pages: int, error: str = "",
+    ) -> None:  # fmt: skip
+        """The ``executor.kv_transfer`` span of a prompt's KV written to ``peer``."""
+        timeline = self.active.get(request_id)
+        extra: dict[str, AttributeValue] = {
+            Attr.PEER: peer,
+            Attr.KV_BYTES: num_bytes,
+            Attr.KV_PAGES: pages,
+            Attr.KV_MS: (ended_ns - started_ns) / 1e6,
+        }
+        span = self.tracer.start_span(
+            "executor.kv_transfer",
+            context=timeline.parent if timeline is not None else None,
+            start_time=started_ns,
+            attributes=self.attributes(request_id, **extra),
+        )
+        if error:
+            span.set_status(Status(StatusCode.ERROR, error))
+        span.end(end_time=ended_ns)
+
     def carrier(self, request_id: str) -> dict[str, str]:
         """The decode span's context, for the detokenizer's span (empty if unknown)."""
         timeline = self.active.get(request_id)

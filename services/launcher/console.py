@@ -117,7 +117,7 @@ def ready_names(names: Iterable[str], health: dict[str, Any] | None) -> set[str]
         stage, _, index = name.rpartition("-")
         if name == "gateway":
             ok = True
-        elif stage == "executor":
+        elif stage in ("executor", "prefill", "decode"):  # executor ids, by role
             ok = name in stages.get("executor", {}).get("live", [])
         elif stage == "detokenizer":
             ok = bool(stages.get("detokenizer", {}).get("shards", {}).get(index))

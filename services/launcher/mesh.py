@@ -65,7 +65,19 @@ class LocalMesh:
         """Cache-aware routing pays off only when there is a choice of executor."""
         if self.args.router:
             return str(self.args.router)
-        return "kv" if self.args.executors > 1 else "least-load"
+        return "kv" if len(self.executor_roles) > 1 else "least-load"
+
+    @property
+    def executor_roles(self) -> list[tuple[str, str]]:
+        """(instance id, role) of every executor: the mixed pool, then the disaggregated."""
+        a = self.args
+        disaggregated = a.prefill_executors + a.decode_executors
+        mixed = a.executors if a.executors is not None else (0 if disaggregated else 1)
+        return [
+            *((f"executor-{i}", "mixed") for i in range(mixed)),
+            *((f"prefill-{i}", "prefill") for i in range(a.prefill_executors)),
+            *((f"decode-{i}", "decode") for i in range(a.decode_executors)),
+        ]
 
     @property
     def base_url(self) -> str:
@@ -145,13 +157,15 @@ class LocalMesh:
                 "--device", a.device,
                 "--page-size", str(a.page_size),
             )  # fmt: skip
-        for i in range(a.executors):
+        for name, role in self.executor_roles:
             self.spawn(
-                f"executor-{i}",
+                name,
                 "services.executor",
                 *model,
                 *pages,
-                "--instance-id", f"executor-{i}",
+                "--instance-id", name,
+                "--role", role,
+                "--kv-transfer-timeout", str(a.kv_transfer_timeout),
                 "--device", a.device,
                 "--kv-cache-tokens", str(a.kv_cache_tokens),
                 "--max-num-seqs", str(a.max_num_seqs),

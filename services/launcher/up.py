@@ -29,7 +29,30 @@ def add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--executors", type=int, default=1)
+    p.add_argument(
+        "--executors",
+        type=int,
+        default=None,
+        help="mixed executors (prefill and decode; default 1, or 0 with a disaggregated pool)",
+    )
+    p.add_argument(
+        "--prefill-executors",
+        type=int,
+        default=0,
+        help="disaggregated: executors that only compute prompts (KV to decode ones by NIXL)",
+    )
+    p.add_argument(
+        "--decode-executors",
+        type=int,
+        default=0,
+        help="disaggregated: executors that decode prompts computed by the prefill ones",
+    )
+    p.add_argument(
+        "--kv-transfer-timeout",
+        type=float,
+        default=30.0,
+        help="decode executors: seconds to wait for a prompt's KV before computing it locally",
+    )
     p.add_argument("--detok-shards", type=int, default=1)
     p.add_argument("--nats-url", default=None, help="use this NATS server instead of starting one")
     p.add_argument("--device", default="cpu")

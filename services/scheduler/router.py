@@ -218,13 +218,20 @@ class Router:
             self.check_page_sizes()  # the majority page size may have left with them
         return dead
 
-    def candidates(self) -> list[str]:
-        """Live executors with room now, in a stable order; never a refused one."""
+    def candidates(self, roles: Sequence[str] | None = None) -> list[str]:
+        """Live executors with room now (of these roles), in a stable order; never a refused
+        one."""
         return sorted(
             e
             for e in self.alive()
-            if e not in self.refused and self.executors[e].has_room(self.slack)
+            if e not in self.refused
+            and self.executors[e].has_room(self.slack)
+            and (roles is None or self.executors[e].heartbeat.role in roles)
         )
+
+    def live_roles(self) -> set[str]:
+        """The roles of the live executors that may get work (room or not)."""
+        return {self.executors[e].heartbeat.role for e in self.alive() if e not in self.refused}
 
     @property
     def wants_overlaps(self) -> bool:
@@ -239,12 +246,18 @@ class Router:
         uncached = max(0, request_pages - overlap_pages)
         return self.overlap_weight * uncached + state.load
 
-    def pick(self, req: TokenizedRequest, overlaps: dict[str, int] | None = None) -> str | None:
+    def pick(
+        self,
+        req: TokenizedRequest,
+        overlaps: dict[str, int] | None = None,
+        among: list[str] | None = None,
+    ) -> str | None:
         """The executor to send ``req`` to now, or None if none has room (it keeps waiting).
 
         ``overlaps``: pages of the prompt's prefix each executor holds (the index's answer).
+        ``among``: the candidates to choose from (default: every one with room).
         """
-        candidates = self.candidates()
+        candidates = self.candidates() if among is None else among
         if not candidates:
             return None
         # Ties go to the executors in turn, not always to the first name: equal executors then
@@ -267,9 +280,19 @@ class Router:
         )
 
     def assigned(
-        self, executor_id: str, req: TokenizedRequest, overlaps: dict[str, int] | None = None
+        self,
+        executor_id: str,
+        req: TokenizedRequest,
+        overlaps: dict[str, int] | None = None,
+        decode_only: bool = False,
     ) -> None:
+        """Count ``req`` in the executor's load until its next heartbeat; ``decode_only``: a
+        decode executor that receives the prompt's KV from a prefill executor."""
         state = self.executors[executor_id]
+        if decode_only:
+            state.assigned_since_heartbeat += 1
+            state.assigned_tokens_since_heartbeat += 1
+            return
         cached = 0
         if self.policy == "kv":
             cached = self.overlap(executor_id, req, overlaps or {}) * state.heartbeat.page_size

@@ -35,6 +35,7 @@ from common.wire.prefix_index import IndexMatchReply, IndexMatchRequest
 from common.wire.presence import Presence
 from common.wire.scheduler import Heartbeat, RequestStatusQuery, RequestStatusReply
 from services.scheduler.inflight import Assignment, Inflight, Rank
+from services.scheduler.pairing import route
 from services.scheduler.router import POLICIES, Router
 from services.scheduler.tracing import RouteTraces
 
@@ -205,12 +206,23 @@ class SchedulerService:
                 overlaps = await self.overlaps(req) if len(candidates) > 1 else {}
             if not self.queue or self.queue[0][1] is not req:
                 continue  # the queue changed (or the client left) while we asked the index
-            executor = self.router.pick(req, overlaps)
-            if executor is None:
+            chosen = route(self.router, req, overlaps)
+            if chosen is None:
                 return
             heapq.heappop(self.queue)
             self.queued.discard(req.request_id)
-            self.router.assigned(executor, req, overlaps)
+            executor = chosen.executor
+            if chosen.prefill:  # disaggregated: the decode side asks the prefill side
+                self.router.assigned(chosen.prefill, req, overlaps)
+                self.router.assigned(executor, req, decode_only=True)
+                incarnation = self.router.executors[chosen.prefill].heartbeat.incarnation
+            else:
+                self.router.assigned(executor, req, overlaps)
+                incarnation = ""
+            if chosen.prefill or req.prefill_executor:  # (a migrated one may carry an old pair)
+                req = dataclasses.replace(
+                    req, prefill_executor=chosen.prefill, prefill_incarnation=incarnation
+                )
             assignment = self.inflight.assign(executor, req, rank)
             with self.routes.use(req.request_id):
                 await self.svc.publish(self.svc.subjects.executor_submit(executor), req)

@@ -1,0 +1,289 @@
+"""A decode executor's half of disaggregation (``--role decode``).
+
+A request the scheduler paired with a prefill executor first gets pages here, reserved for its
+prompt (``gpu.handoff.reserve``); a ``PrefillRequest`` tells the prefill executor where they
+are. It computes the prompt, streams the first token and writes the KV into those pages; once
+its ``PrefillDone`` says "written" and NIXL's notification (which follows the data) has
+arrived, the sequence joins the running batch with its prompt computed and decodes token two.
+
+Failures end with the request computed here instead (local prefill): the prefill side
+reports a failure, nothing arrives within ``--kv-transfer-timeout``, or the prefill executor's
+heartbeats stop (or a new incarnation appears). The detokenizer says which tokens the prefill
+side streamed (and drops any it still sends), and the request is prefilled here, in fresh
+pages, with them, so the stream goes on without a gap or a repeat. The reserved pages are
+released only once nothing can write into them any more (the prefill side said it is done
+with them, or it is dead): a late write into pages given to another sequence would corrupt
+it. Every method that touches the engine runs between steps (``apply``, from the step loop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from common.runtime import NoAnswer
+from common.wire.detokenizer import StreamProgressReply, StreamProgressRequest
+from common.wire.executor import (
+    AbortRequests,
+    KVAgentQuery,
+    KVAgentReply,
+    PrefillDone,
+    PrefillRequest,
+    TokenizedRequest,
+)
+from common.wire.gateway import ErrorEvent
+from common.wire.scheduler import Heartbeat
+from gpu import handoff
+from gpu.page_manager import PageTable
+from services.executor.kv_transport import KVTransport
+from services.sampling import sampling_params
+
+if TYPE_CHECKING:
+    from services.executor.service import ExecutorService
+
+log = logging.getLogger("meshserve.executor")
+
+POLL_S = 0.002  # how often an idle step loop looks for NIXL notifications
+PEER_TIMEOUT_S = 2.0  # a prefill peer silent this long is dead (the scheduler's default too)
+
+
+@dataclass
+class Reservation:
+    request: TokenizedRequest
+    pages: list[int]
+    deadline: float  # monotonic: past it, compute the prompt here
+    done: PrefillDone | None = None
+    notified: bool = False  # NIXL's notification: the bytes are in our pages
+
+
+@dataclass
+class Held:
+    """Pages of an ended reservation that the prefill side might still write into."""
+
+    table: PageTable
+    peer: tuple[str, str]  # (prefill executor, incarnation)
+    done: bool = False  # it said it is done with them
+
+
+@dataclass(frozen=True)
+class Resume:
+    """A request falling back to local prefill, once the detokenizer has answered."""
+
+    request: TokenizedRequest
+    streamed: list[int] | None  # None: no answer (the request fails)
+    ended: bool = False
+
+
+def peer_of(req: TokenizedRequest) -> tuple[str, str]:
+    return (req.prefill_executor, req.prefill_incarnation)
+
+
+class DecodeSide:
+    def __init__(self, service: ExecutorService, transport: KVTransport) -> None:
+        self.service = service
+        self.transport = transport
+        self.reservations: dict[str, Reservation] = {}
+        self.held: dict[str, Held] = {}
+        self.resumes: list[Resume] = []
+        self.changed = asyncio.Event()
+        self.peers_seen: dict[str, tuple[str, float]] = {}  # executor -> (incarnation, when)
+        self.tasks: set[asyncio.Future[None]] = set()
+
+    def fire(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self.tasks.add(task)  # held until done (the loop keeps only weak references)
+        task.add_done_callback(self.tasks.discard)
+
+    async def on_heartbeat(self, hb: Heartbeat) -> None:
+        if hb.role == "prefill":
+            self.peers_seen[hb.executor_id] = (hb.incarnation, time.monotonic())
+
+    def peer_alive(self, peer: tuple[str, str], now: float) -> bool:
+        seen = self.peers_seen.get(peer[0])
+        return seen is not None and seen[0] == peer[1] and now - seen[1] <= PEER_TIMEOUT_S
+
+    async def on_kv_agent(self, query: KVAgentQuery) -> KVAgentReply:
+        return KVAgentReply(self.transport.name, self.transport.metadata)
+
+    async def on_prefilled(self, message: PrefillDone) -> None:
+        reservation = self.reservations.get(message.request_id)
+        if reservation is not None:
+            reservation.done = message
+            self.service.wake.set()
+        held = self.held.get(message.request_id)
+        if held is not None:
+            held.done = True
+            self.service.wake.set()
+
+    def withdraw(self, request_id: str) -> bool:
+        """End a reservation (an abort, a deadline; between steps), holding its pages."""
+        r = self.reservations.pop(request_id, None)
+        if r is None:
+            return False
+        self.hold(r)
+        return True
+
+    def hold(self, r: Reservation) -> None:
+        table = handoff.withdraw(self.service.engine, r.request.request_id)
+        if table is None:
+            return
+        if r.done is not None:  # the prefill side is through with these pages
+            handoff.release(self.service.engine, table)
+            return
+        self.held[r.request.request_id] = Held(table, peer_of(r.request))
+        self.changed.set()
+
+    def forget(self, request_id: str) -> None:
+        self.reservations.pop(request_id, None)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.reservations or self.resumes or self.held)
+
+    # -- between steps ---------------------------------------------------------------------
+    async def reserve(self, req: TokenizedRequest) -> bool:
+        """Reserve pages for ``req``'s prompt and ask its prefill executor to fill them; False
+        when there is no room (the caller computes it here). Raises on a bad request."""
+        svc, rid = self.service, req.request_id
+        pages = handoff.reserve(svc.engine, rid, req.prompt_token_ids, sampling_params(req.params))
+        if pages is None:
+            return False
+        now = time.monotonic()
+        self.reservations[rid] = Reservation(req, pages, now + svc.config.kv_transfer_timeout_s)
+        # A peer not heard from yet counts as alive from now (it was routed to, so it lives).
+        self.peers_seen.setdefault(req.prefill_executor, (req.prefill_incarnation, now))
+        layout = svc.engine.runner.kv.layout()
+        job = PrefillRequest(
+            request=req,
+            decode_executor=svc.config.executor_id,
+            decode_incarnation=svc.incarnation,
+            agent=self.transport.name,
+            layer_bases=list(layout.layer_bases),
+            page_bytes=layout.page_bytes,
+            num_pages=layout.num_pages,
+            pages=pages,
+        )
+        subject = svc.subjects.executor_prefill(req.prefill_executor)
+        try:
+            await svc.svc.publish(subject, job, context=svc.timelines.context(rid))
+        except Exception as exc:  # the bus is gone: compute it here
+            log.warning("executor: could not ask %s to prefill %s: %s", subject, rid, exc)
+            self.reservations[rid].deadline = 0.0
+        self.changed.set()
+        return True
+
+    async def apply(self) -> None:
+        """Admit the sequences whose KV arrived; fall back for the ones that failed."""
+        svc = self.service
+        self.poll()
+        now = time.monotonic()
+        for rid, r in list(self.reservations.items()):
+            done = r.done
+            if done is not None and done.outcome == "written" and r.notified:
+                del self.reservations[rid]
+                handoff.admit_prefilled(svc.engine, rid, done.first_token)
+            elif done is not None and done.outcome == "finished":
+                del self.reservations[rid]
+                svc.engine.abort(rid)  # the first token ended it: give the pages back
+                svc.forget(rid, "stop")
+            elif done is not None and done.outcome == "failed":
+                self.fall_back(rid, done.error)
+            elif now > r.deadline:
+                self.fall_back(rid, "no KV arrived in time")
+            elif not self.peer_alive(
+                (r.request.prefill_executor, r.request.prefill_incarnation), now
+            ):
+                self.fall_back(rid, "the prefill executor is gone")
+        for rid, held in list(self.held.items()):
+            if held.done or not self.peer_alive(held.peer, now):
+                del self.held[rid]
+                handoff.release(svc.engine, held.table)
+        resumes, self.resumes = self.resumes, []
+        for resume in resumes:
+            await self.resume(resume)
+
+    def poll(self) -> None:
+        for note in self.transport.notifications():
+            r = self.reservations.get(note.decode(errors="replace"))
+            if r is not None:
+                r.notified = True
+
+    def fall_back(self, rid: str, why: str) -> None:
+        svc = self.service
+        r = self.reservations.pop(rid)
+        self.hold(r)
+        peer = r.request.prefill_executor
+        log.warning("executor: %s from %s: %s; computing it here", rid, peer, why)
+        svc.metrics.kv_transfer_failures.labels(peer, svc.config.executor_id).inc()
+        if r.done is None:  # it may still be computing: stop it (it then says it is done)
+            stop = AbortRequests([rid], "computed on its decode executor", executor_id=peer)
+            self.fire(svc.try_publish_quietly(svc.subjects.abort, stop))
+        self.fire(self.ask_progress(r.request))
+
+    async def ask_progress(self, req: TokenizedRequest) -> None:
+        """What the prefill side streamed (the detokenizer drops its tokens from now on)."""
+        svc = self.service
+        ask = StreamProgressRequest(req.prefill_executor, [req.request_id], req.prefill_incarnation)
+        try:
+            reply = await svc.svc.request(
+                svc.subjects.detok_progress(req.detok_shard), ask, StreamProgressReply, 2.0
+            )
+        except NoAnswer as exc:
+            log.error("executor: detokenizer did not answer for %s: %s", req.request_id, exc)
+            self.resumes.append(Resume(req, None))
+        else:
+            ended = req.request_id in reply.ended
+            self.resumes.append(Resume(req, reply.streamed.get(req.request_id, []), ended))
+        svc.wake.set()
+
+    async def resume(self, resume: Resume) -> None:
+        svc, req = self.service, resume.request
+        rid = req.request_id
+        if rid not in svc.requests:
+            return  # aborted meanwhile
+        if resume.ended:
+            svc.forget(rid, "stop")
+            return
+        if resume.streamed is None:
+            error = ErrorEvent(
+                rid, 503, "The prompt's KV transfer failed and the stream could not be resumed; "
+                "retry.", "server_error", "kv_transfer_failed",
+            )  # fmt: skip
+            await svc.fail_request(rid, error)
+            return
+        try:
+            svc.engine.add_request(
+                rid, req.prompt_token_ids, sampling_params(req.params), resume.streamed
+            )
+        except ValueError as exc:  # e.g. the stream already has max_tokens
+            await svc.fail_request(rid, ErrorEvent(rid, 400, str(exc)))
+
+    @staticmethod
+    def ready(r: Reservation, now: float) -> bool:
+        """Does ``apply`` have something to do for this reservation?"""
+        if now > r.deadline:
+            return True
+        return r.done is not None and (r.notified or r.done.outcome != "written")
+
+    async def pump(self) -> None:
+        """While reservations wait and the step loop is idle, look for NIXL notifications
+        (and deadlines) often enough that a transfer's end starts its decode at once."""
+        while True:
+            if self.held:
+                self.service.wake.set()  # apply() releases what it can; cheap when idle
+            if not self.reservations:
+                if self.held:
+                    await asyncio.sleep(0.1)
+                    continue
+                self.changed.clear()
+                await self.changed.wait()
+                continue
+            self.poll()
+            now = time.monotonic()
+            if any(self.ready(r, now) for r in self.reservations.values()):
+                self.service.wake.set()
+            await asyncio.sleep(POLL_S)

@@ -1,0 +1,150 @@
+"""A prefill executor's half of disaggregation (``--role prefill``).
+
+A decode executor sends a ``PrefillRequest``: the request, and the pages it reserved for the
+prompt. The request runs here like any other (chunked prefill, prefix cache) until it samples
+its first token, which streams to the detokenizer at once, marked as continuing on the decode
+executor. Right after that step, before the next one can touch the pages, the prompt's KV is
+written into the reserved pages with NIXL (``kv_transport.py``), the sequence leaves this
+engine (its full pages stay in the prefix cache) and ``PrefillDone`` tells the decode side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from common.kv_layout import KVLayout
+from common.runtime import NoAnswer
+from common.wire.executor import AbortRequests, KVAgentQuery, KVAgentReply, PrefillDone
+from common.wire.executor import PrefillRequest as Job
+from gpu import handoff
+from gpu.engine import StepOutput
+from services.executor.kv_transport import KVTransport, TransferError
+
+if TYPE_CHECKING:
+    from services.executor.service import ExecutorService
+
+log = logging.getLogger("meshserve.executor")
+
+
+class PrefillSide:
+    def __init__(self, service: ExecutorService, transport: KVTransport) -> None:
+        self.service = service
+        self.transport = transport
+        self.jobs: dict[str, Job] = {}  # requests computed here for a decode executor
+        self.sending: set[asyncio.Future[None]] = set()
+
+    async def on_prefill(self, job: Job) -> None:
+        svc, rid = self.service, job.request.request_id
+        if rid in svc.ended:
+            return  # aborted everywhere already; the decode side released its pages
+        if job.agent not in self.transport.peers:
+            try:
+                await self.learn_peer(job)
+            except (NoAnswer, RuntimeError, ValueError) as exc:
+                await self.done(job, PrefillDone(rid, "failed", error=f"no NIXL peer: {exc}"))
+                return
+        self.jobs[rid] = job
+        await svc.on_submit(job.request)
+
+    async def learn_peer(self, job: Job) -> None:
+        """The decode executor's NIXL agent metadata, asked for once per peer process."""
+        svc = self.service
+        reply = await svc.svc.request(
+            svc.subjects.executor_kv_agent(job.decode_executor),
+            KVAgentQuery(svc.config.executor_id),
+            KVAgentReply,
+            2.0,
+        )
+        if reply.agent != job.agent:
+            raise ValueError(f"{job.decode_executor} now runs agent {reply.agent}, not {job.agent}")
+        self.transport.add_peer(reply.metadata)
+        log.info("executor: NIXL peer %s (%s) added", job.decode_executor, reply.agent)
+
+    def continues_on(self, request_id: str) -> tuple[str, str] | None:
+        job = self.jobs.get(request_id)
+        return (job.decode_executor, job.decode_incarnation) if job is not None else None
+
+    async def peer_withdrawn(self, executor_id: str, request_ids: list[str]) -> None:
+        """The scheduler moved these requests off decode executor ``executor_id``: stop
+        computing them here (their stream goes on elsewhere)."""
+        mine = [
+            rid
+            for rid in request_ids
+            if (job := self.jobs.get(rid)) is not None and job.decode_executor == executor_id
+        ]
+        if mine:
+            own = self.service.config.executor_id
+            await self.service.on_abort(AbortRequests(mine, "decode side gone", own))
+
+    def forget(self, request_id: str) -> None:
+        """A job that ends here before its KV was written (aborted, failed): its decode side
+        holds the pages until told that nothing more will be written into them."""
+        job = self.jobs.pop(request_id, None)
+        if job is not None:
+            message = PrefillDone(request_id, "failed", error="withdrawn on the prefill side")
+            task = asyncio.ensure_future(self.done(job, message))
+            self.sending.add(task)  # held until sent (the loop keeps only weak references)
+            task.add_done_callback(self.sending.discard)
+
+    async def hand_off(self, outputs: list[StepOutput]) -> None:
+        """After a step's tokens went out, between steps: write the KV of every job that
+        sampled its first token, then tell its decode executor."""
+        for out in outputs:
+            job = self.jobs.pop(out.request_id, None)
+            if job is None:
+                continue
+            if out.finish_reason is not None:  # the first token ended it
+                await self.done(job, PrefillDone(out.request_id, "finished"))
+                continue
+            await self.write(job, out.new_token_ids[0])
+
+    async def write(self, job: Job, first_token: int) -> None:
+        svc, rid = self.service, job.request.request_id
+        detached = handoff.detach_prefilled(svc.engine, rid)
+        if detached is None:
+            await self.done(job, PrefillDone(rid, "failed", error="the sequence is gone"))
+            return
+        table, _ = detached
+        dst = KVLayout(tuple(job.layer_bases), job.page_bytes, job.num_pages)
+        started = time.time_ns()
+        pair = svc.metrics.kv_transfer_bytes.labels(svc.config.executor_id, job.decode_executor)
+        try:
+            result = await asyncio.get_running_loop().run_in_executor(
+                svc.worker,
+                self.transport.write,
+                job.agent,
+                table.pages,
+                dst,
+                job.pages,
+                rid.encode(),
+                svc.config.kv_transfer_timeout_s,
+            )
+        except (TransferError, ValueError) as exc:
+            log.warning("executor: KV of %s to %s failed: %s", rid, job.decode_executor, exc)
+            svc.metrics.kv_transfer_failures.labels(
+                svc.config.executor_id, job.decode_executor
+            ).inc()
+            svc.timelines.kv_transfer(
+                rid, job.decode_executor, started, time.time_ns(), 0, len(table.pages), str(exc)
+            )
+            message = PrefillDone(rid, "failed", error=str(exc))
+        else:
+            pair.inc(result.bytes)
+            svc.metrics.kv_transfer_time.labels(
+                svc.config.executor_id, job.decode_executor
+            ).observe(result.seconds)
+            svc.timelines.kv_transfer(
+                rid, job.decode_executor, started, time.time_ns(), result.bytes, len(table.pages)
+            )
+            message = PrefillDone(rid, "written", first_token, "", result.bytes, result.seconds)
+        finally:
+            handoff.release(svc.engine, table)
+        svc.forget(rid, "handoff")
+        await self.done(job, message)
+
+    async def done(self, job: Job, message: PrefillDone) -> None:
+        svc = self.service
+        await svc.try_publish(svc.subjects.executor_prefilled(job.decode_executor), message)

@@ -1,0 +1,59 @@
+"""Which executor(s) serve a request, by the executors' roles (pure; no NATS).
+
+- Mixed executors (the default role) prefill and decode; the router picks one (``router.py``).
+- With decode executors live, requests go to them. A request also gets a prefill executor
+  when one is live, it has nothing generated yet (a migrated request, which has, is
+  prefilled locally) and no grammar constrains it (that one is prefilled locally too): the
+  prefill executor computes the prompt and the first token, and writes the KV into pages
+  the decode executor reserved (disaggregation). The prefill side is
+  chosen as a mixed executor is (cached overlap and load: only it computes the prompt); the
+  decode side by load, then by free pages, among those whose free pages hold the prompt.
+- Prefill executors take a request alone (as mixed ones) only when no decode executor lives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from common.wire.executor import TokenizedRequest
+from services.scheduler.router import Router
+
+
+@dataclass(frozen=True)
+class Route:
+    executor: str  # where the request lives (and decodes)
+    prefill: str = ""  # where its prompt is computed, when not there
+
+
+def route(
+    router: Router, req: TokenizedRequest, overlaps: dict[str, int] | None = None
+) -> Route | None:
+    """Where ``req`` goes now, or None to keep it queued (no executor of its pool has room)."""
+    live = router.live_roles()
+    if "decode" not in live:
+        executor = router.pick(req, overlaps, router.candidates(("mixed", "prefill")))
+        return Route(executor) if executor else None
+    decode = pick_decode(router, req)
+    if decode is None:
+        return None
+    if "prefill" not in live or req.output_token_ids or req.grammar is not None:
+        # A constrained request is prefilled where it decodes: its grammar's state after the
+        # first token would have to cross to the decode side with the KV.
+        return Route(decode)
+    prefill = router.pick(req, overlaps, router.candidates(("prefill",)))
+    return Route(decode, prefill) if prefill else None
+
+
+def pick_decode(router: Router, req: TokenizedRequest) -> str | None:
+    """The lightest decode executor whose free pages hold the prompt (and a token more)."""
+    fits = []
+    for e in router.candidates(("decode",)):
+        hb = router.executors[e].heartbeat
+        if hb.free_pages * hb.page_size > len(req.prompt_token_ids) + len(req.output_token_ids):
+            fits.append(e)
+    if not fits:
+        return None
+    return min(
+        fits,
+        key=lambda e: (router.executors[e].load, -router.executors[e].heartbeat.free_pages),
+    )

@@ -1,0 +1,213 @@
+"""Disaggregated prefill and decode on a real mesh (`meshserve up --prefill-executors 1
+--decode-executors 1`: every service its own process, so the two executors' NIXL agents are
+in two processes and the KV pages move between them over UCX)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import aiohttp
+import pytest
+import torch
+
+from common.nats_server import free_port_range
+from common.tokenizer import Tokenizer
+from gpu.engine import Engine, EngineConfig
+from gpu.loader import load_model
+from gpu.runner import ModelRunner
+from gpu.sampling import SamplingParams
+from services.launcher.mesh import LocalMesh
+from tests.mesh import metric_value
+from tests.models import hf_model
+from tests.test_reliability import pid_of, stream_outcome
+
+PROMPTS = ["Hello world", "The quick brown fox jumps over", "Serving language models " * 6]
+
+
+def start_pair(process_mesh, **overrides) -> LocalMesh:
+    """A disaggregated mesh whose two executors have both reported to the scheduler."""
+    metrics = free_port_range(8)
+    mesh: LocalMesh = process_mesh(
+        prefill_executors=1, decode_executors=1, metrics_port=metrics, **overrides
+    )
+    deadline = time.monotonic() + 60
+    while not all(executor_live(mesh, name) for name in ("prefill-0", "decode-0")):
+        assert time.monotonic() < deadline, "both executors never reported"
+        time.sleep(0.2)
+    return mesh
+
+
+def executor_live(mesh: LocalMesh, name: str) -> bool:
+    health = mesh.health()
+    return health is not None and name in str(health[1].get("stages", {}).get("executor", ""))
+
+
+def metric(mesh: LocalMesh, service: str, name: str, absent: float | None = None) -> float:
+    """A metric's sum on one service; ``absent``: its value when no series exists yet (a
+    labelled counter appears with its first increment)."""
+    try:
+        return metric_value(mesh.metrics_urls[service], name)
+    except AssertionError:
+        if absent is None:
+            raise
+        return absent
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_llama):
+    """The mixed engine in this process, and transformers: what the pair must reproduce."""
+    tok = Tokenizer.from_folder(tiny_llama)
+    engine = Engine(
+        ModelRunner(load_model(tiny_llama, progress=False), 256, 16), EngineConfig(), [2]
+    )
+    oracle = hf_model(tiny_llama)
+
+    def run(prompt: str, params: SamplingParams) -> tuple[str, str | None]:
+        ids = tok.encode(prompt)
+        ours = tok.decode(engine.generate([ids], params)[0])
+        if not params.is_greedy:
+            return ours, None
+        oracle.generation_config.eos_token_id = None
+        with torch.no_grad():
+            out = oracle.generate(
+                torch.tensor([ids]), max_new_tokens=params.max_tokens, do_sample=False,
+                pad_token_id=0,
+            )  # fmt: skip
+        return ours, tok.decode(out[0, len(ids) :].tolist())
+
+    return run
+
+
+async def complete(session, base: str, prompt: str, **body) -> str:
+    payload = {"model": "tiny", "prompt": prompt, "ignore_eos": True, **body}
+    async with session.post(f"{base}/completions", json=payload) as resp:
+        data = await resp.json()
+        assert resp.status == 200, data
+        return str(data["choices"][0]["text"])
+
+
+async def until_busy(mesh: LocalMesh, executor: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while metric(mesh, executor, "meshserve:num_requests_running") == 0:
+        assert time.monotonic() < deadline, f"{executor} never ran a request"
+        await asyncio.sleep(0.01)
+
+
+async def wait_idle(mesh: LocalMesh, executors: list[str], timeout: float = 20) -> None:
+    """Until no executor holds a page for a request (cached pages are not held)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        usage = {e: metric(mesh, e, "meshserve:kv_cache_usage_perc") for e in executors}
+        if not any(usage.values()):
+            return
+        assert time.monotonic() < deadline, f"pages still held: {usage}"
+        await asyncio.sleep(0.2)
+
+
+async def test_pair_equals_mixed_engine_and_transformers(process_mesh, offline):
+    mesh = start_pair(process_mesh)
+    base = mesh.base_url + "/v1"
+    async with aiohttp.ClientSession() as session:
+        for prompt in PROMPTS:
+            greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+            ours, hf = offline(prompt, greedy)
+            got = await complete(session, base, prompt, max_tokens=16, temperature=0)
+            assert got == ours == hf, prompt
+            seeded = SamplingParams(temperature=0.9, seed=7, max_tokens=16, ignore_eos=True)
+            want, _ = offline(prompt, seeded)
+            got = await complete(session, base, prompt, max_tokens=16, temperature=0.9, seed=7)
+            assert got == want, prompt
+        moved = metric(mesh, "prefill-0", "meshserve:kv_transfer_bytes_total")
+        assert moved > 0  # the prompts' KV went from the prefill executor to the decode one
+        # Prefix-cache hits on the prefill side: the same long prompt again.
+        hits = metric(mesh, "prefill-0", "meshserve:prefix_cache_hits_total")
+        await complete(session, base, PROMPTS[2], max_tokens=4, temperature=0)
+        assert metric(mesh, "prefill-0", "meshserve:prefix_cache_hits_total") > hits
+        for side in ("prefill-0", "decode-0"):
+            assert metric(mesh, side, "meshserve:kv_transfer_failures_total", absent=0) == 0
+        await wait_idle(mesh, ["prefill-0", "decode-0"])
+
+
+async def test_killed_prefill_executor_ends_every_request(process_mesh):
+    """Requests in flight through the prefill executor when it is killed: each ends with the
+    text of an uninterrupted run (the decode executor computes the prompt itself) and no page
+    stays reserved there."""
+    mesh = start_pair(process_mesh, kv_transfer_timeout=5)
+    base = mesh.base_url + "/v1"
+    body = {"max_tokens": 24, "ignore_eos": True, "temperature": 0}
+    prompts = [f"request {i} says " + "words " * (20 + 7 * i) for i in range(12)]
+    async with aiohttp.ClientSession() as session:
+        reference = await asyncio.gather(*(stream_outcome(session, base, p, body) for p in prompts))
+        assert all(kind == "ok" for kind, _ in reference), reference
+        tasks = [asyncio.create_task(stream_outcome(session, base, p, body)) for p in prompts]
+        await until_busy(mesh, "prefill-0")  # it holds prompts reserved on the decode side
+        os.kill(pid_of(mesh, "prefill-0"), signal.SIGKILL)
+        outcomes = await asyncio.gather(*tasks)
+        assert outcomes == reference
+        # The decode side computed the killed executor's share itself ...
+        assert metric(mesh, "decode-0", "meshserve:kv_transfer_failures_total", absent=0) >= 1
+        await wait_idle(mesh, ["decode-0"])  # ... and holds no page for them any more
+
+
+async def test_killed_decode_executor_ends_every_request(process_mesh):
+    """The decode executor killed mid-stream: its requests migrate (to the prefill executor,
+    the only one left, which then serves as a mixed one) and end with the same text."""
+    mesh = start_pair(process_mesh)
+    base = mesh.base_url + "/v1"
+    body = {"max_tokens": 120, "ignore_eos": True, "temperature": 0}
+    prompts = [f"stream {i} goes on" for i in range(8)]
+    async with aiohttp.ClientSession() as session:
+        reference = await asyncio.gather(*(stream_outcome(session, base, p, body) for p in prompts))
+        assert all(kind == "ok" for kind, _ in reference), reference
+        tasks = [asyncio.create_task(stream_outcome(session, base, p, body)) for p in prompts]
+        await asyncio.sleep(1.0)
+        os.kill(pid_of(mesh, "decode-0"), signal.SIGKILL)
+        outcomes = await asyncio.gather(*tasks)
+        assert outcomes == reference
+        await wait_idle(mesh, ["prefill-0"])
+
+
+async def test_the_kv_transfer_is_a_span_of_the_request_trace(tiny_llama):
+    """In one process (the harness): ``executor.kv_transfer`` with its bytes, pages and time
+    sits in the request's trace, under the scheduler's span like the prefill executor's; the
+    prefix index sees the prompt's pages in both pools, as they are."""
+    from tests.mesh import MeshHarness, runtime_of
+    from tests.test_prefix_index import wait_for_agreement
+    from tools.bench.otlp_receiver import OtlpReceiver
+
+    receiver = OtlpReceiver().start()
+    mesh = MeshHarness(
+        tiny_llama, roles=("prefill", "decode"), otlp_endpoint=receiver.endpoint
+    ).start()
+    try:
+        async with aiohttp.ClientSession() as session:
+            await complete(session, mesh.base_url, PROMPTS[2], max_tokens=6, temperature=0)
+        assert mesh.index is not None
+        caches = await wait_for_agreement(mesh, mesh.index)
+        assert caches["prefill-0"] and caches["decode-0"]
+
+        def transfer(spans):
+            return [s for s in spans if s.name == "executor.kv_transfer"]
+
+        def flush() -> None:
+            for svc in mesh.executor_services:
+                svc.svc.tracing.flush(5)
+
+        assert receiver.wait_for(lambda spans: transfer(spans), poll=flush)
+        span = transfer(receiver.spans)[0]
+        assert receiver.wait_for(
+            lambda spans: any(s.name == "gateway.request" for s in spans),
+            poll=lambda: [r.tracing.flush(5) for r in map(runtime_of, mesh.services)],
+        )
+        roots = [s for s in receiver.spans if s.name == "gateway.request"]
+        assert span.trace_id in {r.trace_id for r in roots}
+        attrs = span.attributes
+        assert attrs["meshserve.kv_transfer.bytes"] > 0 and attrs["meshserve.kv_transfer.pages"] > 0
+        assert attrs["meshserve.peer_executor_id"] == "decode-0"
+        assert attrs["meshserve.executor_id"] == "prefill-0" and span.status_code != 2
+    finally:
+        mesh.stop()
+        receiver.stop()

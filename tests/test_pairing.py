@@ -1,0 +1,66 @@
+"""Which executors serve a request, by role (pure: no NATS)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from common.wire.executor import WireGrammar
+from common.wire.scheduler import Heartbeat
+from services.scheduler.pairing import Route, route
+from services.scheduler.router import Router
+from tests.test_routing import PROMPT, heartbeat, request
+
+
+def beat(executor: str, role: str, free_pages: int = 1000, pending: int = 0) -> Heartbeat:
+    return dataclasses.replace(
+        heartbeat(executor, pending_tokens=pending), role=role, free_pages=free_pages
+    )
+
+
+def mesh(*beats: Heartbeat) -> Router:
+    r = Router("kv", max_imbalance=64)
+    r.recent.ttl_s = 0
+    for hb in beats:
+        r.observe(hb)
+    return r
+
+
+def test_a_pair_prefills_where_the_prefix_is_and_decodes_on_the_lightest():
+    r = mesh(
+        beat("p0", "prefill"),
+        beat("p1", "prefill"),
+        beat("d0", "decode", pending=800),
+        beat("d1", "decode"),
+        beat("m0", "mixed"),
+    )
+    assert route(r, request(PROMPT), {"p1": 40, "d0": 40}) == Route("d1", "p1")
+    assert route(r, request(PROMPT), {"p0": 40}) == Route("d1", "p0")
+
+
+def test_decode_executors_need_free_pages_for_the_prompt():
+    r = mesh(beat("p0", "prefill"), beat("d0", "decode", free_pages=10), beat("d1", "decode"))
+    assert route(r, request(PROMPT), {}) == Route("d1", "p0")  # 40 pages do not fit on d0
+    full = mesh(beat("p0", "prefill"), beat("d0", "decode", free_pages=10))
+    assert route(full, request(PROMPT), {}) is None  # it waits in the queue
+
+
+def test_migrated_requests_and_a_missing_prefill_pool_prefill_locally():
+    r = mesh(beat("p0", "prefill"), beat("d0", "decode"))
+    resumed = dataclasses.replace(request(PROMPT), output_token_ids=[5, 6])
+    assert route(r, resumed, {}) == Route("d0")
+    assert route(mesh(beat("d0", "decode")), request(PROMPT), {}) == Route("d0")
+
+
+def test_without_decode_executors_mixed_and_prefill_ones_serve_alone():
+    assert route(mesh(beat("m0", "mixed")), request(PROMPT), {}) == Route("m0")
+    assert route(mesh(beat("p0", "prefill")), request(PROMPT), {}) == Route("p0")
+    assert route(mesh(), request(PROMPT), {}) is None
+
+
+def test_a_constrained_request_is_prefilled_where_it_decodes():
+    # Its grammar's state after the first token would have to cross with the KV.
+    r = mesh(beat("p0", "prefill"), beat("d0", "decode"))
+    grammar = WireGrammar(key="k", ebnf='root ::= "a"')
+    constrained = dataclasses.replace(request(PROMPT), grammar=grammar)
+    assert route(r, constrained, {}) == Route("d0")
+    assert route(r, request(PROMPT), {}) == Route("d0", "p0")
