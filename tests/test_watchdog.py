@@ -65,10 +65,12 @@ async def test_a_request_lost_with_a_restarted_scheduler_gets_a_503(tiny_llama):
                     return resp.status, await resp.json()
 
             # One executor slot (and the router's slack of one more): two run, the third waits.
-            busy = [asyncio.create_task(complete(f"busy {i}", 200)) for i in range(2)]
+            # As long as the context allows, so they still run when the third is queued on a
+            # loaded machine.
+            busy = [asyncio.create_task(complete(f"busy {i}", 240)) for i in range(2)]
             await asyncio.sleep(0.3)
             queued = asyncio.create_task(complete("queued", 4))
-            for _ in range(200):
+            for _ in range(500):
                 if len(sched.queue) == 1:
                     break
                 await asyncio.sleep(0.02)
