@@ -36,12 +36,13 @@ import torch.nn.functional as F
 from common.tokenizer import Tokenizer
 from gpu import cpu_kernels
 from gpu.attention.metadata import SeqChunk
+from gpu.cpu_kernels.prepared import LIN_INT8, LIN_Q4_1, LIN_Q8_0
 from gpu.engine import Engine, EngineConfig
 from gpu.gguf import resolve_model_path
 from gpu.linear import Linear
 from gpu.loader import load_model
 from gpu.model import CausalLM
-from gpu.quant import pack_row_blocks, quantize_int8
+from gpu.quant import pad_int8_blocks, quantize_int8, quantize_q4_1, quantize_q8_0
 from gpu.runner import ModelRunner
 from gpu.sampling import SamplingParams
 from tools.bench.engine import chat_prompts, run_decode_only, run_engine
@@ -189,11 +190,22 @@ def linear_options() -> dict[
     kernels = cpu_kernels.load()
     if kernels is not None:
 
-        def packed(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        def int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             q, s = quantize_int8(w)
-            return pack_row_blocks(q), s
+            return pad_int8_blocks(q), s
 
-        opts["int8 meshserve kernel"] = (packed, lambda x, p: kernels.int8_linear(x, p[0], p[1]))
+        opts["int8 W8A8 meshserve kernel"] = (
+            int8_rows,
+            lambda x, p: kernels.block_linear(LIN_INT8, x, p[0], p[0].shape[0], p[1]),
+        )
+        opts["Q4_1 (int4) meshserve kernel"] = (
+            quantize_q4_1,
+            lambda x, p: kernels.block_linear(LIN_Q4_1, x, p, p.shape[0]),
+        )
+        opts["Q8_0 meshserve kernel"] = (
+            quantize_q8_0,
+            lambda x, p: kernels.block_linear(LIN_Q8_0, x, p, p.shape[0]),
+        )
     opts["int8 torch._weight_int8pack_mm"] = (
         quantize_int8,
         lambda x, p: torch._weight_int8pack_mm(x, p[0], p[1]),

@@ -1,0 +1,47 @@
+/* ---------------------------------------------------------------- block linears: entry */
+
+/* 1: the VNNI path runs (the CPU has AVX-512 VNNI + VL and MESHSERVE_CPU_VNNI is not 0). */
+static int use_vnni = -1;
+
+static int vnni_enabled(void) {
+    if (use_vnni < 0) {
+        const char* env = getenv("MESHSERVE_CPU_VNNI");
+        int want = !(env && env[0] == '0');
+        __builtin_cpu_init();
+        use_vnni = want && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl");
+    }
+    return use_vnni;
+}
+
+/* y [M, N] (row stride ldy) = x [M, K] (row stride ldx) @ W.T for a block kind (see blocks.c).
+   Threads first quantize a share of x's rows, then each takes a share of W's rows. */
+void block_linear(int kind, const float* x, i64 M, i64 K, i64 ldx, const uint8_t* w, i64 N,
+                  const float* scale, const float* bias, float* y, i64 ldy, int nthreads) {
+    const i64 nb = (K + QK - 1) / QK, row_bytes = nb * block_bytes(kind);
+    xblock* xq = malloc((size_t)(M * nb) * sizeof(xblock) + 1);
+    if (!xq) return;  /* the Python side checks sizes; an allocation failure leaves y unset */
+    const int vnni = vnni_enabled();
+    int parallel = nthreads > 1 && M * N * K >= (i64)1 << 17;
+    _Pragma("omp parallel num_threads(nthreads) if (parallel)")
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        i64 lo, hi;
+        split(M, 1, t, nt, &lo, &hi);
+        for (i64 m = lo; m < hi; ++m) quantize_x_row(x + m * ldx, K, xq + m * nb);
+        _Pragma("omp barrier")
+        split(N, 4, t, nt, &lo, &hi);
+        if (lo < hi) {
+            if (vnni)
+                block_rows_vnni(kind, xq, nb, 0, M, w, row_bytes, nb, lo, hi, scale, bias, y, ldy);
+            else
+                block_rows_avx2(kind, xq, nb, 0, M, w, row_bytes, nb, lo, hi, scale, bias, y, ldy);
+        }
+    }
+    free(xq);
+}
+
+/* The activation quantization alone (tests hold it to gpu.quant's torch version). */
+void quantize_x(const float* x, i64 M, i64 K, xblock* out) {
+    const i64 nb = (K + QK - 1) / QK;
+    for (i64 m = 0; m < M; ++m) quantize_x_row(x + m * K, K, out + m * nb);
+}
