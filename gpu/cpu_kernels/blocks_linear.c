@@ -14,22 +14,21 @@ static int vnni_enabled(void) {
 }
 
 /* y [M, N] (row stride ldy) = x [M, K] (row stride ldx) @ W.T for a block kind (see blocks.c).
-   Threads first quantize a share of x's rows, then each takes a share of W's rows. */
+   x is quantized first, on the calling thread: that is 1/N of the matmul's work, and a barrier
+   between a parallel quantization and the matmul costs a scheduler time slice on a busy
+   machine (a thread still descheduled) - more than the whole matmul at batch 1. */
 void block_linear(int kind, const float* x, i64 M, i64 K, i64 ldx, const uint8_t* w, i64 N,
                   const float* scale, const float* bias, float* y, i64 ldy, int nthreads) {
     const i64 nb = (K + QK - 1) / QK, row_bytes = nb * block_bytes(kind);
     xblock* xq = malloc((size_t)(M * nb) * sizeof(xblock) + 1);
     if (!xq) return;  /* the Python side checks sizes; an allocation failure leaves y unset */
+    for (i64 m = 0; m < M; ++m) quantize_x_row(x + m * ldx, K, xq + m * nb);
     const int vnni = vnni_enabled();
     int parallel = nthreads > 1 && M * N * K >= (i64)1 << 17;
     _Pragma("omp parallel num_threads(nthreads) if (parallel)")
     {
-        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         i64 lo, hi;
-        split(M, 1, t, nt, &lo, &hi);
-        for (i64 m = lo; m < hi; ++m) quantize_x_row(x + m * ldx, K, xq + m * nb);
-        _Pragma("omp barrier")
-        split(N, 4, t, nt, &lo, &hi);
+        split(N, 4, omp_get_thread_num(), omp_get_num_threads(), &lo, &hi);
         if (lo < hi) {
             if (vnni)
                 block_rows_vnni(kind, xq, nb, 0, M, w, row_bytes, nb, lo, hi, scale, bias, y, ldy);
