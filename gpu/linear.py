@@ -30,7 +30,16 @@ from torch import nn
 
 from gpu.config import ModelError
 from gpu.cpu_kernels import CpuKernels, PackedLinear
-from gpu.cpu_kernels.prepared import LIN_F32, LIN_INT8, LIN_Q4_0, LIN_Q4_1, LIN_Q8_0
+from gpu.cpu_kernels.prepared import (
+    LIN_F32,
+    LIN_INT8,
+    LIN_Q4_0,
+    LIN_Q4_0X8,
+    LIN_Q4_1,
+    LIN_Q4_1X8,
+    LIN_Q8_0,
+    LIN_Q8_0X8,
+)
 from gpu.formats import check_quantization
 from gpu.quant import (
     BlockWeight,
@@ -44,11 +53,14 @@ from gpu.quant import (
     quantize_int8,
     quantize_q4_1,
     quantize_q8_0,
+    repack_x8,
     unpack_row_blocks,
+    unpack_x8,
 )
 
-# GGML type name -> the kernels' linear kind.
+# GGML type name -> the kernels' linear kind (as the file lays it out; 4-bit repacked).
 BLOCK_KINDS = {"Q4_0": LIN_Q4_0, "Q4_1": LIN_Q4_1, "Q8_0": LIN_Q8_0}
+GROUPED_KINDS = {"Q4_0": LIN_Q4_0X8, "Q4_1": LIN_Q4_1X8, "Q8_0": LIN_Q8_0X8}
 
 logger = logging.getLogger(__name__)
 
@@ -275,10 +287,18 @@ class BlockLinear(Linear):
         n, k = weight.shape
         super().__init__(k, n)
         self.qtype = weight.qtype
-        self.kind = BLOCK_KINDS[weight.qtype]
         self.format = fmt or f"gguf-{weight.qtype.lower()}"
         self.kernels = kernels
-        self.register_buffer("blocks", weight.rows.contiguous())
+        # 4-bit blocks are repacked once for the kernel (groups of 8 rows; same size), and
+        # held only so: the file's layout comes back from them on demand (unpack_x8).
+        self.grouped = kernels is not None and weight.qtype in GROUPED_KINDS
+        if self.grouped:
+            self.kind = GROUPED_KINDS[weight.qtype]
+            stored = repack_x8(weight.qtype, weight.rows)
+        else:
+            self.kind = BLOCK_KINDS[weight.qtype]
+            stored = weight.rows.contiguous()
+        self.register_buffer("blocks", stored)
         self.register_buffer("bias", None if bias is None else bias.to(torch.float32))
         self._prepared: PackedLinear | None = None
 
@@ -295,10 +315,21 @@ class BlockLinear(Linear):
     def kernel_operands(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         return self.blocks, None
 
+    def block_rows(self) -> torch.Tensor:
+        """The weight as GGUF rows of blocks ``uint8 [N, nb * bytes]`` (the file's layout)."""
+        if self.grouped:
+            return unpack_x8(self.qtype, self.blocks, self.out_features)
+        return self.blocks
+
     def dequantized_weight(self) -> torch.Tensor:
-        return dequantize_block_rows(self.qtype, self.blocks, self.in_features)
+        return dequantize_block_rows(self.qtype, self.block_rows(), self.in_features)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.grouped:  # the groups of 8 rows that hold ids, unpacked
+            groups = torch.unique(ids // 8)
+            rows = unpack_x8(self.qtype, self.blocks[groups], 8 * groups.numel())
+            where = torch.searchsorted(groups, ids // 8) * 8 + ids % 8
+            return dequantize_block_rows(self.qtype, rows[where], self.in_features)
         return dequantize_block_rows(self.qtype, self.blocks[ids], self.in_features)
 
 
@@ -338,6 +369,9 @@ class Fp8Linear(Linear):
 
     def dequantized_weight(self) -> torch.Tensor:
         return self.qweight.to(torch.float32) * self.scale.view(-1, 1)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.qweight[ids].to(torch.float32) * self.scale.view(-1)[ids, None]
 
 
 def make_linear(

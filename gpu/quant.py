@@ -180,6 +180,51 @@ def dequantize_block_rows(qtype: str, rows: torch.Tensor, k: int) -> torch.Tenso
     return w.reshape(r, -1)[:, :k]
 
 
+def _head(qtype: str) -> int:
+    """Bytes of fp16 scales at the start of a block."""
+    return 4 if qtype == "Q4_1" else 2
+
+
+def repack_x8(qtype: str, rows: torch.Tensor) -> torch.Tensor:
+    """GGUF Q4_0 / Q4_1 / Q8_0 rows ``[n, nb * bytes]`` -> the kernels' groups of 8 rows
+    ``uint8 [ceil(n/8), nb * 8 * bytes]`` (blocks.c: per group and block, the 8 rows' fp16
+    d (and m), then their codes interleaved so that one 4-byte broadcast of x meets 8 rows).
+    The same bytes as the file, in another order; :func:`unpack_x8` inverts it."""
+    size, head = BLOCK_BYTES[qtype], _head(qtype)
+    n = rows.shape[0]
+    g = -(-n // 8)
+    b = F.pad(rows, (0, 0, 0, g * 8 - n)).view(g, 8, -1, size).transpose(1, 2)  # [g, nb, 8, B]
+    nb = b.shape[1]
+    scales = [b[..., i : i + 2].reshape(g, nb, 16) for i in range(0, head, 2)]
+    qs = b[..., head:]
+    if qtype == "Q8_0":
+        codes = qs.reshape(g, nb, 8, 8, 4).transpose(2, 3).reshape(g, nb, 256)
+    else:
+        nib = torch.cat([qs & 15, qs >> 4], dim=-1)  # [g, nb, 8 rows, 32 k]
+        nib = nib.view(g, nb, 8, 8, 4).transpose(2, 3)  # [g, nb, 8 j, 8 rows, 4 t]
+        codes = (nib[:, :, :4] | (nib[:, :, 4:] << 4)).reshape(g, nb, 128)
+    return torch.cat([*scales, codes], dim=-1).reshape(g, nb * 8 * size).contiguous()
+
+
+def unpack_x8(qtype: str, packed: torch.Tensor, n: int) -> torch.Tensor:
+    """The inverse of :func:`repack_x8`: GGUF rows ``uint8 [n, nb * bytes]``."""
+    size, head = BLOCK_BYTES[qtype], _head(qtype)
+    g = packed.shape[0]
+    rec = packed.view(g, -1, 8 * size)
+    nb = rec.shape[1]
+    scales = [rec[..., 8 * i : 8 * i + 16].reshape(g, nb, 8, 2) for i in range(0, head, 2)]
+    body = rec[..., 8 * head :]
+    if qtype == "Q8_0":
+        qs = body.reshape(g, nb, 8, 8, 4).transpose(2, 3).reshape(g, nb, 8, 32)
+    else:
+        c4 = body.reshape(g, nb, 4, 8, 4)
+        nib = torch.cat([c4 & 15, c4 >> 4], dim=2)  # [g, nb, 8 j, 8 rows, 4 t]
+        nib = nib.transpose(2, 3).reshape(g, nb, 8, 32)  # [g, nb, rows, k]
+        qs = nib[..., :16] | (nib[..., 16:] << 4)
+    blocks = torch.cat([*scales, qs], dim=-1)  # [g, nb, 8, size]
+    return blocks.transpose(1, 2).reshape(g * 8, nb * size)[:n].contiguous()
+
+
 class BlockWeight:
     """A weight ``[n, k]`` kept in GGUF blocks: ``rows`` ``uint8 [n, ceil(k/32) * bytes]``
     (one row of blocks per output feature), as read from a file. Layers that cannot run the

@@ -15,13 +15,23 @@ from gguf import GGMLQuantizationType
 
 from gpu import cpu_kernels
 from gpu.config import ModelError
-from gpu.cpu_kernels.prepared import LIN_INT8, LIN_Q4_0, LIN_Q4_1, LIN_Q8_0
+from gpu.cpu_kernels.prepared import (
+    LIN_INT8,
+    LIN_Q4_0,
+    LIN_Q4_0X8,
+    LIN_Q4_1,
+    LIN_Q4_1X8,
+    LIN_Q8_0,
+    LIN_Q8_0X8,
+)
 from gpu.quant import (
     dequantize_block_rows,
     fake_quantize_blocks,
     pad_int8_blocks,
     quantize_int8,
     quantize_q4_1,
+    repack_x8,
+    unpack_x8,
 )
 
 KERNELS = cpu_kernels.load()
@@ -29,6 +39,19 @@ needs_kernels = pytest.mark.skipif(
     KERNELS is None, reason="CPU kernels need AVX2/FMA and a C compiler"
 )
 KINDS = {"Q4_0": LIN_Q4_0, "Q4_1": LIN_Q4_1, "Q8_0": LIN_Q8_0}
+GROUPED = {"Q4_0": LIN_Q4_0X8, "Q4_1": LIN_Q4_1X8, "Q8_0": LIN_Q8_0X8}
+
+
+def run_both_layouts(qtype: str, x: torch.Tensor, rows: torch.Tensor, bias=None):
+    """The kernel on the file's rows and on their repacked groups of 8 (what layers hold)."""
+    n = rows.shape[0]
+    grouped = repack_x8(qtype, rows)
+    assert torch.equal(unpack_x8(qtype, grouped, n), rows)
+    k = kernels()
+    return (
+        k.block_linear(KINDS[qtype], x, rows, n, None, bias),
+        k.block_linear(GROUPED[qtype], x, grouped, n, None, bias),
+    )
 
 
 def kernels() -> cpu_kernels.CpuKernels:
@@ -66,8 +89,8 @@ def test_block_kernel_matches_gguf_dequantized(qtype, shape, m):
     # our torch dequantization (embedding rows, references) is the gguf package's, bit for bit
     assert torch.equal(dequantize_block_rows(qtype, blocks, shape[1]), ref_w)
     x, bias = torch.randn(m, shape[1], generator=g), torch.randn(shape[0], generator=g)
-    y = kernels().block_linear(KINDS[qtype], x, blocks, shape[0], None, bias)
-    assert_rounding_close(y, reference(x, ref_w, bias))
+    for y in run_both_layouts(qtype, x, blocks, bias):
+        assert_rounding_close(y, reference(x, ref_w, bias))
 
 
 @needs_kernels
@@ -88,8 +111,8 @@ def test_random_bytes_blocks_any_codes():
         t = getattr(GGMLQuantizationType, qtype)
         ref_w = torch.from_numpy(np.array(gguf.quants.dequantize(rows.numpy(), t), np.float32))
         x = torch.randn(3, k, generator=g) * 10
-        y = kernels().block_linear(KINDS[qtype], x, rows, n)
-        assert_rounding_close(y, reference(x, ref_w))
+        for y in run_both_layouts(qtype, x, rows):
+            assert_rounding_close(y, reference(x, ref_w))
 
 
 @needs_kernels
@@ -106,7 +129,9 @@ def test_activation_quantization_is_the_torch_one():
 
 
 @needs_kernels
-@pytest.mark.parametrize("kind", [LIN_Q4_0, LIN_Q4_1, LIN_Q8_0, LIN_INT8])
+@pytest.mark.parametrize(
+    "kind", [LIN_Q4_0, LIN_Q4_1, LIN_Q8_0, LIN_INT8, LIN_Q4_0X8, LIN_Q4_1X8, LIN_Q8_0X8]
+)
 def test_rows_do_not_depend_on_batch_split_or_isa(kind):
     """The bits of a row: the same alone, in a batch, and on the AVX2 and VNNI paths."""
     g = torch.Generator().manual_seed(kind)
@@ -115,8 +140,10 @@ def test_rows_do_not_depend_on_batch_split_or_isa(kind):
         q, scale = quantize_int8(w)
         rows, sc = pad_int8_blocks(q), scale
     else:
-        qtype = {LIN_Q4_0: "Q4_0", LIN_Q4_1: "Q4_1", LIN_Q8_0: "Q8_0"}[kind]
+        qtype = {v: q for q, v in (*KINDS.items(), *GROUPED.items())}[kind]
         rows, sc = gguf_blocks(w, qtype)[0], None
+        if kind in GROUPED.values():
+            rows = repack_x8(qtype, rows)
     x = torch.randn(41, 96, generator=g)
     k = kernels()
     full = k.block_linear(kind, x, rows, 130, sc)
@@ -175,5 +202,5 @@ def test_real_smollm2_tensors_match_gguf():
         ref_w = torch.from_numpy(values).reshape(n, k)
         assert t.tensor_type.name in KINDS
         x = torch.randn(3, k, generator=g)
-        y = kernels().block_linear(KINDS[t.tensor_type.name], x, rows, n)
-        assert_rounding_close(y, reference(x, ref_w))
+        for y in run_both_layouts(t.tensor_type.name, x, rows):
+            assert_rounding_close(y, reference(x, ref_w))

@@ -14,14 +14,26 @@
  * gets the same bits whatever shares its batch, whatever the tile or thread split, and on the
  * AVX2 and VNNI paths alike (integer sums are exact).
  */
-enum { LIN_F32 = 0, LIN_INT8 = 1, LIN_Q4_0 = 2, LIN_Q4_1 = 3, LIN_Q8_0 = 4 };
+enum { LIN_F32 = 0, LIN_INT8 = 1, LIN_Q4_0 = 2, LIN_Q4_1 = 3, LIN_Q8_0 = 4, LIN_Q4_0X8 = 5,
+       LIN_Q4_1X8 = 6, LIN_Q8_0X8 = 7 };
 #define QK 32
 
 typedef struct {
-    float d;  /* scale: x ~= d * qs */
-    float s;  /* d * sum(qs), for Q4_1's min term */
+    float d;      /* scale: x ~= d * qs */
+    float s;      /* d * sum(qs), for Q4_1's min term */
+    int32_t sum;  /* sum(qs), for Q4_0's offset of 8 */
     int8_t qs[QK];
 } xblock;
+
+/*
+ * Kinds repacked at load (LIN_Q4_0X8 / LIN_Q4_1X8 / LIN_Q8_0X8; gpu.quant.repack_x8): rows in
+ * groups of 8, and per group and block of 32 one record: the 8 rows' fp16 d (and m), then the
+ * codes as 4 vectors of 32 bytes. Byte 4r + t of vector j holds row r's codes k = 4j + t (low
+ * nibble) and k = 4(j + 4) + t (high nibble). Broadcasting 4 bytes of x then gives, per int32
+ * lane, one row's 4-product dot: 8 rows per multiply-add and no horizontal sums (llama.cpp's
+ * repacked Q4_0x8 layout does the same). LIN_Q8_0X8 likewise: the 8 fp16 d, then 8 vectors
+ * of 32 signed codes, byte 4r + t of vector j being row r's code k = 4j + t.
+ */
 
 /* Bytes per block of 32 weights of each kind (0: not a block kind). */
 static inline i64 block_bytes(int kind) {
@@ -30,6 +42,9 @@ static inline i64 block_bytes(int kind) {
         case LIN_Q4_0: return 18;
         case LIN_Q4_1: return 20;
         case LIN_Q8_0: return 34;
+        case LIN_Q4_0X8: return 18;  /* per row: a group's record is 8 rows' bytes */
+        case LIN_Q4_1X8: return 20;
+        case LIN_Q8_0X8: return 34;
         default: return 0;
     }
 }
@@ -80,7 +95,8 @@ static void quantize_x_row(const float* x, i64 K, xblock* out) {
         p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
         _mm256_storeu_si256((__m256i*)out[b].qs, p);
         out[b].d = d;
-        out[b].s = d * (float)_mm_cvtsi128_si32(s4);
+        out[b].sum = _mm_cvtsi128_si32(s4);
+        out[b].s = d * (float)out[b].sum;
     }
 }
 

@@ -25,15 +25,26 @@ void block_linear(int kind, const float* x, i64 M, i64 K, i64 ldx, const uint8_t
     for (i64 m = 0; m < M; ++m) quantize_x_row(x + m * ldx, K, xq + m * nb);
     const int vnni = vnni_enabled();
     int parallel = nthreads > 1 && M * N * K >= (i64)1 << 17;
+    const int x8 = kind == LIN_Q4_0X8 || kind == LIN_Q4_1X8 || kind == LIN_Q8_0X8;
     _Pragma("omp parallel num_threads(nthreads) if (parallel)")
     {
         i64 lo, hi;
+        if (x8) {  /* whole groups of 8 rows */
+            split((N + 7) / 8, 1, omp_get_thread_num(), omp_get_num_threads(), &lo, &hi);
+            if (lo < hi) {
+                if (vnni)
+                    x8_rows_vnni(kind, xq, nb, 0, M, w, 8 * row_bytes, nb, N, lo, hi, bias, y, ldy);
+                else
+                    x8_rows_avx2(kind, xq, nb, 0, M, w, 8 * row_bytes, nb, N, lo, hi, bias, y, ldy);
+            }
+        } else {
         split(N, 4, omp_get_thread_num(), omp_get_num_threads(), &lo, &hi);
         if (lo < hi) {
             if (vnni)
                 block_rows_vnni(kind, xq, nb, 0, M, w, row_bytes, nb, lo, hi, scale, bias, y, ldy);
             else
                 block_rows_avx2(kind, xq, nb, 0, M, w, row_bytes, nb, lo, hi, scale, bias, y, ldy);
+        }
         }
     }
     free(xq);

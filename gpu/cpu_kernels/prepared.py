@@ -14,7 +14,14 @@ LIN_INT8 = 1  # int8 + one fp32 scale per row (W8A8: the activations are quantiz
 LIN_Q4_0 = 2  # GGUF block_q4_0: fp16 d, 16 bytes of 4-bit codes (w = d * (q - 8))
 LIN_Q4_1 = 3  # GGUF block_q4_1: fp16 d, fp16 m, 16 bytes of codes (w = d * q + m)
 LIN_Q8_0 = 4  # GGUF block_q8_0: fp16 d, 32 int8 codes (w = d * q)
-BLOCK_BYTES = {LIN_INT8: 32, LIN_Q4_0: 18, LIN_Q4_1: 20, LIN_Q8_0: 34}
+LIN_Q4_0X8 = 5  # Q4_0 repacked in groups of 8 rows (gpu.quant.repack_x8)
+LIN_Q4_1X8 = 6  # Q4_1 likewise
+LIN_Q8_0X8 = 7  # Q8_0 likewise
+BLOCK_BYTES = {
+    LIN_INT8: 32, LIN_Q4_0: 18, LIN_Q4_1: 20, LIN_Q8_0: 34, LIN_Q4_0X8: 18, LIN_Q4_1X8: 20,
+    LIN_Q8_0X8: 34,
+}  # fmt: skip
+GROUPED = (LIN_Q4_0X8, LIN_Q4_1X8, LIN_Q8_0X8)
 QK = 32  # weights per block
 
 
@@ -60,6 +67,9 @@ class PackedLinear:
         if kind == LIN_F32:
             want: tuple[int, ...] = (-(-n // 8), -(-k // 8), 8, 8)
             dtypes: tuple[torch.dtype, ...] = (torch.float32,)
+        elif kind in GROUPED:
+            want = (-(-n // 8), -(-k // QK) * 8 * BLOCK_BYTES[kind])
+            dtypes = (torch.uint8,)
         elif kind in BLOCK_BYTES:
             want = (n, -(-k // QK) * BLOCK_BYTES[kind])
             dtypes = (torch.int8,) if kind == LIN_INT8 else (torch.uint8,)

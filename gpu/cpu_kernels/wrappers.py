@@ -71,10 +71,11 @@ class CpuKernels:
             raise ValueError("quantize_x needs contiguous CPU fp32 [M, K]")
         m, k = x.shape
         nb = -(-k // QK)
-        raw = torch.empty((m, nb, 40), dtype=torch.uint8)  # blocks.c's xblock: d, s, 32 codes
+        # blocks.c's xblock: d, s (fp32), sum (int32), 32 codes
+        raw = torch.empty((m, nb, 44), dtype=torch.uint8)
         self._quantize_x(x.data_ptr(), m, k, raw.data_ptr())
         scales = raw[:, :, :8].contiguous().view(torch.float32).view(m, nb, 2)
-        return raw[:, :, 8:].contiguous().view(torch.int8), scales[..., 0], scales[..., 1]
+        return raw[:, :, 12:].contiguous().view(torch.int8), scales[..., 0], scales[..., 1]
 
     def vnni(self, enable: bool | None = None) -> bool:
         """Whether the block kernels use AVX-512 VNNI (detected at first use); ``enable``
