@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from gpu.config import ModelError
 
-QUANTIZATIONS = ("none", "int8", "fp8")
+# auto: a GGUF model in its own blocks on CPU (where the kernels run), anything else unquantized.
+QUANTIZATIONS = ("auto", "none", "int8", "int4", "gguf", "fp8")
 KV_CACHE_DTYPES = ("auto", "fp8")
 
 

@@ -5,9 +5,13 @@ the layer's business, chosen once at load time by :func:`make_linear`:
 
 - fp32 / bf16 (``DenseLinear``): on CPU the fp32 kernel of ``gpu.cpu_kernels`` over 8-row
   blocks (else ``x @ W_t`` with ``W_t`` ``[K, N]``); ``F.linear`` on CUDA.
-- int8 (``Int8Linear``): int8 ``[N, K]`` + one fp32 scale per output channel, weight-only.
-  CPU: the AVX2 kernel of ``gpu.cpu_kernels``; CUDA: ``torch._weight_int8pack_mm`` where the
-  torch build has it; else (and as the reference) dequantize + matmul.
+- int8 (``Int8Linear``): int8 ``[N, K]`` + one fp32 scale per output channel. CPU: W8A8, the
+  activations quantized per block of 32 to int8 and an integer multiply-add (the block kernel
+  of ``gpu.cpu_kernels``; without it, the same math in torch); CUDA: weight-only,
+  ``torch._weight_int8pack_mm`` where the torch build has it, else dequantize + matmul.
+- GGUF blocks (``BlockLinear``): Q4_0 / Q4_1 / Q8_0 rows of 32-weight blocks, as the file has
+  them (``gguf``), or quantized to Q4_1 at load (``int4``); activations quantized per block to
+  int8 as for int8. Without the CPU kernels (CUDA, no compiler) these dequantize at load.
 - fp8 (``Fp8Linear``): e4m3 ``[N, K]`` + one fp32 scale per output channel, activations cast
   to e4m3 per token, ``torch._scaled_mm`` with row-wise scales (Ada/Hopper tensor cores; torch
   also runs it on CPU, slowly: tests and quality reports).
@@ -26,15 +30,37 @@ from torch import nn
 
 from gpu.config import ModelError
 from gpu.cpu_kernels import CpuKernels, PackedLinear
+from gpu.cpu_kernels.prepared import (
+    LIN_F32,
+    LIN_INT8,
+    LIN_Q4_0,
+    LIN_Q4_0X8,
+    LIN_Q4_1,
+    LIN_Q4_1X8,
+    LIN_Q8_0,
+    LIN_Q8_0X8,
+)
 from gpu.formats import check_quantization
 from gpu.quant import (
+    BlockWeight,
+    dequantize_block_rows,
+    fake_quantize_blocks,
     fp8_matmul_supported,
     pack_row_blocks,
+    pad_int8_blocks,
     quantize_fp8,
     quantize_fp8_rows,
     quantize_int8,
+    quantize_q4_1,
+    quantize_q8_0,
+    repack_x8,
     unpack_row_blocks,
+    unpack_x8,
 )
+
+# GGML type name -> the kernels' linear kind (as the file lays it out; 4-bit repacked).
+BLOCK_KINDS = {"Q4_0": LIN_Q4_0, "Q4_1": LIN_Q4_1, "Q8_0": LIN_Q8_0}
+GROUPED_KINDS = {"Q4_0": LIN_Q4_0X8, "Q4_1": LIN_Q4_1X8, "Q8_0": LIN_Q8_0X8}
 
 logger = logging.getLogger(__name__)
 
@@ -60,8 +86,14 @@ class Linear(nn.Module):
         """The weight this layer effectively multiplies by, ``[N, K]`` fp32."""
         raise NotImplementedError
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of the dequantized weight, ``[len(ids), K]`` fp32: a tied embedding
+        reads its vectors here, so the table lives in one form only (the LM head's)."""
+        return self.dequantized_weight()[ids]
+
     bias: torch.Tensor | None
     kernels: CpuKernels | None = None
+    kind = LIN_F32
     _prepared: PackedLinear | None = None
 
     def packed(self) -> PackedLinear | None:
@@ -71,8 +103,8 @@ class Linear(nn.Module):
             return None
         weight, scale = self.kernel_operands()
         self._prepared = _packed(
-            self.kernels, self._prepared, weight, self.out_features, self.in_features, scale,
-            self.bias,
+            self.kernels, self._prepared, self.kind, weight, self.out_features, self.in_features,
+            scale, self.bias,
         )  # fmt: skip
         return self._prepared
 
@@ -92,6 +124,7 @@ class Linear(nn.Module):
 def _packed(
     kernels: CpuKernels,
     prepared: PackedLinear | None,
+    kind: int,
     weight: torch.Tensor,
     n: int,
     k: int,
@@ -102,7 +135,7 @@ def _packed(
     replaces them), else a fresh one."""
     if prepared is not None and prepared.weight is weight and prepared.bias is bias:
         return prepared
-    return kernels.packed_linear(weight, n, k, scale, bias)
+    return kernels.packed_linear(kind, weight, n, k, scale, bias)
 
 
 class DenseLinear(Linear):
@@ -162,11 +195,21 @@ class DenseLinear(Linear):
         w = self.weight.t() if self.layout == "kn" else self.weight
         return w.to(torch.float32)
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.layout == "packed":  # [N/8, K/8, 8, 8]: row n is [n // 8, :, n % 8, :]
+            picked = self.weight[ids // 8, :, ids % 8, :]
+            return picked.reshape(ids.shape[0], -1)[:, : self.in_features]
+        if self.layout == "kn":
+            return self.weight[:, ids].t().to(torch.float32)
+        return self.weight[ids]
+
 
 class Int8Linear(Linear):
-    """int8 weight-only, one fp32 scale per output channel (see ``gpu.quant.quantize_int8``)."""
+    """int8, one fp32 scale per output channel (see ``gpu.quant.quantize_int8``): W8A8 on CPU
+    (activations quantized per block of 32), weight-only on CUDA."""
 
     format = "int8"
+    kind = LIN_INT8
     qweight: torch.Tensor
     scale: torch.Tensor
     scale_x: torch.Tensor | None
@@ -183,8 +226,9 @@ class Int8Linear(Linear):
         q, scale = quantize_int8(weight)
         device = weight.device
         self.kernels = kernels if device.type == "cpu" else None
-        # The CPU kernel reads the weight in its blocked layout; everything else [N, K].
-        self.register_buffer("qweight", q if self.kernels is None else pack_row_blocks(q))
+        # The CPU kernel reads rows padded to whole blocks of 32; everything else [N, K].
+        self.register_buffer("qweight", q if self.kernels is None else pad_int8_blocks(q))
+        self.w8a8 = device.type == "cpu"
         self.register_buffer("scale", scale)
         self.register_buffer("bias", None if bias is None else bias.to(torch.float32))
         self.int8pack = device.type == "cuda" and _int8pack_mm_works(device, dtype)
@@ -201,8 +245,9 @@ class Int8Linear(Linear):
             y = torch._weight_int8pack_mm(x2.contiguous(), self.qweight, self.scale_x)
             if self.bias is not None:
                 y = y + self.bias.to(y.dtype)
-        else:  # reference: dequantize, then a dense matmul
-            y = F.linear(x2, self.int8_weight().to(x2.dtype)) * self.scale.to(x2.dtype)
+        else:  # reference: dequantize, then a dense matmul (on CPU of W8A8's activations)
+            xa = fake_quantize_blocks(x2).to(x2.dtype) if self.w8a8 else x2
+            y = F.linear(xa, self.int8_weight().to(x2.dtype)) * self.scale.to(x2.dtype)
             if self.bias is not None:
                 y = y + self.bias.to(y.dtype)
         return y.view(*x.shape[:-1], self.out_features)
@@ -214,10 +259,78 @@ class Int8Linear(Linear):
         """The int8 codes ``[N, K]``."""
         if self.kernels is None:
             return self.qweight
-        return unpack_row_blocks(self.qweight, self.out_features, self.in_features)
+        return self.qweight[:, : self.in_features]
 
     def dequantized_weight(self) -> torch.Tensor:
         return self.int8_weight().to(torch.float32) * self.scale[:, None]
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.int8_weight()[ids].to(torch.float32) * self.scale[ids, None]
+
+
+class BlockLinear(Linear):
+    """A weight in GGUF blocks of 32 (Q4_0, Q4_1, Q8_0: ``gpu.quant.BlockWeight``) on the CPU
+    block kernels, activations quantized per block to int8. ``format`` is ``gguf-<type>`` for
+    a file's own blocks, ``int4`` for weights quantized to Q4_1 at load. Without kernels (a
+    reference for tests) it multiplies the dequantized weight by the quantized activations."""
+
+    blocks: torch.Tensor
+    bias: torch.Tensor | None
+
+    def __init__(
+        self,
+        weight: BlockWeight,
+        bias: torch.Tensor | None = None,
+        kernels: CpuKernels | None = None,
+        fmt: str | None = None,
+    ) -> None:
+        n, k = weight.shape
+        super().__init__(k, n)
+        self.qtype = weight.qtype
+        self.format = fmt or f"gguf-{weight.qtype.lower()}"
+        self.kernels = kernels
+        # 4-bit blocks are repacked once for the kernel (groups of 8 rows; same size), and
+        # held only so: the file's layout comes back from them on demand (unpack_x8).
+        self.grouped = kernels is not None and weight.qtype in GROUPED_KINDS
+        if self.grouped:
+            self.kind = GROUPED_KINDS[weight.qtype]
+            stored = repack_x8(weight.qtype, weight.rows)
+        else:
+            self.kind = BLOCK_KINDS[weight.qtype]
+            stored = weight.rows.contiguous()
+        self.register_buffer("blocks", stored)
+        self.register_buffer("bias", None if bias is None else bias.to(torch.float32))
+        self._prepared: PackedLinear | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        prepared = self.packed()
+        if prepared is not None and x2.dtype == torch.float32:
+            y = prepared(x2)
+        else:
+            y = F.linear(fake_quantize_blocks(x2), self.dequantized_weight(), self.bias)
+            y = y.to(x.dtype)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def kernel_operands(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.blocks, None
+
+    def block_rows(self) -> torch.Tensor:
+        """The weight as GGUF rows of blocks ``uint8 [N, nb * bytes]`` (the file's layout)."""
+        if self.grouped:
+            return unpack_x8(self.qtype, self.blocks, self.out_features)
+        return self.blocks
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return dequantize_block_rows(self.qtype, self.block_rows(), self.in_features)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.grouped:  # the groups of 8 rows that hold ids, unpacked
+            groups = torch.unique(ids // 8)
+            rows = unpack_x8(self.qtype, self.blocks[groups], 8 * groups.numel())
+            where = torch.searchsorted(groups, ids // 8) * 8 + ids % 8
+            return dequantize_block_rows(self.qtype, rows[where], self.in_features)
+        return dequantize_block_rows(self.qtype, self.blocks[ids], self.in_features)
 
 
 class Fp8Linear(Linear):
@@ -257,20 +370,41 @@ class Fp8Linear(Linear):
     def dequantized_weight(self) -> torch.Tensor:
         return self.qweight.to(torch.float32) * self.scale.view(-1, 1)
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.qweight[ids].to(torch.float32) * self.scale.view(-1)[ids, None]
+
 
 def make_linear(
-    weight: torch.Tensor,
+    weight: torch.Tensor | BlockWeight,
     bias: torch.Tensor | None = None,
     quantization: str = "none",
     kernels: CpuKernels | None = None,
     dtype: torch.dtype = torch.float32,
+    lm_head: bool = False,
 ) -> Linear:
-    """The layer for ``weight`` ``[N, K]`` (already on its device) in the chosen format.
+    """The layer for ``weight`` ``[N, K]`` (already on its device) in the chosen format
+    (``lm_head``: the model's output layer, which ``int4`` keeps at 8 bits).
 
     ``dtype`` is the activations' (and, for ``none``, the weight's) dtype; quantized formats
-    take ``weight`` in any float dtype and quantize it from fp32.
+    take ``weight`` in any float dtype and quantize it from fp32. A ``BlockWeight`` (GGUF
+    blocks, ``gguf`` / ``auto``) runs as it is on the CPU kernels, else dequantized; any
+    other format dequantizes it first.
     """
     check_quantization(quantization)
+    if isinstance(weight, BlockWeight):
+        if quantization in ("gguf", "auto"):
+            # The block kernels, or (no compiler) the same math in torch (CausalLM dequantizes
+            # blocks for other devices and dtypes).
+            return BlockLinear(weight, bias, kernels)
+        weight = weight.dequantize()
+    if quantization == "int4":
+        quantize = quantize_q8_0 if lm_head else quantize_q4_1
+        qtype = "Q8_0" if lm_head else "Q4_1"
+        blocks = BlockWeight(qtype, quantize(weight.to("cpu")), int(weight.shape[1]))
+        if kernels is not None and weight.device.type == "cpu":
+            return BlockLinear(blocks, bias, kernels, "int4")
+        dense = blocks.dequantize().to(weight.device, dtype)
+        return DenseLinear(dense, None if bias is None else bias.to(dtype), kernels)
     if quantization == "int8":
         return Int8Linear(weight, bias, kernels, dtype)
     if quantization == "fp8":

@@ -6,9 +6,11 @@ so the same model runs on plain torch (CPU) or FlashInfer (CUDA). q/k/v and gate
 into one matmul each at load time: fewer, larger matmuls per layer.
 
 Linear layers come from ``gpu.linear.make_linear`` in the chosen weight format (fp32/bf16,
-int8, fp8); norms, rotary and SwiGLU go through ``gpu.ops`` (plain torch, or fused CPU
-kernels). The residual stream is one tensor updated in place: each layer returns its MLP
-output, which the next layer's input norm adds in (vLLM's fused add + RMSNorm).
+int8, int4, a GGUF file's own blocks, fp8); a tied embedding reads its rows from the LM head,
+so each weight is held in one form only; norms, rotary and SwiGLU go through ``gpu.ops``
+(plain torch, or fused CPU kernels). The residual stream is one tensor updated in place:
+each layer returns its MLP output, which the next layer's input norm adds in (vLLM's fused
+add + RMSNorm).
 """
 
 from __future__ import annotations
@@ -29,14 +31,38 @@ from gpu.cpu_kernels import CpuKernels, FusedDecoder
 from gpu.cpu_kernels.decoder import DecoderShape, LayerWeights
 from gpu.linear import Linear, make_linear
 from gpu.ops import RopeStep, TorchOps, make_ops
+from gpu.quant import BlockWeight
 from gpu.rope import RotaryEmbedding
+
+Weight = torch.Tensor | BlockWeight
+
+
+def stacked(parts: list[Weight]) -> Weight:
+    """Weights stacked along N (q/k/v, gate/up): blocks stay blocks where every part has the
+    same type, else everything is dequantized (fp32)."""
+    if all(isinstance(p, BlockWeight) for p in parts):
+        blocks = BlockWeight.cat([p for p in parts if isinstance(p, BlockWeight)])
+        if blocks is not None:
+            return blocks
+    return torch.cat([p.dequantize() if isinstance(p, BlockWeight) else p for p in parts])
+
+
+def dense(weight: Weight) -> torch.Tensor:
+    return weight.dequantize() if isinstance(weight, BlockWeight) else weight
+
+
+def owned(weight: Weight) -> nn.Parameter:
+    """A tensor kept as it was read, in memory of its own: safetensors hands out views of the
+    file's mapping, and one norm vector kept as such a view keeps the whole mapping resident
+    (513 MB on the default model, every page of it touched by the load)."""
+    return nn.Parameter(dense(weight).clone(), requires_grad=False)
 
 
 class DecoderLayer(nn.Module):
     def __init__(
         self,
         config: ModelConfig,
-        w: dict[str, torch.Tensor],
+        w: dict[str, Weight],
         prefix: str,
         linear: Callable[..., Linear],
         ops: TorchOps,
@@ -45,19 +71,17 @@ class DecoderLayer(nn.Module):
         attn, mlp = f"{prefix}.self_attn", f"{prefix}.mlp"
         qkv_bias = None
         if config.qkv_bias:
-            qkv_bias = torch.cat([w[f"{attn}.{n}_proj.bias"] for n in ("q", "k", "v")])
+            qkv_bias = torch.cat([dense(w[f"{attn}.{n}_proj.bias"]) for n in ("q", "k", "v")])
         self.qkv_proj = linear(
-            torch.cat([w[f"{attn}.{n}_proj.weight"] for n in ("q", "k", "v")]), qkv_bias
+            stacked([w[f"{attn}.{n}_proj.weight"] for n in ("q", "k", "v")]), qkv_bias
         )
         self.o_proj = linear(w[f"{attn}.o_proj.weight"])
         self.gate_up_proj = linear(
-            torch.cat([w[f"{mlp}.gate_proj.weight"], w[f"{mlp}.up_proj.weight"]])
+            stacked([w[f"{mlp}.gate_proj.weight"], w[f"{mlp}.up_proj.weight"]])
         )
         self.down_proj = linear(w[f"{mlp}.down_proj.weight"])
-        self.input_norm = nn.Parameter(w[f"{prefix}.input_layernorm.weight"], requires_grad=False)
-        self.post_attn_norm = nn.Parameter(
-            w[f"{prefix}.post_attention_layernorm.weight"], requires_grad=False
-        )
+        self.input_norm = owned(w[f"{prefix}.input_layernorm.weight"])
+        self.post_attn_norm = owned(w[f"{prefix}.post_attention_layernorm.weight"])
         self.ops = ops
         self.eps = config.rms_norm_eps
         self.num_heads = config.num_attention_heads
@@ -111,11 +135,13 @@ class DecoderLayer(nn.Module):
 class CausalLM(nn.Module):
     """Token ids in, logits out; the KV cache and attention backend are passed per call.
 
-    ``quantization`` (``none`` | ``int8`` | ``fp8``) picks the format of every linear layer,
-    the LM head included; ``kernels`` (CPU only) switches the decoder's small ops and int8
-    matmuls to the fused kernels of ``gpu.cpu_kernels``. With kernels, a step whose tokens are
-    all decodes runs every layer in one C call (``FusedDecoder``; same bits, no per-op Python);
-    ``fuse_decode = False`` keeps the per-op path (tests, benchmarks).
+    ``quantization`` (``none`` | ``int8`` | ``int4`` | ``gguf`` | ``fp8``) picks the format of
+    every linear layer, the LM head included (``weights`` may hold GGUF blocks,
+    ``gpu.quant.BlockWeight``, which ``gguf`` keeps as they are); ``kernels`` (CPU only)
+    switches the decoder's small ops and matmuls to the fused kernels of ``gpu.cpu_kernels``.
+    With kernels, a step whose tokens are all decodes runs every layer in one C call
+    (``FusedDecoder``; same bits, no per-op Python); ``fuse_decode = False`` keeps the per-op
+    path (tests, benchmarks).
     """
 
     fuse_decode = True
@@ -123,7 +149,7 @@ class CausalLM(nn.Module):
     def __init__(
         self,
         config: ModelConfig,
-        weights: dict[str, torch.Tensor],
+        weights: dict[str, Weight],
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         quantization: str = "none",
@@ -134,20 +160,29 @@ class CausalLM(nn.Module):
         device = torch.device(device)
         if device.type != "cpu":
             kernels = None
-        w = {name: t.to(device=device, dtype=dtype) for name, t in weights.items()}
+        # GGUF blocks run on the CPU kernels; on another device they are dequantized here.
+        keep_blocks = device.type == "cpu" and dtype == torch.float32
+        w: dict[str, Weight] = {
+            name: t if isinstance(t, BlockWeight) and keep_blocks
+            else dense(t).to(device=device, dtype=dtype)
+            for name, t in weights.items()
+        }  # fmt: skip
         self.config = config
         self.quantization = quantization
         self.kernels = kernels
         self.ops = make_ops(kernels)
         linear = partial(make_linear, quantization=quantization, kernels=kernels, dtype=dtype)
-        self.embed_tokens = nn.Parameter(w["model.embed_tokens.weight"], requires_grad=False)
+        self.norm = owned(w["model.norm.weight"])
+        # Tied: the embedding is the LM head's weight, in the head's format (read by rows).
+        self.embed_tokens: nn.Parameter | None = None
+        if not config.tie_word_embeddings:
+            self.embed_tokens = owned(w.pop("model.embed_tokens.weight"))
         self.layers = nn.ModuleList(
             DecoderLayer(config, w, f"model.layers.{i}", linear, self.ops)
             for i in range(config.num_hidden_layers)
         )
-        self.norm = nn.Parameter(w["model.norm.weight"], requires_grad=False)
         head = w["model.embed_tokens.weight"] if config.tie_word_embeddings else w["lm_head.weight"]
-        self.lm_head = linear(head)
+        self.lm_head = linear(head, lm_head=True)
         self.rope = RotaryEmbedding(config, device, dtype)
         self._fused: FusedDecoder | None = None
         self._fused_built = False
@@ -174,11 +209,17 @@ class CausalLM(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.embed_tokens.device
+        return self.norm.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed_tokens.dtype
+        return self.norm.dtype
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[T]`` token ids -> ``[T, H]`` embeddings in the model dtype."""
+        if self.embed_tokens is not None:
+            return F.embedding(input_ids, self.embed_tokens)
+        return self.lm_head.rows(input_ids).to(self.dtype)
 
     def forward(
         self,
@@ -192,7 +233,7 @@ class CausalLM(nn.Module):
 
         ``backend.plan(meta)`` must have been called for this step.
         """
-        hidden = F.embedding(input_ids, self.embed_tokens)
+        hidden = self.embed(input_ids)
         rope = self.ops.rope_step(self.rope, meta.positions)
         decodes = backend.decode_only() if isinstance(backend, TorchPagedAttention) else None
         fused = self.fused_decoder() if decodes is not None and self.fuse_decode else None
@@ -237,7 +278,7 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_weights(config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+def check_weights(config: ModelConfig, weights: dict[str, Weight]) -> None:
     """Raise ``ModelError`` naming missing tensors or tensors whose shape does not match."""
     shapes = expected_shapes(config)
     missing = sorted(set(shapes) - set(weights))

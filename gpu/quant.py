@@ -3,10 +3,20 @@
 Weights are quantized once at load time from whatever full-precision checkpoint was read (a
 Hugging Face folder, or a GGUF file, which ``gpu.gguf`` first dequantizes to fp32):
 
-- ``int8``: weight-only, symmetric, one fp32 scale per output channel
-  (``W ~= q * scale[:, None]``, ``q`` in [-127, 127]); activations stay in the model dtype.
-  Per-channel rounding error is at most ``scale / 2``: a relative error of ~0.4% of the row's
-  largest weight.
+- ``int8``: symmetric, one fp32 scale per output channel (``W ~= q * scale[:, None]``, ``q``
+  in [-127, 127]). Per-channel rounding error is at most ``scale / 2``: a relative error of
+  ~0.4% of the row's largest weight. On the CPU kernels the activations are quantized too
+  (W8A8, see below); elsewhere they stay in the model dtype.
+- ``int4``: group-wise 4-bit, groups of 32 along K, one fp16 scale and minimum per group: the
+  GGUF Q4_1 block (``w ~= d * q + m``, ``q`` in [0, 15]), so it runs on the same kernel as a
+  Q4_1 file (:func:`quantize_q4_1`). The LM head (with a tied embedding, the embedding too)
+  gets 8 bits in blocks of 32 (Q8_0, :func:`quantize_q8_0`), as llama.cpp's 4-bit files keep
+  their output tensor wider: at 4 bits it alone costs ~7 points of top-1 agreement here.
+- ``gguf``: a GGUF file's own blocks (Q4_0, Q4_1, Q8_0) as they are (``gpu.gguf.blocks``).
+
+Block kernels quantize activations per row and block of 32 to int8 (one fp32 scale ``amax /
+127`` per block, round to nearest even), as ggml's CPU path does; :func:`fake_quantize_blocks`
+is that step in torch (the reference the kernels are tested against).
 - ``fp8``: float8 e4m3 weights with one fp32 scale per output channel, activations quantized
   per token (row) to e4m3 at run time, then ``torch._scaled_mm`` (Hopper's fp8 tensor cores;
   torch also runs it on CPU, which the tests use). Per-token activation scales keep each row's
@@ -20,6 +30,7 @@ models sit well inside e4m3's +-448 range).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from gpu.config import ModelError
 from gpu.formats import KV_CACHE_DTYPES
@@ -93,3 +104,155 @@ def fp8_matmul_supported(device: torch.device) -> bool:
     if device.type != "cuda":
         return False
     return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+QK = 32  # weights (and activations) per block
+# GGML type name -> bytes per block of 32, for the block kinds the CPU kernels run.
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+
+
+def fake_quantize_blocks(x: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[M, K]`` as the block kernels see it: each row's blocks of 32 rounded to int8 on
+    their own scale (``amax / 127``), dequantized again (fp32, ``[M, K]``)."""
+    m, k = x.shape
+    kp = -(-k // QK) * QK
+    blocks = F.pad(x.to(torch.float32), (0, kp - k)).view(m, kp // QK, QK)
+    d = blocks.abs().amax(dim=-1, keepdim=True) / 127.0
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(blocks * inv)
+    return (q * d).view(m, kp)[:, :k]
+
+
+def pad_int8_blocks(q: torch.Tensor) -> torch.Tensor:
+    """int8 ``[N, K]`` -> ``[N, ceil(K/32) * 32]`` (zero padded): the block kernels' rows."""
+    k = q.shape[1]
+    return F.pad(q, (0, -(-k // QK) * QK - k)).contiguous()
+
+
+def quantize_q4_1(weight: torch.Tensor) -> torch.Tensor:
+    """``[N, K]`` float -> Q4_1 rows ``uint8 [N, ceil(K/32) * 20]`` (K zero padded): per block
+    of 32, ``d = (max - min) / 15`` and ``m = min`` in fp16, codes ``round((w - m) / d)`` in
+    [0, 15] (against the fp16-rounded ``d`` and ``m``, which is what dequantization uses)."""
+    n, k = weight.shape
+    kp = -(-k // QK) * QK
+    w = F.pad(weight.to(torch.float32), (0, kp - k)).view(n, kp // QK, QK)
+    lo, hi = w.amin(dim=-1, keepdim=True), w.amax(dim=-1, keepdim=True)
+    d16 = ((hi - lo) / 15.0).to(torch.float16)
+    m16 = lo.to(torch.float16)
+    d, m = d16.float(), m16.float()
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round((w - m) * inv).clamp_(0, 15).to(torch.uint8)
+    packed = q[..., :16] | (q[..., 16:] << 4)  # ggml's order: low nibbles 0..15, high 16..31
+    scales = torch.cat([d16, m16], dim=-1).view(torch.uint8)  # [n, nb, 4]
+    return torch.cat([scales, packed], dim=-1).reshape(n, kp // QK * 20).contiguous()
+
+
+def quantize_q8_0(weight: torch.Tensor) -> torch.Tensor:
+    """``[N, K]`` float -> Q8_0 rows ``uint8 [N, ceil(K/32) * 34]`` (K zero padded): per block
+    of 32, ``d = amax / 127`` in fp16 and codes ``round(w / d)`` (against the fp16 ``d``)."""
+    n, k = weight.shape
+    kp = -(-k // QK) * QK
+    w = F.pad(weight.to(torch.float32), (0, kp - k)).view(n, kp // QK, QK)
+    d16 = (w.abs().amax(dim=-1, keepdim=True) / 127.0).to(torch.float16)
+    d = d16.float()
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(w * inv).clamp_(-127, 127).to(torch.int8).view(torch.uint8)
+    return torch.cat([d16.view(torch.uint8), q], dim=-1).reshape(n, kp // QK * 34).contiguous()
+
+
+def dequantize_block_rows(qtype: str, rows: torch.Tensor, k: int) -> torch.Tensor:
+    """Rows of GGUF blocks ``uint8 [R, nb * bytes]`` -> fp32 ``[R, k]`` (ggml's formulas: the
+    same values as ``gguf.quants.dequantize``)."""
+    if qtype not in BLOCK_BYTES:
+        raise ModelError(f"no block kernel for GGUF type {qtype}")
+    r = rows.shape[0]
+    b = rows.view(r, -1, BLOCK_BYTES[qtype])
+    d = b[..., :2].contiguous().view(torch.float16).to(torch.float32)
+    if qtype == "Q8_0":
+        w = d * b[..., 2:].contiguous().view(torch.int8).to(torch.float32)
+    else:
+        qs = b[..., 4:] if qtype == "Q4_1" else b[..., 2:]
+        q = torch.cat([qs & 15, qs >> 4], dim=-1).to(torch.float32)
+        if qtype == "Q4_0":
+            w = d * (q - 8.0)
+        else:
+            w = d * q + b[..., 2:4].contiguous().view(torch.float16).to(torch.float32)
+    return w.reshape(r, -1)[:, :k]
+
+
+def _head(qtype: str) -> int:
+    """Bytes of fp16 scales at the start of a block."""
+    return 4 if qtype == "Q4_1" else 2
+
+
+def repack_x8(qtype: str, rows: torch.Tensor) -> torch.Tensor:
+    """GGUF Q4_0 / Q4_1 / Q8_0 rows ``[n, nb * bytes]`` -> the kernels' groups of 8 rows
+    ``uint8 [ceil(n/8), nb * 8 * bytes]`` (blocks.c: per group and block, the 8 rows' fp16
+    d (and m), then their codes interleaved so that one 4-byte broadcast of x meets 8 rows).
+    The same bytes as the file, in another order; :func:`unpack_x8` inverts it."""
+    size, head = BLOCK_BYTES[qtype], _head(qtype)
+    n = rows.shape[0]
+    g = -(-n // 8)
+    b = F.pad(rows, (0, 0, 0, g * 8 - n)).view(g, 8, -1, size).transpose(1, 2)  # [g, nb, 8, B]
+    nb = b.shape[1]
+    scales = [b[..., i : i + 2].reshape(g, nb, 16) for i in range(0, head, 2)]
+    qs = b[..., head:]
+    if qtype == "Q8_0":
+        codes = qs.reshape(g, nb, 8, 8, 4).transpose(2, 3).reshape(g, nb, 256)
+    else:
+        nib = torch.cat([qs & 15, qs >> 4], dim=-1)  # [g, nb, 8 rows, 32 k]
+        nib = nib.view(g, nb, 8, 8, 4).transpose(2, 3)  # [g, nb, 8 j, 8 rows, 4 t]
+        codes = (nib[:, :, :4] | (nib[:, :, 4:] << 4)).reshape(g, nb, 128)
+    return torch.cat([*scales, codes], dim=-1).reshape(g, nb * 8 * size).contiguous()
+
+
+def unpack_x8(qtype: str, packed: torch.Tensor, n: int) -> torch.Tensor:
+    """The inverse of :func:`repack_x8`: GGUF rows ``uint8 [n, nb * bytes]``."""
+    size, head = BLOCK_BYTES[qtype], _head(qtype)
+    g = packed.shape[0]
+    rec = packed.view(g, -1, 8 * size)
+    nb = rec.shape[1]
+    scales = [rec[..., 8 * i : 8 * i + 16].reshape(g, nb, 8, 2) for i in range(0, head, 2)]
+    body = rec[..., 8 * head :]
+    if qtype == "Q8_0":
+        qs = body.reshape(g, nb, 8, 8, 4).transpose(2, 3).reshape(g, nb, 8, 32)
+    else:
+        c4 = body.reshape(g, nb, 4, 8, 4)
+        nib = torch.cat([c4 & 15, c4 >> 4], dim=2)  # [g, nb, 8 j, 8 rows, 4 t]
+        nib = nib.transpose(2, 3).reshape(g, nb, 8, 32)  # [g, nb, rows, k]
+        qs = nib[..., :16] | (nib[..., 16:] << 4)
+    blocks = torch.cat([*scales, qs], dim=-1)  # [g, nb, 8, size]
+    return blocks.transpose(1, 2).reshape(g * 8, nb * size)[:n].contiguous()
+
+
+class BlockWeight:
+    """A weight ``[n, k]`` kept in GGUF blocks: ``rows`` ``uint8 [n, ceil(k/32) * bytes]``
+    (one row of blocks per output feature), as read from a file. Layers that cannot run the
+    type natively call :meth:`dequantize`."""
+
+    def __init__(self, qtype: str, rows: torch.Tensor, k: int) -> None:
+        if qtype not in BLOCK_BYTES:
+            raise ModelError(
+                f"no block kernel for GGUF type {qtype} (native: {', '.join(BLOCK_BYTES)})"
+            )
+        if rows.dtype != torch.uint8 or rows.dim() != 2:
+            raise ModelError(f"{qtype} blocks must be uint8 [n, bytes], got {rows.dtype}")
+        if rows.shape[1] != -(-k // QK) * BLOCK_BYTES[qtype]:
+            raise ModelError(f"{qtype} rows of {rows.shape[1]} bytes do not hold {k} weights")
+        self.qtype, self.rows, self.k = qtype, rows, k
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return int(self.rows.shape[0]), self.k
+
+    def dequantize(self) -> torch.Tensor:
+        return dequantize_block_rows(self.qtype, self.rows, self.k)
+
+    @staticmethod
+    def cat(parts: list[BlockWeight]) -> BlockWeight | None:
+        """The parts stacked along ``n`` (q/k/v, gate/up), or None where their types or
+        widths differ (the caller dequantizes them)."""
+        first = parts[0]
+        if any(p.qtype != first.qtype or p.k != first.k for p in parts):
+            return None
+        return BlockWeight(first.qtype, torch.cat([p.rows for p in parts]), first.k)

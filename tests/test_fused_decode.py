@@ -45,7 +45,7 @@ def scattered_sequences(seed: int, lengths: list[int], ps: int, num_pages: int):
     return tables, prompts
 
 
-@pytest.mark.parametrize("fmt", ["none", "int8"])
+@pytest.mark.parametrize("fmt", ["none", "int8", "int4"])
 def test_fused_decode_step_gives_the_per_op_bits(tiny_llama, fmt):
     """Sequences of different lengths (partial and full last pages, scattered pages): a decode
     step's logits and the K/V it appends are bit-identical on both paths."""
@@ -77,7 +77,7 @@ def test_fused_decode_step_gives_the_per_op_bits(tiny_llama, fmt):
         tokens = [[t] for t in got.argmax(-1).tolist()]
 
 
-@pytest.mark.parametrize("fmt", ["none", "int8"])
+@pytest.mark.parametrize("fmt", ["none", "int8", "int4"])
 def test_engine_outputs_equal_with_and_without_fusion(tiny_llama, fmt):
     """Whole generations, greedy and seeded sampling, batched with prompts arriving mid-way
     (mixed steps take the per-op path, all-decode steps the fused one): the same tokens."""

@@ -85,8 +85,10 @@ def write_gguf(
     pre: str = "default",
     add_bos: bool = False,
     extra: dict[str, Any] | None = None,
+    qtypes: dict[str, gguf.GGMLQuantizationType] | None = None,
 ) -> Path:
-    """Write the HF model in ``folder`` as an F32 GGUF the way llama.cpp's converter would."""
+    """Write the HF model in ``folder`` as a GGUF the way llama.cpp's converter would: F32, or
+    for each HF name containing a key of ``qtypes`` (the first that matches), that type."""
     config = json.loads((folder / "config.json").read_text())
     weights = load_file(str(folder / "model.safetensors"))
     n_head, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
@@ -139,7 +141,12 @@ def write_gguf(
             value = llama_cpp_permute(value, n_head)
         elif arch == "llama" and "k_proj" in name:
             value = llama_cpp_permute(value, n_kv)
-        writer.add_tensor(gguf_name(name), np.ascontiguousarray(value, dtype=np.float32))
+        array = np.ascontiguousarray(value, dtype=np.float32)
+        qtype = next((t for key, t in (qtypes or {}).items() if key in name), None)
+        if qtype is None or array.ndim != 2:
+            writer.add_tensor(gguf_name(name), array)
+        else:
+            writer.add_tensor(gguf_name(name), gguf.quants.quantize(array, qtype), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -16,7 +16,7 @@ from gpu.engine import Engine, EngineConfig
 from gpu.linear import DenseLinear, Fp8Linear, Int8Linear, make_linear
 from gpu.loader import load_model
 from gpu.ops import KernelOps, TorchOps
-from gpu.quant import FP8, quantize_int8
+from gpu.quant import FP8, fake_quantize_blocks, quantize_int8
 from gpu.rope import RotaryEmbedding
 from gpu.runner import ModelRunner
 from gpu.sampling import SamplingParams
@@ -33,7 +33,7 @@ needs_kernels = pytest.mark.skipif(
     KERNELS is None, reason="CPU kernels need AVX2/FMA and a C compiler"
 )
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
-FORMATS = ["none", "int8", "fp8"]
+FORMATS = ["none", "int8", "int4", "fp8"]
 
 
 def weight_and_input(n: int, k: int, m: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,17 +60,23 @@ def test_dense_linear_matches_f_linear(use_kernels, shape, m):
 @pytest.mark.parametrize("shape", [(96, 64), (37, 13), (576, 192), (130, 1536)])
 @pytest.mark.parametrize("m", [1, 2, 5, 32, 70])
 def test_int8_linear_within_its_rounding_bound(use_kernels, shape, m):
-    """Rounding each weight to its row's int8 grid moves it by at most scale/2, so each output
-    moves by at most (scale/2) * sum|x| (plus fp32 rounding)."""
+    """W8A8 on CPU: the activations are rounded per block of 32 to int8 (fake_quantize_blocks),
+    the weights to their row's int8 grid, which moves each by at most scale/2; so each output
+    moves by at most (scale/2) * sum|xq| from the fp32 weight's product with those
+    activations (plus fp32 rounding), and the quantized activations are within half a step
+    of x."""
     w, x = weight_and_input(shape[0], shape[1], m)
     bias = torch.randn(shape[0])
     layer = Int8Linear(w, bias, KERNELS if use_kernels else None)
     y = layer(x)
-    ref = F.linear(x, w, bias)
-    bound = 0.5 * layer.scale[None, :] * x.abs().sum(dim=1, keepdim=True)
+    xq = fake_quantize_blocks(x)
+    step = F.pad(x, (0, -shape[1] % 32)).abs().view(m, -1, 32).amax(-1) / 127
+    assert ((xq - x).abs() <= step.repeat_interleave(32, 1)[:, : shape[1]] * 0.5 + 1e-7).all()
+    ref = F.linear(xq, w, bias)
+    bound = 0.5 * layer.scale[None, :] * xq.abs().sum(dim=1, keepdim=True)
     assert ((y - ref).abs() <= bound * 1.001 + 1e-5).all()
     # and it is exactly the dequantized weight's product, up to fp32 summation order
-    exact = F.linear(x, layer.dequantized_weight(), bias)
+    exact = F.linear(xq, layer.dequantized_weight(), bias)
     torch.testing.assert_close(y, exact, rtol=1e-5, atol=1e-5)
 
 
@@ -117,7 +123,7 @@ def test_a_row_does_not_depend_on_its_batch(fmt):
     full = layer(x)
     for rows in (slice(0, 1), slice(5, 6), slice(3, 20)):
         part = layer(x[rows])
-        if fmt in ("none", "int8") and KERNELS is not None:
+        if fmt in ("none", "int8", "int4") and KERNELS is not None:
             assert torch.equal(part, full[rows])
         else:
             torch.testing.assert_close(part, full[rows], rtol=1e-5, atol=1e-6)
@@ -137,8 +143,8 @@ def test_kernels_degrade_to_torch_without_a_compiler(tmp_path, monkeypatch, tiny
 
 def test_unknown_format_is_named():
     w, _ = weight_and_input(16, 16, 1)
-    with pytest.raises(ModelError, match="unknown quantization 'int4'"):
-        make_linear(w, quantization="int4")
+    with pytest.raises(ModelError, match="unknown quantization 'int3'"):
+        make_linear(w, quantization="int3")
 
 
 # -- the fused CPU kernels against the torch ops ---------------------------------------------
@@ -221,7 +227,7 @@ def greedy_positions(runner: ModelRunner, tokens: list[int]) -> torch.Tensor:
     return runner.execute([SeqChunk(tuple(range(pages)), 0, len(tokens))], [tokens], True)
 
 
-@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "fp8"])
 def test_quantized_model_tracks_fp32(tiny_llama, fmt):
     """Teacher-forced on the same tokens, the quantized model's next-token distribution stays
     close to fp32's (the tiny random model has small logit margins, so this is a loose check;
@@ -234,8 +240,11 @@ def test_quantized_model_tracks_fp32(tiny_llama, fmt):
     got = torch.log_softmax(greedy_positions(ModelRunner(model, 16, 4), prompt), -1)
     kl = (ref.exp() * (ref - got)).sum(-1).mean().item()
     agree = (ref.argmax(-1) == got.argmax(-1)).float().mean().item()
-    assert kl < (0.002 if fmt == "int8" else 0.02)
-    assert agree >= (0.95 if fmt == "int8" else 0.85)
+    assert kl < {"int8": 0.002, "int4": 0.05, "fp8": 0.02}[fmt]
+    # int4's top-1 is held on SmolLM2 below: this random model's argmax is one token at every
+    # position, by a margin 4-bit weights can flip wholesale.
+    if fmt != "int4":
+        assert agree >= (0.95 if fmt == "int8" else 0.85)
 
 
 @pytest.mark.parametrize("cpu_kernels", [False, pytest.param(True, marks=needs_kernels)])
@@ -316,9 +325,10 @@ def test_fp8_kv_cache_runs_and_stays_close(tiny_llama):
 
 
 @pytest.mark.slow
-def test_int8_smollm2_agrees_with_fp32():
+def test_quantized_smollm2_agrees_with_fp32():
     """The acceptance bar: teacher-forced along fp32's greedy continuations of the benchmark's
-    prompt set, int8 picks fp32's top-1 token at >= 95% of positions."""
+    prompt set, int8 picks fp32's top-1 token at >= 95% of positions, int4 and the file's own
+    blocks (int8 activations) at >= 93%."""
     from common.tokenizer import Tokenizer
     from gpu.gguf import resolve_model_path
     from tools.bench.quant import quality_prompts, quality_report
@@ -329,9 +339,11 @@ def test_int8_smollm2_agrees_with_fp32():
     def load(fmt: str):
         return load_model(folder, progress=False, quantization=fmt)
 
-    (int8,) = quality_report(load, ["int8"], prompts, 16)
+    int8, int4, native = quality_report(load, ["int8", "int4", "gguf"], prompts, 16)
     assert int8.top1_agreement >= 0.95, int8
     assert int8.mean_kl < 0.01, int8
+    assert int4.top1_agreement >= 0.93, int4
+    assert native.top1_agreement >= 0.93 and native.mean_kl < 0.01, native
 
 
 # -- CUDA (skipped elsewhere) -------------------------------------------------------------------

@@ -22,22 +22,52 @@ from gpu.cpu_kernels.wrappers import CpuKernels
 
 logger = logging.getLogger(__name__)
 
-# One translation unit, in this order (later parts call earlier ones).
-PARTS = ("prelude.h", "linear.c", "ops.c", "attention.c", "decoder.c", "module.c")
-SOURCE = "".join((Path(__file__).parent / part).read_text() for part in PARTS)
+# One translation unit, in this order (later parts call earlier ones). blocks_dot.c is a
+# template compiled twice: the AVX2 default, and AVX-512 VNNI under a target pragma (the
+# choice between them is made at run time, by the CPU's flags).
+PARTS = (
+    "prelude.h", "linear.c", "blocks.c", "blocks_dot.c", "blocks_linear.c", "ops.c",
+    "attention.c", "decoder.c", "module.c",
+)  # fmt: skip
+_ISAS = (
+    ("#define QISA avx2\n#define QVNNI 0\n", ""),
+    (
+        '#pragma GCC push_options\n#pragma GCC target("avx512vnni,avx512vl,avx512bw")\n'
+        "#define QISA vnni\n#define QVNNI 1\n",
+        "#pragma GCC pop_options\n",
+    ),
+)
 
-FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared")
+
+def _source() -> str:
+    folder = Path(__file__).parent
+    out: list[str] = []
+    for part in PARTS:
+        text = (folder / part).read_text()
+        if part == "blocks_dot.c":
+            out.extend(f"{pre}{text}#undef QISA\n#undef QVNNI\n{post}" for pre, post in _ISAS)
+        else:
+            out.append(text)
+    return "".join(out)
+
+
+SOURCE = _source()
+
+FLAGS = (
+    "-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared",
+)  # fmt: skip
 MODULE = "_meshserve_cpu"  # the extension module's name (PyInit__meshserve_cpu)
 
 
 def cpu_supported() -> bool:
+    """AVX2, FMA and F16C (every AVX2 CPU has F16C: GGUF block scales are fp16)."""
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return False
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
         return False
-    return " avx2" in flags and " fma" in flags
+    return " avx2" in flags and " fma" in flags and " f16c" in flags
 
 
 def find_compiler() -> str | None:

@@ -7,14 +7,14 @@
  * ~300 Python calls per step between them (at batch 1 those cost as much as the matmuls).
  *
  * `table` holds LAYER_FIELDS int64s per layer (pointers stored as integers); a linear is
- * (kind, weight, scale, bias) with kind LIN_F32 (packed fp32, no scale) or LIN_INT8 (packed
- * int8 with per-row scales). `kv` holds each layer's cache [pages, 2, ps, Hkv, D].
+ * (kind, weight, scale, bias) with kind LIN_F32 (packed fp32, no scale) or a block kind of
+ * blocks.c (LIN_INT8 with per-row scales; LIN_Q4_0 / Q4_1 / Q8_0, GGUF blocks, no scale).
+ * `kv` holds each layer's cache [pages, 2, ps, Hkv, D].
  *
  * hidden [T, H] is the residual stream (embeddings in, updated in place); the last layer's MLP
  * output goes to delta [T, H], for the final norm to add in. scratch holds
  * T * (2H + QKV + Hq*D + 3I) floats.
  */
-enum { LIN_F32 = 0, LIN_INT8 = 1 };
 enum {
     F_IN_NORM, F_POST_NORM,
     F_QKV, F_O = F_QKV + 4, F_GATE_UP = F_O + 4, F_DOWN = F_GATE_UP + 4,
@@ -25,8 +25,9 @@ static void table_linear(const i64* lin, const float* x, i64 M, i64 K, i64 N, fl
                          int nthreads) {
     const float* scale = (const float*)(intptr_t)lin[2];
     const float* bias = (const float*)(intptr_t)lin[3];
-    if (lin[0] == LIN_INT8)
-        int8_linear(x, M, K, K, (const int8_t*)(intptr_t)lin[1], N, scale, bias, y, N, nthreads);
+    if (lin[0] != LIN_F32)
+        block_linear((int)lin[0], x, M, K, K, (const uint8_t*)(intptr_t)lin[1], N, scale, bias, y,
+                     N, nthreads);
     else
         f32_linear(x, M, K, K, (const float*)(intptr_t)lin[1], N, NULL, bias, y, N, nthreads);
 }

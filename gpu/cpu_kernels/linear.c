@@ -1,8 +1,8 @@
 /* ---------------------------------------------------------------- linear layers */
 
 /*
- * y = (x @ W.T) * scale + bias for fp32 x [M, K] and W [N, K] in int8 (weight-only, one scale
- * per output row) or fp32 (no scale). W is packed in blocks of 8 output rows:
+ * y = (x @ W.T) * scale + bias for fp32 x [M, K] and W [N, K] in fp32 (no scale; the macro
+ * also takes other weight types with a per-row scale). W is packed in blocks of 8 output rows:
  * [ceil(N/8)][ceil(K/8)][8 rows][8 k], zero padded. At batch 1 a thread then reads its blocks as
  * one sequential stream (an int8 block step is one cache line); row-major [N][K] read 8 rows at
  * a time streams at about half the speed here, and so does MKL's fp32 GEMV.
@@ -93,5 +93,4 @@ void NAME(const float* x, i64 M, i64 K, i64 ldx, const WT* w, i64 N, const float
 }
 
 #define LIN_M_CHUNK 64  /* rows of x kept hot in L2 while a thread sweeps its blocks */
-DEFINE_LINEAR(int8_linear, int8_t, load_i8x8)
 DEFINE_LINEAR(f32_linear, float, _mm256_loadu_ps)

@@ -33,8 +33,38 @@ static int parse(PyObject* const* args, Py_ssize_t nargs, const char* sig, Arg* 
         Py_RETURN_NONE;                                                                       \
     }
 
-DEFINE_PY_LINEAR(int8_linear)
 DEFINE_PY_LINEAR(f32_linear)
+
+static PyObject* py_block_linear(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    Arg a[12];
+    if (parse(args, nargs, "IPIIIPIPPPII", a) < 0) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    block_linear((int)a[0].i, a[1].p, a[2].i, a[3].i, a[4].i, a[5].p, a[6].i, a[7].p, a[8].p,
+                 a[9].p, a[10].i, (int)a[11].i);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject* py_quantize_x(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    Arg a[4];
+    if (parse(args, nargs, "PIIP", a) < 0) return NULL;
+    quantize_x(a[0].p, a[1].i, a[2].i, a[3].p);
+    Py_RETURN_NONE;
+}
+
+/* vnni(-1): whether the VNNI path is on; vnni(0 / 1): turn it off / on where the CPU has it. */
+static PyObject* py_vnni(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    Arg a[1];
+    if (parse(args, nargs, "I", a) < 0) return NULL;
+    int on = vnni_enabled();
+    if (a[0].i == 0) use_vnni = 0;
+    if (a[0].i == 1) {
+        use_vnni = -1;
+        on = vnni_enabled();
+    }
+    (void)on;
+    return PyLong_FromLong(use_vnni);
+}
 
 static PyObject* py_rms_norm(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
     Arg a[8];
@@ -86,8 +116,10 @@ static PyObject* py_decode_layers(PyObject* self, PyObject* const* args, Py_ssiz
 }
 
 static PyMethodDef methods[] = {
-    {"int8_linear", (PyCFunction)(void (*)(void))py_int8_linear, METH_FASTCALL, NULL},
     {"f32_linear", (PyCFunction)(void (*)(void))py_f32_linear, METH_FASTCALL, NULL},
+    {"block_linear", (PyCFunction)(void (*)(void))py_block_linear, METH_FASTCALL, NULL},
+    {"quantize_x", (PyCFunction)(void (*)(void))py_quantize_x, METH_FASTCALL, NULL},
+    {"vnni", (PyCFunction)(void (*)(void))py_vnni, METH_FASTCALL, NULL},
     {"rms_norm", (PyCFunction)(void (*)(void))py_rms_norm, METH_FASTCALL, NULL},
     {"rope", (PyCFunction)(void (*)(void))py_rope, METH_FASTCALL, NULL},
     {"silu_mul", (PyCFunction)(void (*)(void))py_silu_mul, METH_FASTCALL, NULL},

@@ -19,10 +19,6 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-static inline __m256 load_i8x8(const int8_t* p) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
-}
-
 /* exp(x) on 8 lanes (Cephes polynomial, relative error ~2e-7); inputs below -88 give ~0. */
 static inline __m256 exp8(__m256 x) {
     x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-88.0f)), _mm256_set1_ps(88.0f));

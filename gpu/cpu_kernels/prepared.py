@@ -8,9 +8,21 @@ from collections.abc import Callable
 
 import torch
 
-# Linear kinds, as decoder.c numbers them.
+# Linear kinds, as blocks.c numbers them: fp32 in 8-row tiles, else rows of 32-weight blocks.
 LIN_F32 = 0
-LIN_INT8 = 1
+LIN_INT8 = 1  # int8 + one fp32 scale per row (W8A8: the activations are quantized too)
+LIN_Q4_0 = 2  # GGUF block_q4_0: fp16 d, 16 bytes of 4-bit codes (w = d * (q - 8))
+LIN_Q4_1 = 3  # GGUF block_q4_1: fp16 d, fp16 m, 16 bytes of codes (w = d * q + m)
+LIN_Q8_0 = 4  # GGUF block_q8_0: fp16 d, 32 int8 codes (w = d * q)
+LIN_Q4_0X8 = 5  # Q4_0 repacked in groups of 8 rows (gpu.quant.repack_x8)
+LIN_Q4_1X8 = 6  # Q4_1 likewise
+LIN_Q8_0X8 = 7  # Q8_0 likewise
+BLOCK_BYTES = {
+    LIN_INT8: 32, LIN_Q4_0: 18, LIN_Q4_1: 20, LIN_Q8_0: 34, LIN_Q4_0X8: 18, LIN_Q4_1X8: 20,
+    LIN_Q8_0X8: 34,
+}  # fmt: skip
+GROUPED = (LIN_Q4_0X8, LIN_Q4_1X8, LIN_Q8_0X8)
+QK = 32  # weights per block
 
 
 def pointer_or_none(t: torch.Tensor | None) -> int | None:
@@ -37,22 +49,37 @@ def check_rope_tables(cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> No
 
 
 class PackedLinear:
-    """``x @ W.T (* scale) (+ bias)`` for one weight packed by ``gpu.quant.pack_row_blocks``
-    (int8 with per-row ``scale``, or fp32 without): checked once here, so a call costs one
-    allocation and one C call."""
+    """``x @ W.T (* scale) (+ bias)`` for one weight in a kernel layout: fp32 packed by
+    ``gpu.quant.pack_row_blocks`` (``LIN_F32``), or ``[n, ceil(k/32) * block bytes]`` rows of
+    blocks (int8 with per-row ``scale``; GGUF Q4_0 / Q4_1 / Q8_0 without): checked once here,
+    so a call costs one allocation and one C call."""
 
     def __init__(
         self,
         fn: Callable[..., None],
+        kind: int,
         weight: torch.Tensor,
         n: int,
         k: int,
         scale: torch.Tensor | None,
         bias: torch.Tensor | None,
     ) -> None:
-        if weight.shape != (-(-n // 8), -(-k // 8), 8, 8) or not weight.is_contiguous():
-            raise ValueError(f"packed weight {tuple(weight.shape)} does not hold [{n}, {k}]")
-        _check(weight, torch.int8 if scale is not None else torch.float32, "weight")
+        if kind == LIN_F32:
+            want: tuple[int, ...] = (-(-n // 8), -(-k // 8), 8, 8)
+            dtypes: tuple[torch.dtype, ...] = (torch.float32,)
+        elif kind in GROUPED:
+            want = (-(-n // 8), -(-k // QK) * 8 * BLOCK_BYTES[kind])
+            dtypes = (torch.uint8,)
+        elif kind in BLOCK_BYTES:
+            want = (n, -(-k // QK) * BLOCK_BYTES[kind])
+            dtypes = (torch.int8,) if kind == LIN_INT8 else (torch.uint8,)
+        else:
+            raise ValueError(f"unknown linear kind {kind}")
+        if weight.shape != want or not weight.is_contiguous():
+            raise ValueError(f"kernel weight {tuple(weight.shape)} does not hold [{n}, {k}]")
+        _check(weight, dtypes[0], "weight")
+        if (scale is not None) != (kind == LIN_INT8):
+            raise ValueError("int8 weights take one scale per row; other kinds none")
         for name, t in (("scale", scale), ("bias", bias)):
             if t is not None:
                 _check(t, torch.float32, name)
@@ -61,7 +88,7 @@ class PackedLinear:
         self._fn = fn
         self.weight, self.scale, self.bias = weight, scale, bias  # keeps the pointers valid
         self.n, self.k = n, k
-        self.kind = LIN_INT8 if scale is not None else LIN_F32
+        self.kind = kind
         self._pointers = (weight.data_ptr(), n, pointer_or_none(scale), pointer_or_none(bias))
 
     def table_entry(self) -> list[int]:
@@ -77,10 +104,16 @@ class PackedLinear:
         m = x.shape[0]
         y = torch.empty((m, self.n), dtype=torch.float32)
         w, n, scale, bias = self._pointers
-        self._fn(
-            x.data_ptr(), m, self.k, x.stride(0), w, n, scale, bias, y.data_ptr(), n,
-            torch.get_num_threads(),
-        )  # fmt: skip
+        if self.kind == LIN_F32:
+            self._fn(
+                x.data_ptr(), m, self.k, x.stride(0), w, n, scale, bias, y.data_ptr(), n,
+                torch.get_num_threads(),
+            )  # fmt: skip
+        else:
+            self._fn(
+                self.kind, x.data_ptr(), m, self.k, x.stride(0), w, n, scale, bias, y.data_ptr(),
+                n, torch.get_num_threads(),
+            )  # fmt: skip
         return y
 
 

@@ -11,6 +11,8 @@ import torch
 
 from gpu.cpu_kernels.decoder import DecoderShape, FusedDecoder, LayerWeights
 from gpu.cpu_kernels.prepared import (
+    LIN_F32,
+    QK,
     DecodeAttention,
     PackedLinear,
     check_rope_tables,
@@ -23,8 +25,10 @@ class CpuKernels:
 
     def __init__(self, module: ModuleType, path: Path) -> None:
         self.path = path
-        self._int8_linear = module.int8_linear
         self._f32_linear = module.f32_linear
+        self._block_linear = module.block_linear
+        self._quantize_x = module.quantize_x
+        self._vnni = module.vnni
         self._rms_norm = module.rms_norm
         self._rope = module.rope
         self._silu_mul = module.silu_mul
@@ -33,33 +37,56 @@ class CpuKernels:
 
     def packed_linear(
         self,
+        kind: int,
         weight: torch.Tensor,
         n: int,
         k: int,
         scale: torch.Tensor | None = None,
         bias: torch.Tensor | None = None,
     ) -> PackedLinear:
-        """A prepared ``[n, k]`` linear over a packed weight: int8 with ``scale``, else fp32."""
-        fn = self._int8_linear if scale is not None else self._f32_linear
-        return PackedLinear(fn, weight, n, k, scale, bias)
+        """A prepared ``[n, k]`` linear over a weight in the layout of ``kind``
+        (``prepared.LIN_*``)."""
+        fn = self._f32_linear if kind == LIN_F32 else self._block_linear
+        return PackedLinear(fn, kind, weight, n, k, scale, bias)
 
-    def int8_linear(
+    def block_linear(
         self,
+        kind: int,
         x: torch.Tensor,
         weight: torch.Tensor,
-        scale: torch.Tensor,
+        n: int,
+        scale: torch.Tensor | None = None,
         bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``(x @ W.T) * scale + bias`` for fp32 ``x`` ``[M, K]``, int8 ``W`` ``[N, K]`` packed
-        by ``gpu.quant.pack_row_blocks`` and fp32 ``scale`` ``[N]`` (one-off; layers keep a
-        :class:`PackedLinear`)."""
-        return self.packed_linear(weight, scale.shape[0], x.shape[-1], scale, bias)(x)
+        """``(x @ W.T) (* scale) (+ bias)`` for fp32 ``x`` ``[M, K]`` and ``W`` ``[n, K]`` in rows
+        of blocks of ``kind``, ``x`` quantized per block of 32 to int8 first (one-off; layers
+        keep a :class:`PackedLinear`)."""
+        return self.packed_linear(kind, weight, n, x.shape[-1], scale, bias)(x)
+
+    def quantize_x(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The activation quantization of the block kernels, alone: contiguous fp32 ``x``
+        ``[M, K]`` -> (int8 codes ``[M, nb, 32]``, scales ``d`` ``[M, nb]``, ``d * sum(codes)``
+        ``[M, nb]``)."""
+        if x.dtype != torch.float32 or not x.is_cpu or x.dim() != 2 or not x.is_contiguous():
+            raise ValueError("quantize_x needs contiguous CPU fp32 [M, K]")
+        m, k = x.shape
+        nb = -(-k // QK)
+        # blocks.c's xblock: d, s (fp32), sum (int32), 32 codes
+        raw = torch.empty((m, nb, 44), dtype=torch.uint8)
+        self._quantize_x(x.data_ptr(), m, k, raw.data_ptr())
+        scales = raw[:, :, :8].contiguous().view(torch.float32).view(m, nb, 2)
+        return raw[:, :, 12:].contiguous().view(torch.int8), scales[..., 0], scales[..., 1]
+
+    def vnni(self, enable: bool | None = None) -> bool:
+        """Whether the block kernels use AVX-512 VNNI (detected at first use); ``enable``
+        turns that path off (False) or back on where the CPU has it (True)."""
+        return bool(self._vnni(-1 if enable is None else int(enable)))
 
     def f32_linear(
         self, x: torch.Tensor, weight: torch.Tensor, n: int, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         """``x @ W.T + bias`` for fp32 ``x`` ``[M, K]`` and fp32 ``W`` ``[n, K]`` packed."""
-        return self.packed_linear(weight, n, x.shape[-1], None, bias)(x)
+        return self.packed_linear(LIN_F32, weight, n, x.shape[-1], None, bias)(x)
 
     def decode_attention(
         self,

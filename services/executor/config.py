@@ -37,7 +37,11 @@ class ExecutorConfig:
         "seconds to wait for the speculator's drafts before decoding without",
         flag="--speculator-timeout",
     )
-    quantization: str = setting("none", "weight format", choices=QUANTIZATIONS)
+    quantization: str = setting(
+        "auto",
+        "weight format (auto: a GGUF model in its own blocks on CPU, else unquantized)",
+        choices=QUANTIZATIONS,
+    )
     kv_cache_dtype: str = setting(
         "auto", "KV cache dtype; auto: the model's", choices=KV_CACHE_DTYPES
     )

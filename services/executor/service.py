@@ -45,7 +45,7 @@ from common.wire.gateway import ErrorEvent
 from common.wire.scheduler import Heartbeat
 from gpu.engine import Engine, EngineConfig, StepOutput
 from gpu.gguf import resolve_model_path
-from gpu.loader import load_model
+from gpu.loader import load_model, release_freed_memory
 from gpu.proposers import NgramProposer
 from gpu.quant import kv_cache_dtype
 from gpu.runner import ModelRunner
@@ -570,6 +570,7 @@ def build_engine(config: ExecutorConfig) -> Engine:
     from common.tokenizer import Tokenizer
 
     eos = Tokenizer.from_folder(folder).eos_token_ids
+    release_freed_memory()  # the tokenizer (~50 MB, only read for its EOS ids) is gone again
     # "remote": the step loop fetches drafts from the speculator service before each step.
     proposer = NgramProposer() if config.speculator == "ngram" else None
     return Engine(runner, engine_config, eos_token_ids=eos, proposer=proposer)

@@ -12,9 +12,10 @@ def add_model_format_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--quantization",
         choices=QUANTIZATIONS,
-        default="none",
-        help="weight format, quantized at load time (int8: weight-only, per channel; "
-        "fp8: e4m3, Hopper/Ada or CPU emulation)",
+        default="auto",
+        help="weight format (auto: a GGUF model in its own blocks on CPU, else none; gguf: the "
+        "file's Q4_0/Q4_1/Q8_0 blocks; int8: per channel, W8A8 on CPU; int4: 4-bit groups of "
+        "32; fp8: e4m3, Hopper/Ada or CPU emulation)",
     )
     p.add_argument(
         "--kv-cache-dtype",

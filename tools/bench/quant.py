@@ -1,7 +1,8 @@
 """Quality and speed of each weight format against the unquantized model (fp32; bf16 on CUDA).
 
-    python -m tools.bench.quant [--model PATH] [--formats none,int8,fp8] [--repeats 3]
-                              [--concurrency 32] [--output-tokens 64] [--linear]
+    python -m tools.bench.quant [--model PATH] [--formats int8,int4,gguf,fp8] [--repeats 3]
+                              [--speed-formats none,int8,gguf,int4] [--concurrency 32]
+                              [--output-tokens 64] [--linear] [--memory]
 
 Quality (teacher-forced): the fp32 model first continues every prompt of a fixed set greedily
 (``--quality-tokens`` tokens each); then each format reads prompt + that continuation in one
@@ -9,11 +10,18 @@ pass, and at every continuation position its next-token distribution is compared
 mean KL(fp32 || format) in nats, and top-1 agreement. Teacher forcing keeps one early flip from
 derailing the rest, so every position measures the format itself.
 
+``gguf`` is the file's own blocks (a GGUF model only: the default one is Q4_1 with a Q8_0
+embedding), and fp32 is that file dequantized, so its row is native execution against the
+dequantized file; the last quality row holds the native kernels against the same math in
+torch (dequantized blocks times the block-quantized activations): float rounding.
+
 Speed (engine, as ``tools.bench.engine`` measures it): single-stream decode tokens/s (first
-output token to last, one request alone) and throughput with ``--concurrency`` requests at
-once, each run ``--repeats`` times (best and median). On CPU, fp8 runs through
+output token to last, one request alone), throughput with ``--concurrency`` requests at
+once, and prefill tokens/s of one 512-token prompt; each ``--repeats`` times (best and
+median), the formats interleaved within each repeat. On CPU, fp8 runs through
 ``torch._scaled_mm``'s slow CPU path and is left out of the speed table unless asked for with
-``--speed-formats``.
+``--speed-formats``. ``--memory``: the executor's resident memory per speed format
+(``tools.bench.memory``).
 
 ``--linear`` adds a micro-benchmark of the CPU matmul options for the model's layer shapes.
 ``--device cuda`` runs the same report on a GPU (reference: the bf16 model), fp8 included.
@@ -27,7 +35,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -36,15 +44,24 @@ import torch.nn.functional as F
 from common.tokenizer import Tokenizer
 from gpu import cpu_kernels
 from gpu.attention.metadata import SeqChunk
+from gpu.cpu_kernels.prepared import LIN_INT8, LIN_Q4_1, LIN_Q8_0
 from gpu.engine import Engine, EngineConfig
 from gpu.gguf import resolve_model_path
-from gpu.linear import Linear
+from gpu.linear import BlockLinear, Linear
 from gpu.loader import load_model
 from gpu.model import CausalLM
-from gpu.quant import pack_row_blocks, quantize_int8
+from gpu.quant import (
+    fake_quantize_blocks,
+    pad_int8_blocks,
+    quantize_int8,
+    quantize_q4_1,
+    quantize_q8_0,
+)
 from gpu.runner import ModelRunner
 from gpu.sampling import SamplingParams
 from tools.bench.engine import chat_prompts, run_decode_only, run_engine
+from tools.bench.memory import measure as measure_memory
+from tools.bench.memory import table as memory_table
 
 # A fixed prompt set: chat questions (the model is an instruct model) and plain text.
 QUALITY_QUESTIONS = [
@@ -143,30 +160,82 @@ def quality_report(
     return results
 
 
-@dataclass(frozen=True)
+def native_vs_torch_math(folder: Path) -> tuple[float, int]:
+    """Every block linear of the ``gguf`` model on the kernels against the same math in torch
+    (the file's blocks dequantized by ``gpu.quant``, which the tests hold equal to the ``gguf``
+    package's, times the block-quantized activations), on 4 random rows each: the largest
+    difference relative to the layer's largest output, and the number of layers. (Whole-model
+    logits are not compared so: one activation rounded to the other side of a step somewhere in
+    30 layers moves every later result by far more than float rounding.)"""
+    model = load_model(folder, progress=False, quantization="gguf")
+    worst, count = 0.0, 0
+    g = torch.Generator().manual_seed(0)
+    for layer in model.modules():
+        if isinstance(layer, BlockLinear):
+            x = torch.randn(4, layer.in_features, generator=g)
+            want = F.linear(fake_quantize_blocks(x).double(), layer.dequantized_weight().double())
+            got = layer(x).double()
+            worst = max(worst, float((got - want).abs().max() / want.abs().max()))
+            count += 1
+    return worst, count
+
+
+@dataclass
 class Speed:
     name: str
     weight_mb: float
-    single: list[float]  # tokens/s of each repeat
-    concurrent: list[float]
+    single: list[float] = field(default_factory=list)  # tokens/s of each repeat
+    concurrent: list[float] = field(default_factory=list)
+    prefill: list[float] = field(default_factory=list)  # prompt tokens/s, one long prompt
 
 
-def speed_report(
-    model: CausalLM, tokenizer: Tokenizer, concurrency: int, output_tokens: int, repeats: int
-) -> tuple[list[float], list[float]]:
-    runner = ModelRunner(model, num_pages=4096, page_size=16)
-    engine = Engine(
+def make_engine(model: CausalLM, tokenizer: Tokenizer, concurrency: int) -> Engine:
+    # 512 pages of 16: room for the concurrent requests and the long prompt, and small
+    # enough that every format's engine fits in memory at once (the runs are interleaved).
+    runner = ModelRunner(model, num_pages=512, page_size=16)
+    return Engine(
         runner,
         EngineConfig(max_num_batched_tokens=1024, max_num_seqs=max(64, concurrency)),
         tokenizer.eos_token_ids,
     )
+
+
+def run_prefill(engine: Engine, prompt: list[int]) -> float:
+    """Prompt tokens/s of one prompt read in one step (to its first output token)."""
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    start = time.perf_counter()
+    engine.generate([prompt], params)
+    seconds = time.perf_counter() - start
+    engine.pages.reset_prefix_cache()
+    return len(prompt) / seconds
+
+
+def speed_report(
+    models: dict[str, CausalLM],
+    tokenizer: Tokenizer,
+    concurrency: int,
+    output_tokens: int,
+    repeats: int,
+    prefill_tokens: int = 512,
+) -> list[Speed]:
+    """Each format's speeds, the formats interleaved within every repeat so that a change in
+    the machine's load hits them all alike."""
+    engines = {fmt: make_engine(m, tokenizer, concurrency) for fmt, m in models.items()}
+    speeds = {fmt: Speed(fmt, weight_mb(m)) for fmt, m in models.items()}
     prompts = chat_prompts(tokenizer, concurrency)
-    run_engine(engine, prompts[:2], 4, "warm-up")
-    single, batched = [], []
+    long_prompt = [t for _ in range(2) for p in prompts for t in p][:prefill_tokens]
+    for engine in engines.values():
+        run_engine(engine, prompts[:2], 4, "warm-up")
     for _ in range(repeats):
-        single.append(run_decode_only(engine, prompts[0], output_tokens).tokens_per_s)
-        batched.append(run_engine(engine, prompts, output_tokens, "batch").tokens_per_s)
-    return single, batched
+        for fmt, engine in engines.items():
+            speeds[fmt].single.append(
+                run_decode_only(engine, prompts[0], output_tokens).tokens_per_s
+            )
+            speeds[fmt].concurrent.append(
+                run_engine(engine, prompts, output_tokens, "batch").tokens_per_s
+            )
+            speeds[fmt].prefill.append(run_prefill(engine, long_prompt))
+    return list(speeds.values())
 
 
 def weight_mb(model: CausalLM) -> float:
@@ -189,11 +258,22 @@ def linear_options() -> dict[
     kernels = cpu_kernels.load()
     if kernels is not None:
 
-        def packed(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        def int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             q, s = quantize_int8(w)
-            return pack_row_blocks(q), s
+            return pad_int8_blocks(q), s
 
-        opts["int8 meshserve kernel"] = (packed, lambda x, p: kernels.int8_linear(x, p[0], p[1]))
+        opts["int8 W8A8 meshserve kernel"] = (
+            int8_rows,
+            lambda x, p: kernels.block_linear(LIN_INT8, x, p[0], p[0].shape[0], p[1]),
+        )
+        opts["Q4_1 (int4) meshserve kernel"] = (
+            quantize_q4_1,
+            lambda x, p: kernels.block_linear(LIN_Q4_1, x, p, p.shape[0]),
+        )
+        opts["Q8_0 meshserve kernel"] = (
+            quantize_q8_0,
+            lambda x, p: kernels.block_linear(LIN_Q8_0, x, p, p.shape[0]),
+        )
     opts["int8 torch._weight_int8pack_mm"] = (
         quantize_int8,
         lambda x, p: torch._weight_int8pack_mm(x, p[0], p[1]),
@@ -269,8 +349,10 @@ def main(argv: list[str] | None = None) -> None:
         prog="python -m tools.bench.quant", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--model", default=None, help="HF folder or .gguf (default: SmolLM2)")
-    parser.add_argument("--formats", default="int8,fp8", help="formats compared with fp32")
-    parser.add_argument("--speed-formats", default=None, help="default: none,int8 on CPU")
+    parser.add_argument(
+        "--formats", default="int8,int4,gguf,fp8", help="formats compared with fp32"
+    )
+    parser.add_argument("--speed-formats", default=None, help="default: none,int8,gguf,int4 on CPU")
     parser.add_argument("--quality-tokens", type=int, default=32)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--output-tokens", type=int, default=64)
@@ -279,6 +361,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-quality", action="store_true")
     parser.add_argument("--no-speed", action="store_true")
     parser.add_argument("--linear", action="store_true", help="CPU matmul micro-benchmark")
+    parser.add_argument("--memory", action="store_true", help="executor RSS per speed format")
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args(argv)
     if args.threads:
@@ -288,7 +371,7 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device(args.device)
     formats = [f for f in args.formats.split(",") if f]
     speed_formats = (
-        args.speed_formats or ("none,int8" if device.type == "cpu" else args.formats)
+        args.speed_formats or ("none,int8,gguf,int4" if device.type == "cpu" else args.formats)
     ).split(",")
 
     def load(fmt: str) -> CausalLM:
@@ -311,28 +394,39 @@ def main(argv: list[str] | None = None) -> None:
         for q in quality_report(load, formats, prompts, args.quality_tokens):
             emit(f"| {q.name} | {q.mean_kl:.4f} | {q.top1_agreement:.2%} | {q.positions} |")
         emit()
+        if "gguf" in formats and device.type == "cpu":
+            worst, count = native_vs_torch_math(folder)
+            emit(
+                f"gguf kernels vs the dequantized file's blocks times the block-quantized "
+                f"activations in float64, each of the {count} block layers: largest difference "
+                f"{worst:.1e} of the layer's largest output (fp32 rounding)\n"
+            )
     if not args.no_speed:
         emit(
             f"speed: engine, {args.output_tokens} output tokens per request, best / median of "
-            f"{args.repeats} runs\n"
+            f"{args.repeats} runs, formats interleaved in each\n"
         )
         emit(
             f"| format | weights read per token (MB) | 1 stream decode tokens/s | "
-            f"{args.concurrency} concurrent tokens/s |"
+            f"{args.concurrency} concurrent tokens/s | prefill tokens/s (512-token prompt) |"
         )
-        emit("|---|---|---|---|")
-        for fmt in speed_formats:
-            model = load(fmt)
-            single, batched = speed_report(
-                model, tokenizer, args.concurrency, args.output_tokens, args.repeats
-            )
-            name = ("fp32" if device.type == "cpu" else "bf16") if fmt == "none" else fmt
+        emit("|---|---|---|---|---|")
+        models = {fmt: load(fmt) for fmt in speed_formats}
+        for sp in speed_report(
+            models, tokenizer, args.concurrency, args.output_tokens, args.repeats
+        ):
+            name = ("fp32" if device.type == "cpu" else "bf16") if sp.name == "none" else sp.name
             emit(
-                f"| {name} | {weight_mb(model):.0f} | {_fmt_runs(single)} | {_fmt_runs(batched)} |"
+                f"| {name} | {sp.weight_mb:.0f} | {_fmt_runs(sp.single)} | "
+                f"{_fmt_runs(sp.concurrent)} | {_fmt_runs(sp.prefill)} |"
             )
-            del model
-            gc.collect()
+        del models
+        gc.collect()
         emit(f"\nload average at end {_load_average()}")
+    if args.memory and device.type == "cpu":
+        emit("\nexecutor resident memory (each format in a fresh process, 16,384-token KV pool)\n")
+        for line in memory_table([measure_memory(f, args.model) for f in speed_formats]):
+            emit(line)
     if args.linear:
         emit("\nCPU matmul options, median time per call, SmolLM2-135M layer shapes:\n")
         linear_report(
