@@ -100,9 +100,9 @@ class Service:
         self.disconnect_callbacks: list[Callable[[], Awaitable[None]]] = []
         # Observability: this service's tracer and metrics registry (common/telemetry.py,
         # common/metrics.py); /metrics + /health on mesh.metrics_port when one is set.
-        self.tracing = Tracing(name, mesh.instance_id, mesh.otlp_endpoint)
+        self.tracing = Tracing(name, mesh.instance_id, mesh.otlp_endpoint, mesh.region)
         self.registry = new_registry()
-        self.metrics = ServiceMetrics(self.registry, name)
+        self.metrics = ServiceMetrics(self.registry, name, mesh.region)
         self.metrics_server: MetricsServer | None = None
         # Presence (module docstring). ``ready`` is set once the service's handlers are
         # subscribed (``serve_until_shutdown`` does it after ``start``): announcing earlier
@@ -157,7 +157,7 @@ class Service:
 
         connecting = asyncio.ensure_future(
             nats.connect(
-                servers=[self.mesh.nats_url],
+                servers=self.mesh.nats_servers,
                 name=f"{self.name}-{self.mesh.instance_id}",
                 max_reconnect_attempts=-1,
                 reconnect_time_wait=0.5,
@@ -177,7 +177,14 @@ class Service:
                 f"({rejected.result()}); check --nats-user/--nats-password/--nats-creds"
             )
         self._nc = connecting.result()
-        log.info("%s %s connected to %s", self.name, self.mesh.instance_id, self.mesh.nats_url)
+        where = f" in region {self.mesh.region}" if self.mesh.region else ""
+        log.info(
+            "%s %s%s connected to %s",
+            self.name,
+            self.mesh.instance_id,
+            where,
+            self._nc.connected_url.netloc if self._nc.connected_url else self.mesh.nats_url,
+        )
         if self.mesh.metrics_port is not None and self.metrics_server is None:
             self.metrics_server = MetricsServer(
                 self.registry, self.health_problem, self.mesh.metrics_host, self.mesh.metrics_port

@@ -64,7 +64,7 @@ class PrefixIndexService:
         await self.svc.connect()
         s = self.svc.subjects
         js = self.svc.nc.jetstream()
-        await ensure_kv_stream(js, s)
+        await ensure_kv_stream(js, s, self.svc.mesh.kv_replicas, self.svc.mesh.region)
         if (await js.stream_info(s.kv_events_stream)).state.messages == 0:
             self.caught_up.set()
         await self.svc.replay(s.kv_events_all, KVEventBatch, self.on_events)
