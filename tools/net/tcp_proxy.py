@@ -104,6 +104,12 @@ class DelayProxy:
         async def close() -> None:
             if self.server is not None:
                 self.server.close()
+            await asyncio.sleep(0)  # the aborted connections' tasks see their end
+            current = asyncio.current_task()
+            tasks = [t for t in asyncio.all_tasks() if t is not current]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
         asyncio.run_coroutine_threadsafe(close(), self.loop).result(5)
         self.loop.call_soon_threadsafe(self.loop.stop)
