@@ -176,6 +176,9 @@ class MeshHarness:
             from services.gateway.config import GatewayConfig
 
             self.port = free_port()
+            gateway_options: dict[str, Any] = {}
+            if self.required_stages is not None:
+                gateway_options["required_stages"] = self.required_stages
             gw = GatewayServer(
                 GatewayConfig(
                     mesh=self.mesh_config("gw"),
@@ -184,11 +187,7 @@ class MeshHarness:
                     served_model_name="tiny",
                     max_model_len=256,
                     request_timeout_s=self.request_timeout_s,
-                    **(
-                        {}
-                        if self.required_stages is None
-                        else {"required_stages": self.required_stages}
-                    ),
+                    **gateway_options,
                 )
             )
             self.services.append(gw)

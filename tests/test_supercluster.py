@@ -43,7 +43,10 @@ class Regions:
         )
 
     def spilled_in(self, region: str) -> float:
-        return self.scheduler(region).spill.received_total._value.get()  # type: ignore[attr-defined]
+        samples = [
+            s for m in self.scheduler(region).spill.received_total.collect() for s in m.samples
+        ]
+        return sum(s.value for s in samples if s.name.endswith("_total"))
 
 
 def slow_steps(mesh: MeshHarness) -> None:
