@@ -114,6 +114,8 @@ class Service:
         self._announcing = False
         self._presence_started = False
         self._watching = False
+        # JetStream replays (``replay``): subject -> (its subscription, how to start it again)
+        self._replays: dict[str, tuple[Subscription, Callable[[], Awaitable[Subscription]]]] = {}
 
     @property
     def tracer(self) -> Tracer:
@@ -154,6 +156,7 @@ class Service:
             log.info("%s: reconnected to nats", self.name)
             if self._watching:  # announcements were missed meanwhile: ask again
                 await self._probe()
+            await self._restart_replays()
 
         connecting = asyncio.ensure_future(
             nats.connect(
@@ -330,16 +333,34 @@ class Service:
             except Exception:
                 log.exception("%s: handler for %s failed", self.name, msg.subject)
 
-        js = self.nc.jetstream()
-        self._subs.append(
-            await js.subscribe(
+        async def start() -> Subscription:
+            return await self.nc.jetstream().subscribe(
                 subject,
                 cb=on_msg,
                 ordered_consumer=True,
                 deliver_policy=DeliverPolicy.ALL,
                 idle_heartbeat=5.0,
             )
-        )
+
+        sub = await start()
+        self._subs.append(sub)
+        self._replays[subject] = (sub, start)
+
+    async def _restart_replays(self) -> None:
+        """After a reconnect (on a cluster: to another server), replay each stream again from
+        its first message: the ephemeral consumer may have lived on the server that was lost,
+        and the stream's content (a snapshot plus later deltas per executor) rebuilds the same
+        view over the one a handler already holds."""
+        for subject, (old, start) in list(self._replays.items()):
+            with contextlib.suppress(Exception):
+                await old.unsubscribe()
+            try:
+                sub = await start()
+            except Exception as exc:
+                log.error("%s: could not replay %s again: %s", self.name, subject, exc)
+                continue
+            self._subs = [sub if s is old else s for s in self._subs]
+            self._replays[subject] = (sub, start)
 
     async def guarded(self, message: M, handler: Callable[[M], Awaitable[None]]) -> None:
         """Run ``handler``; turn its failure into an error reply for the request."""
