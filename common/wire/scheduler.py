@@ -85,6 +85,7 @@ class RegionStatus(Message):
     region: str
     live_executors: int
     queue_ms: float
+    spare_seqs: int = 0  # slots free beyond its reserve for its own clients
 
     def __post_init__(self) -> None:
         require(

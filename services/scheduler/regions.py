@@ -13,6 +13,8 @@ itself. The scheduler adds that, with one rule (``choose_region``):
 
   (home included, with rtt 0 and the prefix cache it holds), so a spill happens only when the
   other region, round trip and a cold prefill paid, still beats waiting at home;
+- only into another region's spare sequence slots (beyond the ``--spill-reserve-seqs`` it keeps
+  for its own clients), so spilled work never queues in front of that region's clients;
 - a home region with no live executor sends everything to the cheapest live region.
 
 A remote region's report older than ``stale_s`` is not counted on (the gateway link may be cut):
@@ -50,6 +52,11 @@ class RegionConfig:
     prefill_ms_per_token: float = setting(
         0.2, "estimated prefill time per uncached prompt token (the cold-cache cost of a spill)"
     )
+    spill_reserve_seqs: int = setting(
+        1,
+        "sequence slots this region keeps free for its own clients: it takes requests from "
+        "other regions only beyond them",
+    )
     status_interval_s: float = 0.25  # how often each peer region is asked for its load
     stale_s: float = 1.5  # a peer report older than this is not counted on
 
@@ -59,6 +66,8 @@ class RegionConfig:
             raise ValueError(f"peer regions {bad}: lowercase letters, digits and '-' only")
         if self.spill_queue_ms < 0 or self.prefill_ms_per_token < 0:
             raise ValueError("spill_queue_ms and prefill_ms_per_token must be >= 0")
+        if self.spill_reserve_seqs < 0:
+            raise ValueError("spill_reserve_seqs must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -70,6 +79,8 @@ class RegionLoad:
     queue_ms: float  # estimated wait of a request arriving there now
     rtt_ms: float = 0.0  # round trip from the deciding scheduler (0 at home)
     uncached_tokens: int = 0  # prompt tokens this request would prefill there
+    # sequence slots free there beyond what it keeps for its own clients
+    spare_seqs: int = 0
 
 
 @dataclass(frozen=True)
@@ -95,7 +106,13 @@ def choose_region(
     home_cost = cost_ms(home, prefill_ms_per_token)
     if home.live_executors > 0 and home.queue_ms <= budget_ms:
         return Decision(home.region, "local", home_cost)
-    live = [r for r in remotes if r.live_executors > 0]
+    # A region with live executors sends work only into another's spare slots: that one's own
+    # clients keep their latency (its reserve). With none live, any live region will do.
+    live = [
+        r
+        for r in remotes
+        if r.live_executors > 0 and (home.live_executors == 0 or r.spare_seqs > 0)
+    ]
     if not live:
         return Decision(home.region, "no-better-region", home_cost)
     best = min(live, key=lambda r: (cost_ms(r, prefill_ms_per_token), r.region))

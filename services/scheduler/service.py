@@ -380,7 +380,16 @@ class SchedulerService:
         waits = [now - route.queued_at for route in self.routes.open.values()]
         has_room = bool(self.router.candidates())
         queue_ms = self.estimate.queue_ms(len(self.queue), max(waits, default=0.0), has_room, now)
-        return RegionLoad(self.svc.mesh.region, len(live), queue_ms)
+        free = sum(
+            max(
+                0,
+                self.router.executors[e].heartbeat.max_num_seqs
+                - self.router.executors[e].sequences,
+            )
+            for e in live
+        )
+        spare = 0 if self.queue else free - self.config.regions.spill_reserve_seqs
+        return RegionLoad(self.svc.mesh.region, len(live), queue_ms, spare_seqs=max(0, spare))
 
     async def spill_queued(self) -> None:
         """With no live executor here, queued requests go to another region as well (new ones

@@ -99,7 +99,9 @@ class RegionSpill:
 
     async def on_status_query(self, ask: RegionStatusQuery) -> RegionStatus:
         load = self.home_load()
-        return RegionStatus(self.home, load.live_executors, min(load.queue_ms, MAX_QUEUE_MS))
+        return RegionStatus(
+            self.home, load.live_executors, min(load.queue_ms, MAX_QUEUE_MS), load.spare_seqs
+        )
 
     async def poll(self) -> None:
         await asyncio.gather(*(self.ask(region) for region in self.config.peer_regions))
@@ -124,7 +126,14 @@ class RegionSpill:
         the index of another region is not asked)."""
         now = time.monotonic()
         return [
-            RegionLoad(r, p.status.live_executors, p.status.queue_ms, p.rtt_ms, prompt_tokens)
+            RegionLoad(
+                r,
+                p.status.live_executors,
+                p.status.queue_ms,
+                p.rtt_ms,
+                prompt_tokens,
+                p.status.spare_seqs,
+            )
             for r, p in self.peers.items()
             if now - p.at <= self.config.stale_s
         ]
