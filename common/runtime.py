@@ -186,7 +186,7 @@ class Service:
             self.name,
             self.mesh.instance_id,
             where,
-            self._nc.connected_url.netloc if self._nc.connected_url else self.mesh.nats_url,
+            self._nc.connected_url.geturl() if self._nc.connected_url else self.mesh.nats_url,
         )
         if self.mesh.metrics_port is not None and self.metrics_server is None:
             self.metrics_server = MetricsServer(
