@@ -48,6 +48,8 @@ M = TypeVar("M", bound=Message)
 # How often every service says it is alive. Watchers count a member gone after a few missed
 # announcements (the gateway's --presence-ttl-s, 3 s by default).
 PRESENCE_INTERVAL_S = 1.0
+# How often a watched replay (``Service.replay`` with a stream) checks that it still receives.
+REPLAY_CHECK_S = 2.0
 
 
 @dataclass
@@ -317,15 +319,25 @@ class Service:
         return answer
 
     async def replay(
-        self, subject: str, kind: type[M], handler: Callable[[M, int], Awaitable[None]]
+        self,
+        subject: str,
+        kind: type[M],
+        handler: Callable[[M, int], Awaitable[None]],
+        stream: str = "",
     ) -> None:
         """Every message of the JetStream stream over ``subject``, from its first, then new
         ones as they arrive, in order (an ordered consumer: nothing to acknowledge, and a gap
         is re-fetched by the client). ``handler`` gets each decoded message and how many
         stream messages were still undelivered behind it (0: caught up). A bad message or a
-        failing handler is logged and skipped."""
+        failing handler is logged and skipped.
+
+        With ``stream`` (its name), the replay is watched: a consumer that stopped delivering
+        while the stream grew (on a cluster it may have lived on a server that died, while
+        this client's own server lives on, so no reconnect tells us) is started again."""
+        delivered = [0, 0]  # stream sequence of the last message delivered; at the last check
 
         async def on_msg(msg: Msg) -> None:
+            delivered[0] = max(delivered[0], msg.metadata.sequence.stream)
             try:
                 await handler(kind.decode(msg.data), msg.metadata.num_pending)
             except MessageError as exc:
@@ -345,6 +357,17 @@ class Service:
         sub = await start()
         self._subs.append(sub)
         self._replays[subject] = (sub, start)
+
+        async def check() -> None:
+            info = await self.nc.jetstream().stream_info(stream)
+            stalled = delivered[0] == delivered[1] and info.state.last_seq > delivered[0]
+            delivered[1] = delivered[0]
+            if stalled:
+                log.warning("%s: replay of %s stalled; starting it again", self.name, stream)
+                await self._restart_replays()
+
+        if stream:
+            self.spawn(self.every(REPLAY_CHECK_S, check), f"replay-check-{stream}")
 
     async def _restart_replays(self) -> None:
         """After a reconnect (on a cluster: to another server), replay each stream again from

@@ -4,8 +4,9 @@ What holds: no request hangs (each ends, completed or with a retryable 503), the
 serving on the two servers left with the same greedy output, and the prefix index keeps the
 executors' view (the KV-event stream is replicated at R3; a failed event publish is followed by
 a snapshot). What does not hold yet: core NATS is at-most-once, so step messages in flight on
-the killed server's connections are lost, and a stream that lost its first step fails with a
-503 (see docs/deploy.md, "What a server loss costs").
+the killed server's connections are lost: a stream that lost its first step, or a delta (the
+gateway sees the gap in the deltas' numbers), fails with a retryable 503 instead of completing
+(docs/deploy.md, "What a server loss costs").
 """
 
 from __future__ import annotations
