@@ -97,8 +97,24 @@ class NatsAuth:
 class MeshConfig:
     """Where the mesh is and who this service is in it: the settings every service takes."""
 
-    nats_url: str = setting("nats://127.0.0.1:4222", "NATS server URL")
+    nats_url: str = setting(
+        "nats://127.0.0.1:4222",
+        "NATS server URL; a comma-separated list for a cluster (every server of it: the "
+        "client reconnects to a live one when its server goes)",
+    )
     subject_prefix: str = setting(DEFAULT_PREFIX, "first token of every subject, one per mesh")
+    # Regions (a NATS supercluster, docs/deploy.md): each region runs a whole mesh under its
+    # own subjects (``<prefix>.<region>.*``), so heartbeats, presence, queue groups and the
+    # KV-event stream stay in their region; only what a scheduler deliberately sends to
+    # another region (spilled requests, ``services/scheduler/spill.py``) and the replies to a
+    # gateway's inbox cross the NATS gateways.
+    region: str = setting(
+        "",
+        "the region this service runs in (one NATS cluster of a supercluster); empty: no regions",
+    )
+    kv_replicas: int = setting(
+        1, "replicas of the KV-event JetStream stream (3 on a 3-server NATS cluster)"
+    )
     instance_id: str = setting("", "this process's id in the mesh; empty: host name + random")
     log_level: str = setting("INFO", "logging level")
     auth: NatsAuth = field(default_factory=NatsAuth)
@@ -118,8 +134,12 @@ class MeshConfig:
     metrics_host: str = setting("0.0.0.0", "address /metrics and /health listen on")
 
     def __post_init__(self) -> None:
-        if not self.nats_url:
+        if not self.nats_servers:
             raise ValueError("nats_url must not be empty")
+        if self.region and not region_ok(self.region):
+            raise ValueError(f"region {self.region!r}: lowercase letters, digits and '-' only")
+        if not 1 <= self.kv_replicas <= 5:
+            raise ValueError("kv_replicas must be in 1..5 (JetStream's limit)")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError("metrics_port must be in 0..65535")
         if not self.instance_id:
@@ -129,5 +149,23 @@ class MeshConfig:
             object.__setattr__(self, "instance_id", f"{host}-{uuid.uuid4().hex[:6]}")
 
     @property
+    def nats_servers(self) -> list[str]:
+        """Every server URL of ``nats_url`` (one, or a cluster's list)."""
+        return [url.strip() for url in self.nats_url.split(",") if url.strip()]
+
+    @property
     def subjects(self) -> Subjects:
-        return Subjects(self.subject_prefix)
+        """This service's subjects: its region's, when it runs in one."""
+        return self.subjects_of(self.region)
+
+    def subjects_of(self, region: str) -> Subjects:
+        """The subjects of the mesh in ``region`` (empty: the mesh without regions)."""
+        return Subjects(f"{self.subject_prefix}.{region}" if region else self.subject_prefix)
+
+
+def region_ok(name: str) -> bool:
+    """A region name is one subject token and one NATS cluster name."""
+    return 0 < len(name) <= 32 and set(name) <= REGION_CHARS
+
+
+REGION_CHARS = set("abcdefghijklmnopqrstuvwxyz0123456789-")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 
-from nats.js.api import DiscardPolicy, StorageType, StreamConfig
+from nats.js.api import DiscardPolicy, Placement, StorageType, StreamConfig
 from nats.js.client import JetStreamContext
 from nats.js.errors import BadRequestError
 
@@ -24,7 +24,11 @@ MAX_BYTES = 1 << 30  # far above (executors x snapshot + deltas); only dead exec
 ROLLUP = {"Nats-Rollup": "sub"}  # this message replaces every earlier one on its subject
 
 
-def kv_stream_config(subjects: Subjects) -> StreamConfig:
+def kv_stream_config(subjects: Subjects, replicas: int = 1, region: str = "") -> StreamConfig:
+    """``replicas`` > 1 on a NATS cluster: the stream survives the loss of a server. In a
+    supercluster each region has its own stream (its subjects carry the region), placed on
+    its region's servers by their ``region:<name>`` tag (``services/launcher/nats_cluster.py``)
+    so the index of a region replays it without crossing a gateway."""
     return StreamConfig(
         name=subjects.kv_events_stream,
         description="meshserve prefix-cache events (KVEventBatch), one subject per executor",
@@ -33,12 +37,16 @@ def kv_stream_config(subjects: Subjects) -> StreamConfig:
         discard=DiscardPolicy.OLD,
         max_bytes=MAX_BYTES,
         allow_rollup_hdrs=True,
+        num_replicas=replicas,
+        placement=Placement(tags=[f"region:{region}"]) if region else None,
     )
 
 
-async def ensure_kv_stream(js: JetStreamContext, subjects: Subjects) -> None:
+async def ensure_kv_stream(
+    js: JetStreamContext, subjects: Subjects, replicas: int = 1, region: str = ""
+) -> None:
     """Create the stream, or bring an existing one to this config (idempotent, race-safe)."""
-    config = kv_stream_config(subjects)
+    config = kv_stream_config(subjects, replicas, region)
     try:
         await js.add_stream(config)
     except BadRequestError:  # it exists with another config (e.g. an older limit)

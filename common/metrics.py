@@ -34,6 +34,7 @@ from prometheus_client import (
     Counter,
     GCCollector,
     Histogram,
+    Info,
     ProcessCollector,
     generate_latest,
 )
@@ -169,7 +170,13 @@ class CallbackCollector(Collector):
 
 
 class ServiceMetrics:
-    def __init__(self, registry: CollectorRegistry, service: str) -> None:
+    def __init__(self, registry: CollectorRegistry, service: str, region: str = "") -> None:
+        if region:  # where this process runs, for dashboards to group by (PromQL join)
+            Info(
+                PREFIX + "region",
+                "The region (NATS cluster of the supercluster) this service runs in.",
+                registry=registry,
+            ).info({"region": region, "service": service})
         self.messages = Counter(
             PREFIX + "messages_handled",
             "Messages decoded and handled, by message type.",

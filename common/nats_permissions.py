@@ -175,9 +175,17 @@ def scheduler(s: Subjects) -> Permissions:
         "scheduler",
         # the inbox: failed requests; abort: moved or failed with a lost executor
         publish=[every(s.executor_submit), every(s.gateway_inbox), s.abort, s.presence_probe],
-        subscribe=[s.scheduler_submit, s.executor_heartbeat, s.abort, s.presence_all],
+        # spill: requests another region's scheduler sends here (services/scheduler/spill.py;
+        # what it sends to other regions is under their prefixes, which no role here names)
+        subscribe=[
+            s.scheduler_submit,
+            s.scheduler_spill,
+            s.executor_heartbeat,
+            s.abort,
+            s.presence_all,
+        ],
         requests=[s.index_match, every(s.detok_progress)],
-        serves=[s.scheduler_status],
+        serves=[s.scheduler_status, s.scheduler_region_status],
     )
 
 

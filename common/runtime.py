@@ -48,6 +48,8 @@ M = TypeVar("M", bound=Message)
 # How often every service says it is alive. Watchers count a member gone after a few missed
 # announcements (the gateway's --presence-ttl-s, 3 s by default).
 PRESENCE_INTERVAL_S = 1.0
+# How often a watched replay (``Service.replay`` with a stream) checks that it still receives.
+REPLAY_CHECK_S = 2.0
 
 
 @dataclass
@@ -101,9 +103,9 @@ class Service:
         self.disconnect_callbacks: list[Callable[[], Awaitable[None]]] = []
         # Observability: this service's tracer and metrics registry (common/telemetry.py,
         # common/metrics.py); /metrics + /health on mesh.metrics_port when one is set.
-        self.tracing = Tracing(name, mesh.instance_id, mesh.otlp_endpoint)
+        self.tracing = Tracing(name, mesh.instance_id, mesh.otlp_endpoint, mesh.region)
         self.registry = new_registry()
-        self.metrics = ServiceMetrics(self.registry, name)
+        self.metrics = ServiceMetrics(self.registry, name, mesh.region)
         self.metrics_server: MetricsServer | None = None
         # Presence (module docstring). ``ready`` is set once the service's handlers are
         # subscribed (``serve_until_shutdown`` does it after ``start``): announcing earlier
@@ -115,6 +117,8 @@ class Service:
         self._announcing = False
         self._presence_started = False
         self._watching = False
+        # JetStream replays (``replay``): subject -> (its subscription, how to start it again)
+        self._replays: dict[str, tuple[Subscription, Callable[[], Awaitable[Subscription]]]] = {}
 
     @property
     def tracer(self) -> Tracer:
@@ -155,10 +159,11 @@ class Service:
             log.info("%s: reconnected to nats", self.name)
             if self._watching:  # announcements were missed meanwhile: ask again
                 await self._probe()
+            await self._restart_replays()
 
         connecting = asyncio.ensure_future(
             nats.connect(
-                servers=[self.mesh.nats_url],
+                servers=self.mesh.nats_servers,
                 name=f"{self.name}-{self.mesh.instance_id}",
                 max_reconnect_attempts=-1,
                 reconnect_time_wait=0.5,
@@ -178,7 +183,14 @@ class Service:
                 f"({rejected.result()}); check --nats-user/--nats-password/--nats-creds"
             )
         self._nc = connecting.result()
-        log.info("%s %s connected to %s", self.name, self.mesh.instance_id, self.mesh.nats_url)
+        where = f" in region {self.mesh.region}" if self.mesh.region else ""
+        log.info(
+            "%s %s%s connected to %s",
+            self.name,
+            self.mesh.instance_id,
+            where,
+            self._nc.connected_url.geturl() if self._nc.connected_url else self.mesh.nats_url,
+        )
         if self.mesh.metrics_port is not None and self.metrics_server is None:
             self.metrics_server = MetricsServer(
                 self.registry, self.health_problem, self.mesh.metrics_host, self.mesh.metrics_port
@@ -309,15 +321,25 @@ class Service:
         return answer
 
     async def replay(
-        self, subject: str, kind: type[M], handler: Callable[[M, int], Awaitable[None]]
+        self,
+        subject: str,
+        kind: type[M],
+        handler: Callable[[M, int], Awaitable[None]],
+        stream: str = "",
     ) -> None:
         """Every message of the JetStream stream over ``subject``, from its first, then new
         ones as they arrive, in order (an ordered consumer: nothing to acknowledge, and a gap
         is re-fetched by the client). ``handler`` gets each decoded message and how many
         stream messages were still undelivered behind it (0: caught up). A bad message or a
-        failing handler is logged and skipped."""
+        failing handler is logged and skipped.
+
+        With ``stream`` (its name), the replay is watched: a consumer that stopped delivering
+        while the stream grew (on a cluster it may have lived on a server that died, while
+        this client's own server lives on, so no reconnect tells us) is started again."""
+        delivered = [0, 0]  # stream sequence of the last message delivered; at the last check
 
         async def on_msg(msg: Msg) -> None:
+            delivered[0] = max(delivered[0], msg.metadata.sequence.stream)
             try:
                 await handler(kind.decode(msg.data), msg.metadata.num_pending)
             except MessageError as exc:
@@ -325,16 +347,45 @@ class Service:
             except Exception:
                 log.exception("%s: handler for %s failed", self.name, msg.subject)
 
-        js = self.nc.jetstream()
-        self._subs.append(
-            await js.subscribe(
+        async def start() -> Subscription:
+            return await self.nc.jetstream().subscribe(
                 subject,
                 cb=on_msg,
                 ordered_consumer=True,
                 deliver_policy=DeliverPolicy.ALL,
                 idle_heartbeat=5.0,
             )
-        )
+
+        sub = await start()
+        self._subs.append(sub)
+        self._replays[subject] = (sub, start)
+
+        async def check() -> None:
+            info = await self.nc.jetstream().stream_info(stream)
+            stalled = delivered[0] == delivered[1] and info.state.last_seq > delivered[0]
+            delivered[1] = delivered[0]
+            if stalled:
+                log.warning("%s: replay of %s stalled; starting it again", self.name, stream)
+                await self._restart_replays()
+
+        if stream:
+            self.spawn(self.every(REPLAY_CHECK_S, check), f"replay-check-{stream}")
+
+    async def _restart_replays(self) -> None:
+        """After a reconnect (on a cluster: to another server), replay each stream again from
+        its first message: the ephemeral consumer may have lived on the server that was lost,
+        and the stream's content (a snapshot plus later deltas per executor) rebuilds the same
+        view over the one a handler already holds."""
+        for subject, (old, start) in list(self._replays.items()):
+            with contextlib.suppress(Exception):
+                await old.unsubscribe()
+            try:
+                sub = await start()
+            except Exception as exc:
+                log.error("%s: could not replay %s again: %s", self.name, subject, exc)
+                continue
+            self._subs = [sub if s is old else s for s in self._subs]
+            self._replays[subject] = (sub, start)
 
     async def guarded(self, message: M, handler: Callable[[M], Awaitable[None]]) -> None:
         """Run ``handler``; turn its failure into an error reply for the request."""

@@ -30,6 +30,17 @@ class Subjects:
     def scheduler_status(self) -> str:
         return f"{self.prefix}.scheduler.status"
 
+    # another region's scheduler -> this region's (queue group "scheduler"): a request it
+    # spilled here; served here, never sent on (services/scheduler/spill.py)
+    @property
+    def scheduler_spill(self) -> str:
+        return f"{self.prefix}.scheduler.spill"
+
+    # another region's scheduler -> this region's (request/reply): your load?
+    @property
+    def scheduler_region_status(self) -> str:
+        return f"{self.prefix}.scheduler.region_status"
+
     # executors -> scheduler: load reports
     @property
     def executor_heartbeat(self) -> str:

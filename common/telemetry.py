@@ -98,7 +98,9 @@ def otlp_traces_endpoint(flag: str, environ: Mapping[str, str] | None = None) ->
 class Tracing:
     """A service's tracer provider and tracer; ``shutdown`` flushes what is still queued."""
 
-    def __init__(self, service: str, instance_id: str, otlp_endpoint: str = "") -> None:
+    def __init__(
+        self, service: str, instance_id: str, otlp_endpoint: str = "", region: str = ""
+    ) -> None:
         self.service_name = SERVICE_NAME_PREFIX + service
         # Attributes given here win over OTEL_RESOURCE_ATTRIBUTES / OTEL_SERVICE_NAME, so
         # every service keeps its own name even when the environment sets one for all.
@@ -107,6 +109,8 @@ class Tracing:
                 "service.name": self.service_name,
                 "service.namespace": "meshserve",
                 "service.instance.id": instance_id,
+                # OpenTelemetry's semantic convention for where a process runs
+                **({"cloud.region": region} if region else {}),
             }
         )
         self.endpoint = otlp_traces_endpoint(otlp_endpoint)

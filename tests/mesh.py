@@ -105,6 +105,11 @@ class MeshHarness:
     num_speculative_tokens: int = 0
     draft_model: Path | None = None
     nats: LocalNatsServer | None = None
+    # A NATS cluster started elsewhere (comma-separated URLs): no server of its own then.
+    nats_url: str = ""
+    region: str = ""  # every service's --region
+    kv_replicas: int = 1
+    required_stages: tuple[str, ...] | None = None  # the gateway's; None: its default
     loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.new_event_loop)
     thread: threading.Thread | None = None
     services: list[Any] = field(default_factory=list)
@@ -112,9 +117,11 @@ class MeshHarness:
     port: int = 0
 
     def mesh_config(self, name: str) -> MeshConfig:
-        assert self.nats is not None
+        assert self.nats is not None or self.nats_url
         return MeshConfig(
-            nats_url=self.nats.url,
+            nats_url=self.nats_url or self.nats.url,  # type: ignore[union-attr]
+            region=self.region,
+            kv_replicas=self.kv_replicas,
             instance_id=name,
             auth=self.users.get(HARNESS_ROLES.get(name.split("-")[0], ""), self.auth),
             otlp_endpoint=self.otlp_endpoint,
@@ -127,7 +134,8 @@ class MeshHarness:
         return fut.result(timeout)
 
     def start(self) -> MeshHarness:
-        self.nats = LocalNatsServer.start(extra_args=self.nats_args, config=self.nats_config)
+        if not self.nats_url:
+            self.nats = LocalNatsServer.start(extra_args=self.nats_args, config=self.nats_config)
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.call(self._start_services(), timeout=300)
@@ -176,6 +184,9 @@ class MeshHarness:
             from services.gateway.config import GatewayConfig
 
             self.port = free_port()
+            gateway_options: dict[str, Any] = {}
+            if self.required_stages is not None:
+                gateway_options["required_stages"] = self.required_stages
             gw = GatewayServer(
                 GatewayConfig(
                     mesh=self.mesh_config("gw"),
@@ -184,6 +195,7 @@ class MeshHarness:
                     served_model_name="tiny",
                     max_model_len=256,
                     request_timeout_s=self.request_timeout_s,
+                    **gateway_options,
                 )
             )
             self.services.append(gw)

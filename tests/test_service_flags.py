@@ -30,6 +30,8 @@ Row = tuple[str, str, str | None]
 MESH: list[Row] = [
     ("--nats-url", "MESHSERVE_NATS_URL", "nats://h:1"),
     ("--subject-prefix", "MESHSERVE_SUBJECT_PREFIX", "other"),
+    ("--region", "MESHSERVE_REGION", "eu-west"),
+    ("--kv-replicas", "MESHSERVE_KV_REPLICAS", "3"),
     ("--instance-id", "MESHSERVE_INSTANCE_ID", "pinned-1"),
     ("--log-level", "MESHSERVE_LOG_LEVEL", "DEBUG"),
     ("--nats-user", "MESHSERVE_NATS_USER", "u1"),
@@ -59,6 +61,10 @@ SERVICES: dict[str, list[Row]] = {
         ("--index-timeout", "MESHSERVE_INDEX_TIMEOUT", "0.3"),
         ("--migration-limit", "MESHSERVE_MIGRATION_LIMIT", "0"),
         ("--priority-aging", "MESHSERVE_PRIORITY_AGING", "2.5"),
+        ("--peer-regions", "MESHSERVE_PEER_REGIONS", "eu-west"),
+        ("--spill-queue-ms", "MESHSERVE_SPILL_QUEUE_MS", "250"),
+        ("--prefill-ms-per-token", "MESHSERVE_PREFILL_MS_PER_TOKEN", "0.5"),
+        ("--spill-reserve-seqs", "MESHSERVE_SPILL_RESERVE_SEQS", "2"),
     ],
     "services.detokenizer.service": [
         ("--model", "MESHSERVE_MODEL", "m"),
@@ -172,7 +178,8 @@ def test_the_flags_are_exactly_the_pinned_ones(module, monkeypatch, capsys):
     text = " ".join(text.split())
     for _, variable, _ in rows(module):
         assert variable in text
-    assert "NATS server URL (default: nats://127.0.0.1:4222; env MESHSERVE_NATS_URL)" in text
+    assert "NATS server URL; a comma-separated list for a cluster" in text
+    assert "(default: nats://127.0.0.1:4222; env MESHSERVE_NATS_URL)" in text
 
 
 @pytest.mark.parametrize("module", SERVICES)

@@ -37,6 +37,10 @@ class TextDelta(Message):
     finish_reason: str | None = None
     usage: Usage | None = None
     logprobs: list[TextLogprob] | None = None
+    # 1, 2, ... per stream (0: not numbered): the gateway fails a stream with a gap (a message
+    # lost on the bus, e.g. with a NATS server of a cluster) rather than serve it with text
+    # missing.
+    seq: int = 0
 
 
 @dataclass(frozen=True)

@@ -72,3 +72,31 @@ class RequestStatusReply(Message):
     """The ids the scheduler holds (queued, or routed to an executor that is alive)."""
 
     known: list[str]
+
+
+@dataclass(frozen=True)
+class RegionStatusQuery(Message):
+    """A scheduler of region ``region`` asks another region's scheduler for its load (request/
+    reply on ``scheduler.region_status``); the round trip is the inter-region RTT it counts."""
+
+    region: str
+
+
+@dataclass(frozen=True)
+class RegionStatus(Message):
+    """A region's load as its scheduler sees it (``services/scheduler/regions.py``)."""
+
+    region: str
+    live_executors: int
+    queue_ms: float
+    spare_seqs: int = 0  # slots free beyond its reserve for its own clients
+
+    def __post_init__(self) -> None:
+        require(
+            "RegionStatus",
+            {
+                "region must be a non-empty subject-safe id": id_ok(self.region),
+                "live_executors must be >= 0": self.live_executors >= 0,
+                "queue_ms must be >= 0": self.queue_ms >= 0,
+            },
+        )

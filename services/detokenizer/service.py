@@ -74,6 +74,7 @@ class Stream:
     source: Source | None  # whose tokens it takes; None while it moves to another executor
     token_ids: list[int] = field(default_factory=list)  # all received: a migration resumes them
     output_tokens: int = 0
+    deltas_sent: int = 0  # TextDelta.seq of the last delta sent
 
 
 class DetokenizerService:
@@ -201,10 +202,15 @@ class DetokenizerService:
         if finish is None:
             if not text and seq.logprobs is None:
                 return None  # nothing the client can see yet (a held-back partial character)
-            return TextDelta(rid, text, logprobs=self.logprobs(seq.logprobs))
+            stream.deltas_sent += 1
+            return TextDelta(
+                rid, text, logprobs=self.logprobs(seq.logprobs), seq=stream.deltas_sent
+            )
         self.end(rid, finish)
         usage = Usage(stream.prompt_tokens, stream.output_tokens, stream.cached_tokens)
-        return TextDelta(rid, text, finish, usage, self.logprobs(seq.logprobs))
+        stream.deltas_sent += 1
+        logprobs = self.logprobs(seq.logprobs)
+        return TextDelta(rid, text, finish, usage, logprobs, seq=stream.deltas_sent)
 
     def end(self, request_id: str, reason: str) -> None:
         """Forget a stream (its tokens still on the way are dropped) and close its span."""

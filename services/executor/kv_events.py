@@ -76,7 +76,12 @@ class KVEventPublisher:
         self.lock = asyncio.Lock()  # one flush at a time, so batches leave in seq order
 
     async def start(self) -> None:
-        await ensure_kv_stream(self.svc.nc.jetstream(), self.svc.subjects)
+        await ensure_kv_stream(
+            self.svc.nc.jetstream(),
+            self.svc.subjects,
+            self.svc.mesh.kv_replicas,
+            self.svc.mesh.region,
+        )
         await self.flush()  # the start-up snapshot: this executor holds nothing yet
         self.svc.spawn(self.run(), "kv-events")
 
@@ -126,7 +131,12 @@ class KVEventPublisher:
     async def publish_snapshot(self) -> None:
         if self.seq:  # not the first: the stream may be gone (a NATS restart without storage)
             with contextlib.suppress(Exception):
-                await ensure_kv_stream(self.svc.nc.jetstream(), self.svc.subjects)
+                await ensure_kv_stream(
+                    self.svc.nc.jetstream(),
+                    self.svc.subjects,
+                    self.svc.mesh.kv_replicas,
+                    self.svc.mesh.region,
+                )
         pages = list(self.mirror.items())
         self.need_snapshot = False
         self.deltas_since_snapshot = 0

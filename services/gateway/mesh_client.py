@@ -39,6 +39,8 @@ from services.gateway.watchdog import STALL_S, check_stalled
 
 log = logging.getLogger("meshserve.gateway")
 
+CLUSTER_RECONNECT_S = 3.0  # a request waits this long for the gateway to reach another server
+
 
 class MeshClient:
     def __init__(self, config: GatewayConfig) -> None:
@@ -73,7 +75,11 @@ class MeshClient:
         )
         self.liveness.start()
         await self.service.watch_presence(self._on_presence)  # probes: answers come at once
-        self.service.disconnect_callbacks.append(self._fail_in_flight)
+        if len(self.config.mesh.nats_servers) == 1:
+            # One server: a disconnect means an outage. On a cluster the client is on another
+            # server within milliseconds, and requests it was serving go on there (what a
+            # lost message costs is the watchdog's to find, below).
+            self.service.disconnect_callbacks.append(self._fail_in_flight)
         self.service.spawn(self.service.every(STALL_S, self._check_stalled), "watchdog")
 
     async def _check_stalled(self) -> None:
@@ -145,6 +151,11 @@ class MeshClient:
         """Publish the request (all its n choices); their events arrive on the returned
         stream."""
         nc = self.service.nc
+        if not nc.is_connected and len(self.config.mesh.nats_servers) > 1:
+            # On a cluster, a lost server is replaced within a reconnect: wait for it.
+            deadline = time.monotonic() + CLUSTER_RECONNECT_S
+            while not nc.is_connected and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
         if not nc.is_connected:
             raise RequestError(
                 "The gateway is not connected to the mesh.",

@@ -41,6 +41,7 @@ class RequestStream:
         self.failure: str | None = None
         self._index = {rid: i for i, rid in enumerate(request_ids)}
         self._open = set(request_ids)
+        self._seq = dict.fromkeys(request_ids, 0)  # TextDelta.seq of the last delta taken
         self._queue: asyncio.Queue[InboxEvent] = asyncio.Queue()
         self.observer: RequestObserver | None = None  # latency metrics, fed as events are taken
         # Event-loop time of the last sign of life (opened, or an event arrived), and how many
@@ -81,6 +82,20 @@ class RequestStream:
                 raise self._failed(
                     RequestError(event.message, event.status, event.type, event.param, event.code)
                 )
+            if event.seq and event.seq != self._seq[event.request_id] + 1:
+                self._open.discard(event.request_id)
+                self.failure = f"delta {self._seq[event.request_id] + 1} lost on the way"
+                raise self._failed(
+                    RequestError(
+                        "The stream lost part of its text on the way (a message-bus server "
+                        "failed); retry the request.",
+                        503,
+                        "server_error",
+                        None,
+                        "stream_gap",
+                    )
+                )
+            self._seq[event.request_id] = event.seq
             if event.finish_reason is not None:
                 self._open.discard(event.request_id)
             index = self._index[event.request_id]

@@ -105,14 +105,47 @@ def add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         default=None,
         help="serve each non-gateway service's /metrics on consecutive ports from this one",
     )
+    p.add_argument(
+        "--nats-cluster-size",
+        type=int,
+        default=1,
+        help="start a NATS cluster of this many servers (3: one may die; JetStream at R3)",
+    )
+    p.add_argument(
+        "--regions",
+        default=None,
+        help="comma-separated region names: one NATS cluster and one whole mesh per region, "
+        "joined into a supercluster (gateway of region i on --port + i)",
+    )
+    p.add_argument(
+        "--spill-queue-ms",
+        type=float,
+        default=None,
+        help="with --regions: past this estimated queue time a request goes to another region",
+    )
     p.set_defaults(func=run_up)
 
 
 def run_up(args: argparse.Namespace) -> int:
+    if args.regions:
+        from services.launcher.regions import run_regions
+
+        return run_regions(args)
     folder = resolve_model(args.model)
     log_dir = args.log_dir or cache_root() / "logs" / f"up-{args.port}"
     logs = ServiceLogs(log_dir, logging.getLevelNamesMapping()[args.log_level.upper()])
-    mesh = LocalMesh(args, folder, logs=logs)
+    cluster = None
+    if args.nats_cluster_size > 1 and not args.nats_url:
+        from services.launcher.regions import RegionMesh, start_cluster
+
+        cluster = start_cluster(args.nats_cluster_size)
+        args.nats_url = cluster.url
+        mesh: LocalMesh = RegionMesh(
+            args, folder, logs=logs, kv_replicas=min(3, args.nats_cluster_size)
+        )
+        print(f"  nats cluster ready: {cluster.url}", flush=True)
+    else:
+        mesh = LocalMesh(args, folder, logs=logs)
     print(f"meshserve up: model {folder}", flush=True)
     print(f"meshserve up: each service writes to {log_dir}/<name>.log", flush=True)
     # Ctrl-C reaches the children too (same process group); they drain and exit. SIGINT is
@@ -154,4 +187,6 @@ def run_up(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         mesh.stop()
+        if cluster is not None:
+            cluster.stop()
         logs.echo()  # errors while draining

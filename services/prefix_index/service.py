@@ -64,10 +64,10 @@ class PrefixIndexService:
         await self.svc.connect()
         s = self.svc.subjects
         js = self.svc.nc.jetstream()
-        await ensure_kv_stream(js, s)
+        await ensure_kv_stream(js, s, self.svc.mesh.kv_replicas, self.svc.mesh.region)
         if (await js.stream_info(s.kv_events_stream)).state.messages == 0:
             self.caught_up.set()
-        await self.svc.replay(s.kv_events_all, KVEventBatch, self.on_events)
+        await self.svc.replay(s.kv_events_all, KVEventBatch, self.on_events, s.kv_events_stream)
         await self.svc.serve(s.index_match, IndexMatchRequest, self.on_match, queue="index")
         await self.svc.subscribe(s.executor_heartbeat, Heartbeat, self.on_heartbeat)
         period = self.config.executor_timeout_s / 4

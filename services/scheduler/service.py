@@ -21,7 +21,7 @@ import heapq
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from common.config import MeshConfig
 from common.metrics import SchedulerMetrics
@@ -36,7 +36,9 @@ from common.wire.presence import Presence
 from common.wire.scheduler import Heartbeat, RequestStatusQuery, RequestStatusReply
 from services.scheduler.inflight import Assignment, Inflight, Rank
 from services.scheduler.pairing import route
+from services.scheduler.regions import QueueEstimate, RegionConfig, RegionLoad
 from services.scheduler.router import POLICIES, Router
+from services.scheduler.spill import RegionSpill
 from services.scheduler.tracing import RouteTraces
 
 log = logging.getLogger("meshserve.scheduler")
@@ -73,6 +75,8 @@ class SchedulerServiceConfig:
         flag="--priority-aging",
     )
     progress_timeout_s: float = 1.0  # the detokenizer's answer on what a stream received
+    # Spillover to other regions (regions.py, spill.py); off without --region/--peer-regions.
+    regions: RegionConfig = field(default_factory=RegionConfig)
 
     def __post_init__(self) -> None:
         if self.router not in POLICIES:
@@ -116,11 +120,15 @@ class SchedulerService:
             self.svc.registry, lambda: len(self.queue), lambda: len(self.inflight)
         )
         self.routes = RouteTraces(self.svc.tracer, self.metrics)
+        self.estimate = QueueEstimate()
+        self.spill = RegionSpill(self.svc, config.regions, self.home_load)
 
     async def start(self) -> None:
         await self.svc.connect()
         s = self.svc.subjects
         await self.svc.subscribe(s.scheduler_submit, TokenizedRequest, self.on_submit, "scheduler")
+        await self.svc.subscribe(s.scheduler_spill, TokenizedRequest, self.on_spilled, "scheduler")
+        await self.spill.start()
         await self.svc.subscribe(s.executor_heartbeat, Heartbeat, self.on_heartbeat)
         await self.svc.subscribe(s.abort, AbortRequests, self.on_abort)
         await self.svc.serve(s.scheduler_status, RequestStatusQuery, self.on_status, "scheduler")
@@ -128,6 +136,14 @@ class SchedulerService:
         self.svc.spawn(self.svc.every(0.2, self.sweep), "sweep")
 
     async def on_submit(self, req: TokenizedRequest) -> None:
+        await self.admit(req, may_spill=True)
+
+    async def on_spilled(self, req: TokenizedRequest) -> None:
+        """A request another region's scheduler sent here: queued as our own, never sent on."""
+        self.spill.received()
+        await self.admit(req, may_spill=False)
+
+    async def admit(self, req: TokenizedRequest, may_spill: bool) -> None:
         rid = req.request_id
         if rid in self.ended:
             log.info("scheduler: dropping %s: it was aborted before it was queued", rid)
@@ -136,6 +152,11 @@ class SchedulerService:
             # A replayed message: one request id runs on one executor at a time.
             log.warning("scheduler: ignoring a second submit of %s", rid)
             return
+        if may_spill and self.spill.spillable(req):
+            decision = self.spill.decide(req)
+            if decision.spilled(self.svc.mesh.region):
+                await self.spill.send(req, decision)
+                return
         if len(self.queue) >= self.config.max_queue:
             self.metrics.rejected.inc()
             raise RequestError(
@@ -166,9 +187,9 @@ class SchedulerService:
         """Which of these requests are queued here or held by an executor we route to? One
         that is neither was lost on the way (a tokenizer or scheduler restarted) or has an
         executor that cannot be replaced: its gateway fails it instead of letting it wait."""
-        return RequestStatusReply(
-            [rid for rid in ask.request_ids if rid in self.queued or rid in self.inflight]
-        )
+        here = [rid for rid in ask.request_ids if rid in self.queued or rid in self.inflight]
+        rest = [rid for rid in ask.request_ids if rid not in set(here)]
+        return RequestStatusReply(here + await self.spill.alive_elsewhere(rest))
 
     async def on_heartbeat(self, hb: Heartbeat) -> None:
         if self.router.restarted(hb):  # the old process died; its requests move now
@@ -185,6 +206,7 @@ class SchedulerService:
     async def on_abort(self, msg: AbortRequests) -> None:
         if msg.executor_id:
             return  # our own withdrawal of work from one executor
+        await self.spill.forward_abort(msg)
         ids = set(msg.request_ids)
         self.ended.add_all(ids, True)
         for req in self.remove_queued(ids):
@@ -228,6 +250,7 @@ class SchedulerService:
                 await self.svc.publish(self.svc.subjects.executor_submit(executor), req)
             assignment.trace = self.routes.routed(req.request_id, executor)
             self.dispatched += 1
+            self.estimate.dispatched()
 
     async def overlaps(self, req: TokenizedRequest) -> dict[str, int]:
         """Each executor's cached pages of the prompt (kv router), or {} if the index is silent.
@@ -355,4 +378,45 @@ class SchedulerService:
                 ),
             )
         self.ended.prune()
+        await self.spill_queued()
         await self.dispatch()
+
+    def home_load(self) -> RegionLoad:
+        """This region's load (``regions.py``): live executors and the estimated queue time."""
+        now = time.monotonic()
+        live = [
+            e
+            for e in self.router.alive()
+            if e not in self.router.refused and not self.router.executors[e].heartbeat.draining
+        ]
+        waits = [now - route.queued_at for route in self.routes.open.values()]
+        has_room = bool(self.router.candidates())
+        queue_ms = self.estimate.queue_ms(len(self.queue), max(waits, default=0.0), has_room, now)
+        free = sum(
+            max(
+                0,
+                self.router.executors[e].heartbeat.max_num_seqs
+                - self.router.executors[e].sequences,
+            )
+            for e in live
+        )
+        spare = 0 if self.queue else free - self.config.regions.spill_reserve_seqs
+        return RegionLoad(self.svc.mesh.region, len(live), queue_ms, spare_seqs=max(0, spare))
+
+    async def spill_queued(self) -> None:
+        """With no live executor here, queued requests go to another region as well (new ones
+        do at submit); those that already streamed tokens wait for an executor here."""
+        if not self.spill.enabled or self.home_load().live_executors > 0:
+            return
+        for _, req in sorted(self.queue, key=lambda item: item[0]):
+            if not self.spill.spillable(req):
+                continue
+            decision = self.spill.decide(req)
+            if decision.spilled(self.svc.mesh.region):
+                self.remove_queued({req.request_id})
+                route = self.routes.open.pop(req.request_id, None)
+                if route is not None:  # its scheduler.route span ends here, not in error
+                    route.span.set_attribute("meshserve.region", decision.region)
+                    route.span.end()
+                with self.routes.use(req.request_id):
+                    await self.spill.send(req, decision)

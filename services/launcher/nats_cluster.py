@@ -1,0 +1,199 @@
+"""NATS clusters and superclusters on loopback, for ``meshserve up --nats-cluster-size`` and
+``--regions`` (and the tests): nats-server processes joined by routes (one cluster) and by
+gateways (one cluster per region), with JetStream clustered.
+
+- A cluster of N servers: every server lists every other's route port; JetStream needs a
+  ``server_name`` per server and the cluster's name, and then replicates streams (the
+  KV-event stream at ``--kv-replicas``, 3 on three servers: one server lost loses nothing).
+- A supercluster: per region a cluster named after the region, each server tagged
+  ``region:<name>`` (``common/kv_stream.py`` places the region's stream by that tag), and a
+  ``gateway`` block listing the other regions' gateway URLs. ``gateway_urls`` lets the caller
+  put something between regions (a delaying or cuttable TCP proxy, ``tools/tcp_delay_proxy.py``):
+  what a region dials to reach another and what it advertises as its own address.
+
+deploy/nats/ holds the same shape as config files for real hosts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from common.nats_server import LocalNatsServer, free_port
+
+JETSTREAM_READY_S = 30.0  # a clustered JetStream elects its meta leader first
+
+
+@dataclass(frozen=True)
+class ClusterPlan:
+    """The ports of one cluster's servers, chosen before any starts (each lists the others)."""
+
+    name: str
+    client_ports: tuple[int, ...]
+    route_ports: tuple[int, ...]
+    gateway_ports: tuple[int, ...] = ()
+
+    @classmethod
+    def free(cls, name: str, size: int, gateways: bool = False) -> ClusterPlan:
+        if size < 1:
+            raise ValueError("a cluster needs at least one server")
+        ports = [free_port() for _ in range(size * (3 if gateways else 2))]
+        while len(set(ports)) < len(ports):  # two draws may return the same free port
+            ports = [free_port() for _ in ports]
+        clients, routes = tuple(ports[:size]), tuple(ports[size : 2 * size])
+        return cls(name, clients, routes, tuple(ports[2 * size :]) if gateways else ())
+
+    @property
+    def urls(self) -> list[str]:
+        return [f"nats://127.0.0.1:{p}" for p in self.client_ports]
+
+    @property
+    def gateway_addresses(self) -> list[str]:
+        return [f"127.0.0.1:{p}" for p in self.gateway_ports]
+
+
+def server_config(
+    plan: ClusterPlan,
+    index: int,
+    remote_gateways: Mapping[str, list[str]] | None = None,
+    advertise: str | None = None,
+) -> str:
+    """The config file of server ``index`` of ``plan`` (client port and JetStream store come
+    from the command line, ``LocalNatsServer.start``)."""
+    name = f"{plan.name}-{index}"
+    routes = ", ".join(
+        f'"nats://127.0.0.1:{p}"' for i, p in enumerate(plan.route_ports) if i != index
+    )
+    lines = [
+        f'server_name: "{name}"',
+        f'server_tags: ["region:{plan.name}"]',
+        "cluster {",
+        f'  name: "{plan.name}"',
+        f'  listen: "127.0.0.1:{plan.route_ports[index]}"',
+        f"  routes: [{routes}]",
+        "  connect_retries: 30",
+        "}",
+    ]
+    if plan.gateway_ports:
+        remotes = ", ".join(
+            f'{{name: "{region}", urls: [{quoted_urls(urls)}]}}'
+            for region, urls in (remote_gateways or {}).items()
+        )
+        lines += [
+            "gateway {",
+            f'  name: "{plan.name}"',
+            f'  listen: "127.0.0.1:{plan.gateway_ports[index]}"',
+            *([f'  advertise: "{advertise}"'] if advertise else []),
+            "  connect_retries: 1000000",
+            f"  gateways: [{remotes}]",
+            "}",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def quoted_urls(addresses: list[str]) -> str:
+    return ", ".join(f'"nats://{address}"' for address in addresses)
+
+
+@dataclass
+class NatsCluster:
+    """The running servers of one cluster; ``kill`` one to test failover, ``stop`` them all."""
+
+    plan: ClusterPlan
+    servers: list[LocalNatsServer | None] = field(default_factory=list)
+
+    @classmethod
+    def start(
+        cls,
+        plan: ClusterPlan,
+        remote_gateways: Mapping[str, list[str]] | None = None,
+        advertise: list[str] | None = None,
+    ) -> NatsCluster:
+        cluster = cls(plan)
+        try:
+            for i, port in enumerate(plan.client_ports):
+                config = server_config(
+                    plan, i, remote_gateways, advertise[i] if advertise else None
+                )
+                cluster.servers.append(LocalNatsServer.start(port=port, config=config))
+        except Exception:
+            cluster.stop()
+            raise
+        return cluster
+
+    @property
+    def url(self) -> str:
+        """Every server's URL, comma-separated (what ``--nats-url`` takes)."""
+        return ",".join(self.plan.urls)
+
+    def kill(self, index: int) -> None:
+        """SIGKILL server ``index``: no goodbye to its clients or its routes."""
+        server = self.servers[index]
+        assert server is not None
+        server.process.kill()
+        server.process.wait()
+
+    def stop(self) -> None:
+        for server in self.servers:
+            if server is not None:
+                server.stop()
+
+    def wait_jetstream(self, timeout: float = JETSTREAM_READY_S) -> None:
+        """Until the cluster's JetStream answers (its meta leader is elected)."""
+        asyncio.run(jetstream_ready(self.url, timeout))
+
+
+async def jetstream_ready(url: str, timeout: float = JETSTREAM_READY_S) -> None:
+    import nats
+
+    deadline = time.monotonic() + timeout
+    nc = await nats.connect(servers=url.split(","), connect_timeout=2)
+    try:
+        while True:
+            with contextlib.suppress(Exception):
+                await nc.jetstream().account_info()
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"JetStream at {url} not ready within {timeout:.0f} s")
+            await asyncio.sleep(0.2)
+    finally:
+        await nc.close()
+
+
+@dataclass
+class Supercluster:
+    """One cluster per region, joined by gateways."""
+
+    clusters: dict[str, NatsCluster]
+
+    @classmethod
+    def start(
+        cls,
+        plans: list[ClusterPlan],
+        gateway_urls: Mapping[str, list[str]] | None = None,
+    ) -> Supercluster:
+        """``gateway_urls``: per region, the addresses (host:port, one per server) other
+        regions dial to reach it; default: its servers' gateway ports themselves."""
+        dial = {p.name: list((gateway_urls or {}).get(p.name, p.gateway_addresses)) for p in plans}
+        started: dict[str, NatsCluster] = {}
+        try:
+            for plan in plans:
+                remotes = {name: urls for name, urls in dial.items() if name != plan.name}
+                advertise = dial[plan.name] if gateway_urls else None
+                started[plan.name] = NatsCluster.start(plan, remotes, advertise)
+        except Exception:
+            for cluster in started.values():
+                cluster.stop()
+            raise
+        return cls(started)
+
+    def wait_jetstream(self, timeout: float = JETSTREAM_READY_S) -> None:
+        for cluster in self.clusters.values():
+            cluster.wait_jetstream(timeout)
+
+    def stop(self) -> None:
+        for cluster in self.clusters.values():
+            cluster.stop()

@@ -1,0 +1,149 @@
+"""``meshserve up --nats-cluster-size N`` and ``--regions a,b``: the local mesh on a NATS
+cluster, or one whole mesh per region on a supercluster (``nats_cluster.py``).
+
+Per region: a two-server cluster named after the region (JetStream runs clustered, the
+region's KV-event stream at R2 on its own servers), joined to the other regions by gateways,
+and every service started with ``--region NAME`` (its subjects, logs, metrics and traces say
+where it runs; so does ``ps``). Region ``i``'s gateway listens on ``--port + i``. Its scheduler
+knows the other regions (``--peer-regions``) and spills to them past ``--spill-queue-ms``;
+its gateway does not require a local executor (``--required-stages``): with none, the
+scheduler sends everything to another region.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from services.launcher.mesh import LocalMesh
+from services.launcher.nats_cluster import ClusterPlan, NatsCluster, Supercluster
+
+REGION_SERVERS = 2  # per region: the fewest with which JetStream runs clustered
+
+
+@dataclass
+class RegionMesh(LocalMesh):
+    """A ``LocalMesh`` on a given NATS cluster, with the region's flags on every service."""
+
+    region: str = ""
+    peers: tuple[str, ...] = ()
+    kv_replicas: int = 1
+    spill_queue_ms: float | None = None
+
+    def spawn(self, name: str, module: str, *flags: str) -> None:
+        extra: list[str] = []
+        if self.region:
+            extra += ["--region", self.region]
+        if self.kv_replicas > 1:
+            extra += ["--kv-replicas", str(self.kv_replicas)]
+        if module == "services.scheduler" and self.peers:
+            extra += ["--peer-regions", ",".join(self.peers)]
+            if self.spill_queue_ms is not None:
+                extra += ["--spill-queue-ms", str(self.spill_queue_ms)]
+        if module == "services.gateway" and self.region:
+            extra += ["--required-stages", "tokenizer,scheduler,detokenizer"]
+        super().spawn(f"{self.region}-{name}" if self.region else name, module, *flags, *extra)
+
+
+def region_names(text: str) -> tuple[str, ...]:
+    names = tuple(r.strip() for r in text.split(",") if r.strip())
+    if len(names) < 2 or len(set(names)) != len(names):
+        raise ValueError("--regions needs two or more distinct names, e.g. us-east,eu-west")
+    return names
+
+
+def start_cluster(size: int) -> NatsCluster:
+    cluster = NatsCluster.start(ClusterPlan.free("meshserve", size))
+    cluster.wait_jetstream()
+    return cluster
+
+
+def start_regions(
+    args: argparse.Namespace, model_folder: Any, logs: Any = None
+) -> tuple[Supercluster, list[RegionMesh]]:
+    """The supercluster and one started mesh per region (not yet ready)."""
+    regions = region_names(args.regions)
+    supercluster = Supercluster.start(
+        [ClusterPlan.free(r, REGION_SERVERS, gateways=True) for r in regions]
+    )
+    meshes: list[RegionMesh] = []
+    try:
+        supercluster.wait_jetstream()
+        for i, region in enumerate(regions):
+            region_args = argparse.Namespace(**vars(args))
+            region_args.port = args.port + i
+            region_args.nats_url = supercluster.clusters[region].url
+            mesh = RegionMesh(
+                region_args,
+                model_folder,
+                logs=logs,
+                region=region,
+                peers=tuple(r for r in regions if r != region),
+                kv_replicas=REGION_SERVERS,
+                spill_queue_ms=args.spill_queue_ms,
+            )
+            meshes.append(mesh)
+            mesh.start()
+    except Exception:
+        for mesh in meshes:
+            mesh.stop()
+        supercluster.stop()
+        raise
+    return supercluster, meshes
+
+
+def wait_all_ready(meshes: list[RegionMesh], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    for mesh in meshes:
+        mesh.wait_ready(max(1.0, deadline - time.monotonic()))
+
+
+def run_regions(args: argparse.Namespace) -> int:
+    """``meshserve up --regions``: start, report, supervise until Ctrl-C, stop."""
+    import logging
+    import signal
+    import sys
+
+    from gpu.cache_dir import cache_root
+    from services.launcher.console import ServiceLogs
+    from services.launcher.mesh import resolve_model
+    from services.launcher.supervisor import DeferredInterrupt, RestartPolicy
+
+    folder = resolve_model(args.model)
+    log_dir = args.log_dir or cache_root() / "logs" / f"up-{args.port}"
+    logs = ServiceLogs(log_dir, logging.getLevelNamesMapping()[args.log_level.upper()])
+    interrupts = DeferredInterrupt()
+    signal.signal(signal.SIGTERM, interrupts.handler)
+    signal.signal(signal.SIGINT, interrupts.handler)
+    supercluster: Supercluster | None = None
+    meshes: list[RegionMesh] = []
+    try:
+        with interrupts.deferred():
+            supercluster, meshes = start_regions(args, folder, logs)
+        supervisors = [m.supervisor(RestartPolicy(), interrupts) for m in meshes]
+        wait_all_ready(meshes, args.ready_timeout)
+        for mesh in meshes:
+            nats = supercluster.clusters[mesh.region].url
+            print(f"region {mesh.region} is up: {mesh.base_url}/v1  (nats {nats})", flush=True)
+        while True:
+            for sup in supervisors:
+                sup.poll()
+            logs.echo()
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        print("stopping...", file=sys.stderr)
+        return 0
+    except (RuntimeError, TimeoutError) as exc:
+        logs.echo()
+        print(f"meshserve up: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        for mesh in meshes:
+            mesh.stop()
+        if supercluster is not None:
+            supercluster.stop()
+        logs.echo()

@@ -1,0 +1,94 @@
+"""The region decision (services/scheduler/regions.py) alone, and the cluster configs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from common.config import MeshConfig
+from services.launcher.nats_cluster import ClusterPlan, server_config
+from services.scheduler.regions import QueueEstimate, RegionConfig, RegionLoad, choose_region
+
+HOME = "us-east"
+
+
+def load(region: str = HOME, **kw: float) -> RegionLoad:
+    values = {"live_executors": 1, "queue_ms": 0.0, "rtt_ms": 0.0, "spare_seqs": 4, **kw}
+    return RegionLoad(
+        region,
+        int(values["live_executors"]),
+        values["queue_ms"],
+        values["rtt_ms"],
+        int(values.get("uncached_tokens", 0)),
+        int(values["spare_seqs"]),
+    )
+
+
+def test_within_budget_stays_home_even_if_elsewhere_is_idle() -> None:
+    d = choose_region(load(queue_ms=90), [load("eu-west", rtt_ms=1)], 100, 0.1)
+    assert (d.region, d.reason) == (HOME, "local")
+
+
+def test_over_budget_goes_to_the_cheapest_region() -> None:
+    remotes = [
+        load("eu-west", queue_ms=50, rtt_ms=80),
+        load("ap-south", queue_ms=0, rtt_ms=200),
+    ]
+    d = choose_region(load(queue_ms=800), remotes, 100, 0.1)
+    assert (d.region, d.reason) == ("eu-west", "over-budget")
+    assert d.cost_ms == pytest.approx(130)
+    assert d.spilled(HOME)
+
+
+def test_a_cold_prefill_and_the_round_trip_can_make_waiting_home_cheaper() -> None:
+    home = load(queue_ms=300, uncached_tokens=0)  # its cache holds the prompt
+    remote = load("eu-west", queue_ms=0, rtt_ms=150, uncached_tokens=2000)  # 150 + 200
+    d = choose_region(home, [remote], 100, 0.1)
+    assert (d.region, d.reason) == (HOME, "no-better-region")
+
+
+def test_no_spare_slots_elsewhere_keeps_the_request_home() -> None:
+    d = choose_region(load(queue_ms=5000), [load("eu-west", spare_seqs=0)], 100, 0.1)
+    assert d.region == HOME
+
+
+def test_without_local_executors_everything_goes_to_a_live_region() -> None:
+    home = load(live_executors=0)
+    remotes = [load("eu-west", live_executors=0), load("ap-south", spare_seqs=0, queue_ms=900)]
+    d = choose_region(home, remotes, 100, 0.1)
+    assert (d.region, d.reason) == ("ap-south", "no-local-executor")
+    # ... and with no live region anywhere it waits at home.
+    assert choose_region(home, [load("eu-west", live_executors=0)], 100, 0.1).region == HOME
+    assert math.isinf(choose_region(home, [], 100, 0.1).cost_ms)
+
+
+def test_queue_estimate_from_dispatch_rate_and_oldest_wait() -> None:
+    est = QueueEstimate(window_s=5)
+    assert est.queue_ms(0, 0.0, has_room=True, now=100) == 0
+    assert est.queue_ms(3, 0.4, has_room=False, now=100) == pytest.approx(400)  # no rate yet
+    for i in range(11):
+        est.dispatched(now=100 + i * 0.1)  # 10 per second
+    assert est.queue_ms(9, 0.2, has_room=False, now=101) == pytest.approx(1000, rel=0.1)
+    assert est.queue_ms(0, 3.0, has_room=False, now=101) == pytest.approx(3000)
+
+
+def test_region_names_and_config_are_checked() -> None:
+    with pytest.raises(ValueError, match="region"):
+        MeshConfig(region="US East")
+    with pytest.raises(ValueError, match="peer regions"):
+        RegionConfig(peer_regions=("eu.west",))
+    mesh = MeshConfig(nats_url="nats://a:1, nats://b:2", region="eu-west")
+    assert mesh.nats_servers == ["nats://a:1", "nats://b:2"]
+    assert mesh.subjects.scheduler_submit == "mesh.v1.eu-west.scheduler.submit"
+    assert mesh.subjects_of("us-east").scheduler_spill == "mesh.v1.us-east.scheduler.spill"
+    assert MeshConfig().subjects.scheduler_submit == "mesh.v1.scheduler.submit"
+
+
+def test_server_config_lists_the_other_routes_and_gateways() -> None:
+    plan = ClusterPlan("eu-west", (4222, 4223), (6222, 6223), (7222, 7223))
+    text = server_config(plan, 1, {"us-east": ["127.0.0.1:9000"]}, "127.0.0.1:9100")
+    assert 'server_name: "eu-west-1"' in text and 'server_tags: ["region:eu-west"]' in text
+    assert 'routes: ["nats://127.0.0.1:6222"]' in text  # not its own
+    assert '{name: "us-east", urls: ["nats://127.0.0.1:9000"]}' in text
+    assert 'advertise: "127.0.0.1:9100"' in text

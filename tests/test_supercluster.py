@@ -1,0 +1,181 @@
+"""Two regions in a NATS supercluster (two servers each, JetStream clustered), a whole mesh per
+region, the gateway link between them through TCP proxies the test can cut.
+
+Executors are slowed to a fixed step time so each region's capacity is known whatever the
+machine's load: two sequences per executor at ~15 ms a step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from services.launcher.nats_cluster import ClusterPlan, Supercluster
+from services.scheduler.regions import RegionConfig
+from services.scheduler.service import SchedulerService
+from tests.mesh import MeshHarness, openai_client, runtime_of
+from tools.net.tcp_proxy import DelayProxy
+
+REGIONS = ("us-east", "eu-west")
+STEP_S = 0.015
+
+
+@dataclass
+class Regions:
+    meshes: dict[str, MeshHarness]
+    proxies: list[DelayProxy]
+    supercluster: Supercluster
+
+    def scheduler(self, region: str) -> SchedulerService:
+        return next(s for s in self.meshes[region].services if isinstance(s, SchedulerService))
+
+    def spilled(self, region: str) -> float:
+        counter = self.scheduler(region).spill.spilled_total
+        return sum(
+            s.value for m in counter.collect() for s in m.samples if s.name.endswith("_total")
+        )
+
+    def spilled_in(self, region: str) -> float:
+        samples = [
+            s for m in self.scheduler(region).spill.received_total.collect() for s in m.samples
+        ]
+        return sum(s.value for s in samples if s.name.endswith("_total"))
+
+
+def slow_steps(mesh: MeshHarness) -> None:
+    for executor in mesh.executor_services:
+        step = executor.engine.step
+
+        def slow(step: Any = step) -> Any:
+            time.sleep(STEP_S)
+            return step()
+
+        executor.engine.step = slow  # type: ignore[method-assign]
+
+
+@pytest.fixture(scope="module")
+def regions(tiny_llama: Path) -> Iterator[Regions]:
+    plans = [ClusterPlan.free(r, 2, gateways=True) for r in REGIONS]
+    proxies = {p.name: [DelayProxy(port).start() for port in p.gateway_ports] for p in plans}
+    supercluster = Supercluster.start(
+        plans, {r: [proxy.address for proxy in ps] for r, ps in proxies.items()}
+    )
+    meshes: dict[str, MeshHarness] = {}
+    try:
+        supercluster.wait_jetstream()
+        for region in REGIONS:
+            peers = tuple(r for r in REGIONS if r != region)
+            mesh = MeshHarness(
+                tiny_llama,
+                max_num_seqs=2,
+                nats_url=supercluster.clusters[region].url,
+                region=region,
+                kv_replicas=2,
+                required_stages=("tokenizer", "scheduler", "detokenizer"),
+                scheduler_options={
+                    "regions": RegionConfig(peer_regions=peers, spill_queue_ms=100.0)
+                },
+            )
+            meshes[region] = mesh.start()
+            slow_steps(mesh)
+        yield Regions(meshes, [p for ps in proxies.values() for p in ps], supercluster)
+    finally:
+        for mesh in meshes.values():
+            mesh.stop()
+        for ps in proxies.values():
+            for proxy in ps:
+                proxy.stop()
+        supercluster.stop()
+
+
+async def one(base_url: str, max_tokens: int = 12) -> tuple[float, str]:
+    """(TTFT in seconds, text) of one streamed completion."""
+    async with openai_client(base_url) as client:
+        started = time.perf_counter()
+        ttft, text = 0.0, ""
+        stream = await client.completions.create(
+            model="tiny", prompt="hello region", max_tokens=max_tokens, stream=True,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        async for chunk in stream:
+            if not ttft:
+                ttft = time.perf_counter() - started
+            text += chunk.choices[0].text
+        return ttft, text
+
+
+async def closed_loop(base_url: str, clients: int, each: int) -> list[float]:
+    """``clients`` clients, each sending ``each`` requests back to back: every TTFT."""
+
+    async def client() -> list[float]:
+        return [(await one(base_url))[0] for _ in range(each)]
+
+    results = await asyncio.gather(*(client() for _ in range(clients)))
+    return [t for r in results for t in r]
+
+
+async def wait_for(check: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.1)
+
+
+def goodput(ttfts: list[float], slo_s: float) -> int:
+    return sum(t <= slo_s for t in ttfts)
+
+
+async def test_overload_spills_and_a_cut_link_keeps_each_region_serving(regions: Regions) -> None:
+    east, west = (regions.meshes[r] for r in REGIONS)
+    east_sched = regions.scheduler("us-east")
+    await wait_for(lambda: east_sched.spill.remotes(1), 10, "eu-west's load report")
+    for mesh in (east, west):  # warm-up: both regions serve
+        await one(mesh.base_url)
+
+    # Overload us-east (8 clients, capacity 2 sequences): requests spill to eu-west.
+    spilled_before = regions.spilled("us-east")
+    with_spill = await closed_loop(east.base_url, clients=8, each=3)
+    spilled = regions.spilled("us-east") - spilled_before
+    assert spilled >= 3, f"only {spilled} requests spilled"
+    assert regions.spilled_in("eu-west") >= spilled
+
+    # Cut the gateway link for real: us-east stops counting on eu-west's reports.
+    for proxy in regions.proxies:
+        proxy.cut()
+    await wait_for(lambda: not east_sched.spill.remotes(1), 10, "the cut to be noticed")
+    for mesh in (east, west):  # each region keeps serving its own clients
+        ttft, text = await one(mesh.base_url)
+        assert text and ttft > 0
+    spilled_before = regions.spilled("us-east")
+    local_only = await closed_loop(east.base_url, clients=8, each=3)
+    assert regions.spilled("us-east") == spilled_before  # nothing could spill
+
+    slo = statistics.median(local_only)
+    assert goodput(with_spill, slo) > goodput(local_only, slo), (with_spill, local_only)
+    assert statistics.mean(with_spill) < statistics.mean(local_only)
+
+    for proxy in regions.proxies:
+        proxy.heal()
+    await wait_for(lambda: east_sched.spill.remotes(1), 20, "the link to heal")
+
+
+async def test_a_region_without_executors_is_served_by_the_other(regions: Regions) -> None:
+    east = regions.meshes["us-east"]
+    east_sched = regions.scheduler("us-east")
+    await wait_for(lambda: east_sched.spill.remotes(1), 20, "eu-west's load report")
+    for executor in east.executor_services:  # gone without a goodbye
+        runtime = runtime_of(executor)
+        runtime.stopping.set()
+        await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(runtime.nc.close(), east.loop))
+    await wait_for(lambda: east_sched.home_load().live_executors == 0, 10, "executor loss")
+    received = regions.spilled_in("eu-west")
+    results = await asyncio.gather(*(one(east.base_url) for _ in range(4)))
+    assert all(text for _, text in results)
+    assert regions.spilled_in("eu-west") - received == 4
