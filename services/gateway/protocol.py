@@ -17,7 +17,9 @@ from typing import Any, Literal
 
 from common.runtime import RequestError
 from common.wire.tokenizer import ChatMessage, ResponseFormat, ToolChoice, WireSamplingParams
+from services.gateway.body import Body, bad_request, out_of_range, wrong_type
 from services.gateway.config import GatewayConfig
+from services.gateway.structured import parse_message_tool_calls, parse_response_format, parse_tools
 
 Kind = Literal["completion", "chat"]
 
@@ -73,102 +75,6 @@ class ApiRequest:
     tools: ToolChoice | None = None
 
 
-def bad_request(message: str, param: str | None = None, code: str | None = None) -> RequestError:
-    return RequestError(message, 400, "invalid_request_error", param, code)
-
-
-def json_type(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int):
-        return "an integer"
-    if isinstance(value, float):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, list):
-        return "an array"
-    return "an object"
-
-
-def wrong_type(param: str, expected: str, value: Any) -> RequestError:
-    return bad_request(
-        f"Invalid type for '{param}': expected {expected}, but got {json_type(value)} instead.",
-        param,
-        "invalid_type",
-    )
-
-
-def out_of_range(param: str, value: Any, allowed: str) -> RequestError:
-    return bad_request(f"'{param}' must be {allowed}, got {value!r}.", param, "invalid_value")
-
-
-class Body:
-    """Typed reads of a request body's fields; null counts as absent."""
-
-    def __init__(self, raw: Any) -> None:
-        if not isinstance(raw, dict):
-            raise bad_request(f"The request body must be a JSON object, got {json_type(raw)}.")
-        self.raw: dict[str, Any] = raw
-
-    def get(self, name: str) -> Any:
-        return self.raw.get(name)
-
-    def boolean(self, name: str, default: bool) -> bool:
-        value = self.raw.get(name)
-        if value is None:
-            return default
-        if not isinstance(value, bool):
-            raise wrong_type(name, "a boolean", value)
-        return value
-
-    def optional_int(self, name: str) -> int | None:
-        """An integer field of any size, or None; a wrong type is a 400."""
-        value = self.raw.get(name)
-        if value is None:
-            return None
-        if isinstance(value, float) and value.is_integer():
-            value = int(value)  # 16.0 is 16, as pydantic (vLLM) reads it
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise wrong_type(name, "an integer", value)
-        return value
-
-    def optional_integer(self, name: str, lo: int, hi: int) -> int | None:
-        value = self.optional_int(name)
-        if value is not None and not lo <= value <= hi:
-            raise out_of_range(name, value, f"between {lo} and {hi}")
-        return value
-
-    def integer(self, name: str, default: int, lo: int, hi: int) -> int:
-        value = self.optional_integer(name, lo, hi)
-        return default if value is None else value
-
-    def number(
-        self, name: str, default: float, lo: float, hi: float, *, lo_open: bool = False
-    ) -> float:
-        value = self.raw.get(name)
-        if value is None:
-            return default
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise wrong_type(name, "a number", value)
-        ok = (lo < value if lo_open else lo <= value) and value <= hi
-        if not ok:  # NaN fails here too
-            bracket = "(" if lo_open else "["
-            raise out_of_range(name, value, f"in {bracket}{lo:g}, {hi:g}]")
-        return float(value)
-
-    def string(self, name: str) -> str | None:
-        value = self.raw.get(name)
-        if value is not None and not isinstance(value, str):
-            raise wrong_type(name, "a string", value)
-        return value
-
-
-# --- the two endpoints ----------------------------------------------------------------------------
-
-
 def parse_completion(raw: Any, config: GatewayConfig) -> ApiRequest:
     body = Body(raw)
     model = parse_model(body, config)
@@ -192,7 +98,6 @@ def parse_chat(raw: Any, config: GatewayConfig) -> ApiRequest:
     body = Body(raw)
     model = parse_model(body, config)
     messages = parse_messages(body.get("messages"))
-    from services.gateway.structured import parse_response_format, parse_tools
 
     response_format = parse_response_format(body)
     tools = parse_tools(body)
@@ -353,8 +258,6 @@ def parse_message(value: Any, where: str) -> ChatMessage:
     param = f"{where}.content"
     tool_calls = ""
     if role == "assistant" and value.get("tool_calls") is not None:
-        from services.gateway.structured import parse_message_tool_calls
-
         tool_calls = parse_message_tool_calls(value["tool_calls"], f"{where}.tool_calls")
     if content is None and role == "assistant":
         content = ""  # an assistant turn may carry no content (a tool call instead)

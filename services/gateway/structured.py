@@ -12,7 +12,7 @@ from typing import Any
 
 from common.runtime import RequestError
 from common.wire.tokenizer import ResponseFormat, ToolChoice
-from services.gateway.protocol import Body, bad_request, wrong_type
+from services.gateway.body import Body, bad_request, wrong_type
 
 # A function name as OpenAI allows it.
 NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")

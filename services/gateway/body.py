@@ -1,0 +1,104 @@
+"""Typed reads of a JSON request body and the 400s they raise (OpenAI's error shape), shared by
+the request parsers (``protocol.py``) and the structured-output ones (``structured.py``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from common.runtime import RequestError
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> RequestError:
+    return RequestError(message, 400, "invalid_request_error", param, code)
+
+
+def json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    return "an object"
+
+
+def wrong_type(param: str, expected: str, value: Any) -> RequestError:
+    return bad_request(
+        f"Invalid type for '{param}': expected {expected}, but got {json_type(value)} instead.",
+        param,
+        "invalid_type",
+    )
+
+
+def out_of_range(param: str, value: Any, allowed: str) -> RequestError:
+    return bad_request(f"'{param}' must be {allowed}, got {value!r}.", param, "invalid_value")
+
+
+class Body:
+    """Typed reads of a request body's fields; null counts as absent."""
+
+    def __init__(self, raw: Any) -> None:
+        if not isinstance(raw, dict):
+            raise bad_request(f"The request body must be a JSON object, got {json_type(raw)}.")
+        self.raw: dict[str, Any] = raw
+
+    def get(self, name: str) -> Any:
+        return self.raw.get(name)
+
+    def boolean(self, name: str, default: bool) -> bool:
+        value = self.raw.get(name)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise wrong_type(name, "a boolean", value)
+        return value
+
+    def optional_int(self, name: str) -> int | None:
+        """An integer field of any size, or None; a wrong type is a 400."""
+        value = self.raw.get(name)
+        if value is None:
+            return None
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)  # 16.0 is 16, as pydantic (vLLM) reads it
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise wrong_type(name, "an integer", value)
+        return value
+
+    def optional_integer(self, name: str, lo: int, hi: int) -> int | None:
+        value = self.optional_int(name)
+        if value is not None and not lo <= value <= hi:
+            raise out_of_range(name, value, f"between {lo} and {hi}")
+        return value
+
+    def integer(self, name: str, default: int, lo: int, hi: int) -> int:
+        value = self.optional_integer(name, lo, hi)
+        return default if value is None else value
+
+    def number(
+        self, name: str, default: float, lo: float, hi: float, *, lo_open: bool = False
+    ) -> float:
+        value = self.raw.get(name)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise wrong_type(name, "a number", value)
+        ok = (lo < value if lo_open else lo <= value) and value <= hi
+        if not ok:  # NaN fails here too
+            bracket = "(" if lo_open else "["
+            raise out_of_range(name, value, f"in {bracket}{lo:g}, {hi:g}]")
+        return float(value)
+
+    def string(self, name: str) -> str | None:
+        value = self.raw.get(name)
+        if value is not None and not isinstance(value, str):
+            raise wrong_type(name, "a string", value)
+        return value
+
+
+# --- the two endpoints ----------------------------------------------------------------------------
