@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Coroutine
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -25,21 +26,15 @@ from services.executor.service import ExecutorService, build_engine
 from services.prefix_index.service import PrefixIndexConfig, PrefixIndexService
 from services.scheduler.service import SchedulerService, SchedulerServiceConfig
 from services.tokenizer.service import TokenizerConfig, TokenizerService
+from tools.bench.scrape import metric_sums
 
 
 def metric_value(metrics_url: str, name: str) -> float:
     """The sum over every series of metric ``name`` on a service's /metrics (text format)."""
-    import urllib.request
-
-    total, found = 0.0, False
-    with urllib.request.urlopen(metrics_url, timeout=5) as resp:
-        for line in resp.read().decode().splitlines():
-            if line.startswith((name + " ", name + "{")):
-                total += float(line.rsplit(" ", 1)[1])
-                found = True
-    if not found:
+    sums = metric_sums(metrics_url)
+    if name not in sums:
         raise AssertionError(f"{metrics_url} has no {name}")
-    return total
+    return sums[name]
 
 
 def openai_client(base_url: str, api_key: str = "unused") -> openai.AsyncOpenAI:
@@ -207,6 +202,18 @@ class MeshHarness:
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}/v1"
+
+    def slow_steps(self, step_s: float) -> None:
+        """Every executor's engine step takes ``step_s`` longer: streams last long enough to
+        be cut, and an executor's capacity is known whatever the machine's speed."""
+        for executor in self.executor_services:
+            step = executor.engine.step
+
+            def slow(step: Any = step) -> Any:
+                time.sleep(step_s)
+                return step()
+
+            executor.engine.step = slow  # type: ignore[method-assign]
 
     def stop(self) -> None:
         async def close_all() -> None:

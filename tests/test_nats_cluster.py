@@ -12,7 +12,6 @@ gateway sees the gap in the deltas' numbers), fails with a retryable 503 instead
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -36,14 +35,7 @@ def cluster_mesh(tiny_llama: Path) -> Iterator[tuple[NatsCluster, MeshHarness]]:
         mesh = MeshHarness(
             tiny_llama, executors=2, router="kv", nats_url=cluster.url, kv_replicas=3
         ).start()
-        for executor in mesh.executor_services:  # streams last long enough to be cut
-            step = executor.engine.step
-
-            def slow(step: Any = step) -> Any:
-                time.sleep(STEP_S)
-                return step()
-
-            executor.engine.step = slow  # type: ignore[method-assign]
+        mesh.slow_steps(STEP_S)  # streams last long enough to be cut
         yield cluster, mesh
     finally:
         if mesh is not None:

@@ -49,17 +49,6 @@ class Regions:
         return sum(s.value for s in samples if s.name.endswith("_total"))
 
 
-def slow_steps(mesh: MeshHarness) -> None:
-    for executor in mesh.executor_services:
-        step = executor.engine.step
-
-        def slow(step: Any = step) -> Any:
-            time.sleep(STEP_S)
-            return step()
-
-        executor.engine.step = slow  # type: ignore[method-assign]
-
-
 @pytest.fixture(scope="module")
 def regions(tiny_llama: Path) -> Iterator[Regions]:
     plans = [ClusterPlan.free(r, 2, gateways=True) for r in REGIONS]
@@ -84,7 +73,7 @@ def regions(tiny_llama: Path) -> Iterator[Regions]:
                 },
             )
             meshes[region] = mesh.start()
-            slow_steps(mesh)
+            mesh.slow_steps(STEP_S)
         yield Regions(meshes, [p for ps in proxies.values() for p in ps], supercluster)
     finally:
         for mesh in meshes.values():

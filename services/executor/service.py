@@ -370,8 +370,6 @@ class ExecutorService:
         False: compute it here (not paired, not a decode executor, or no room now)."""
         if self.decode_side is None or not req.prefill_executor or req.output_token_ids:
             return False
-        if req.grammar is not None:  # the scheduler never pairs these (pairing.py)
-            return False
         return await self.decode_side.reserve(req)
 
     async def try_publish(self, subject: str, message: Message | bytes) -> bool:

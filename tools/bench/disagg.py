@@ -27,7 +27,6 @@ import os
 import random
 import statistics
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,6 +41,7 @@ from loadtest.workloads import RequestSpec
 from services.launcher.console import ServiceLogs
 from services.launcher.mesh import LocalMesh
 from services.launcher.up import add_up
+from tools.bench.scrape import metric_sums
 
 LAYOUTS = {
     "mixed": {"executors": 2, "prefill_executors": 0, "decode_executors": 0},
@@ -131,31 +131,16 @@ async def window(url: str, args: argparse.Namespace, seed: int) -> tuple[Tally, 
     return tally, tally.seconds
 
 
-def metric_value(url: str, name: str) -> float:
-    """The sum over every series of ``name`` on a /metrics page (KeyError: none yet)."""
-    total, found = 0.0, False
-    with urllib.request.urlopen(url, timeout=5) as resp:
-        for line in resp.read().decode().splitlines():
-            if line.startswith((name + " ", name + "{")):
-                total += float(line.rsplit(" ", 1)[1])
-                found = True
-    if not found:
-        raise KeyError(name)
-    return total
-
-
 def kv_counters(mesh: LocalMesh) -> tuple[float, float, float]:
     url = mesh.metrics_urls.get("prefill-0")
     if url is None:
         return 0.0, 0.0, 0.0
-    try:
-        return (
-            metric_value(url, "meshserve:kv_transfer_bytes_total"),
-            metric_value(url, "meshserve:kv_transfer_time_seconds_sum"),
-            metric_value(url, "meshserve:kv_transfer_time_seconds_count"),
-        )
-    except KeyError:  # no transfer yet
-        return 0.0, 0.0, 0.0
+    sums = metric_sums(url)  # no series before the first transfer: 0
+    return (
+        sums.get("meshserve:kv_transfer_bytes_total", 0.0),
+        sums.get("meshserve:kv_transfer_time_seconds_sum", 0.0),
+        sums.get("meshserve:kv_transfer_time_seconds_count", 0.0),
+    )
 
 
 def memcpy_gb_s(nbytes: int, tries: int = 7) -> float:

@@ -59,20 +59,13 @@ from gpu.quant import (
 )
 from gpu.runner import ModelRunner
 from gpu.sampling import SamplingParams
-from tools.bench.engine import chat_prompts, run_decode_only, run_engine
+from tools.bench.engine import QUESTIONS, chat_prompts, run_decode_only, run_engine
 from tools.bench.memory import measure as measure_memory
 from tools.bench.memory import table as memory_table
 
 # A fixed prompt set: chat questions (the model is an instruct model) and plain text.
 QUALITY_QUESTIONS = [
-    "What is the capital of France?",
-    "Explain photosynthesis in one paragraph.",
-    "Write a haiku about the sea.",
-    "How do vaccines work?",
-    "Give me three tips for learning to code.",
-    "What causes the seasons on Earth?",
-    "Summarise the plot of Romeo and Juliet.",
-    "Why is the sky blue?",
+    *QUESTIONS,
     "Write a Python function that reverses a string.",
     "What is the difference between weather and climate?",
 ]

@@ -35,7 +35,6 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 
@@ -117,17 +116,6 @@ def spilled_count(sched: SchedulerService) -> int:
     return int(sum(s.value for s in samples if s.name.endswith("_total")))
 
 
-def slow_steps(mesh: MeshHarness, step_s: float) -> None:
-    for executor in mesh.executor_services:
-        step = executor.engine.step
-
-        def slow(step: Any = step) -> Any:
-            time.sleep(step_s)
-            return step()
-
-        executor.engine.step = slow  # type: ignore[method-assign]
-
-
 async def measure_rtt(sched: SchedulerService, timeout: float = 20) -> float:
     deadline = time.monotonic() + timeout
     while not sched.spill.remotes(1):
@@ -178,7 +166,7 @@ def main() -> None:
                 scheduler_options={"regions": regions},
             )
             meshes[region] = mesh.start()
-            slow_steps(mesh, args.step_ms / 1000)
+            mesh.slow_steps(args.step_ms / 1000)
         east = next(s for s in meshes["us-east"].services if isinstance(s, SchedulerService))
         spill_config = east.spill.config
         local_config = dataclasses.replace(spill_config, peer_regions=())

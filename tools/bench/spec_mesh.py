@@ -23,11 +23,8 @@ import argparse
 import asyncio
 import statistics
 import sys
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-
-from prometheus_client.parser import text_string_to_metric_families
 
 from common.nats_server import free_port, free_port_range
 from gpu.gguf import resolve_model_path
@@ -36,6 +33,7 @@ from loadtest.runner import new_session
 from loadtest.workloads import RequestSpec
 from services.launcher.mesh import LocalMesh
 from services.launcher.up import add_up
+from tools.bench.scrape import metric_sums
 from tools.distill.chat_prompts import held_out_prompts
 
 MODEL_NAME = "bench"
@@ -68,15 +66,8 @@ class Side:
 
 
 def executor_counters(mesh: LocalMesh) -> dict[str, float]:
-    with urllib.request.urlopen(mesh.metrics_urls["executor-0"], timeout=10) as resp:
-        text = resp.read().decode()
-    found = dict.fromkeys(COUNTERS, 0.0)
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            name = sample.name.removeprefix("meshserve:").removesuffix("_total")
-            if name in found:
-                found[name] += sample.value
-    return found
+    sums = metric_sums(mesh.metrics_urls["executor-0"])
+    return {c: sums.get(f"meshserve:{c}_total", 0.0) for c in COUNTERS}
 
 
 def start_side(name: str, folder: Path, flags: list[str]) -> Side:
