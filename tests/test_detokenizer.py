@@ -13,7 +13,7 @@ from common.tokenizer import Tokenizer
 from common.wire.codec import decode_any
 from common.wire.detokenizer import SeqTokens, StepTokens, StreamStart
 from common.wire.executor import AbortRequests
-from common.wire.gateway import TextDeltas
+from common.wire.gateway import ErrorEvent, TextDeltas
 from services.detokenizer.service import DetokenizerConfig, DetokenizerService
 from services.detokenizer.stops import StopMatcher
 
@@ -27,15 +27,20 @@ def nats_server():
     server.stop()
 
 
-async def run_stream(nats_server, model, token_ids, stop, tokens_per_step=1):
-    """Send ``token_ids`` through a detokenizer shard; return (deltas, aborts)."""
+async def run_stream(nats_server, model, token_ids, stop, tokens_per_step=1, lost=(), errors=None):
+    """Send ``token_ids`` through a detokenizer shard, less the steps numbered in ``lost``;
+    return (deltas, aborts); error events sent to the client go to ``errors``."""
     svc = DetokenizerService(DetokenizerConfig(MeshConfig(nats_server.url), str(model)))
     await svc.start()
     nc = await nats.connect(nats_server.url)
     deltas, aborts = [], []
 
     async def on_inbox(msg):
-        deltas.extend(decode_any(msg.data, TextDeltas).deltas)  # type: ignore[attr-defined]
+        message = decode_any(msg.data, TextDeltas, ErrorEvent)
+        if isinstance(message, ErrorEvent):
+            errors.append(message)
+        else:
+            deltas.extend(message.deltas)  # type: ignore[attr-defined]
 
     async def on_abort(msg):
         aborts.extend(AbortRequests.decode(msg.data).request_ids)
@@ -53,10 +58,11 @@ async def run_stream(nats_server, model, token_ids, stop, tokens_per_step=1):
             min((i + 1) * tokens_per_step, len(token_ids)),
             start,
         )
-        await nc.publish(svc.svc.subjects.detok(0), StepTokens("ex", [seq]).encode())
+        if i not in lost:
+            await nc.publish(svc.svc.subjects.detok(0), StepTokens("ex", [seq]).encode())
     await nc.flush()
     for _ in range(100):
-        if any(d.finish_reason for d in deltas):
+        if any(d.finish_reason for d in deltas) or errors:
             break
         await asyncio.sleep(0.02)
     await asyncio.sleep(0.05)
@@ -102,3 +108,18 @@ def test_stop_matcher_holds_back_partial_matches():
     assert m2.feed("xxab") == "xx"
     assert m2.flush() == "ab"
     assert StopMatcher([]).feed("anything") == "anything"
+
+
+async def test_a_lost_step_message_fails_the_stream_instead_of_losing_its_text(
+    nats_server, tiny_llama
+):
+    # Core NATS drops what was in flight on a server that died: the next step's token count
+    # shows the gap, and the client gets a retryable 503, not a 200 with text missing.
+    tok = Tokenizer.from_folder(tiny_llama)
+    ids = tok.encode("The quick brown fox jumps over the lazy dog.", add_special_tokens=False)
+    errors: list[ErrorEvent] = []
+    deltas, aborts = await run_stream(nats_server, tiny_llama, ids, [], lost={2}, errors=errors)
+    assert [(e.status, e.code) for e in errors] == [(503, "stream_gap")]
+    assert "retry" in errors[0].message
+    assert aborts == ["r1"]
+    assert len(deltas) == 2 and not any(d.finish_reason for d in deltas)

@@ -32,7 +32,7 @@ from common.wire.detokenizer import (
     WireTokenLogprob,
 )
 from common.wire.executor import AbortRequests
-from common.wire.gateway import TextDelta, TextDeltas, TextLogprob, Usage
+from common.wire.gateway import ErrorEvent, TextDelta, TextDeltas, TextLogprob, Usage
 from gpu.gguf import resolve_model_path
 from services.detokenizer.stops import StopMatcher
 
@@ -107,6 +107,7 @@ class DetokenizerService:
         out: dict[str, list[TextDelta]] = defaultdict(list)
         stopped: list[str] = []
         unknown: list[str] = []
+        gapped: list[tuple[str, Stream]] = []
         for seq in step.seqs:
             stream = self.stream_for(seq, (step.executor_id, step.incarnation))
             if stream is None:
@@ -116,6 +117,11 @@ class DetokenizerService:
             if seq.continues_on is not None:
                 # Disaggregated: the prefill executor hands the stream to the decode one.
                 stream.source = seq.continues_on
+            if len(stream.token_ids) + len(seq.token_ids) != seq.output_tokens:
+                # A step message before this one never came (core NATS drops what was in
+                # flight on a server that died): the text would silently miss its tokens.
+                gapped.append((seq.request_id, stream))
+                continue
             delta = self.advance(stream, seq)
             if delta is None:
                 continue
@@ -128,6 +134,8 @@ class DetokenizerService:
             await self.svc.publish(
                 self.svc.subjects.abort, AbortRequests(stopped, reason="stop string")
             )
+        if gapped:
+            await self.fail_gapped(gapped)
         if unknown:
             # Its start (and the text so far) went with a detokenizer that restarted: the
             # stream cannot go on correctly, so it fails clearly instead of hanging.
@@ -141,6 +149,24 @@ class DetokenizerService:
                     error="The stream was interrupted (a detokenizer restarted); retry.",
                 ),
             )
+
+    async def fail_gapped(self, streams: list[tuple[str, Stream]]) -> None:
+        """Streams that lost tokens on the way end with a retryable 503 (the gateway's own
+        check on text deltas uses the same code), and their executors stop them."""
+        rids = [rid for rid, _ in streams]
+        log.warning("detokenizer: %d streams lost tokens on the way: %s", len(rids), rids)
+        for rid, stream in streams:
+            self.end(rid, "error")
+            error = ErrorEvent(
+                rid,
+                503,
+                "The stream lost part of its tokens on the way (a message-bus server failed); "
+                "retry the request.",
+                "server_error",
+                "stream_gap",
+            )
+            await self.svc.publish(stream.reply_to, error)
+        await self.svc.publish(self.svc.subjects.abort, AbortRequests(rids, reason="stream gap"))
 
     def never_seen(self, seq: SeqTokens) -> bool:
         """Tokens of a stream this shard has no record of at all (not ended, not moved)."""
