@@ -42,7 +42,9 @@ from gpu.cpu_kernels.prepared import (
 )
 from gpu.formats import check_quantization
 from gpu.quant import (
+    QK,
     BlockWeight,
+    block_columns,
     dequantize_block_rows,
     fake_quantize_blocks,
     fp8_matmul_supported,
@@ -221,9 +223,12 @@ class Int8Linear(Linear):
         bias: torch.Tensor | None = None,
         kernels: CpuKernels | None = None,
         dtype: torch.dtype = torch.float32,
+        k_range: tuple[int, int] | None = None,
     ) -> None:
-        super().__init__(int(weight.shape[1]), int(weight.shape[0]))
         q, scale = quantize_int8(weight)
+        if k_range is not None:  # a row-parallel shard: the whole row's scale, its columns
+            q = q[:, k_range[0] : k_range[1]].contiguous()
+        super().__init__(int(q.shape[1]), int(q.shape[0]))
         device = weight.device
         self.kernels = kernels if device.type == "cpu" else None
         # The CPU kernel reads rows padded to whole blocks of 32; everything else [N, K].
@@ -342,14 +347,21 @@ class Fp8Linear(Linear):
     scale: torch.Tensor  # [1, N]
     bias: torch.Tensor | None
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        super().__init__(int(weight.shape[1]), int(weight.shape[0]))
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        k_range: tuple[int, int] | None = None,
+    ) -> None:
         q, scale = quantize_fp8(weight)
+        if k_range is not None:  # a row-parallel shard: the whole row's scale, its columns
+            q = q[:, k_range[0] : k_range[1]].contiguous()
+        super().__init__(int(q.shape[1]), int(q.shape[0]))
         self.register_buffer("qweight", q)
         self.register_buffer("scale", scale.view(1, -1).contiguous())
         self.register_buffer("bias", bias)
         # cuBLASLt's fp8 GEMM needs K and N in multiples of 16; other shapes dequantize.
-        self.scaled_mm = weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0
+        self.scaled_mm = q.shape[0] % 16 == 0 and q.shape[1] % 16 == 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
@@ -381,9 +393,15 @@ def make_linear(
     kernels: CpuKernels | None = None,
     dtype: torch.dtype = torch.float32,
     lm_head: bool = False,
+    k_range: tuple[int, int] | None = None,
 ) -> Linear:
     """The layer for ``weight`` ``[N, K]`` (already on its device) in the chosen format
     (``lm_head``: the model's output layer, which ``int4`` keeps at 8 bits).
+
+    ``k_range``: keep only inputs ``[start, stop)`` (a tensor-parallel rank's share of a
+    row-parallel layer, ``gpu.parallel``); formats with per-row scales compute them over the
+    whole row first, block formats split on their 32-weight blocks, so the rank multiplies by
+    exactly the values of the unsplit layer.
 
     ``dtype`` is the activations' (and, for ``none``, the weight's) dtype; quantized formats
     take ``weight`` in any float dtype and quantize it from fp32. A ``BlockWeight`` (GGUF
@@ -391,12 +409,20 @@ def make_linear(
     other format dequantizes it first.
     """
     check_quantization(quantization)
+    if k_range is not None and bias is not None:
+        raise ModelError("a row-parallel layer cannot take a bias (every rank would add it)")
     if isinstance(weight, BlockWeight):
         if quantization in ("gguf", "auto"):
+            if k_range is not None:
+                weight = block_columns(weight, *k_range)
             # The block kernels, or (no compiler) the same math in torch (CausalLM dequantizes
             # blocks for other devices and dtypes).
             return BlockLinear(weight, bias, kernels)
         weight = weight.dequantize()
+    if k_range is not None and quantization not in ("int8", "fp8"):
+        if quantization == "int4" and k_range[0] % QK:
+            raise ModelError(f"int4 blocks of {QK} cannot split at input {k_range[0]}")
+        weight, k_range = weight[:, k_range[0] : k_range[1]].contiguous(), None
     if quantization == "int4":
         quantize = quantize_q8_0 if lm_head else quantize_q4_1
         qtype = "Q8_0" if lm_head else "Q4_1"
@@ -406,13 +432,13 @@ def make_linear(
         dense = blocks.dequantize().to(weight.device, dtype)
         return DenseLinear(dense, None if bias is None else bias.to(dtype), kernels)
     if quantization == "int8":
-        return Int8Linear(weight, bias, kernels, dtype)
+        return Int8Linear(weight, bias, kernels, dtype, k_range)
     if quantization == "fp8":
         if not fp8_matmul_supported(weight.device):
             raise ModelError(
                 "fp8 weights need an fp8 GPU (compute capability >= 8.9, e.g. Hopper) or the CPU"
             )
-        return Fp8Linear(weight, None if bias is None else bias.to(dtype))
+        return Fp8Linear(weight, None if bias is None else bias.to(dtype), k_range)
     return DenseLinear(weight.to(dtype), None if bias is None else bias.to(dtype), kernels)
 
 

@@ -22,6 +22,7 @@ from gpu.cpu_kernels import load as load_cpu_kernels
 from gpu.formats import check_quantization
 from gpu.gguf.blocks import gguf_source, read_block_weights
 from gpu.model import CausalLM, expected_shapes
+from gpu.parallel.group import TensorParallel
 from gpu.quant import BlockWeight
 
 
@@ -70,6 +71,7 @@ def load_model(
     progress: bool = True,
     quantization: str = "none",
     cpu_kernels: bool = True,
+    tp: TensorParallel | None = None,
 ) -> CausalLM:
     """fp32 on CPU (bf16 matmul is ~500x slower on these CPUs), bf16 on CUDA unless given.
 
@@ -79,6 +81,7 @@ def load_model(
     CPU where the kernels run, else ``none`` (the flags' default; this function's is ``none``,
     the reference the tests compare with). ``cpu_kernels`` uses the fused kernels of
     ``gpu.cpu_kernels`` on CPU where they build (False: plain torch ops, the reference).
+    ``tp``: build this rank's share of a tensor-parallel replica (``gpu.parallel``).
     """
     check_quantization(quantization)
     folder = Path(folder)
@@ -105,7 +108,7 @@ def load_model(
         load_weights(folder, config, progress, frozenset(blocks))
     )
     weights.update(blocks)
-    model = CausalLM(config, weights, device, dtype, quantization, kernels)
+    model = CausalLM(config, weights, device, dtype, quantization, kernels, tp)
     del weights, blocks
     release_freed_memory()
     return model

@@ -31,6 +31,8 @@ from gpu.cpu_kernels import CpuKernels, FusedDecoder
 from gpu.cpu_kernels.decoder import DecoderShape, LayerWeights
 from gpu.linear import Linear, make_linear
 from gpu.ops import RopeStep, TorchOps, make_ops
+from gpu.parallel.group import TensorParallel
+from gpu.parallel.shard import shard_config, shard_weights
 from gpu.quant import BlockWeight
 from gpu.rope import RotaryEmbedding
 
@@ -66,20 +68,32 @@ class DecoderLayer(nn.Module):
         prefix: str,
         linear: Callable[..., Linear],
         ops: TorchOps,
+        tp: TensorParallel | None = None,
     ) -> None:
+        """``config``: this rank's shapes (``gpu.parallel.shard_config``); with ``tp``, ``w``
+        holds this rank's q/k/v and gate/up rows and the whole o_proj and down_proj, of
+        which the layer keeps its share of input columns."""
         super().__init__()
         attn, mlp = f"{prefix}.self_attn", f"{prefix}.mlp"
+        o_cols = down_cols = None
+        if tp is not None:
+            q0 = tp.rank * config.q_size
+            o_cols, down_cols = (
+                (q0, q0 + config.q_size),
+                tp.shard.part(tp.world * config.intermediate_size),
+            )
+        self.tp = tp
         qkv_bias = None
         if config.qkv_bias:
             qkv_bias = torch.cat([dense(w[f"{attn}.{n}_proj.bias"]) for n in ("q", "k", "v")])
         self.qkv_proj = linear(
             stacked([w[f"{attn}.{n}_proj.weight"] for n in ("q", "k", "v")]), qkv_bias
         )
-        self.o_proj = linear(w[f"{attn}.o_proj.weight"])
+        self.o_proj = linear(w[f"{attn}.o_proj.weight"], k_range=o_cols)
         self.gate_up_proj = linear(
             stacked([w[f"{mlp}.gate_proj.weight"], w[f"{mlp}.up_proj.weight"]])
         )
-        self.down_proj = linear(w[f"{mlp}.down_proj.weight"])
+        self.down_proj = linear(w[f"{mlp}.down_proj.weight"], k_range=down_cols)
         self.input_norm = owned(w[f"{prefix}.input_layernorm.weight"])
         self.post_attn_norm = owned(w[f"{prefix}.post_attention_layernorm.weight"])
         self.ops = ops
@@ -118,8 +132,12 @@ class DecoderLayer(nn.Module):
         q, k, v = torch.split_with_sizes(qkv.view(t, -1, d), self.head_split, dim=1)
         attn = backend.attend(q, k, v, kv_cache)
         attn_out = self.o_proj(attn.reshape(t, self.q_size))
+        if self.tp is not None:
+            self.tp.all_reduce_(attn_out)
         x = ops.add_rms_norm(hidden, attn_out, self.post_attn_norm, self.eps)
         out: torch.Tensor = self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
+        if self.tp is not None:
+            self.tp.all_reduce_(out)
         return out
 
     def fused_weights(self) -> LayerWeights | None:
@@ -139,6 +157,10 @@ class CausalLM(nn.Module):
     every linear layer, the LM head included (``weights`` may hold GGUF blocks,
     ``gpu.quant.BlockWeight``, which ``gguf`` keeps as they are); ``kernels`` (CPU only)
     switches the decoder's small ops and matmuls to the fused kernels of ``gpu.cpu_kernels``.
+    ``tp`` (``gpu.parallel``): this model is one rank's share of a tensor-parallel replica
+    (its heads, its slice of each MLP and of the vocabulary; one all-reduce after each
+    row-parallel layer, the logits gathered on rank 0); ``config`` stays the whole model's
+    and ``local_config`` has this rank's shapes (its KV pool and attention use those).
     With kernels, a step whose tokens are all decodes runs every layer in one C call
     (``FusedDecoder``; same bits, no per-op Python); ``fuse_decode = False`` keeps the per-op
     path (tests, benchmarks).
@@ -154,9 +176,17 @@ class CausalLM(nn.Module):
         dtype: torch.dtype = torch.float32,
         quantization: str = "none",
         kernels: CpuKernels | None = None,
+        tp: TensorParallel | None = None,
     ) -> None:
         super().__init__()
         check_weights(config, weights)
+        if tp is not None and tp.world == 1:
+            tp = None
+        self.tp = tp
+        self.local_config = config if tp is None else shard_config(config, tp.world)
+        if tp is not None:
+            weights = shard_weights(config, weights, tp.shard)
+            self.vocab_start = tp.shard.vocab_range(config.vocab_size)[0]
         device = torch.device(device)
         if device.type != "cpu":
             kernels = None
@@ -178,7 +208,7 @@ class CausalLM(nn.Module):
         if not config.tie_word_embeddings:
             self.embed_tokens = owned(w.pop("model.embed_tokens.weight"))
         self.layers = nn.ModuleList(
-            DecoderLayer(config, w, f"model.layers.{i}", linear, self.ops)
+            DecoderLayer(self.local_config, w, f"model.layers.{i}", linear, self.ops, tp)
             for i in range(config.num_hidden_layers)
         )
         head = w["model.embed_tokens.weight"] if config.tie_word_embeddings else w["lm_head.weight"]
@@ -198,13 +228,14 @@ class CausalLM(nn.Module):
         if not self._fused_built:
             self._fused_built = True
             layers = [cast(DecoderLayer, layer).fused_weights() for layer in self.layers]
-            c = self.config
+            c = self.local_config
             if self.kernels is not None and self.dtype == torch.float32 and all(layers):
                 shape = DecoderShape(
                     c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
                     c.intermediate_size, c.rms_norm_eps,
                 )  # fmt: skip
-                self._fused = self.kernels.fused_decoder(shape, [w for w in layers if w])
+                hook = 0 if self.tp is None else self.tp.reduce_hook()
+                self._fused = self.kernels.fused_decoder(shape, [w for w in layers if w], hook)
         return self._fused
 
     @property
@@ -217,9 +248,19 @@ class CausalLM(nn.Module):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``[T]`` token ids -> ``[T, H]`` embeddings in the model dtype."""
+        if self.tp is not None:  # this rank's vocabulary rows; the others' add in
+            local = input_ids - self.vocab_start
+            held = (local >= 0) & (local < self.lm_head.out_features)
+            rows = self._rows(local.clamp(0, self.lm_head.out_features - 1))
+            rows = rows * held.unsqueeze(1).to(rows.dtype)
+            self.tp.all_reduce_(rows)
+            return rows
+        return self._rows(input_ids)
+
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
         if self.embed_tokens is not None:
-            return F.embedding(input_ids, self.embed_tokens)
-        return self.lm_head.rows(input_ids).to(self.dtype)
+            return F.embedding(ids, self.embed_tokens)
+        return self.lm_head.rows(ids).to(self.dtype).contiguous()
 
     def forward(
         self,
@@ -240,6 +281,8 @@ class CausalLM(nn.Module):
         delta: torch.Tensor | None = None
         if fused is not None and decodes is not None and rope.cos.dim() == 2:
             delta = fused(hidden, rope.positions, rope.cos, rope.sin, decodes, kv_layers)
+            if self.tp is not None:
+                self.tp.check_fused()
         else:
             for layer, kv_cache in zip(self.layers, kv_layers, strict=True):
                 delta = layer(hidden, delta, rope, backend, kv_cache)
@@ -248,6 +291,9 @@ class CausalLM(nn.Module):
             delta = None if delta is None else delta[logits_indices]
         hidden = self.ops.add_rms_norm(hidden, delta, self.norm, self.config.rms_norm_eps)
         logits: torch.Tensor = self.lm_head(hidden).float()
+        if self.tp is not None:
+            gathered = self.tp.gather_vocab(logits, self.config.vocab_size)
+            return logits[:, :0] if gathered is None else gathered  # ranks > 0: no logits
         return logits
 
 

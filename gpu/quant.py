@@ -248,6 +248,10 @@ class BlockWeight:
     def dequantize(self) -> torch.Tensor:
         return dequantize_block_rows(self.qtype, self.rows, self.k)
 
+    def row_slice(self, start: int, stop: int) -> BlockWeight:
+        """Output rows ``[start, stop)``."""
+        return BlockWeight(self.qtype, self.rows[start:stop].contiguous(), self.k)
+
     @staticmethod
     def cat(parts: list[BlockWeight]) -> BlockWeight | None:
         """The parts stacked along ``n`` (q/k/v, gate/up), or None where their types or
@@ -256,3 +260,15 @@ class BlockWeight:
         if any(p.qtype != first.qtype or p.k != first.k for p in parts):
             return None
         return BlockWeight(first.qtype, torch.cat([p.rows for p in parts]), first.k)
+
+
+def block_columns(weight: BlockWeight, start: int, stop: int) -> BlockWeight:
+    """Inputs ``[start, stop)`` of a block weight: the split must fall on its blocks of 32
+    (``stop`` may be the weight's end)."""
+    if start % QK or (stop % QK and stop != weight.k) or not 0 <= start < stop <= weight.k:
+        raise ModelError(
+            f"cannot split {weight.qtype} blocks of {QK} weights at inputs {start}..{stop}"
+        )
+    per = BLOCK_BYTES[weight.qtype]
+    b0, b1 = start // QK, -(-stop // QK)
+    return BlockWeight(weight.qtype, weight.rows[:, b0 * per : b1 * per].contiguous(), stop - start)

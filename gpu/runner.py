@@ -18,6 +18,8 @@ from gpu.config import ModelConfig, ModelError
 from gpu.cpu_kernels import CpuKernels
 from gpu.kv_cache import KVCache, KVCacheSpec
 from gpu.model import CausalLM
+from gpu.parallel.launch import RankGroup
+from gpu.parallel.step import pack_step
 from gpu.quant import FP8
 
 
@@ -42,11 +44,17 @@ class ModelRunner:
         page_size: int = 16,
         backend: AttentionBackend | None = None,
         kv_dtype: torch.dtype | None = None,
+        peers: RankGroup | None = None,
     ) -> None:
+        """``peers``: the other ranks of a tensor-parallel replica (``model`` is rank 0's
+        shard): each step is broadcast to them before it runs here."""
         self.model = model
         self.config = model.config
         self.device = model.device
-        spec = KVCacheSpec.for_model(model.config, num_pages, page_size, kv_dtype or model.dtype)
+        self.peers = peers
+        # This rank's heads: a tensor-parallel shard's pool holds only its KV heads.
+        local = model.local_config
+        spec = KVCacheSpec.for_model(local, num_pages, page_size, kv_dtype or model.dtype)
         self.kv = KVCache(spec, self.device)
         # The fused decode-attention kernel reads fp32 queries and an fp32 cache.
         fp32 = model.dtype == torch.float32 and spec.dtype == torch.float32
@@ -54,9 +62,15 @@ class ModelRunner:
         if backend is None and spec.dtype == FP8:
             # FlashInfer here attends over fp16/bf16 pages only; fp8 pages take the torch
             # backend (converted on append and gather) on any device.
-            c = model.config
-            backend = TorchPagedAttention(c.num_attention_heads, c.num_key_value_heads, c.head_dim)
-        self.backend = backend or make_backend(model.config, self.device, kernels)
+            backend = TorchPagedAttention(
+                local.num_attention_heads, local.num_key_value_heads, local.head_dim
+            )
+        self.backend = backend or make_backend(local, self.device, kernels)
+
+    def close(self) -> None:
+        """Stop the other ranks of a tensor-parallel replica (nothing on one device)."""
+        if self.peers is not None:
+            self.peers.close()
 
     @property
     def page_size(self) -> int:
@@ -117,6 +131,8 @@ class ModelRunner:
         all_logits: bool = False,
         logits_indices: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if self.peers is not None:
+            self.peers.send_step(pack_step(input_ids, meta, all_logits, logits_indices))
         if self.device.type != "cpu":
             meta = meta.to(self.device)
             input_ids = input_ids.to(self.device, non_blocking=True)

@@ -77,6 +77,8 @@ class MeshHarness:
     # Disaggregated: one role per executor (``--role``), e.g. ("prefill", "decode"); their ids
     # are then prefill-0, decode-0, ... as under ``meshserve up``.
     roles: tuple[str, ...] = ()
+    # Tensor-parallel size of each executor (``--tensor-parallel-size``); () is 1 for all.
+    tensor_parallel: tuple[int, ...] = ()
     kv_cache_tokens: int = 4096
     page_size: int = 16
     max_num_seqs: int = 64
@@ -159,6 +161,7 @@ class MeshHarness:
                 max_num_seqs=self.max_num_seqs,
                 speculator=self.speculator,
                 num_speculative_tokens=self.num_speculative_tokens,
+                tensor_parallel_size=self.tensor_parallel[i] if self.tensor_parallel else 1,
             )
             ex = ExecutorService(config, build_engine(config))
             self.executor_services.append(ex)

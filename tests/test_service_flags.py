@@ -96,6 +96,8 @@ SERVICES: dict[str, list[Row]] = {
         ("--quantization", "MESHSERVE_QUANTIZATION", "int8"),
         ("--kv-cache-dtype", "MESHSERVE_KV_CACHE_DTYPE", "fp8"),
         ("--engine-nice", "MESHSERVE_ENGINE_NICE", "0"),
+        ("--tensor-parallel-size", "MESHSERVE_TENSOR_PARALLEL_SIZE", "2"),
+        ("--tensor-parallel-timeout", "MESHSERVE_TENSOR_PARALLEL_TIMEOUT", "5"),
         ("--role", "MESHSERVE_ROLE", "decode"),
         ("--kv-transfer-timeout", "MESHSERVE_KV_TRANSFER_TIMEOUT", "5"),
     ],

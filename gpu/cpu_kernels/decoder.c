@@ -14,7 +14,12 @@
  * hidden [T, H] is the residual stream (embeddings in, updated in place); the last layer's MLP
  * output goes to delta [T, H], for the final norm to add in. scratch holds
  * T * (2H + QKV + Hq*D + 3I) floats.
+ *
+ * `reduce` (NULL on one device) is a tensor-parallel rank's all-reduce: called in place on the
+ * attention output and on the MLP output of each layer, the two partial sums of its
+ * row-parallel o_proj and down_proj (gpu/parallel).
  */
+typedef void (*reduce_fn)(float* data, i64 n);
 enum {
     F_IN_NORM, F_POST_NORM,
     F_QKV, F_O = F_QKV + 4, F_GATE_UP = F_O + 4, F_DOWN = F_GATE_UP + 4,
@@ -37,7 +42,7 @@ void decode_layers(const i64* table, const i64* kv, i64 nlayers, float* hidden, 
                    const i64* positions, const float* cos_t, const float* sin_t,
                    const i64* rows, const i64* append_pages, const i64* append_offsets,
                    const int32_t* kv_indptr, const int32_t* kv_indices, const int32_t* last_len,
-                   i64 ps, float scale, float* scratch, int nthreads) {
+                   i64 ps, float scale, float* scratch, int nthreads, reduce_fn reduce) {
     const i64 QKV = (Hq + 2 * Hkv) * D, QD = Hq * D;
     float* x = scratch;              /* [T, H]: the normalised input of a matmul */
     float* qkv = x + T * H;          /* [T, QKV] */
@@ -56,10 +61,12 @@ void decode_layers(const i64* table, const i64* kv, i64 nlayers, float* hidden, 
                                cache, append_pages, append_offsets, kv_indptr, kv_indices,
                                last_len, Hq, Hkv, D, ps, scale, nthreads);
         table_linear(f + F_O, attn, T, QD, H, o, nthreads);
+        if (reduce) reduce(o, T * H);
         rms_norm(hidden, o, T, H, (const float*)(intptr_t)f[F_POST_NORM], eps, x, nthreads);
         table_linear(f + F_GATE_UP, x, T, H, 2 * I, gu, nthreads);
         silu_mul(gu, T, I, act, nthreads);
         table_linear(f + F_DOWN, act, T, I, H, delta, nthreads);
+        if (reduce) reduce(delta, T * H);
         d = delta;
     }
 }

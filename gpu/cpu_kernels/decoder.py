@@ -45,8 +45,15 @@ class DecoderShape:
 
 class FusedDecoder:
     def __init__(
-        self, fn: Callable[..., None], shape: DecoderShape, layers: Sequence[LayerWeights]
+        self,
+        fn: Callable[..., None],
+        shape: DecoderShape,
+        layers: Sequence[LayerWeights],
+        reduce_hook: int = 0,
     ) -> None:
+        """``reduce_hook``: the address of a tensor-parallel rank's in-place all-reduce,
+        ``void(float*, int64)`` (``gpu.parallel.TensorParallel.reduce_hook``), called after
+        each layer's o_proj and down_proj; 0 on one device."""
         h, d, i = shape.hidden, shape.head_dim, shape.intermediate
         qkv = (shape.num_heads + 2 * shape.num_kv_heads) * d
         qd = shape.num_heads * d
@@ -64,6 +71,7 @@ class FusedDecoder:
                 row.extend(lin.table_entry())
             rows.append(row)
         self._fn = fn
+        self._reduce = reduce_hook or None
         self.shape = shape
         self.layers = tuple(layers)  # keeps every pointer in the table valid
         self._table = torch.tensor(rows, dtype=torch.int64).reshape(len(rows), LAYER_FIELDS)
@@ -129,6 +137,6 @@ class FusedDecoder:
             delta.data_ptr(), t, s.hidden, s.num_heads, s.num_kv_heads, s.head_dim,
             s.intermediate, s.eps, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), rows,
             pages, offsets, indptr, indices, last, page_size, attention.scale, scratch.data_ptr(),
-            torch.get_num_threads(),
+            torch.get_num_threads(), self._reduce,
         )  # fmt: skip
         return delta

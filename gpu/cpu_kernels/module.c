@@ -104,13 +104,13 @@ static PyObject* py_paged_decode_attention(PyObject* self, PyObject* const* args
 }
 
 static PyObject* py_decode_layers(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
-    Arg a[25];
-    if (parse(args, nargs, "PPIPPIIIIIIFPPPPPPPPPIFPI", a) < 0) return NULL;
+    Arg a[26];
+    if (parse(args, nargs, "PPIPPIIIIIIFPPPPPPPPPIFPIP", a) < 0) return NULL;
     Py_BEGIN_ALLOW_THREADS
     decode_layers(a[0].p, a[1].p, a[2].i, a[3].p, a[4].p, a[5].i, a[6].i, a[7].i, a[8].i,
                   a[9].i, a[10].i, (float)a[11].f, a[12].p, a[13].p, a[14].p, a[15].p, a[16].p,
                   a[17].p, a[18].p, a[19].p, a[20].p, a[21].i, (float)a[22].f, a[23].p,
-                  (int)a[24].i);
+                  (int)a[24].i, (reduce_fn)a[25].p);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }

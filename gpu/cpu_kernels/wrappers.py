@@ -104,9 +104,11 @@ class CpuKernels:
             last_page_len, scale,
         )  # fmt: skip
 
-    def fused_decoder(self, shape: DecoderShape, layers: Sequence[LayerWeights]) -> FusedDecoder:
+    def fused_decoder(
+        self, shape: DecoderShape, layers: Sequence[LayerWeights], reduce_hook: int = 0
+    ) -> FusedDecoder:
         """Every decoder layer of an all-decode step in one call (see ``decoder.py``)."""
-        return FusedDecoder(self._decode_layers, shape, layers)
+        return FusedDecoder(self._decode_layers, shape, layers, reduce_hook)
 
     def rms_norm(
         self,

@@ -52,6 +52,17 @@ class ExecutorConfig:
         10, "niceness added to the engine's threads (0..19; 0 for dedicated cores)"
     )
 
+    tensor_parallel_size: int = setting(
+        1,
+        "ranks (processes, one device each) one model replica is split across: heads, MLP "
+        "and vocabulary (Megatron-style; gloo on CPU, NCCL on CUDA)",
+    )
+    tensor_parallel_timeout_s: float = setting(
+        30.0,
+        "seconds a rank waits in a collective for the others before the group counts as lost",
+        flag="--tensor-parallel-timeout",
+    )
+
     role: str = setting(
         "mixed",
         "mixed: prefill and decode; prefill: compute prompts and write their KV to decode "
@@ -68,6 +79,11 @@ class ExecutorConfig:
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size must be >= 1")
+        if self.tensor_parallel_timeout_s <= 0:
+            raise ValueError("tensor_parallel_timeout_s must be > 0")
+
         if self.kv_transfer_timeout_s <= 0:
             raise ValueError("kv_transfer_timeout_s must be > 0")
         if self.quantization not in QUANTIZATIONS:

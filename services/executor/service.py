@@ -45,10 +45,10 @@ from common.wire.gateway import ErrorEvent
 from common.wire.scheduler import Heartbeat
 from gpu.engine import Engine, EngineConfig, StepOutput
 from gpu.gguf import resolve_model_path
-from gpu.loader import load_model, release_freed_memory
+from gpu.loader import release_freed_memory
+from gpu.parallel.group import ParallelGroupLost
 from gpu.proposers import NgramProposer
-from gpu.quant import kv_cache_dtype
-from gpu.runner import ModelRunner
+from gpu.replica import build_runner
 from gpu.sequence import Sequence
 from services.executor.config import ExecutorConfig
 from services.executor.decode_side import DecodeSide
@@ -107,6 +107,7 @@ class ExecutorService:
         self.wake = asyncio.Event()
         self.worker = worker or engine_thread(config.engine_nice)
         self.draining = False
+        self.broken = False  # the tensor-parallel group lost a rank: nothing runs here again
         self.incarnation = uuid.uuid4().hex[:12]
         self.load = (0, 0, engine.pages.num_free, 0)  # running, waiting, free pages, pending
         self.kv_events = KVEventPublisher(self.svc, config.executor_id)
@@ -267,6 +268,8 @@ class ExecutorService:
         return max(1, seq.num_pending - self.cached_prefix_tokens(req))
 
     async def heartbeat(self) -> None:
+        if self.broken:
+            return  # silence: the scheduler counts this executor lost and moves its work
         self.ended.prune()  # here for want of a sweep: it runs a few times a second anyway
         running, waiting, free_pages, pending = self.load
         await self.svc.publish(
@@ -313,10 +316,23 @@ class ExecutorService:
             if self.remote is not None:
                 await self.propose_drafts(self.remote)
             started_ns = time.time_ns()
-            outputs = await loop.run_in_executor(self.worker, self.engine.step)
+            try:
+                outputs = await loop.run_in_executor(self.worker, self.engine.step)
+            except ParallelGroupLost as exc:
+                await self.lose_group(exc)
+                return
             self.timelines.stepped(started_ns, time.time_ns(), outputs, self.admitted)
             self.kv_events.add(self.engine.drain_kv_events())
             await self.publish_outputs(outputs)
+
+    async def lose_group(self, exc: ParallelGroupLost) -> None:
+        """A rank of this executor's tensor-parallel group died: no step can run again here.
+        The executor stops heartbeating and leaves the mesh at once, so the scheduler moves
+        its requests to other executors (or fails them clearly) within its heartbeat
+        timeout; waiting out a drain would only hold them longer."""
+        log.error("executor: tensor-parallel group lost (%s); leaving the mesh", exc)
+        self.broken = True
+        self.svc.shutdown_requested.set()
 
     async def propose_drafts(self, remote: RemoteProposer) -> None:
         """Drafts for the coming step from the speculator (see ``speculation.py``); the engine
@@ -528,6 +544,7 @@ class ExecutorService:
         await self.svc.close()
         if self.transport is not None:
             self.transport.close()
+        await asyncio.get_running_loop().run_in_executor(self.worker, self.engine.runner.close)
 
 
 def engine_thread(nice: int = 0) -> ThreadPoolExecutor:
@@ -550,14 +567,19 @@ def _lower_priority(nice: int) -> None:
 
 
 def build_engine(config: ExecutorConfig) -> Engine:
+    if config.tensor_parallel_size > 1 and config.role != "mixed":
+        # KV handoff registers one pool with NIXL; a split replica has one per rank.
+        raise ValueError("tensor parallelism runs on mixed executors only (--role mixed)")
     folder = resolve_model_path(config.model)
-    device = torch.device(config.device)
-    model = load_model(folder, device=device, quantization=config.quantization)
-    runner = ModelRunner(
-        model,
+    runner = build_runner(
+        folder,
+        torch.device(config.device),
+        config.quantization,
         num_pages=config.num_pages,
         page_size=config.page_size,
-        kv_dtype=kv_cache_dtype(config.kv_cache_dtype, model.dtype),
+        kv_cache=config.kv_cache_dtype,
+        tensor_parallel_size=config.tensor_parallel_size,
+        timeout_s=config.tensor_parallel_timeout_s,
     )
     engine_config = EngineConfig(
         max_num_batched_tokens=config.max_num_batched_tokens,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from services.launcher.flags import add_model_format_args
+from services.launcher.flags import add_model_format_args, add_tensor_parallel_arg
 from services.launcher.up import add_up
 from tools.distill.cli import add_distill
 
@@ -21,6 +21,7 @@ def add_generate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
     add_model_format_args(p)
+    add_tensor_parallel_arg(p)
     p.set_defaults(func=run_generate)
 
 
@@ -31,9 +32,7 @@ def run_generate(args: argparse.Namespace) -> int:
     from common.tokenizer import Tokenizer
     from gpu.engine import Engine
     from gpu.gguf import resolve_model_path
-    from gpu.loader import load_model
-    from gpu.quant import kv_cache_dtype
-    from gpu.runner import ModelRunner
+    from gpu.replica import build_runner
     from gpu.sampling import SamplingParams
 
     folder = resolve_model_path(args.model)
@@ -45,14 +44,18 @@ def run_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, seed=args.seed, max_tokens=args.max_tokens
     )
-    model = load_model(folder, quantization=args.quantization)
-    runner = ModelRunner(
-        model,
+    runner = build_runner(
+        folder,
+        quantization=args.quantization,
         num_pages=-(-(len(prompt) + args.max_tokens) // 16),
-        kv_dtype=kv_cache_dtype(args.kv_cache_dtype, model.dtype),
+        kv_cache=args.kv_cache_dtype,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
-    engine = Engine(runner, eos_token_ids=tokenizer.eos_token_ids)
-    output = engine.generate([prompt], params)[0]
+    try:
+        engine = Engine(runner, eos_token_ids=tokenizer.eos_token_ids)
+        output = engine.generate([prompt], params)[0]
+    finally:
+        runner.close()
     print(tokenizer.decode(output))
     return 0
 

@@ -23,3 +23,14 @@ def add_model_format_args(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="KV cache storage (auto: the model's dtype)",
     )
+
+
+def add_tensor_parallel_arg(p: argparse.ArgumentParser) -> None:
+    """``--tensor-parallel-size`` (``generate`` and ``up``: each executor's replica)."""
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="split each model replica across N ranks, one device each (heads, MLP and "
+        "vocabulary; gloo on CPU, NCCL on CUDA); the head counts must divide",
+    )

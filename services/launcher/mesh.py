@@ -157,7 +157,8 @@ class LocalMesh:
                 "--device", a.device,
                 "--page-size", str(a.page_size),
             )  # fmt: skip
-        for name, role in self.executor_roles:
+        tp = a.tensor_parallel_size
+        for i, (name, role) in enumerate(self.executor_roles):
             self.spawn(
                 name,
                 "services.executor",
@@ -166,7 +167,8 @@ class LocalMesh:
                 "--instance-id", name,
                 "--role", role,
                 "--kv-transfer-timeout", str(a.kv_transfer_timeout),
-                "--device", a.device,
+                "--device", executor_device(a.device, i, tp),
+                "--tensor-parallel-size", str(tp),
                 "--kv-cache-tokens", str(a.kv_cache_tokens),
                 "--max-num-seqs", str(a.max_num_seqs),
                 "--max-num-batched-tokens", str(a.max_num_batched_tokens),
@@ -247,3 +249,12 @@ class LocalMesh:
                 proc.wait()
         if self.nats is not None:
             self.nats.stop()
+
+
+def executor_device(device: str, index: int, tensor_parallel_size: int) -> str:
+    """Executor ``index``'s first device: on CUDA with tensor parallelism each executor's
+    ranks take the next ``tensor_parallel_size`` GPUs (executor 1 of TP=2 starts at cuda:2)."""
+    if tensor_parallel_size == 1 or not device.startswith("cuda"):
+        return device
+    base = int(device.split(":")[1]) if ":" in device else 0
+    return f"cuda:{base + index * tensor_parallel_size}"

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from gpu.cache_dir import cache_root
 from services.launcher.console import LEVELS, ReadyReport, ServiceLogs
-from services.launcher.flags import add_model_format_args
+from services.launcher.flags import add_model_format_args, add_tensor_parallel_arg
 from services.launcher.mesh import LocalMesh, resolve_model
 from services.launcher.supervisor import DeferredInterrupt, RestartPolicy
 from services.scheduler.router import POLICIES
@@ -79,6 +79,7 @@ def add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p.add_argument("--num-speculative-tokens", type=int, default=4, help="draft tokens, k")
     add_model_format_args(p)  # --quantization, --kv-cache-dtype (passed on to each executor)
+    add_tensor_parallel_arg(p)
     p.add_argument("--ready-timeout", type=float, default=600)
     p.add_argument(
         "--log-dir",

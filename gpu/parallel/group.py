@@ -1,0 +1,163 @@
+"""One rank's collectives in a tensor-parallel group: what the model calls during a step.
+
+The group is a ``torch.distributed`` process group built directly (a ``TCPStore`` on rank 0
+and a Gloo group on CPU, NCCL on CUDA), not the global default group: a process may hold
+more than one (tests run several engines in one interpreter), and nothing else in the
+process is touched.
+
+A collective that fails (a rank died: Gloo sees the connection close at once; a rank that
+hangs: after ``timeout_s``) raises ``ParallelGroupLost``; the group is unusable afterwards
+and its owner gives its requests up (the executor leaves the mesh: they migrate).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import datetime
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import TCPStore
+from torch.distributed import distributed_c10d as c10d
+
+from gpu.parallel.shard import Shard
+
+
+class ParallelGroupLost(RuntimeError):
+    """A rank of the tensor-parallel group died or stopped answering."""
+
+
+# void reduce(float* data, int64 n): the fused CPU decode step's all-reduce hook (decoder.c).
+REDUCE_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64)
+
+
+class TensorParallel:
+    def __init__(self, shard: Shard, group: Any, device: torch.device) -> None:
+        self.shard = shard
+        self.group = group
+        self.device = device
+        self.failed: BaseException | None = None
+        self.comm_ns = 0  # time spent in collectives since start (benchmarks read it)
+        self.num_collectives = 0
+        self._reduce_fn = REDUCE_FN(self._reduce_raw)
+
+    @property
+    def rank(self) -> int:
+        return self.shard.rank
+
+    @property
+    def world(self) -> int:
+        return self.shard.world
+
+    @classmethod
+    def connect(
+        cls,
+        shard: Shard,
+        port: int,
+        device: torch.device | str = "cpu",
+        timeout_s: float = 30.0,
+        host: str = "127.0.0.1",
+    ) -> TensorParallel:
+        """Join the group whose store rank 0 serves on ``host:port`` (rank 0 creates it);
+        returns once every rank has joined (or raises after ``timeout_s``)."""
+        device = torch.device(device)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        try:
+            store = TCPStore(host, port, shard.world, shard.rank == 0, timeout=timeout)
+            group: Any
+            if device.type == "cuda":
+                opts = c10d.ProcessGroupNCCL.Options()
+                opts._timeout = timeout
+                group = c10d.ProcessGroupNCCL(store, shard.rank, shard.world, opts)
+            else:
+                gloo = c10d.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+                gloo._timeout = timeout
+                gloo._devices = [c10d.ProcessGroupGloo.create_device(hostname=host)]
+                group = c10d.ProcessGroupGloo(store, shard.rank, shard.world, gloo)
+        except (RuntimeError, dist.DistError) as exc:
+            raise ParallelGroupLost(
+                f"tensor-parallel rank {shard.rank}: cannot join: {exc}"
+            ) from exc
+        return cls(shard, group, device)
+
+    def _run(self, what: str, work: dist.Work) -> None:
+        try:
+            work.wait()
+        except RuntimeError as exc:
+            self.failed = exc
+            raise ParallelGroupLost(
+                f"tensor-parallel {what} failed on rank {self.rank} of {self.world}: {exc}"
+            ) from exc
+
+    def _check(self) -> None:
+        if self.failed is not None:
+            raise ParallelGroupLost(f"tensor-parallel group lost earlier: {self.failed}")
+
+    def all_reduce_(self, tensor: torch.Tensor) -> None:
+        """Sum ``tensor`` over the ranks, in place (every rank gets the same bits)."""
+        self._check()
+        start = time.perf_counter_ns()
+        self._run("all-reduce", self.group.allreduce([tensor]))
+        self.comm_ns += time.perf_counter_ns() - start
+        self.num_collectives += 1
+
+    def broadcast_(self, tensor: torch.Tensor) -> None:
+        """Rank 0's ``tensor`` into every rank's (same shape and dtype)."""
+        self._check()
+        start = time.perf_counter_ns()
+        self._run("broadcast", self.group.broadcast(tensor, 0))
+        self.comm_ns += time.perf_counter_ns() - start
+        self.num_collectives += 1
+
+    def gather_vocab(self, local: torch.Tensor, vocab: int) -> torch.Tensor | None:
+        """Logits ``[T, shard]`` of each rank's vocabulary rows -> ``[T, vocab]`` on rank 0
+        (None elsewhere). Shards are ``ceil(vocab / world)`` wide; a short last one is
+        padded for the collective and the padding cut off."""
+        self._check()
+        per = -(-vocab // self.world)
+        if local.shape[1] < per:
+            local = torch.nn.functional.pad(local, (0, per - local.shape[1]))
+        local = local.contiguous()
+        start = time.perf_counter_ns()
+        if self.device.type == "cuda":  # NCCL: every rank gets them
+            parts = [torch.empty_like(local) for _ in range(self.world)]
+            self._run("all-gather", self.group.allgather([parts], [local]))
+        else:
+            opts = dist.GatherOptions()
+            opts.rootRank = 0
+            parts = [torch.empty_like(local) for _ in range(self.world)] if self.rank == 0 else []
+            self._run("gather", self.group.gather([parts] if parts else [], [local], opts))
+        self.comm_ns += time.perf_counter_ns() - start
+        self.num_collectives += 1
+        if self.rank != 0:
+            return None
+        return torch.cat(parts, dim=1)[:, :vocab]
+
+    def _reduce_raw(self, pointer: int, n: int) -> None:
+        # Called from C (the GIL taken by ctypes); an exception cannot cross back into C, so
+        # it is kept in ``failed`` and raised by ``check_fused`` once the C call returns.
+        if self.failed is not None:
+            return
+        try:
+            buf = (ctypes.c_float * n).from_address(pointer)
+            self.all_reduce_(torch.frombuffer(buf, dtype=torch.float32))
+        except BaseException as exc:  # must not unwind through C
+            self.failed = exc
+
+    def reduce_hook(self) -> int:
+        """The address of a C-callable ``void(float*, int64)`` that all-reduces in place."""
+        address = ctypes.cast(self._reduce_fn, ctypes.c_void_p).value
+        assert address is not None
+        return address
+
+    def check_fused(self) -> None:
+        """Raise what a C-side all-reduce of the last fused call hit, if anything."""
+        self._check()
+
+    def close(self) -> None:
+        """Leave the group (peers see their next collective fail)."""
+        with contextlib.suppress(RuntimeError, AttributeError):
+            self.group.shutdown()

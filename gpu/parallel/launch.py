@@ -1,0 +1,144 @@
+"""Rank 0's side of a tensor-parallel group: start the other ranks, feed them every step.
+
+Ranks 1..N-1 are child processes (``python -m gpu.parallel.worker``), each loading its shard
+of the same model and a KV pool of the same page count. Each has two pipes to rank 0: on its
+stdout it says once that it is ready; on its stdin rank 0 writes, before each step, the
+length of the step's broadcast (0: stop). The pipe is how an idle rank waits without a
+collective timing out, and how it learns that rank 0 is gone (end of file: it exits).
+Every rank then receives the step in one broadcast (``gpu.parallel.step``) and runs it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from gpu.config import ModelError
+from gpu.parallel.group import ParallelGroupLost, TensorParallel
+from gpu.parallel.shard import Shard
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """What every rank builds (the executor's model, format and KV pool settings)."""
+
+    model: str
+    world: int
+    port: int
+    device: str = "cpu"
+    quantization: str = "none"
+    kv_cache_dtype: str = "auto"
+    num_pages: int = 1024
+    page_size: int = 16
+    threads: int = 1
+    cpu_kernels: bool = True
+    timeout_s: float = 30.0
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> RankSpec:
+        return cls(**json.loads(text))
+
+    def device_of(self, rank: int) -> torch.device:
+        """One device per rank: ``cuda:i`` + rank on CUDA, the CPU for every rank else."""
+        device = torch.device(self.device)
+        if device.type != "cuda":
+            return device
+        return torch.device("cuda", (device.index or 0) + rank)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class RankGroup:
+    """The running group, held by rank 0: ``comm`` is rank 0's own collectives."""
+
+    def __init__(self, spec: RankSpec) -> None:
+        if spec.world < 2:
+            raise ValueError("a rank group needs a tensor-parallel size of at least 2")
+        self.spec = spec
+        self.workers: list[subprocess.Popen[bytes]] = []
+        env = dict(os.environ, OMP_NUM_THREADS=str(spec.threads))
+        for rank in range(1, spec.world):
+            cmd = [sys.executable, "-m", "gpu.parallel.worker", spec.to_json(), str(rank)]
+            self.workers.append(
+                subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+            )
+        try:
+            self.comm = TensorParallel.connect(
+                Shard(0, spec.world), spec.port, spec.device_of(0), spec.timeout_s
+            )
+        except ParallelGroupLost:
+            self.close()
+            raise
+
+    @property
+    def pids(self) -> list[int]:
+        return [w.pid for w in self.workers]
+
+    def wait_ready(self, timeout_s: float = 600.0) -> None:
+        """Return once every rank has loaded its shard; ``ModelError`` if one failed."""
+        deadline = time.monotonic() + timeout_s
+        waiting = {w.stdout.fileno(): w for w in self.workers if w.stdout is not None}
+        while waiting:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.close()
+                raise ModelError(f"tensor-parallel ranks not ready after {timeout_s:.0f} s")
+            ready, _, _ = select.select(list(waiting), [], [], min(left, 1.0))
+            for fd in ready:
+                worker = waiting.pop(fd)
+                if os.read(fd, 1) != b"R":
+                    code = worker.wait()
+                    self.close()
+                    raise ModelError(
+                        f"tensor-parallel rank {self.workers.index(worker) + 1} failed to "
+                        f"load the model (exit {code}; its error is in the log above)"
+                    )
+
+    def send_step(self, step: torch.Tensor) -> None:
+        """Wake every rank with the step's length, then broadcast the step itself."""
+        head = int(step.numel()).to_bytes(8, "little")
+        for rank, worker in enumerate(self.workers, 1):
+            try:
+                assert worker.stdin is not None
+                worker.stdin.write(head)
+                worker.stdin.flush()
+            except (BrokenPipeError, OSError) as exc:
+                self.comm.failed = exc
+                raise ParallelGroupLost(f"tensor-parallel rank {rank} is gone: {exc}") from exc
+        buf = step if self.comm.device.type == "cpu" else step.to(self.comm.device)
+        self.comm.broadcast_(buf)
+
+    def close(self) -> None:
+        """Stop every rank (a zero length, then end of file); kill what does not exit."""
+        for worker in self.workers:
+            try:
+                assert worker.stdin is not None
+                worker.stdin.write(bytes(8))
+                worker.stdin.close()
+            except (BrokenPipeError, OSError, ValueError):
+                pass
+        for worker in self.workers:
+            try:
+                worker.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                worker.kill()
+                worker.wait()
+            if worker.stdout is not None:
+                worker.stdout.close()
+        if hasattr(self, "comm"):
+            self.comm.close()

@@ -1,0 +1,140 @@
+"""Which part of the model a tensor-parallel rank holds (Megatron-style splits).
+
+Per decoder layer, q/k/v and gate/up are split by output rows (column-parallel: each rank
+computes its own heads and its own slice of the MLP), o_proj and down_proj by input columns
+(row-parallel: each rank's partial sums are added by one all-reduce). The embedding and the LM
+head are split by vocabulary rows. Splits are even; the head counts must divide:
+
+- query heads by the world size;
+- KV heads by the world size, or the world size by the KV heads: then each KV head is held
+  (replicated) by ``world / kv_heads`` ranks, whose query heads all read it.
+
+Row-parallel weights are handed to ``gpu.linear.make_linear`` whole, with the input range to
+keep (``k_range``): a quantized format computes its per-row scales over the whole row and
+then keeps its columns, so every rank multiplies by exactly the codes and scales the unsplit
+layer has.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from gpu.config import ModelConfig, ModelError
+from gpu.quant import QK, BlockWeight
+
+Weight = torch.Tensor | BlockWeight
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Rank ``rank`` of ``world`` in a tensor-parallel group."""
+
+    rank: int
+    world: int
+
+    def __post_init__(self) -> None:
+        if self.world < 1 or not 0 <= self.rank < self.world:
+            raise ValueError(f"rank {self.rank} is outside a group of {self.world}")
+
+    def part(self, n: int) -> tuple[int, int]:
+        """This rank's even share ``[start, stop)`` of ``n`` (which the world size divides)."""
+        size = n // self.world
+        return self.rank * size, (self.rank + 1) * size
+
+    def vocab_range(self, vocab: int) -> tuple[int, int]:
+        """This rank's rows of a vocabulary split in ``ceil(vocab / world)`` rows per rank
+        (the last rank's share may be shorter)."""
+        per = -(-vocab // self.world)
+        return min(vocab, self.rank * per), min(vocab, (self.rank + 1) * per)
+
+    def kv_heads(self, num_kv_heads: int) -> tuple[int, int]:
+        """The KV heads this rank holds (one replicated head when there are fewer than ranks)."""
+        if num_kv_heads >= self.world:
+            return self.part(num_kv_heads)
+        head = self.rank * num_kv_heads // self.world
+        return head, head + 1
+
+
+def check_tensor_parallel(config: ModelConfig, world: int) -> None:
+    """Raise ``ModelError`` where ``config``'s shapes cannot be split ``world`` ways."""
+    if world < 1:
+        raise ModelError("tensor-parallel size must be >= 1")
+    if world == 1:
+        return
+    hq, hkv = config.num_attention_heads, config.num_key_value_heads
+    problems = []
+    if hq % world:
+        problems.append(f"{hq} attention heads")
+    if hkv % world and world % hkv:
+        problems.append(f"{hkv} KV heads (neither divides the other)")
+    if config.intermediate_size % world:
+        problems.append(f"intermediate size {config.intermediate_size}")
+    if problems:
+        raise ModelError(
+            f"{config.name} cannot be split {world} ways by tensor parallelism: "
+            f"{', '.join(problems)} not divisible by {world}"
+        )
+
+
+def shard_config(config: ModelConfig, world: int) -> ModelConfig:
+    """The shapes one rank's layers and KV pool have (head_dim fixed: hidden stays whole)."""
+    check_tensor_parallel(config, world)
+    return dataclasses.replace(
+        config,
+        num_attention_heads=config.num_attention_heads // world,
+        num_key_value_heads=max(1, config.num_key_value_heads // world),
+        intermediate_size=config.intermediate_size // world,
+        head_dim_override=config.head_dim,
+    )
+
+
+def rows(weight: Weight, start: int, stop: int) -> Weight:
+    """Output rows ``[start, stop)`` of a weight or bias, in its own format."""
+    if isinstance(weight, BlockWeight):
+        return weight.row_slice(start, stop)
+    return weight[start:stop].contiguous()
+
+
+def check_block_split(name: str, weight: Weight, start: int, stop: int) -> None:
+    if isinstance(weight, BlockWeight) and (start % QK or (stop % QK and stop != weight.k)):
+        raise ModelError(
+            f"tensor parallelism splits {name}'s {weight.k} inputs at {start}..{stop}, off the "
+            f"{QK}-weight blocks of its {weight.qtype} format"
+        )
+
+
+def shard_weights(
+    config: ModelConfig, weights: dict[str, Weight], shard: Shard
+) -> dict[str, Weight]:
+    """This rank's column-parallel and vocabulary-parallel tensors, sliced; row-parallel
+    ones (o_proj, down_proj) and norms stay whole (``CausalLM`` passes their ``k_range``)."""
+    if shard.world == 1:
+        return weights
+    check_tensor_parallel(config, shard.world)
+    d = config.head_dim
+    q0, q1 = shard.part(config.num_attention_heads)
+    k0, k1 = shard.kv_heads(config.num_key_value_heads)
+    i0, i1 = shard.part(config.intermediate_size)
+    v0, v1 = shard.vocab_range(config.vocab_size)
+    out = dict(weights)
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        if name in out:
+            out[name] = rows(out[name], v0, v1)
+    for layer in range(config.num_hidden_layers):
+        attn, mlp = f"model.layers.{layer}.self_attn", f"model.layers.{layer}.mlp"
+        for kind in ("weight", "bias"):
+            if f"{attn}.q_proj.{kind}" not in out:
+                continue
+            out[f"{attn}.q_proj.{kind}"] = rows(out[f"{attn}.q_proj.{kind}"], q0 * d, q1 * d)
+            for n in ("k", "v"):
+                out[f"{attn}.{n}_proj.{kind}"] = rows(
+                    out[f"{attn}.{n}_proj.{kind}"], k0 * d, k1 * d
+                )
+        for n in ("gate", "up"):
+            out[f"{mlp}.{n}_proj.weight"] = rows(out[f"{mlp}.{n}_proj.weight"], i0, i1)
+        check_block_split(f"{attn}.o_proj", out[f"{attn}.o_proj.weight"], q0 * d, q1 * d)
+        check_block_split(f"{mlp}.down_proj", out[f"{mlp}.down_proj.weight"], i0, i1)
+    return out

@@ -1,0 +1,58 @@
+"""One model replica ready to run steps: on one device, or split over ranks (``gpu.parallel``).
+
+The executor and ``meshserve generate`` build their runner here, so a replica of N ranks is
+started the same way everywhere: the other ranks are spawned first and load their shards
+while this process (rank 0) loads its own.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from gpu.config import ModelConfig
+from gpu.loader import load_model
+from gpu.parallel.launch import RankGroup, RankSpec, free_port
+from gpu.parallel.shard import check_tensor_parallel
+from gpu.quant import kv_cache_dtype
+from gpu.runner import ModelRunner
+
+
+def build_runner(
+    folder: Path,
+    device: torch.device | str = "cpu",
+    quantization: str = "none",
+    num_pages: int = 1024,
+    page_size: int = 16,
+    kv_cache: str = "auto",
+    tensor_parallel_size: int = 1,
+    timeout_s: float = 30.0,
+    progress: bool = True,
+) -> ModelRunner:
+    """The runner for ``folder``; ``tensor_parallel_size`` > 1 starts that many ranks (one
+    device each: ``cuda:0..N-1`` from ``device``'s index, or the CPU's cores shared, each
+    rank with ``torch.get_num_threads()`` threads). Raises ``ModelError`` for a model whose
+    heads cannot be split so, before any rank starts."""
+    if tensor_parallel_size == 1:
+        model = load_model(folder, device=device, quantization=quantization, progress=progress)
+        kv_dtype = kv_cache_dtype(kv_cache, model.dtype)
+        return ModelRunner(model, num_pages=num_pages, page_size=page_size, kv_dtype=kv_dtype)
+    check_tensor_parallel(ModelConfig.from_folder(Path(folder)), tensor_parallel_size)
+    spec = RankSpec(
+        model=str(folder), world=tensor_parallel_size, port=free_port(), device=str(device),
+        quantization=quantization, kv_cache_dtype=kv_cache, num_pages=num_pages,
+        page_size=page_size, threads=torch.get_num_threads(), timeout_s=timeout_s,
+    )  # fmt: skip
+    group = RankGroup(spec)
+    try:
+        model = load_model(
+            folder, device=spec.device_of(0), quantization=quantization, progress=progress,
+            tp=group.comm,
+        )  # fmt: skip
+        group.wait_ready()
+        kv_dtype = kv_cache_dtype(kv_cache, model.dtype)
+        return ModelRunner(model, num_pages, page_size, kv_dtype=kv_dtype, peers=group)
+    except BaseException:
+        group.close()
+        raise
