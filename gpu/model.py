@@ -28,7 +28,7 @@ from gpu.attention.metadata import BatchMetadata
 from gpu.attention.torch_backend import TorchPagedAttention
 from gpu.config import ModelConfig, ModelError
 from gpu.cpu_kernels import CpuKernels, FusedDecoder
-from gpu.cpu_kernels.decoder import DecoderShape, LayerWeights
+from gpu.cpu_kernels.decoder import DecoderShape, LayerWeights, ReduceFailed
 from gpu.linear import Linear, make_linear
 from gpu.ops import RopeStep, TorchOps, make_ops
 from gpu.parallel.group import TensorParallel
@@ -234,7 +234,7 @@ class CausalLM(nn.Module):
                     c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
                     c.intermediate_size, c.rms_norm_eps,
                 )  # fmt: skip
-                hook = 0 if self.tp is None else self.tp.reduce_hook()
+                hook = (0, 0) if self.tp is None else self.tp.reduce_hook()
                 self._fused = self.kernels.fused_decoder(shape, [w for w in layers if w], hook)
         return self._fused
 
@@ -280,9 +280,11 @@ class CausalLM(nn.Module):
         fused = self.fused_decoder() if decodes is not None and self.fuse_decode else None
         delta: torch.Tensor | None = None
         if fused is not None and decodes is not None and rope.cos.dim() == 2:
-            delta = fused(hidden, rope.positions, rope.cos, rope.sin, decodes, kv_layers)
-            if self.tp is not None:
-                self.tp.check_fused()
+            try:
+                delta = fused(hidden, rope.positions, rope.cos, rope.sin, decodes, kv_layers)
+            except ReduceFailed as exc:
+                assert self.tp is not None  # only a split replica's decoder has the hook
+                raise self.tp.lost(exc) from exc
         else:
             for layer, kv_cache in zip(self.layers, kv_layers, strict=True):
                 delta = layer(hidden, delta, rope, backend, kv_cache)

@@ -29,10 +29,12 @@ def build_runner(
     tensor_parallel_size: int = 1,
     timeout_s: float = 30.0,
     progress: bool = True,
+    shared_memory: bool = True,
 ) -> ModelRunner:
     """The runner for ``folder``; ``tensor_parallel_size`` > 1 starts that many ranks (one
     device each: ``cuda:0..N-1`` from ``device``'s index, or the CPU's cores shared, each
-    rank with ``torch.get_num_threads()`` threads). Raises ``ModelError`` for a model whose
+    rank with ``torch.get_num_threads()`` threads; their all-reduces go through shared
+    memory unless ``shared_memory`` is False: Gloo). Raises ``ModelError`` for a model whose
     heads cannot be split so, before any rank starts."""
     if tensor_parallel_size == 1:
         model = load_model(folder, device=device, quantization=quantization, progress=progress)
@@ -43,6 +45,7 @@ def build_runner(
         model=str(folder), world=tensor_parallel_size, port=free_port(), device=str(device),
         quantization=quantization, kv_cache_dtype=kv_cache, num_pages=num_pages,
         page_size=page_size, threads=torch.get_num_threads(), timeout_s=timeout_s,
+        shared_memory=shared_memory,
     )  # fmt: skip
     group = RankGroup(spec)
     try:

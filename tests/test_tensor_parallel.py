@@ -160,9 +160,14 @@ def test_heads_that_do_not_divide_are_refused(tiny_llama: Path, tmp_path: Path) 
     assert [Shard(r, 4).kv_heads(2) for r in range(4)] == [(0, 1), (0, 1), (1, 2), (1, 2)]
 
 
-def test_a_killed_rank_fails_the_step_within_seconds(tiny_llama: Path) -> None:
-    runner = build_runner(tiny_llama, tensor_parallel_size=2, progress=False, **POOL)
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["shm", "gloo"])
+def test_a_killed_rank_fails_the_step_within_seconds(tiny_llama: Path, shared_memory: bool) -> None:
+    runner = build_runner(
+        tiny_llama, tensor_parallel_size=2, progress=False, shared_memory=shared_memory, **POOL
+    )
     try:
+        assert runner.model.tp is not None
+        assert (runner.model.tp.shm is not None) == shared_memory
         engine = engine_on(runner)
         engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=200, **GREEDY))
         engine.step()
@@ -178,12 +183,16 @@ def test_a_killed_rank_fails_the_step_within_seconds(tiny_llama: Path) -> None:
 
 
 def test_gqa_with_one_kv_head_replicated_on_both_ranks(tmp_path: Path) -> None:
+    """Also the Gloo all-reduce (the path without shared memory), fused decode included."""
     folder = write_tiny_model(tmp_path / "mqa", "llama", num_key_value_heads=1)
     oracle = hf_model(folder)
     prompts = prompts_for(13, [9, 21])
-    runner = build_runner(folder, tensor_parallel_size=2, progress=False, **POOL)
+    runner = build_runner(
+        folder, tensor_parallel_size=2, progress=False, shared_memory=False, **POOL
+    )
     try:
         assert runner.kv.spec.num_kv_heads == 1
+        assert runner.model.tp is not None and runner.model.tp.shm is None
         outs = engine_on(runner).generate(prompts, SamplingParams(max_tokens=8, **GREEDY))
         assert outs == [hf_greedy(oracle, p, 8) for p in prompts]
     finally:

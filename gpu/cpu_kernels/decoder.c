@@ -15,11 +15,12 @@
  * output goes to delta [T, H], for the final norm to add in. scratch holds
  * T * (2H + QKV + Hq*D + 3I) floats.
  *
- * `reduce` (NULL on one device) is a tensor-parallel rank's all-reduce: called in place on the
- * attention output and on the MLP output of each layer, the two partial sums of its
- * row-parallel o_proj and down_proj (gpu/parallel).
+ * `reduce` (NULL on one device) is a tensor-parallel rank's all-reduce, `reduce(ctx, data, n)`:
+ * called in place on the attention output and on the MLP output of each layer, the two
+ * partial sums of its row-parallel o_proj and down_proj (gpu/parallel): shm_allreduce, or a
+ * Python callback (Gloo). A nonzero return (a rank lost) ends the call with that code.
  */
-typedef void (*reduce_fn)(float* data, i64 n);
+typedef int (*reduce_fn)(i64* ctx, float* data, i64 n);
 enum {
     F_IN_NORM, F_POST_NORM,
     F_QKV, F_O = F_QKV + 4, F_GATE_UP = F_O + 4, F_DOWN = F_GATE_UP + 4,
@@ -37,12 +38,13 @@ static void table_linear(const i64* lin, const float* x, i64 M, i64 K, i64 N, fl
         f32_linear(x, M, K, K, (const float*)(intptr_t)lin[1], N, NULL, bias, y, N, nthreads);
 }
 
-void decode_layers(const i64* table, const i64* kv, i64 nlayers, float* hidden, float* delta,
+int decode_layers(const i64* table, const i64* kv, i64 nlayers, float* hidden, float* delta,
                    i64 T, i64 H, i64 Hq, i64 Hkv, i64 D, i64 I, float eps,
                    const i64* positions, const float* cos_t, const float* sin_t,
                    const i64* rows, const i64* append_pages, const i64* append_offsets,
                    const int32_t* kv_indptr, const int32_t* kv_indices, const int32_t* last_len,
-                   i64 ps, float scale, float* scratch, int nthreads, reduce_fn reduce) {
+                   i64 ps, float scale, float* scratch, int nthreads, reduce_fn reduce,
+                   i64* reduce_ctx) {
     const i64 QKV = (Hq + 2 * Hkv) * D, QD = Hq * D;
     float* x = scratch;              /* [T, H]: the normalised input of a matmul */
     float* qkv = x + T * H;          /* [T, QKV] */
@@ -61,12 +63,13 @@ void decode_layers(const i64* table, const i64* kv, i64 nlayers, float* hidden, 
                                cache, append_pages, append_offsets, kv_indptr, kv_indices,
                                last_len, Hq, Hkv, D, ps, scale, nthreads);
         table_linear(f + F_O, attn, T, QD, H, o, nthreads);
-        if (reduce) reduce(o, T * H);
+        if (reduce && reduce(reduce_ctx, o, T * H)) return -1;
         rms_norm(hidden, o, T, H, (const float*)(intptr_t)f[F_POST_NORM], eps, x, nthreads);
         table_linear(f + F_GATE_UP, x, T, H, 2 * I, gu, nthreads);
         silu_mul(gu, T, I, act, nthreads);
         table_linear(f + F_DOWN, act, T, I, H, delta, nthreads);
-        if (reduce) reduce(delta, T * H);
+        if (reduce && reduce(reduce_ctx, delta, T * H)) return -1;
         d = delta;
     }
+    return 0;
 }

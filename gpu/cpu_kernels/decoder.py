@@ -21,6 +21,10 @@ from gpu.cpu_kernels.prepared import DecodeAttention, PackedLinear, check_rope_t
 LAYER_FIELDS = 18  # decoder.c: two norms, then four linears of (kind, weight, scale, bias)
 
 
+class ReduceFailed(RuntimeError):
+    """The all-reduce hook reported a lost rank; the step's outputs are garbage."""
+
+
 @dataclass(frozen=True)
 class LayerWeights:
     """One decoder layer as the fused step reads it."""
@@ -49,11 +53,11 @@ class FusedDecoder:
         fn: Callable[..., None],
         shape: DecoderShape,
         layers: Sequence[LayerWeights],
-        reduce_hook: int = 0,
+        reduce_hook: tuple[int, int] = (0, 0),
     ) -> None:
-        """``reduce_hook``: the address of a tensor-parallel rank's in-place all-reduce,
-        ``void(float*, int64)`` (``gpu.parallel.TensorParallel.reduce_hook``), called after
-        each layer's o_proj and down_proj; 0 on one device."""
+        """``reduce_hook``: a tensor-parallel rank's in-place all-reduce as (the address of
+        ``int fn(int64* ctx, float* data, int64 n)``, ctx), called after each layer's o_proj
+        and down_proj (``gpu.parallel.TensorParallel.reduce_hook``); (0, 0) on one device."""
         h, d, i = shape.hidden, shape.head_dim, shape.intermediate
         qkv = (shape.num_heads + 2 * shape.num_kv_heads) * d
         qd = shape.num_heads * d
@@ -71,7 +75,8 @@ class FusedDecoder:
                 row.extend(lin.table_entry())
             rows.append(row)
         self._fn = fn
-        self._reduce = reduce_hook or None
+        self._reduce = reduce_hook[0] or None
+        self._reduce_ctx = reduce_hook[1] or None
         self.shape = shape
         self.layers = tuple(layers)  # keeps every pointer in the table valid
         self._table = torch.tensor(rows, dtype=torch.int64).reshape(len(rows), LAYER_FIELDS)
@@ -132,11 +137,13 @@ class FusedDecoder:
         delta = torch.empty_like(hidden)
         scratch = torch.empty(t * self._scratch_per_token, dtype=torch.float32)
         rows, pages, offsets, indptr, indices, last = attention.pointers
-        self._fn(
+        rc = self._fn(
             self._table.data_ptr(), self._kv.data_ptr(), len(self.layers), hidden.data_ptr(),
             delta.data_ptr(), t, s.hidden, s.num_heads, s.num_kv_heads, s.head_dim,
             s.intermediate, s.eps, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), rows,
             pages, offsets, indptr, indices, last, page_size, attention.scale, scratch.data_ptr(),
-            torch.get_num_threads(), self._reduce,
+            torch.get_num_threads(), self._reduce, self._reduce_ctx,
         )  # fmt: skip
+        if rc:
+            raise ReduceFailed("a tensor-parallel all-reduce failed in the fused decode step")
         return delta

@@ -104,15 +104,31 @@ static PyObject* py_paged_decode_attention(PyObject* self, PyObject* const* args
 }
 
 static PyObject* py_decode_layers(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
-    Arg a[26];
-    if (parse(args, nargs, "PPIPPIIIIIIFPPPPPPPPPIFPIP", a) < 0) return NULL;
+    Arg a[27];
+    if (parse(args, nargs, "PPIPPIIIIIIFPPPPPPPPPIFPIPP", a) < 0) return NULL;
+    int rc;
     Py_BEGIN_ALLOW_THREADS
-    decode_layers(a[0].p, a[1].p, a[2].i, a[3].p, a[4].p, a[5].i, a[6].i, a[7].i, a[8].i,
+    rc = decode_layers(a[0].p, a[1].p, a[2].i, a[3].p, a[4].p, a[5].i, a[6].i, a[7].i, a[8].i,
                   a[9].i, a[10].i, (float)a[11].f, a[12].p, a[13].p, a[14].p, a[15].p, a[16].p,
                   a[17].p, a[18].p, a[19].p, a[20].p, a[21].i, (float)a[22].f, a[23].p,
-                  (int)a[24].i, (reduce_fn)a[25].p);
+                  (int)a[24].i, (reduce_fn)a[25].p, a[26].p);
     Py_END_ALLOW_THREADS
-    Py_RETURN_NONE;
+    return PyLong_FromLong(rc);
+}
+
+static PyObject* py_shm_allreduce(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    Arg a[3];
+    if (parse(args, nargs, "PPI", a) < 0) return NULL;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = shm_allreduce(a[0].p, a[1].p, a[2].i);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(rc);
+}
+
+static PyObject* py_shm_allreduce_address(PyObject* self, PyObject* const* args,
+                                          Py_ssize_t nargs) {
+    return PyLong_FromVoidPtr((void*)shm_allreduce);
 }
 
 static PyMethodDef methods[] = {
@@ -126,6 +142,9 @@ static PyMethodDef methods[] = {
     {"paged_decode_attention", (PyCFunction)(void (*)(void))py_paged_decode_attention,
      METH_FASTCALL, NULL},
     {"decode_layers", (PyCFunction)(void (*)(void))py_decode_layers, METH_FASTCALL, NULL},
+    {"shm_allreduce", (PyCFunction)(void (*)(void))py_shm_allreduce, METH_FASTCALL, NULL},
+    {"shm_allreduce_address", (PyCFunction)(void (*)(void))py_shm_allreduce_address,
+     METH_FASTCALL, NULL},
     {NULL, NULL, 0, NULL},
 };
 

@@ -34,6 +34,8 @@ class CpuKernels:
         self._silu_mul = module.silu_mul
         self._attention = module.paged_decode_attention
         self._decode_layers = module.decode_layers
+        self._shm_allreduce = module.shm_allreduce
+        self._shm_allreduce_address = module.shm_allreduce_address()
 
     def packed_linear(
         self,
@@ -105,10 +107,26 @@ class CpuKernels:
         )  # fmt: skip
 
     def fused_decoder(
-        self, shape: DecoderShape, layers: Sequence[LayerWeights], reduce_hook: int = 0
+        self,
+        shape: DecoderShape,
+        layers: Sequence[LayerWeights],
+        reduce_hook: tuple[int, int] = (0, 0),
     ) -> FusedDecoder:
         """Every decoder layer of an all-decode step in one call (see ``decoder.py``)."""
         return FusedDecoder(self._decode_layers, shape, layers, reduce_hook)
+
+    def shm_allreduce(self, ctx: torch.Tensor, data: torch.Tensor) -> int:
+        """``shm.c``'s all-reduce of ``data`` (contiguous CPU fp32, in place); 0 or -1 (a
+        rank lost: ``ctx`` says which)."""
+        if ctx.dtype != torch.int64 or ctx.numel() != 10 or not ctx.is_contiguous():
+            raise ValueError("ctx must be contiguous int64 [10]")
+        if data.dtype != torch.float32 or not data.is_cpu or not data.is_contiguous():
+            raise ValueError("data must be contiguous CPU fp32")
+        return int(self._shm_allreduce(ctx.data_ptr(), data.data_ptr(), data.numel()))
+
+    def shm_allreduce_address(self) -> int:
+        """The C function's address (``int(int64* ctx, float* data, int64 n)``)."""
+        return int(self._shm_allreduce_address)
 
     def rms_norm(
         self,

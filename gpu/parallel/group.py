@@ -23,26 +23,42 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import TCPStore
 from torch.distributed import distributed_c10d as c10d
 
+from gpu.cpu_kernels import load as load_cpu_kernels
 from gpu.parallel.shard import Shard
+from gpu.parallel.shm import ShmAllReduce
 
 
 class ParallelGroupLost(RuntimeError):
     """A rank of the tensor-parallel group died or stopped answering."""
 
 
-# void reduce(float* data, int64 n): the fused CPU decode step's all-reduce hook (decoder.c).
-REDUCE_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int64)
+# int reduce(int64* ctx, float* data, int64 n): the fused CPU decode step's all-reduce hook
+# (decoder.c), here the Gloo path through Python.
+REDUCE_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
 
 
 class TensorParallel:
-    def __init__(self, shard: Shard, group: Any, device: torch.device) -> None:
+    def __init__(
+        self, shard: Shard, group: Any, device: torch.device, shm: ShmAllReduce | None = None
+    ) -> None:
         self.shard = shard
         self.group = group
         self.device = device
+        self.shm = shm  # all-reduces of CPU fp32 tensors, where the ranks share a host
         self.failed: BaseException | None = None
-        self.comm_ns = 0  # time spent in collectives since start (benchmarks read it)
-        self.num_collectives = 0
+        self._comm_ns = 0  # Gloo's share of comm_ns
+        self._collectives = 0
         self._reduce_fn = REDUCE_FN(self._reduce_raw)
+
+    @property
+    def comm_ns(self) -> int:
+        """Time this rank spent in collectives since it joined (waits for the others
+        included): what a step pays for being split. Benchmarks read it."""
+        return self._comm_ns + (self.shm.time_ns if self.shm is not None else 0)
+
+    @property
+    def num_collectives(self) -> int:
+        return self._collectives + (self.shm.calls if self.shm is not None else 0)
 
     @property
     def rank(self) -> int:
@@ -60,9 +76,11 @@ class TensorParallel:
         device: torch.device | str = "cpu",
         timeout_s: float = 30.0,
         host: str = "127.0.0.1",
+        shm_path: str = "",
     ) -> TensorParallel:
         """Join the group whose store rank 0 serves on ``host:port`` (rank 0 creates it);
-        returns once every rank has joined (or raises after ``timeout_s``)."""
+        returns once every rank has joined (or raises after ``timeout_s``). ``shm_path``:
+        the shared mapping of ``gpu.parallel.shm`` (CPU ranks on one host), "" for none."""
         device = torch.device(device)
         timeout = datetime.timedelta(seconds=timeout_s)
         try:
@@ -81,7 +99,11 @@ class TensorParallel:
             raise ParallelGroupLost(
                 f"tensor-parallel rank {shard.rank}: cannot join: {exc}"
             ) from exc
-        return cls(shard, group, device)
+        shm = None
+        kernels = load_cpu_kernels() if shm_path and device.type == "cpu" else None
+        if kernels is not None:
+            shm = ShmAllReduce(kernels, shm_path, shard.rank, shard.world, timeout_s)
+        return cls(shard, group, device, shm)
 
     def _run(self, what: str, work: dist.Work) -> None:
         try:
@@ -99,18 +121,31 @@ class TensorParallel:
     def all_reduce_(self, tensor: torch.Tensor) -> None:
         """Sum ``tensor`` over the ranks, in place (every rank gets the same bits)."""
         self._check()
+        shm = self.shm
+        if shm is not None and tensor.dtype == torch.float32 and tensor.is_contiguous():
+            if not shm.all_reduce_(tensor):  # (it times itself)
+                self._lost_in_shm()
+            return
         start = time.perf_counter_ns()
         self._run("all-reduce", self.group.allreduce([tensor]))
-        self.comm_ns += time.perf_counter_ns() - start
-        self.num_collectives += 1
+        self._comm_ns += time.perf_counter_ns() - start
+        self._collectives += 1
+
+    def _lost_in_shm(self) -> None:
+        assert self.shm is not None
+        lost = self.shm.lost_rank
+        self.failed = RuntimeError(f"rank {lost} died or passed the timeout")
+        raise ParallelGroupLost(
+            f"tensor-parallel all-reduce failed on rank {self.rank} of {self.world}: {self.failed}"
+        )
 
     def broadcast_(self, tensor: torch.Tensor) -> None:
         """Rank 0's ``tensor`` into every rank's (same shape and dtype)."""
         self._check()
         start = time.perf_counter_ns()
         self._run("broadcast", self.group.broadcast(tensor, 0))
-        self.comm_ns += time.perf_counter_ns() - start
-        self.num_collectives += 1
+        self._comm_ns += time.perf_counter_ns() - start
+        self._collectives += 1
 
     def gather_vocab(self, local: torch.Tensor, vocab: int) -> torch.Tensor | None:
         """Logits ``[T, shard]`` of each rank's vocabulary rows -> ``[T, vocab]`` on rank 0
@@ -130,32 +165,43 @@ class TensorParallel:
             opts.rootRank = 0
             parts = [torch.empty_like(local) for _ in range(self.world)] if self.rank == 0 else []
             self._run("gather", self.group.gather([parts] if parts else [], [local], opts))
-        self.comm_ns += time.perf_counter_ns() - start
-        self.num_collectives += 1
+        self._comm_ns += time.perf_counter_ns() - start
+        self._collectives += 1
         if self.rank != 0:
             return None
         return torch.cat(parts, dim=1)[:, :vocab]
 
-    def _reduce_raw(self, pointer: int, n: int) -> None:
-        # Called from C (the GIL taken by ctypes); an exception cannot cross back into C, so
-        # it is kept in ``failed`` and raised by ``check_fused`` once the C call returns.
+    def _reduce_raw(self, ctx: int, pointer: int, n: int) -> int:
+        # Called from C (ctypes takes the GIL); an exception cannot cross back into C: it is
+        # kept in ``failed``, and the nonzero return ends the C call.
         if self.failed is not None:
-            return
+            return -1
         try:
             buf = (ctypes.c_float * n).from_address(pointer)
             self.all_reduce_(torch.frombuffer(buf, dtype=torch.float32))
         except BaseException as exc:  # must not unwind through C
             self.failed = exc
+            return -1
+        return 0
 
-    def reduce_hook(self) -> int:
-        """The address of a C-callable ``void(float*, int64)`` that all-reduces in place."""
+    def reduce_hook(self) -> tuple[int, int]:
+        """(address of ``int fn(int64* ctx, float* data, int64 n)``, ctx) that all-reduces
+        in place, for the fused decode step: shared memory's C function where the ranks
+        have it (no Python between the layers), else a callback into Gloo."""
+        if self.shm is not None:
+            return self.shm.hook()
         address = ctypes.cast(self._reduce_fn, ctypes.c_void_p).value
         assert address is not None
-        return address
+        return address, 0
 
-    def check_fused(self) -> None:
-        """Raise what a C-side all-reduce of the last fused call hit, if anything."""
-        self._check()
+    def lost(self, cause: BaseException) -> ParallelGroupLost:
+        """The error for a fused call whose all-reduce hook failed."""
+        if self.failed is None and self.shm is not None and self.shm.lost_rank is not None:
+            self.failed = RuntimeError(f"rank {self.shm.lost_rank} died or passed the timeout")
+        return ParallelGroupLost(
+            f"tensor-parallel all-reduce failed on rank {self.rank} of {self.world}: "
+            f"{self.failed or cause}"
+        )
 
     def close(self) -> None:
         """Leave the group (peers see their next collective fail)."""

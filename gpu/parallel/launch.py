@@ -10,6 +10,8 @@ Every rank then receives the step in one broadcast (``gpu.parallel.step``) and r
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import os
 import select
@@ -22,6 +24,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from gpu.config import ModelError
+from gpu.parallel import shm
 from gpu.parallel.group import ParallelGroupLost, TensorParallel
 from gpu.parallel.shard import Shard
 
@@ -41,6 +44,8 @@ class RankSpec:
     threads: int = 1
     cpu_kernels: bool = True
     timeout_s: float = 30.0
+    shared_memory: bool = True  # CPU all-reduces through gpu.parallel.shm (False: Gloo)
+    shm_path: str = ""  # that mapping, made by rank 0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -69,6 +74,9 @@ class RankGroup:
     def __init__(self, spec: RankSpec) -> None:
         if spec.world < 2:
             raise ValueError("a rank group needs a tensor-parallel size of at least 2")
+        cpu = spec.device_of(0).type == "cpu"
+        if cpu and spec.cpu_kernels and spec.shared_memory and not spec.shm_path:
+            spec = dataclasses.replace(spec, shm_path=shm.create(spec.world))
         self.spec = spec
         self.workers: list[subprocess.Popen[bytes]] = []
         env = dict(os.environ, OMP_NUM_THREADS=str(spec.threads))
@@ -79,8 +87,9 @@ class RankGroup:
             )
         try:
             self.comm = TensorParallel.connect(
-                Shard(0, spec.world), spec.port, spec.device_of(0), spec.timeout_s
-            )
+                Shard(0, spec.world), spec.port, spec.device_of(0), spec.timeout_s,
+                shm_path=spec.shm_path,
+            )  # fmt: skip
         except ParallelGroupLost:
             self.close()
             raise
@@ -108,6 +117,12 @@ class RankGroup:
                         f"tensor-parallel rank {self.workers.index(worker) + 1} failed to "
                         f"load the model (exit {code}; its error is in the log above)"
                     )
+        self._unlink()  # every rank has it mapped: nothing is left behind whatever happens
+
+    def _unlink(self) -> None:
+        if self.spec.shm_path:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.spec.shm_path)
 
     def send_step(self, step: torch.Tensor) -> None:
         """Wake every rank with the step's length, then broadcast the step itself."""
@@ -142,3 +157,4 @@ class RankGroup:
                 worker.stdout.close()
         if hasattr(self, "comm"):
             self.comm.close()
+        self._unlink()

@@ -38,7 +38,9 @@ def read_exactly(fd: int, n: int) -> bytes:
 def serve(spec: RankSpec, rank: int) -> None:
     torch.set_num_threads(spec.threads)
     device = spec.device_of(rank)
-    tp = TensorParallel.connect(Shard(rank, spec.world), spec.port, device, spec.timeout_s)
+    tp = TensorParallel.connect(
+        Shard(rank, spec.world), spec.port, device, spec.timeout_s, shm_path=spec.shm_path
+    )
     model = load_model(
         spec.model, device, progress=False, quantization=spec.quantization,
         cpu_kernels=spec.cpu_kernels, tp=tp,
