@@ -9,7 +9,9 @@ this process, and take turns: per round and batch size, each decodes ``--steps``
 same requests (after an untimed prefill and warm-up); the table shows each side's median
 round: decode tokens/s, time per step, and (TP=2) the time rank 0 spent in collectives per
 step (the all-reduces, the logits gather and the step broadcast, waits for the other rank
-included) and their number.
+included) and their number. TP=2 runs twice: all-reduces through shared memory (the
+default on CPU) and through Gloo alone (``shared_memory=False``), to show what the former
+buys.
 
 Model: the default model (SmolLM2-135M) cannot be split 2 ways (9 query and 3 KV heads), so
 the benchmark writes a random Llama of its shape with 12 query and 4 KV heads (head_dim 48;
@@ -103,8 +105,13 @@ def main(argv: list[str] | None = None) -> None:
             folder, quantization=args.quantization, progress=False, tensor_parallel_size=2,
             **pages,
         )  # fmt: skip
+        gloo = build_runner(
+            folder, quantization=args.quantization, progress=False, tensor_parallel_size=2,
+            shared_memory=False, **pages,
+        )  # fmt: skip
+        half = args.threads // 2
         try:
-            sides = [("TP=1", one, args.threads), ("TP=2", two, args.threads // 2)]
+            sides = [("TP=1", one, args.threads), ("TP=2", two, half), ("TP=2 Gloo", gloo, half)]
             results: dict[tuple[str, int], list[Round]] = {}
             for _, runner, threads in sides:  # warm-up, untimed
                 decode_round(runner, threads, max(batches), 4)
@@ -115,6 +122,7 @@ def main(argv: list[str] | None = None) -> None:
                         results.setdefault((name, batch), []).append(r)
         finally:
             two.close()
+            gloo.close()
     print(
         f"\nquantization {args.quantization}, {args.rounds} rounds x {args.steps} steps, median "
         f"round; TP=1 {args.threads} threads, TP=2 {args.threads // 2} per rank\n"
@@ -129,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
             step = statistics.median(r.step_ms for r in rounds)
             comm = statistics.median(r.comm_ms for r in rounds)
             calls = statistics.median(r.collectives for r in rounds)
-            extra = f"{comm:.2f} | {calls:.0f}" if name == "TP=2" else "- | -"
+            extra = f"{comm:.2f} | {calls:.0f}" if name != "TP=1" else "- | -"
             print(f"| {batch} | {name} | {tok:.1f} | {step:.2f} | {extra} |")
 
 
