@@ -10,10 +10,15 @@ import pytest
 import torch
 
 from common.nats_server import free_port
+from common.tokenizer import Tokenizer
+from gpu.engine import Engine, EngineConfig
+from gpu.loader import load_model
+from gpu.runner import ModelRunner
+from gpu.sampling import SamplingParams
 from services.launcher.mesh import LocalMesh
 from services.launcher.up import add_up
 from tests.mesh import openai_client
-from tests.models import write_tiny_model
+from tests.models import hf_model, write_tiny_model
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
@@ -68,3 +73,28 @@ def process_mesh(tiny_llama):
     yield start
     for mesh in meshes:
         mesh.stop()
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_llama):
+    """The mixed engine in this process, and transformers: what the pair must reproduce."""
+    tok = Tokenizer.from_folder(tiny_llama)
+    engine = Engine(
+        ModelRunner(load_model(tiny_llama, progress=False), 256, 16), EngineConfig(), [2]
+    )
+    oracle = hf_model(tiny_llama)
+
+    def run(prompt: str, params: SamplingParams) -> tuple[str, str | None]:
+        ids = tok.encode(prompt)
+        ours = tok.decode(engine.generate([ids], params)[0])
+        if not params.is_greedy:
+            return ours, None
+        oracle.generation_config.eos_token_id = None
+        with torch.no_grad():
+            out = oracle.generate(
+                torch.tensor([ids]), max_new_tokens=params.max_tokens, do_sample=False,
+                pad_token_id=0,
+            )  # fmt: skip
+        return ours, tok.decode(out[0, len(ids) :].tolist())
+
+    return run

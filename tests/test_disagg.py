@@ -10,18 +10,11 @@ import signal
 import time
 
 import aiohttp
-import pytest
-import torch
 
 from common.nats_server import free_port_range
-from common.tokenizer import Tokenizer
-from gpu.engine import Engine, EngineConfig
-from gpu.loader import load_model
-from gpu.runner import ModelRunner
 from gpu.sampling import SamplingParams
 from services.launcher.mesh import LocalMesh
 from tests.mesh import metric_value
-from tests.models import hf_model
 from tests.test_reliability import pid_of, stream_outcome
 
 PROMPTS = ["Hello world", "The quick brown fox jumps over", "Serving language models " * 6]
@@ -54,31 +47,6 @@ def metric(mesh: LocalMesh, service: str, name: str, absent: float | None = None
         if absent is None:
             raise
         return absent
-
-
-@pytest.fixture(scope="module")
-def offline(tiny_llama):
-    """The mixed engine in this process, and transformers: what the pair must reproduce."""
-    tok = Tokenizer.from_folder(tiny_llama)
-    engine = Engine(
-        ModelRunner(load_model(tiny_llama, progress=False), 256, 16), EngineConfig(), [2]
-    )
-    oracle = hf_model(tiny_llama)
-
-    def run(prompt: str, params: SamplingParams) -> tuple[str, str | None]:
-        ids = tok.encode(prompt)
-        ours = tok.decode(engine.generate([ids], params)[0])
-        if not params.is_greedy:
-            return ours, None
-        oracle.generation_config.eos_token_id = None
-        with torch.no_grad():
-            out = oracle.generate(
-                torch.tensor([ids]), max_new_tokens=params.max_tokens, do_sample=False,
-                pad_token_id=0,
-            )  # fmt: skip
-        return ours, tok.decode(out[0, len(ids) :].tolist())
-
-    return run
 
 
 async def complete(session, base: str, prompt: str, **body) -> str:

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
 
+import aiohttp
 import pytest
 import torch
 
@@ -26,6 +27,7 @@ from gpu.runner import ModelRunner
 from gpu.sampling import SamplingParams
 from tests.mesh import MeshHarness
 from tests.models import hf_model, write_tiny_model
+from tests.test_disagg import PROMPTS, complete
 from tests.test_engine import GREEDY, hf_greedy, prompts_for, run_until_done
 from tests.test_nats_cluster import stream
 
@@ -231,3 +233,20 @@ async def test_a_killed_rank_moves_the_executors_streams_elsewhere(tp_mesh: Mesh
     assert held, "the split executor held none of the streams"
     assert split.broken
     assert time.monotonic() - start < 30
+
+
+async def test_meshserve_up_with_tensor_parallel_size_2(process_mesh, offline) -> None:
+    """The user's path: ``meshserve up --tensor-parallel-size 2``, every service its own
+    process and the executor's second rank a child of it; greedy and seeded outputs equal
+    the unsplit engine's (and transformers')."""
+    mesh = process_mesh(tensor_parallel_size=2)
+    base = mesh.base_url + "/v1"
+    async with aiohttp.ClientSession() as session:
+        for prompt in PROMPTS:
+            greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+            ours, hf = offline(prompt, greedy)
+            assert await complete(session, base, prompt, max_tokens=16, temperature=0) == ours == hf
+            seeded = SamplingParams(temperature=0.9, seed=7, max_tokens=16, ignore_eos=True)
+            want, _ = offline(prompt, seeded)
+            got = await complete(session, base, prompt, max_tokens=16, temperature=0.9, seed=7)
+            assert got == want, prompt
