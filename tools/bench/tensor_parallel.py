@@ -1,7 +1,7 @@
 """Decode speed of one replica split over 2 ranks against the unsplit one, on this machine.
 
     python -m tools.bench.tensor_parallel [--rounds 3] [--steps 48] [--batches 1,16]
-        [--quantization none] [--threads 2]
+        [--quantization none] [--threads 2] [--device cpu|cuda]
 
 TP=1 runs with ``--threads`` threads; TP=2 with ``--threads / 2`` per rank (rank 0 in this
 process, rank 1 a child), so both sides use the same cores. Both replicas are built once, in
@@ -17,6 +17,10 @@ Model: the default model (SmolLM2-135M) cannot be split 2 ways (9 query and 3 KV
 the benchmark writes a random Llama of its shape with 12 query and 4 KV heads (head_dim 48;
 hidden 576, 30 layers, MLP 1536, vocabulary 49152, tied embeddings: 135M parameters). Speed
 does not depend on the weights' values.
+
+``--device cuda`` (a host with two GPUs: TP=1 on cuda:0, TP=2 on cuda:0 and cuda:1 over
+NCCL, bf16) is what the GPU check runs where it finds two devices; with fewer it says so and
+exits.
 """
 
 from __future__ import annotations
@@ -94,24 +98,33 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--quantization", default="none")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--model", type=Path, default=None, help="a model folder (default: written)")
+    p.add_argument("--device", default="cpu")
     args = p.parse_args(argv)
+    cuda = args.device.startswith("cuda")
+    if cuda and torch.cuda.device_count() < 2:
+        print(f"TP=2 on CUDA needs 2 GPUs; this machine has {torch.cuda.device_count()}")
+        return
     batches = [int(b) for b in args.batches.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         folder = args.model or write_model(Path(tmp) / "llama-135m-12h")
         pages: dict[str, Any] = dict(num_pages=max(batches) * 8, page_size=16)
+        pages["device"] = args.device
         one = build_runner(folder, quantization=args.quantization, progress=False, **pages)
         torch.set_num_threads(args.threads // 2)  # rank 1 takes this many too
         two = build_runner(
             folder, quantization=args.quantization, progress=False, tensor_parallel_size=2,
             **pages,
         )  # fmt: skip
-        gloo = build_runner(
-            folder, quantization=args.quantization, progress=False, tensor_parallel_size=2,
-            shared_memory=False, **pages,
-        )  # fmt: skip
         half = args.threads // 2
+        sides = [("TP=1", one, args.threads), ("TP=2", two, half)]
+        gloo = None
+        if not cuda:  # NCCL is the only CUDA path
+            gloo = build_runner(
+                folder, quantization=args.quantization, progress=False, tensor_parallel_size=2,
+                shared_memory=False, **pages,
+            )  # fmt: skip
+            sides.append(("TP=2 Gloo", gloo, half))
         try:
-            sides = [("TP=1", one, args.threads), ("TP=2", two, half), ("TP=2 Gloo", gloo, half)]
             results: dict[tuple[str, int], list[Round]] = {}
             for _, runner, threads in sides:  # warm-up, untimed
                 decode_round(runner, threads, max(batches), 4)
@@ -122,7 +135,8 @@ def main(argv: list[str] | None = None) -> None:
                         results.setdefault((name, batch), []).append(r)
         finally:
             two.close()
-            gloo.close()
+            if gloo is not None:
+                gloo.close()
     print(
         f"\nquantization {args.quantization}, {args.rounds} rounds x {args.steps} steps, median "
         f"round; TP=1 {args.threads} threads, TP=2 {args.threads // 2} per rank\n"
