@@ -228,6 +228,35 @@ def test_up_restarts_a_killed_executor_while_the_other_serves(tiny_llama, tmp_pa
         up.ctrl_c_stops_everything()  # the replacement included
 
 
+def test_up_restarts_an_executor_whose_tensor_parallel_rank_died(tiny_llama, tmp_path):
+    """Kill -9 the second rank of executor-0 (TP=2): the executor fails (exit 3, not a hang),
+    executor-1 answers meanwhile, and up restarts executor-0 with a new rank."""
+    flags = ("--executors", "2", "--tensor-parallel-size", "2")
+    with meshserve_up(tiny_llama, tmp_path, *flags) as up:
+        up.wait_up()
+        executor_0 = ("services.executor", "--instance-id", "executor-0")
+        old = child_running(up.proc.pid, *executor_0)
+        assert old is not None, up.log_tail()
+        rank = child_running(old, "gpu.parallel.worker")
+        assert rank is not None, up.log_tail()
+        status, text = up.chat("warm up")
+        assert status == 200 and text, (status, text, up.log_tail())
+        os.kill(rank, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while (new := child_running(up.proc.pid, *executor_0)) in (None, old):
+            assert time.monotonic() < deadline, f"executor-0 not restarted:\n{up.log_tail()}"
+            status, text = up.chat("while it is down")
+            assert status == 200 and text, (status, text, up.log_tail())
+        up.wait_log(f"meshserve up: executor-0 (pid {old}) died (exit code 3); restarting it in")
+        assert "tensor-parallel group lost" in up.service_log("executor-0")
+        while child_running(new, "gpu.parallel.worker") is None:
+            assert time.monotonic() < deadline, f"no new rank:\n{up.log_tail()}"
+            time.sleep(0.1)
+        status, text = up.chat("after the restart")
+        assert status == 200 and text, (status, text, up.log_tail())
+        up.ctrl_c_stops_everything()
+
+
 def test_up_restarts_nats_server_on_the_same_port(tiny_llama, tmp_path):
     with meshserve_up(tiny_llama, tmp_path) as up:
         up.wait_up()
