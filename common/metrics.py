@@ -357,6 +357,8 @@ class EngineSnapshot:
     spec_accepted_per_pos: tuple[int, ...] = ()  # [j]: drafts whose token j was accepted
     spec_emitted_tokens: int = 0  # tokens the verifying steps gave clients, after stop cuts
     forward_passes: int = 0  # steps that ran the target model (prefill chunks included)
+    tensor_parallel_size: int = 1  # ranks the replica is split across
+    collective_seconds: float = 0.0  # rank 0's time in tensor-parallel collectives
 
 
 class ExecutorMetrics:
@@ -374,7 +376,9 @@ class ExecutorMetrics:
                 ("num_requests_running", "Requests in the engine's running batch.", s.running),
                 ("num_requests_waiting", "Requests waiting for the engine.", s.waiting),
                 ("kv_cache_usage_perc", "Fraction of KV pages in use (0..1).", s.kv_cache_usage),
-            )
+                ("tensor_parallel_size", "Ranks (devices) the model replica is split across.",
+                 s.tensor_parallel_size),
+            )  # fmt: skip
             for name, doc, value in gauges:
                 gauge = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
                 gauge.add_metric([executor_id], value)
@@ -389,6 +393,9 @@ class ExecutorMetrics:
                  "Tokens the verifying steps emitted (after stop and length cuts).",
                  s.spec_emitted_tokens),
                 ("engine_forward_passes", "Steps that ran the target model.", s.forward_passes),
+                ("tensor_parallel_collective_seconds",
+                 "Time rank 0 spent in tensor-parallel collectives (waits for the other ranks "
+                 "included): what the split costs.", s.collective_seconds),
             )  # fmt: skip
             for name, doc, value in counters:
                 counter = CounterMetricFamily(PREFIX + name, doc, labels=labels)

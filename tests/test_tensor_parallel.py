@@ -226,6 +226,9 @@ async def test_a_killed_rank_moves_the_executors_streams_elsewhere(tp_mesh: Mesh
         assert time.monotonic() < deadline
         await asyncio.sleep(0.02)
     held = set(split.requests)
+    state = split.engine_state()  # what its /metrics says of the split
+    assert state.tensor_parallel_size == 2 and state.collective_seconds > 0
+    assert whole.engine_state().tensor_parallel_size == 1
     os.kill(split.engine.runner.peers.pids[0], signal.SIGKILL)
     start = time.monotonic()
     results = await asyncio.wait_for(asyncio.gather(*load), 60)

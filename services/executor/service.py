@@ -432,6 +432,7 @@ class ExecutorService:
     def engine_state(self) -> EngineSnapshot:
         """Read at scrape time, possibly mid-step: only atomic reads (lengths and ints)."""
         pages, sched, spec = self.engine.pages, self.engine.scheduler, self.engine.spec
+        tp = self.engine.runner.model.tp
         return EngineSnapshot(
             running=len(sched.running),
             waiting=len(sched.waiting) + len(self.pending_adds),
@@ -444,6 +445,8 @@ class ExecutorService:
             spec_accepted_per_pos=tuple(spec.accepted_at),
             spec_emitted_tokens=spec.num_emitted_tokens,
             forward_passes=self.engine.num_forward_passes,
+            tensor_parallel_size=1 if tp is None else tp.world,
+            collective_seconds=0.0 if tp is None else tp.comm_ns / 1e9,
         )
 
     async def publish_outputs(self, outputs: list[StepOutput]) -> None:
