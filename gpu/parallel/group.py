@@ -87,6 +87,7 @@ class TensorParallel:
             store = TCPStore(host, port, shard.world, shard.rank == 0, timeout=timeout)
             group: Any
             if device.type == "cuda":
+                torch.cuda.set_device(device)  # NCCL binds each rank's communicator to it
                 opts = c10d.ProcessGroupNCCL.Options()
                 opts._timeout = timeout
                 group = c10d.ProcessGroupNCCL(store, shard.rank, shard.world, opts)
