@@ -101,8 +101,13 @@ class TensorParallel:
                 f"tensor-parallel rank {shard.rank}: cannot join: {exc}"
             ) from exc
         shm = None
-        kernels = load_cpu_kernels() if shm_path and device.type == "cpu" else None
-        if kernels is not None:
+        if shm_path and device.type == "cpu":
+            kernels = load_cpu_kernels()
+            if kernels is None:  # every rank must take the same path, or both wait forever
+                raise ParallelGroupLost(
+                    f"tensor-parallel rank {shard.rank}: the shared-memory all-reduce needs "
+                    "the CPU kernels, which did not load here"
+                )
             shm = ShmAllReduce(kernels, shm_path, shard.rank, shard.world, timeout_s)
         return cls(shard, group, device, shm)
 

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from gpu.config import ModelError
+from gpu.cpu_kernels import load as load_cpu_kernels
 from gpu.parallel import shm
 from gpu.parallel.group import ParallelGroupLost, TensorParallel
 from gpu.parallel.shard import Shard
@@ -75,7 +76,8 @@ class RankGroup:
         if spec.world < 2:
             raise ValueError("a rank group needs a tensor-parallel size of at least 2")
         cpu = spec.device_of(0).type == "cpu"
-        if cpu and spec.cpu_kernels and spec.shared_memory and not spec.shm_path:
+        kernels = cpu and spec.cpu_kernels and load_cpu_kernels() is not None
+        if kernels and spec.shared_memory and not spec.shm_path:
             spec = dataclasses.replace(spec, shm_path=shm.create(spec.world))
         self.spec = spec
         self.workers: list[subprocess.Popen[bytes]] = []
