@@ -42,9 +42,7 @@ from gpu.cpu_kernels.prepared import (
 )
 from gpu.formats import check_quantization
 from gpu.quant import (
-    QK,
     BlockWeight,
-    block_columns,
     dequantize_block_rows,
     fake_quantize_blocks,
     fp8_matmul_supported,
@@ -223,12 +221,10 @@ class Int8Linear(Linear):
         bias: torch.Tensor | None = None,
         kernels: CpuKernels | None = None,
         dtype: torch.dtype = torch.float32,
-        k_range: tuple[int, int] | None = None,
+        row_amax: torch.Tensor | None = None,
     ) -> None:
-        q, scale = quantize_int8(weight)
-        if k_range is not None:  # a row-parallel shard: the whole row's scale, its columns
-            q = q[:, k_range[0] : k_range[1]].contiguous()
-        super().__init__(int(q.shape[1]), int(q.shape[0]))
+        super().__init__(int(weight.shape[1]), int(weight.shape[0]))
+        q, scale = quantize_int8(weight, row_amax)
         device = weight.device
         self.kernels = kernels if device.type == "cpu" else None
         # The CPU kernel reads rows padded to whole blocks of 32; everything else [N, K].
@@ -351,12 +347,10 @@ class Fp8Linear(Linear):
         self,
         weight: torch.Tensor,
         bias: torch.Tensor | None = None,
-        k_range: tuple[int, int] | None = None,
+        row_amax: torch.Tensor | None = None,
     ) -> None:
-        q, scale = quantize_fp8(weight)
-        if k_range is not None:  # a row-parallel shard: the whole row's scale, its columns
-            q = q[:, k_range[0] : k_range[1]].contiguous()
-        super().__init__(int(q.shape[1]), int(q.shape[0]))
+        super().__init__(int(weight.shape[1]), int(weight.shape[0]))
+        q, scale = quantize_fp8(weight, row_amax)
         self.register_buffer("qweight", q)
         self.register_buffer("scale", scale.view(1, -1).contiguous())
         self.register_buffer("bias", bias)
@@ -393,15 +387,15 @@ def make_linear(
     kernels: CpuKernels | None = None,
     dtype: torch.dtype = torch.float32,
     lm_head: bool = False,
-    k_range: tuple[int, int] | None = None,
+    row_amax: torch.Tensor | None = None,
 ) -> Linear:
     """The layer for ``weight`` ``[N, K]`` (already on its device) in the chosen format
     (``lm_head``: the model's output layer, which ``int4`` keeps at 8 bits).
 
-    ``k_range``: keep only inputs ``[start, stop)`` (a tensor-parallel rank's share of a
-    row-parallel layer, ``gpu.parallel``); formats with per-row scales compute them over the
-    whole row first, block formats split on their 32-weight blocks, so the rank multiplies by
-    exactly the values of the unsplit layer.
+    ``row_amax``: where ``weight`` is a tensor-parallel rank's columns of a row-parallel layer
+    (``gpu.parallel.shard``), each row's largest magnitude over the whole row: int8 and fp8
+    take their per-row scales from it, so the rank multiplies by exactly the codes and scales
+    of the unsplit layer (block formats need nothing: the split falls on their blocks).
 
     ``dtype`` is the activations' (and, for ``none``, the weight's) dtype; quantized formats
     take ``weight`` in any float dtype and quantize it from fp32. A ``BlockWeight`` (GGUF
@@ -409,20 +403,12 @@ def make_linear(
     other format dequantizes it first.
     """
     check_quantization(quantization)
-    if k_range is not None and bias is not None:
-        raise ModelError("a row-parallel layer cannot take a bias (every rank would add it)")
     if isinstance(weight, BlockWeight):
         if quantization in ("gguf", "auto"):
-            if k_range is not None:
-                weight = block_columns(weight, *k_range)
             # The block kernels, or (no compiler) the same math in torch (CausalLM dequantizes
             # blocks for other devices and dtypes).
             return BlockLinear(weight, bias, kernels)
         weight = weight.dequantize()
-    if k_range is not None and quantization not in ("int8", "fp8"):
-        if quantization == "int4" and k_range[0] % QK:
-            raise ModelError(f"int4 blocks of {QK} cannot split at input {k_range[0]}")
-        weight, k_range = weight[:, k_range[0] : k_range[1]].contiguous(), None
     if quantization == "int4":
         quantize = quantize_q8_0 if lm_head else quantize_q4_1
         qtype = "Q8_0" if lm_head else "Q4_1"
@@ -432,13 +418,13 @@ def make_linear(
         dense = blocks.dequantize().to(weight.device, dtype)
         return DenseLinear(dense, None if bias is None else bias.to(dtype), kernels)
     if quantization == "int8":
-        return Int8Linear(weight, bias, kernels, dtype, k_range)
+        return Int8Linear(weight, bias, kernels, dtype, row_amax)
     if quantization == "fp8":
         if not fp8_matmul_supported(weight.device):
             raise ModelError(
                 "fp8 weights need an fp8 GPU (compute capability >= 8.9, e.g. Hopper) or the CPU"
             )
-        return Fp8Linear(weight, None if bias is None else bias.to(dtype), k_range)
+        return Fp8Linear(weight, None if bias is None else bias.to(dtype), row_amax)
     return DenseLinear(weight.to(dtype), None if bias is None else bias.to(dtype), kernels)
 
 

@@ -69,19 +69,14 @@ class DecoderLayer(nn.Module):
         linear: Callable[..., Linear],
         ops: TorchOps,
         tp: TensorParallel | None = None,
+        row_amax: dict[str, torch.Tensor] | None = None,
     ) -> None:
         """``config``: this rank's shapes (``gpu.parallel.shard_config``); with ``tp``, ``w``
-        holds this rank's q/k/v and gate/up rows and the whole o_proj and down_proj, of
-        which the layer keeps its share of input columns."""
+        holds this rank's share of each weight and ``row_amax`` the whole rows' magnitudes
+        of its row-parallel ones (``gpu.parallel.shard.ShardedWeights``)."""
         super().__init__()
         attn, mlp = f"{prefix}.self_attn", f"{prefix}.mlp"
-        o_cols = down_cols = None
-        if tp is not None:
-            q0 = tp.rank * config.q_size
-            o_cols, down_cols = (
-                (q0, q0 + config.q_size),
-                tp.shard.part(tp.world * config.intermediate_size),
-            )
+        amax = row_amax or {}
         self.tp = tp
         qkv_bias = None
         if config.qkv_bias:
@@ -89,11 +84,12 @@ class DecoderLayer(nn.Module):
         self.qkv_proj = linear(
             stacked([w[f"{attn}.{n}_proj.weight"] for n in ("q", "k", "v")]), qkv_bias
         )
-        self.o_proj = linear(w[f"{attn}.o_proj.weight"], k_range=o_cols)
+        o, down = f"{attn}.o_proj.weight", f"{mlp}.down_proj.weight"
+        self.o_proj = linear(w[o], row_amax=amax.get(o))
         self.gate_up_proj = linear(
             stacked([w[f"{mlp}.gate_proj.weight"], w[f"{mlp}.up_proj.weight"]])
         )
-        self.down_proj = linear(w[f"{mlp}.down_proj.weight"], k_range=down_cols)
+        self.down_proj = linear(w[down], row_amax=amax.get(down))
         self.input_norm = owned(w[f"{prefix}.input_layernorm.weight"])
         self.post_attn_norm = owned(w[f"{prefix}.post_attention_layernorm.weight"])
         self.ops = ops
@@ -184,8 +180,10 @@ class CausalLM(nn.Module):
             tp = None
         self.tp = tp
         self.local_config = config if tp is None else shard_config(config, tp.world)
-        if tp is not None:
-            weights = shard_weights(config, weights, tp.shard)
+        row_amax: dict[str, torch.Tensor] = {}
+        if tp is not None:  # this rank's slices (only they move to the device below)
+            sharded = shard_weights(config, weights, tp.shard)
+            weights, row_amax = sharded.weights, sharded.row_amax
             self.vocab_start = tp.shard.vocab_range(config.vocab_size)[0]
         device = torch.device(device)
         if device.type != "cpu":
@@ -208,7 +206,7 @@ class CausalLM(nn.Module):
         if not config.tie_word_embeddings:
             self.embed_tokens = owned(w.pop("model.embed_tokens.weight"))
         self.layers = nn.ModuleList(
-            DecoderLayer(self.local_config, w, f"model.layers.{i}", linear, self.ops, tp)
+            DecoderLayer(self.local_config, w, f"model.layers.{i}", linear, self.ops, tp, row_amax)
             for i in range(config.num_hidden_layers)
         )
         head = w["model.embed_tokens.weight"] if config.tie_word_embeddings else w["lm_head.weight"]

@@ -49,16 +49,24 @@ def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     raise ModelError(f"unknown kv cache dtype {name!r}; choose one of {', '.join(KV_CACHE_DTYPES)}")
 
 
-def _row_scales(weight: torch.Tensor, qmax: float) -> torch.Tensor:
-    amax = weight.abs().amax(dim=1).to(torch.float32)
+def _row_scales(
+    weight: torch.Tensor, qmax: float, amax: torch.Tensor | None = None
+) -> torch.Tensor:
+    if amax is None:
+        amax = weight.abs().amax(dim=1)
+    amax = amax.to(device=weight.device, dtype=torch.float32)
     # An all-zero row gets scale 1 (its codes are 0 either way) rather than a division by 0.
     return torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
 
 
-def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[N, K]`` float -> (int8 ``[N, K]``, fp32 scales ``[N]``), symmetric per output row."""
+def quantize_int8(
+    weight: torch.Tensor, amax: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[N, K]`` float -> (int8 ``[N, K]``, fp32 scales ``[N]``), symmetric per output row.
+    ``amax``: each row's largest magnitude when ``weight`` is a slice of its columns (a
+    tensor-parallel shard), so the slice gets the whole row's scale and codes."""
     w = weight.to(torch.float32)
-    scale = _row_scales(w, INT8_MAX)
+    scale = _row_scales(w, INT8_MAX, amax)
     q = torch.round(w / scale[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
     return q.contiguous(), scale
 
@@ -80,10 +88,13 @@ def unpack_row_blocks(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     return packed.permute(0, 2, 1, 3).reshape(nb * 8, kb * 8)[:n, :k]
 
 
-def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[N, K]`` float -> (e4m3 ``[N, K]``, fp32 scales ``[N]``), per output row."""
+def quantize_fp8(
+    weight: torch.Tensor, amax: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[N, K]`` float -> (e4m3 ``[N, K]``, fp32 scales ``[N]``), per output row (``amax``:
+    as for :func:`quantize_int8`)."""
     w = weight.to(torch.float32)
-    scale = _row_scales(w, FP8_MAX)
+    scale = _row_scales(w, FP8_MAX, amax)
     q = (w / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
     return q.contiguous(), scale
 

@@ -13,7 +13,7 @@ import torch
 
 from gpu.config import ModelConfig
 from gpu.loader import load_model
-from gpu.parallel.launch import RankGroup, RankSpec, free_port
+from gpu.parallel.launch import RankGroup, RankSpec
 from gpu.parallel.shard import check_tensor_parallel
 from gpu.quant import kv_cache_dtype
 from gpu.runner import ModelRunner
@@ -32,8 +32,9 @@ def build_runner(
     shared_memory: bool = True,
 ) -> ModelRunner:
     """The runner for ``folder``; ``tensor_parallel_size`` > 1 starts that many ranks (one
-    device each: ``cuda:0..N-1`` from ``device``'s index, or the CPU's cores shared, each
-    rank with ``torch.get_num_threads()`` threads; their all-reduces go through shared
+    device each: ``cuda:0..N-1`` from ``device``'s index, or the CPU's cores shared: each
+    rank, this one included, gets ``torch.get_num_threads() // N`` threads; their
+    all-reduces go through shared
     memory unless ``shared_memory`` is False: Gloo). Raises ``ModelError`` for a model whose
     heads cannot be split so, before any rank starts."""
     if tensor_parallel_size == 1:
@@ -41,11 +42,14 @@ def build_runner(
         kv_dtype = kv_cache_dtype(kv_cache, model.dtype)
         return ModelRunner(model, num_pages=num_pages, page_size=page_size, kv_dtype=kv_dtype)
     check_tensor_parallel(ModelConfig.from_folder(Path(folder)), tensor_parallel_size)
+    # The ranks share this process's threads: N processes of all of them would oversubscribe
+    # the cores, and a collective waits for the rank that lost its core.
+    threads = max(1, torch.get_num_threads() // tensor_parallel_size)
+    torch.set_num_threads(threads)
     spec = RankSpec(
-        model=str(folder), world=tensor_parallel_size, port=free_port(), device=str(device),
+        model=str(folder), world=tensor_parallel_size, device=str(device),
         quantization=quantization, kv_cache_dtype=kv_cache, num_pages=num_pages,
-        page_size=page_size, threads=torch.get_num_threads(), timeout_s=timeout_s,
-        shared_memory=shared_memory,
+        page_size=page_size, threads=threads, timeout_s=timeout_s, shared_memory=shared_memory,
     )  # fmt: skip
     group = RankGroup(spec)
     try:

@@ -131,8 +131,22 @@ class ModelRunner:
         all_logits: bool = False,
         logits_indices: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if self.peers is not None:
-            self.peers.send_step(pack_step(input_ids, meta, all_logits, logits_indices))
+        if self.peers is None:
+            return self._forward(input_ids, meta, all_logits, logits_indices)
+        self.peers.send_step(pack_step(input_ids, meta, all_logits, logits_indices))
+        try:
+            return self._forward(input_ids, meta, all_logits, logits_indices)
+        except BaseException as exc:
+            self.peers.mark_failed(exc)
+            raise
+
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        meta: BatchMetadata,
+        all_logits: bool,
+        logits_indices: torch.Tensor | None,
+    ) -> torch.Tensor:
         if self.device.type != "cpu":
             meta = meta.to(self.device)
             input_ids = input_ids.to(self.device, non_blocking=True)

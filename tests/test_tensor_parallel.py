@@ -34,6 +34,15 @@ from tests.test_nats_cluster import stream
 POOL: dict[str, Any] = dict(num_pages=24, page_size=4)  # small: the churn below preempts
 
 
+@pytest.fixture(autouse=True, scope="module")
+def keep_threads() -> Iterator[None]:
+    """build_runner gives each rank its share of the threads, this process included: give
+    the tests after these their threads back."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 def engine_on(runner: ModelRunner) -> Engine:
     return Engine(runner, EngineConfig(max_num_batched_tokens=16, max_num_seqs=8), [2])
 

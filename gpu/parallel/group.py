@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import datetime
+import os
 import time
 from typing import Any
 
@@ -77,17 +78,22 @@ class TensorParallel:
         timeout_s: float = 30.0,
         host: str = "127.0.0.1",
         shm_path: str = "",
+        store: Any = None,
     ) -> TensorParallel:
         """Join the group whose store rank 0 serves on ``host:port`` (rank 0 creates it);
         returns once every rank has joined (or raises after ``timeout_s``). ``shm_path``:
-        the shared mapping of ``gpu.parallel.shm`` (CPU ranks on one host), "" for none."""
+        the shared mapping of ``gpu.parallel.shm`` (CPU ranks on one host), "" for none;
+        ``store``: rank 0's store, already listening (else one is made on ``port``)."""
         device = torch.device(device)
         timeout = datetime.timedelta(seconds=timeout_s)
         try:
-            store = TCPStore(host, port, shard.world, shard.rank == 0, timeout=timeout)
+            if store is None:
+                store = TCPStore(host, port, shard.world, shard.rank == 0, timeout=timeout)
             group: Any
             if device.type == "cuda":
                 torch.cuda.set_device(device)  # NCCL binds each rank's communicator to it
+                # wait() then raises when a peer is gone, rather than only ordering the stream
+                os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
                 opts = c10d.ProcessGroupNCCL.Options()
                 opts._timeout = timeout
                 group = c10d.ProcessGroupNCCL(store, shard.rank, shard.world, opts)

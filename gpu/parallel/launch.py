@@ -12,16 +12,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import json
 import os
 import select
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
 
 import torch
+from torch._C._distributed_c10d import TCPStore
 
 from gpu.config import ModelError
 from gpu.cpu_kernels import load as load_cpu_kernels
@@ -36,7 +37,7 @@ class RankSpec:
 
     model: str
     world: int
-    port: int
+    port: int = 0  # rank 0's store (RankGroup fills it in)
     device: str = "cpu"
     quantization: str = "none"
     kv_cache_dtype: str = "auto"
@@ -63,38 +64,45 @@ class RankSpec:
         return torch.device("cuda", (device.index or 0) + rank)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class RankGroup:
     """The running group, held by rank 0: ``comm`` is rank 0's own collectives."""
 
     def __init__(self, spec: RankSpec) -> None:
         if spec.world < 2:
             raise ValueError("a rank group needs a tensor-parallel size of at least 2")
+        self.workers: list[subprocess.Popen[bytes]] = []
+        self.spec = spec
+        try:
+            self._start(spec)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, spec: RankSpec) -> None:
+        # The store listens before any rank starts, on a port the kernel picked: no race with
+        # another executor starting at the same time.
+        store = TCPStore(
+            "127.0.0.1", 0, spec.world, True, timeout=datetime.timedelta(seconds=spec.timeout_s),
+            wait_for_workers=False,
+        )  # fmt: skip
         cpu = spec.device_of(0).type == "cpu"
         kernels = cpu and spec.cpu_kernels and load_cpu_kernels() is not None
-        if kernels and spec.shared_memory and not spec.shm_path:
-            spec = dataclasses.replace(spec, shm_path=shm.create(spec.world))
-        self.spec = spec
-        self.workers: list[subprocess.Popen[bytes]] = []
-        env = dict(os.environ, OMP_NUM_THREADS=str(spec.threads))
+        shm_path = shm.create(spec.world) if kernels and spec.shared_memory else ""
+        spec = self.spec = dataclasses.replace(spec, port=store.port, shm_path=shm_path)
+        env = dict(
+            os.environ, OMP_NUM_THREADS=str(spec.threads), MESHSERVE_TP_PARENT=str(os.getpid())
+        )
+        if not cpu:  # a dead peer then fails NCCL's wait() instead of hanging the stream
+            env["TORCH_NCCL_BLOCKING_WAIT"] = "1"
         for rank in range(1, spec.world):
             cmd = [sys.executable, "-m", "gpu.parallel.worker", spec.to_json(), str(rank)]
             self.workers.append(
                 subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
             )
-        try:
-            self.comm = TensorParallel.connect(
-                Shard(0, spec.world), spec.port, spec.device_of(0), spec.timeout_s,
-                shm_path=spec.shm_path,
-            )  # fmt: skip
-        except ParallelGroupLost:
-            self.close()
-            raise
+        self.comm = TensorParallel.connect(
+            Shard(0, spec.world), spec.port, spec.device_of(0), spec.timeout_s,
+            shm_path=spec.shm_path, store=store,
+        )  # fmt: skip
 
     @property
     def pids(self) -> list[int]:
@@ -113,7 +121,10 @@ class RankGroup:
             for fd in ready:
                 worker = waiting.pop(fd)
                 if os.read(fd, 1) != b"R":
-                    code = worker.wait()
+                    try:
+                        code: int | str = worker.wait(timeout=10)
+                    except subprocess.TimeoutExpired:
+                        code = "none: it said something else and was killed"
                     self.close()
                     raise ModelError(
                         f"tensor-parallel rank {self.workers.index(worker) + 1} failed to "
@@ -122,7 +133,7 @@ class RankGroup:
         self._unlink()  # every rank has it mapped: nothing is left behind whatever happens
 
     def _unlink(self) -> None:
-        if self.spec.shm_path:
+        if getattr(self, "spec", None) is not None and self.spec.shm_path:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.spec.shm_path)
 
@@ -130,6 +141,9 @@ class RankGroup:
         """Wake every rank with the step's length, then broadcast the step itself."""
         head = int(step.numel()).to_bytes(8, "little")
         for rank, worker in enumerate(self.workers, 1):
+            if worker.poll() is not None:  # found without a collective (NCCL would hang)
+                self.comm.failed = RuntimeError(f"rank {rank} exited ({worker.returncode})")
+                raise ParallelGroupLost(f"tensor-parallel rank {rank} exited ({worker.returncode})")
             try:
                 assert worker.stdin is not None
                 worker.stdin.write(head)
@@ -160,3 +174,9 @@ class RankGroup:
         if hasattr(self, "comm"):
             self.comm.close()
         self._unlink()
+
+    def mark_failed(self, exc: BaseException) -> None:
+        """Rank 0 failed inside a step the others run: every later step must fail too (their
+        collectives would pair with the wrong ones of ours)."""
+        if hasattr(self, "comm") and self.comm.failed is None:
+            self.comm.failed = exc

@@ -9,10 +9,10 @@ head are split by vocabulary rows. Splits are even; the head counts must divide:
 - KV heads by the world size, or the world size by the KV heads: then each KV head is held
   (replicated) by ``world / kv_heads`` ranks, whose query heads all read it.
 
-Row-parallel weights are handed to ``gpu.linear.make_linear`` whole, with the input range to
-keep (``k_range``): a quantized format computes its per-row scales over the whole row and
-then keeps its columns, so every rank multiplies by exactly the codes and scales the unsplit
-layer has.
+Row-parallel weights are sliced too, and each row's largest magnitude over the whole row is
+kept beside the slice (``row_amax``): int8 and fp8 take their per-row scales from it, so
+every rank multiplies by exactly the codes and scales of the unsplit layer; GGUF blocks split
+on their 32-weight boundaries (other splits are refused). Only slices move to the device.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from gpu.config import ModelConfig, ModelError
-from gpu.quant import QK, BlockWeight
+from gpu.quant import QK, BlockWeight, block_columns
 
 Weight = torch.Tensor | BlockWeight
 
@@ -106,13 +106,19 @@ def check_block_split(name: str, weight: Weight, start: int, stop: int) -> None:
         )
 
 
-def shard_weights(
-    config: ModelConfig, weights: dict[str, Weight], shard: Shard
-) -> dict[str, Weight]:
-    """This rank's column-parallel and vocabulary-parallel tensors, sliced; row-parallel
-    ones (o_proj, down_proj) and norms stay whole (``CausalLM`` passes their ``k_range``)."""
+@dataclass
+class ShardedWeights:
+    """One rank's tensors (by checkpoint name) and, for each row-parallel weight that is not
+    in blocks, the largest magnitude of each of its whole rows."""
+
+    weights: dict[str, Weight]
+    row_amax: dict[str, torch.Tensor]
+
+
+def shard_weights(config: ModelConfig, weights: dict[str, Weight], shard: Shard) -> ShardedWeights:
+    """This rank's share of every split tensor; norms stay whole."""
     if shard.world == 1:
-        return weights
+        return ShardedWeights(weights, {})
     check_tensor_parallel(config, shard.world)
     d = config.head_dim
     q0, q1 = shard.part(config.num_attention_heads)
@@ -120,6 +126,17 @@ def shard_weights(
     i0, i1 = shard.part(config.intermediate_size)
     v0, v1 = shard.vocab_range(config.vocab_size)
     out = dict(weights)
+    amax: dict[str, torch.Tensor] = {}
+
+    def split_columns(name: str, start: int, stop: int) -> None:
+        weight = out[name]
+        if isinstance(weight, BlockWeight):
+            check_block_split(name, weight, start, stop)
+            out[name] = block_columns(weight, start, stop)
+            return
+        amax[name] = weight.abs().amax(dim=1).to(torch.float32)
+        out[name] = weight[:, start:stop].contiguous()
+
     for name in ("model.embed_tokens.weight", "lm_head.weight"):
         if name in out:
             out[name] = rows(out[name], v0, v1)
@@ -135,6 +152,6 @@ def shard_weights(
                 )
         for n in ("gate", "up"):
             out[f"{mlp}.{n}_proj.weight"] = rows(out[f"{mlp}.{n}_proj.weight"], i0, i1)
-        check_block_split(f"{attn}.o_proj", out[f"{attn}.o_proj.weight"], q0 * d, q1 * d)
-        check_block_split(f"{mlp}.down_proj", out[f"{mlp}.down_proj.weight"], i0, i1)
-    return out
+        split_columns(f"{attn}.o_proj.weight", q0 * d, q1 * d)
+        split_columns(f"{mlp}.down_proj.weight", i0, i1)
+    return ShardedWeights(out, amax)

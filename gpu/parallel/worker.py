@@ -8,8 +8,11 @@ pages in every rank's pool.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 import os
+import signal
 import sys
 
 import torch
@@ -23,6 +26,7 @@ from gpu.quant import kv_cache_dtype
 from gpu.runner import ModelRunner
 
 log = logging.getLogger("meshserve.tp")
+PR_SET_PDEATHSIG = 1
 
 
 def read_exactly(fd: int, n: int) -> bytes:
@@ -35,7 +39,19 @@ def read_exactly(fd: int, n: int) -> bytes:
     return data
 
 
-def serve(spec: RankSpec, rank: int) -> None:
+def die_with_parent() -> None:
+    """SIGKILL this process when rank 0 dies (Linux), even while it loads the model: a
+    restarted executor must not find the old ranks still holding memory."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != int(os.environ.get("MESHSERVE_TP_PARENT", os.getppid())):
+        os._exit(1)  # the parent died before prctl took effect
+
+
+def serve(spec: RankSpec, rank: int, ready_fd: int) -> None:
     torch.set_num_threads(spec.threads)
     device = spec.device_of(rank)
     tp = TensorParallel.connect(
@@ -51,7 +67,8 @@ def serve(spec: RankSpec, rank: int) -> None:
         spec.page_size,
         kv_dtype=kv_cache_dtype(spec.kv_cache_dtype, model.dtype),
     )
-    os.write(sys.stdout.fileno(), b"R")
+    os.write(ready_fd, b"R")
+    os.close(ready_fd)
     try:
         run_steps(tp, runner, spec.page_size, device)
     finally:
@@ -75,9 +92,18 @@ def run_steps(
 
 def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    die_with_parent()
+    # Rank 0 decides when this rank stops (a zero length, or its end): Ctrl-C or a SIGTERM
+    # sent to the whole process group must not end a rank under a step rank 0 still runs.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # The ready byte goes on the pipe rank 0 reads; anything a library prints goes to stderr
+    # (a pipe nobody reads would fill and block this rank mid-step).
+    ready_fd = os.dup(sys.stdout.fileno())
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     spec, rank = RankSpec.from_json(argv[1]), int(argv[2])
     try:
-        serve(spec, rank)
+        serve(spec, rank, ready_fd)
     except ParallelGroupLost as exc:
         log.error("tensor-parallel rank %d: %s", rank, exc)
         return 1
