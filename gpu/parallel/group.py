@@ -115,6 +115,15 @@ class TensorParallel:
                     "the CPU kernels, which did not load here"
                 )
             shm = ShmAllReduce(kernels, shm_path, shard.rank, shard.world, timeout_s)
+            # Once every rank has it mapped the file can go: nothing is left in /dev/shm
+            # whatever happens to the processes later.
+            try:
+                group.allreduce([torch.zeros(1)]).wait()
+            except RuntimeError as exc:
+                raise ParallelGroupLost(f"tensor-parallel rank {shard.rank}: {exc}") from exc
+            if shard.rank == 0:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(shm_path)
         return cls(shard, group, device, shm)
 
     def _run(self, what: str, work: dist.Work) -> None:

@@ -130,9 +130,9 @@ class RankGroup:
                         f"tensor-parallel rank {self.workers.index(worker) + 1} failed to "
                         f"load the model (exit {code}; its error is in the log above)"
                     )
-        self._unlink()  # every rank has it mapped: nothing is left behind whatever happens
 
     def _unlink(self) -> None:
+        """The shared mapping's file, if the ranks never all opened it (else it is gone)."""
         if getattr(self, "spec", None) is not None and self.spec.shm_path:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.spec.shm_path)
