@@ -249,9 +249,11 @@ def test_up_restarts_an_executor_whose_tensor_parallel_rank_died(tiny_llama, tmp
             assert status == 200 and text, (status, text, up.log_tail())
         up.wait_log(f"meshserve up: executor-0 (pid {old}) died (exit code 3); restarting it in")
         assert "tensor-parallel group lost" in up.service_log("executor-0")
-        while child_running(new, "gpu.parallel.worker") is None:
-            assert time.monotonic() < deadline, f"no new rank:\n{up.log_tail()}"
+        joined = "executor executor-0 connected to nats"
+        while up.service_log("executor-0").count(joined) < 2:  # the new one, ranks and all
+            assert time.monotonic() < deadline, f"executor-0 never rejoined:\n{up.log_tail()}"
             time.sleep(0.1)
+        assert child_running(new, "gpu.parallel.worker") is not None, up.log_tail()
         status, text = up.chat("after the restart")
         assert status == 200 and text, (status, text, up.log_tail())
         up.ctrl_c_stops_everything()

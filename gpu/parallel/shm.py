@@ -10,6 +10,7 @@ broadcast, the logits gather and everything else. Layout and protocol: ``shm.c``
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import tempfile
@@ -30,9 +31,15 @@ def mapping_size(world: int, capacity: int = CAPACITY) -> int:
 
 
 def create(world: int, capacity: int = CAPACITY) -> str:
-    """A zeroed mapping file for ``world`` ranks; its path goes to every rank."""
+    """A zeroed mapping file for ``world`` ranks; its path goes to every rank. Files left by
+    a rank 0 that died before its ranks all opened theirs (named by its pid) go first."""
     folder = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-    path = folder / f"meshserve-tp-{uuid.uuid4().hex[:12]}"
+    for old in folder.glob("meshserve-tp-*-*"):
+        pid = old.name.split("-")[2]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            with contextlib.suppress(OSError):
+                old.unlink()
+    path = folder / f"meshserve-tp-{os.getpid()}-{uuid.uuid4().hex[:12]}"
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
         os.ftruncate(fd, mapping_size(world, capacity))
