@@ -75,6 +75,7 @@ class Stream:
     token_ids: list[int] = field(default_factory=list)  # all received: a migration resumes them
     output_tokens: int = 0
     deltas_sent: int = 0  # TextDelta.seq of the last delta sent
+    unsent_ids: list[int] = field(default_factory=list)  # received since the last delta sent
 
 
 class DetokenizerService:
@@ -209,13 +210,25 @@ class DetokenizerService:
             ),
             source=source,
         )
+        if start.output_token_ids:
+            self.replay(stream, start.output_token_ids)
         self.streams[rid] = stream
         return stream
+
+    @staticmethod
+    def replay(stream: Stream, token_ids: list[int]) -> None:
+        """A resumed stream: its client already has these tokens' text (the gateway resumes
+        from the tokens of the deltas it took), so they only bring the detokenizer and the stop
+        matcher to the lost stream's state, held-back text included; nothing is sent."""
+        stream.stops.feed(stream.detok.add(token_ids))
+        stream.token_ids.extend(token_ids)
+        stream.output_tokens = len(token_ids)
 
     def advance(self, stream: Stream, seq: SeqTokens) -> TextDelta | None:
         rid = seq.request_id
         stream.output_tokens = seq.output_tokens
         stream.token_ids.extend(seq.token_ids)
+        stream.unsent_ids.extend(seq.token_ids)
         text = stream.stops.feed(stream.detok.add(seq.token_ids))
         finish = seq.finish_reason
         if stream.stops.stopped:
@@ -230,13 +243,23 @@ class DetokenizerService:
                 return None  # nothing the client can see yet (a held-back partial character)
             stream.deltas_sent += 1
             return TextDelta(
-                rid, text, logprobs=self.logprobs(seq.logprobs), seq=stream.deltas_sent
+                rid,
+                text,
+                logprobs=self.logprobs(seq.logprobs),
+                seq=stream.deltas_sent,
+                token_ids=self.take_unsent(stream),
             )
         self.end(rid, finish)
         usage = Usage(stream.prompt_tokens, stream.output_tokens, stream.cached_tokens)
         stream.deltas_sent += 1
         logprobs = self.logprobs(seq.logprobs)
-        return TextDelta(rid, text, finish, usage, logprobs, seq=stream.deltas_sent)
+        unsent = self.take_unsent(stream)
+        return TextDelta(rid, text, finish, usage, logprobs, stream.deltas_sent, unsent)
+
+    @staticmethod
+    def take_unsent(stream: Stream) -> list[int]:
+        ids, stream.unsent_ids = stream.unsent_ids, []
+        return ids
 
     def end(self, request_id: str, reason: str) -> None:
         """Forget a stream (its tokens still on the way are dropped) and close its span."""
