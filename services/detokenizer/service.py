@@ -5,7 +5,10 @@ first tokens to its end; run one process per shard (``--shard i`` of ``--shards 
 When a stop string ends a request, the executors are told to abort it so its pages are freed.
 A stream is one client's text whichever executors produce it: when the scheduler moves a
 request off a lost executor it asks here which tokens the stream has received, resubmits the
-request with them, and the stream continues with the next executor's tokens.
+request with them, and the stream continues with the next executor's tokens. A stream the
+gateway resumed after a loss in transit is a new one (a new id) that starts with the tokens its
+client has (``StreamStart.output_token_ids``): they are replayed, not sent. Each delta carries
+the tokens it covers (``TextDelta.token_ids``), the gateway's record to resume from.
 """
 
 from __future__ import annotations
