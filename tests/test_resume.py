@@ -25,18 +25,49 @@ from services.gateway.resume import continuation
 from services.gateway.streams import Inbox, RequestStream
 from services.gateway.watchdog import check_stalled
 from tests.mesh import MeshHarness, openai_client, runtime_of
+from tools.bench.otlp_receiver import OtlpReceiver
 from tools.bench.scrape import metric_sums
 
 RESUMED = "meshserve:requests_resumed_total"
 
 
 @pytest.fixture(scope="module")
-def mesh(tiny_llama: Path) -> Iterator[MeshHarness]:
-    harness = MeshHarness(tiny_llama, executors=1).start()
+def receiver() -> Iterator[OtlpReceiver]:
+    r = OtlpReceiver().start()
+    yield r
+    r.stop()
+
+
+@pytest.fixture(scope="module")
+def mesh(tiny_llama: Path, receiver: OtlpReceiver) -> Iterator[MeshHarness]:
+    harness = MeshHarness(tiny_llama, executors=1, otlp_endpoint=receiver.endpoint).start()
     try:
         yield harness
     finally:
         harness.stop()
+
+
+def resume_events(
+    mesh: MeshHarness, receiver: OtlpReceiver, at_least: int = 0
+) -> list[dict[str, Any]]:
+    """The ``request.resumed`` events of the gateway.request spans exported, once there are
+    ``at_least`` (a span ends when its handler returns, which may be after the client read
+    the response)."""
+
+    def events(spans: list[Any]) -> list[dict[str, Any]]:
+        return [
+            attributes
+            for span in spans
+            if span.name == "gateway.request"
+            for name, attributes in span.events
+            if name == "request.resumed"
+        ]
+
+    def flush() -> None:
+        runtime_of(mesh.services[-1]).tracing.flush(5)
+
+    receiver.wait_for(lambda spans: len(events(spans)) >= at_least, 10, flush)
+    return events(receiver.snapshot())
 
 
 def resumed(mesh: MeshHarness) -> float:
@@ -114,21 +145,24 @@ async def complete(
     "lost",
     [
         # A step in the middle: the detokenizer sees the gap in the token count (stream_gap).
-        ("executor", lambda seq: seq.output_tokens == 9),
+        ("executor", lambda seq: seq.output_tokens == 9, "stream_gap"),
         # The first step, with the stream's start: the detokenizer never saw the stream, the
         # executor answers stream_lost.
-        ("executor", lambda seq: seq.start is not None),
+        ("executor", lambda seq: seq.start is not None, "stream_lost"),
         # Text deltas on their way to the gateway: it sees the gap in the deltas' numbers.
-        ("detokenizer", lambda delta: delta.seq == 4),
+        ("detokenizer", lambda delta: delta.seq == 4, "stream_gap"),
     ],
     ids=["middle-step", "first-step", "delta"],
 )
 async def test_a_lost_message_is_resumed_and_the_text_is_the_uninterrupted_one(
-    mesh: MeshHarness, stream: bool, lost: tuple[str, Callable[[Any], bool]]
+    mesh: MeshHarness,
+    receiver: OtlpReceiver,
+    stream: bool,
+    lost: tuple[str, Callable[[Any], bool], str],
 ) -> None:
-    where, matches = lost
+    where, matches, reason = lost
     expected = await complete(mesh, stream, temperature=0)
-    before = resumed(mesh)
+    before, events_before = resumed(mesh), len(resume_events(mesh, receiver))
     if where == "executor":
         drop = Drop(mesh.executor_services[0], StepTokens, lambda s: any(map(matches, s.seqs)))
     else:
@@ -143,6 +177,11 @@ async def test_a_lost_message_is_resumed_and_the_text_is_the_uninterrupted_one(
     assert got[2].prompt_tokens == expected[2].prompt_tokens
     assert got[2].completion_tokens == expected[2].completion_tokens == 24
     assert resumed(mesh) == before + 1
+    [event] = resume_events(mesh, receiver, events_before + 1)[events_before:]
+    assert event["meshserve.resume.reason"] == reason
+    assert event["meshserve.choice"] == 0 and event["meshserve.resume.attempt"] == 1
+    delivered = event["meshserve.resume.delivered_tokens"]
+    assert delivered == 0 if reason == "stream_lost" else 0 < delivered < 24
 
 
 async def test_a_seeded_choice_resumes_with_its_own_draws(mesh: MeshHarness) -> None:

@@ -67,11 +67,6 @@ class RequestStream:
         self.unknown_checks = 0
 
     @property
-    def request_ids(self) -> list[str]:
-        """The id each choice is generated under now (its own, or its last continuation's)."""
-        return [ids[-1] for ids in self._attempt]
-
-    @property
     def routed_ids(self) -> list[str]:
         """Every id whose events belong to this stream: the choices' and their continuations',
         and the request's."""
