@@ -1,7 +1,8 @@
 """The gateway's side of the mesh: submit requests, receive their events, abort, liveness.
 
 Outbound: one ``GenerateRequest`` for all ``n`` choices on ``tokenizer.encode`` (the tokenizer
-fans it out into one request per choice after encoding the prompt once), ``AbortRequests`` on
+fans it out into one request per choice after encoding the prompt once), a continuation of one
+choice whose tokens were lost in transit (``resubmit``; ``resume.py``), ``AbortRequests`` on
 ``requests.abort``. Inbound: this instance's inbox (text deltas and errors for its requests),
 executor heartbeats and every service's presence (``health.py``: /health, and requests fail
 at once while a stage they need has no live member).
