@@ -266,10 +266,20 @@ class GatewayMetrics:
             ["model_name", "status"],
             registry=registry,
         )
+        self.resumed = Counter(
+            PREFIX + "requests_resumed",
+            "Choices resumed as a continuation after their tokens were lost in transit, by "
+            "the error code that found the loss.",
+            ["model_name", "reason"],
+            registry=registry,
+        )
         self.model_name = model_name
 
     def finished(self, reason: str) -> None:
         self.success.labels(self.model_name, reason).inc()
+
+    def resumed_after(self, reason: str) -> None:
+        self.resumed.labels(self.model_name, reason).inc()
 
     def failed(self, status: int) -> None:
         self.failure.labels(self.model_name, str(status)).inc()

@@ -107,6 +107,7 @@ class MeshHarness:
     region: str = ""  # every service's --region
     kv_replicas: int = 1
     required_stages: tuple[str, ...] | None = None  # the gateway's; None: its default
+    gateway_options: dict[str, Any] = field(default_factory=dict)  # more GatewayConfig fields
     loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.new_event_loop)
     thread: threading.Thread | None = None
     services: list[Any] = field(default_factory=list)
@@ -182,7 +183,7 @@ class MeshHarness:
             from services.gateway.config import GatewayConfig
 
             self.port = free_port()
-            gateway_options: dict[str, Any] = {}
+            gateway_options: dict[str, Any] = dict(self.gateway_options)
             if self.required_stages is not None:
                 gateway_options["required_stages"] = self.required_stages
             gw = GatewayServer(

@@ -27,9 +27,12 @@ def nats_server():
     server.stop()
 
 
-async def run_stream(nats_server, model, token_ids, stop, tokens_per_step=1, lost=(), errors=None):
+async def run_stream(
+    nats_server, model, token_ids, stop, tokens_per_step=1, lost=(), errors=None, prior=(), rid="r1"
+):
     """Send ``token_ids`` through a detokenizer shard, less the steps numbered in ``lost``;
-    return (deltas, aborts); error events sent to the client go to ``errors``."""
+    return (deltas, aborts); error events sent to the client go to ``errors``. ``prior``: the
+    stream resumes a lost one after these tokens (``StreamStart.output_token_ids``)."""
     svc = DetokenizerService(DetokenizerConfig(MeshConfig(nats_server.url), str(model)))
     await svc.start()
     nc = await nats.connect(nats_server.url)
@@ -50,12 +53,14 @@ async def run_stream(nats_server, model, token_ids, stop, tokens_per_step=1, los
     steps = [token_ids[i : i + tokens_per_step] for i in range(0, len(token_ids), tokens_per_step)]
     for i, chunk in enumerate(steps):
         last = i == len(steps) - 1
-        start = StreamStart(stop, True, 3, 0, reply_to="test.inbox") if i == 0 else None
+        start = None
+        if i == 0:
+            start = StreamStart(stop, True, 3, 0, reply_to="test.inbox", output_token_ids=[*prior])
         seq = SeqTokens(
-            "r1",
+            rid,
             chunk,
             "length" if last else None,
-            min((i + 1) * tokens_per_step, len(token_ids)),
+            len(prior) + min((i + 1) * tokens_per_step, len(token_ids)),
             start,
         )
         if i not in lost:
@@ -123,3 +128,38 @@ async def test_a_lost_step_message_fails_the_stream_instead_of_losing_its_text(
     assert "retry" in errors[0].message
     assert aborts == ["r1"]
     assert len(deltas) == 2 and not any(d.finish_reason for d in deltas)
+
+
+@pytest.mark.parametrize(
+    ("text", "stop"),
+    [(TEXT, []), ("The quick brown fox jumps over the lazy dog.", ["fox jumps high"])],
+)
+async def test_a_resumed_stream_continues_the_text_the_client_has(
+    nats_server, tiny_llama, text, stop
+):
+    # The gateway resumes a stream that lost a step from the tokens of the deltas it took
+    # (TextDelta.token_ids): the new stream replays them and sends only what follows, even when
+    # the lost stream was holding text back (half a character, a possible stop string).
+    tok = Tokenizer.from_folder(tiny_llama)
+    ids = tok.encode(text, add_special_tokens=False)
+    # Cuts where the client has tokens whose text was held back (a possible stop string; this
+    # byte-level tokenizer completes a character within one delta): the hard places to cut.
+    held_at = []
+    # The step lost is followed by one that shows the gap; every cut of the short text, every
+    # third of the long one (a detokenizer per run: seconds).
+    for k in range(1, len(ids) - 1, 1 if len(ids) < 32 else 3):
+        errors: list[ErrorEvent] = []
+        deltas, _ = await run_stream(nats_server, tiny_llama, ids, stop, lost={k}, errors=errors)
+        assert [e.code for e in errors] == ["stream_gap"]
+        delivered = [t for d in deltas for t in d.token_ids]
+        seen = "".join(d.text for d in deltas)
+        if tok.decode(delivered) != seen:
+            held_at.append(k)
+        rest, _ = await run_stream(
+            nats_server, tiny_llama, ids[len(delivered) :], stop, prior=delivered, rid="r1-r1-0"
+        )
+        assert seen + "".join(d.text for d in rest) == text, k
+        assert [t for d in rest for t in d.token_ids] == ids[len(delivered) :]
+        assert rest[-1].usage is not None and rest[-1].usage.completion_tokens == len(ids)
+        assert rest[-1].seq == len(rest)  # numbered from 1 again: a stream of its own
+    assert held_at or not stop, "no cut fell where the stream held text back"

@@ -10,6 +10,7 @@ from common.config import MeshConfig
 from common.wire.executor import AbortRequests, TokenizedRequest
 from common.wire.scheduler import Heartbeat
 from common.wire.tokenizer import WireSamplingParams
+from services.scheduler.regions import RegionConfig
 from services.scheduler.service import SchedulerService, SchedulerServiceConfig
 
 
@@ -112,3 +113,23 @@ def test_ended_ids_are_forgotten_after_their_ttl_and_bounded_in_number():
     ended.add("e", True)
     ended.prune()
     assert len(ended) == 1 and "e" in ended
+
+
+async def test_a_request_from_another_region_waits_behind_ours_and_leaves_the_reserve(
+    scheduler,
+):
+    # Spilled in (a guest): queued after every request of this region's own clients, and sent
+    # only to an executor that keeps --spill-reserve-seqs slots free after it, so a local
+    # request arriving next still finds a slot.
+    sched, sent = scheduler(regions=RegionConfig(spill_reserve_seqs=1))
+    await sched.on_spilled(request("guest-1"))
+    await sched.on_submit(request("local-1"))
+    await sched.on_spilled(request("guest-2"))
+    await sched.on_heartbeat(Heartbeat("a", 2, 0, 100, 100, 16, 4, 0))  # 2 of 4 slots free
+    assert sent == ["local-1"]  # the last free slot is the reserve: no guest takes it
+    await sched.on_submit(request("local-2"))
+    assert sent == ["local-1", "local-2"]  # a local one may
+    await sched.on_heartbeat(Heartbeat("a", 1, 0, 100, 100, 16, 4, 0))  # 3 free
+    assert sent == ["local-1", "local-2", "guest-1", "guest-2"]
+    await sched.on_submit(request("local-3"))
+    assert sent[-1] == "local-3" and not sched.queue

@@ -1,5 +1,6 @@
 """The gateway's watchdog: a request the scheduler no longer knows (lost with a restarted
-service) ends with a clear 503 instead of waiting for the request timeout."""
+service) is found at once instead of at the request timeout: the gateway resumes it, or, with
+resumption off, it ends with a clear 503."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import asyncio
 import time
 
 import aiohttp
+import pytest
 
 from common.wire.gateway import ErrorEvent
 from common.wire.scheduler import RequestStatusReply
@@ -51,8 +53,12 @@ async def test_only_a_request_unknown_twice_in_a_row_is_failed():
     assert (error.request_id, error.status, error.code) == ("lost-0", 503, "request_lost")
 
 
-async def test_a_request_lost_with_a_restarted_scheduler_gets_a_503(tiny_llama):
-    mesh = MeshHarness(tiny_llama, max_num_seqs=1).start()
+@pytest.mark.parametrize("max_resumes", [3, 0])
+async def test_a_request_lost_with_a_restarted_scheduler_is_resumed_or_gets_a_503(
+    tiny_llama, max_resumes
+):
+    mesh = MeshHarness(tiny_llama, max_num_seqs=1, gateway_options={"max_resumes": max_resumes})
+    mesh.start()
     try:
         sched = next(s for s in mesh.services if type(s).__name__ == "SchedulerService")
         gateway = mesh.services[-1]
@@ -84,9 +90,13 @@ async def test_a_request_lost_with_a_restarted_scheduler_gets_a_503(tiny_llama):
             started = time.monotonic()
             for _ in range(2):
                 mesh.call(check_stalled(gateway.mesh.service, gateway.mesh.inbox, stall_s=0))
-            status, body = await asyncio.wait_for(queued, 10)
-            assert status == 503 and body["error"]["code"] == "request_lost"
-            assert time.monotonic() - started < 5
+            if max_resumes:  # submitted again (nothing was delivered yet): it completes
+                status, body = await asyncio.wait_for(queued, 60)
+                assert status == 200 and body["usage"]["completion_tokens"] == 4
+            else:
+                status, body = await asyncio.wait_for(queued, 10)
+                assert status == 503 and body["error"]["code"] == "request_lost"
+                assert time.monotonic() - started < 5
             for task in busy:  # the running requests are known: they complete
                 status, _ = await task
                 assert status == 200

@@ -35,6 +35,11 @@ class StreamStart(Message):
     trace: dict[str, str] = field(default_factory=dict)
     reply_to: str = ""  # the gateway inbox its text goes to
     deadline: float | None = None  # unix seconds: past it, the detokenizer forgets the stream
+    # Tokens generated before this executor's first ones, whose text the client already has
+    # (``TokenizedRequest.output_token_ids``). A shard that holds the stream (a migration)
+    # ignores them; one that starts it (the gateway resumed a lost request under a new id)
+    # replays them without sending their text, so its state is the lost stream's.
+    output_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,10 @@ class TextDelta(Message):
     # lost on the bus, e.g. with a NATS server of a cluster) rather than serve it with text
     # missing.
     seq: int = 0
+    # The generated tokens this delta covers: every token since the previous delta, those whose
+    # text is still held back (half a character, a possible stop string) included. The gateway
+    # keeps them as the record of what its client has, and resumes a lost stream from them.
+    token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

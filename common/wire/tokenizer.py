@@ -102,10 +102,19 @@ class GenerateRequest(Message):
     n: int = 1
     response_format: ResponseFormat | None = None
     tools: ToolChoice | None = None
+    # A continuation (the gateway resumes a request lost in transit): the tokens its client
+    # already received. They ride on to ``TokenizedRequest.output_token_ids``: the executor
+    # prefills prompt + these and generates the rest, as for a migration.
+    output_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         require(
-            "GenerateRequest", {f"n must be within 1..{MAX_CHOICES}": 1 <= self.n <= MAX_CHOICES}
+            "GenerateRequest",
+            {
+                f"n must be within 1..{MAX_CHOICES}": 1 <= self.n <= MAX_CHOICES,
+                "a continuation (output_token_ids) has n = 1": self.n == 1
+                or not self.output_token_ids,
+            },
         )
 
     def choice_ids(self) -> list[str]:

@@ -5,7 +5,10 @@ first tokens to its end; run one process per shard (``--shard i`` of ``--shards 
 When a stop string ends a request, the executors are told to abort it so its pages are freed.
 A stream is one client's text whichever executors produce it: when the scheduler moves a
 request off a lost executor it asks here which tokens the stream has received, resubmits the
-request with them, and the stream continues with the next executor's tokens.
+request with them, and the stream continues with the next executor's tokens. A stream the
+gateway resumed after a loss in transit is a new one (a new id) that starts with the tokens its
+client has (``StreamStart.output_token_ids``): they are replayed, not sent. Each delta carries
+the tokens it covers (``TextDelta.token_ids``), the gateway's record to resume from.
 """
 
 from __future__ import annotations
@@ -75,6 +78,7 @@ class Stream:
     token_ids: list[int] = field(default_factory=list)  # all received: a migration resumes them
     output_tokens: int = 0
     deltas_sent: int = 0  # TextDelta.seq of the last delta sent
+    unsent_ids: list[int] = field(default_factory=list)  # received since the last delta sent
 
 
 class DetokenizerService:
@@ -209,13 +213,25 @@ class DetokenizerService:
             ),
             source=source,
         )
+        if start.output_token_ids:
+            self.replay(stream, start.output_token_ids)
         self.streams[rid] = stream
         return stream
+
+    @staticmethod
+    def replay(stream: Stream, token_ids: list[int]) -> None:
+        """A resumed stream: its client already has these tokens' text (the gateway resumes
+        from the tokens of the deltas it took), so they only bring the detokenizer and the stop
+        matcher to the lost stream's state, held-back text included; nothing is sent."""
+        stream.stops.feed(stream.detok.add(token_ids))
+        stream.token_ids.extend(token_ids)
+        stream.output_tokens = len(token_ids)
 
     def advance(self, stream: Stream, seq: SeqTokens) -> TextDelta | None:
         rid = seq.request_id
         stream.output_tokens = seq.output_tokens
         stream.token_ids.extend(seq.token_ids)
+        stream.unsent_ids.extend(seq.token_ids)
         text = stream.stops.feed(stream.detok.add(seq.token_ids))
         finish = seq.finish_reason
         if stream.stops.stopped:
@@ -230,13 +246,23 @@ class DetokenizerService:
                 return None  # nothing the client can see yet (a held-back partial character)
             stream.deltas_sent += 1
             return TextDelta(
-                rid, text, logprobs=self.logprobs(seq.logprobs), seq=stream.deltas_sent
+                rid,
+                text,
+                logprobs=self.logprobs(seq.logprobs),
+                seq=stream.deltas_sent,
+                token_ids=self.take_unsent(stream),
             )
         self.end(rid, finish)
         usage = Usage(stream.prompt_tokens, stream.output_tokens, stream.cached_tokens)
         stream.deltas_sent += 1
         logprobs = self.logprobs(seq.logprobs)
-        return TextDelta(rid, text, finish, usage, logprobs, seq=stream.deltas_sent)
+        unsent = self.take_unsent(stream)
+        return TextDelta(rid, text, finish, usage, logprobs, stream.deltas_sent, unsent)
+
+    @staticmethod
+    def take_unsent(stream: Stream) -> list[int]:
+        ids, stream.unsent_ids = stream.unsent_ids, []
+        return ids
 
     def end(self, request_id: str, reason: str) -> None:
         """Forget a stream (its tokens still on the way are dropped) and close its span."""

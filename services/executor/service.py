@@ -466,6 +466,7 @@ class ExecutorService:
                     trace=self.timelines.carrier(out.request_id),
                     reply_to=req.reply_to,
                     deadline=req.deadline,
+                    output_token_ids=req.output_token_ids,
                 )
             logprobs = None
             if out.logprobs is not None:

@@ -64,6 +64,11 @@ class GatewayConfig:
     shutdown_timeout_s: float = setting(
         30.0, "on SIGTERM, requests in flight get this long to finish"
     )
+    max_resumes: int = setting(
+        3,
+        "times one choice whose tokens were lost in transit (a NATS server died with them) "
+        "is resumed as a continuation before it fails with a retryable 503; 0: never",
+    )
     api_keys: tuple[str, ...] = setting(
         (),
         "bearer tokens accepted on /v1/* and /metrics (none: no authentication)",
@@ -98,6 +103,7 @@ class GatewayConfig:
             "presence_ttl_s must be > 0": self.presence_ttl_s > 0,
             "startup_grace_s must be >= 0": self.startup_grace_s >= 0,
             "shutdown_timeout_s must be >= 0": self.shutdown_timeout_s >= 0,
+            "max_resumes must be >= 0": self.max_resumes >= 0,
         }
         failed = [message for message, ok in checks.items() if not ok]
         if failed:

@@ -1,7 +1,8 @@
 """The gateway's side of the mesh: submit requests, receive their events, abort, liveness.
 
 Outbound: one ``GenerateRequest`` for all ``n`` choices on ``tokenizer.encode`` (the tokenizer
-fans it out into one request per choice after encoding the prompt once), ``AbortRequests`` on
+fans it out into one request per choice after encoding the prompt once), a continuation of one
+choice whose tokens were lost in transit (``resubmit``; ``resume.py``), ``AbortRequests`` on
 ``requests.abort``. Inbound: this instance's inbox (text deltas and errors for its requests),
 executor heartbeats and every service's presence (``health.py``: /health, and requests fail
 at once while a stage they need has no live member).
@@ -151,18 +152,7 @@ class MeshClient:
         """Publish the request (all its n choices); their events arrive on the returned
         stream."""
         nc = self.service.nc
-        if not nc.is_connected and len(self.config.mesh.nats_servers) > 1:
-            # On a cluster, a lost server is replaced within a reconnect: wait for it.
-            deadline = time.monotonic() + CLUSTER_RECONNECT_S
-            while not nc.is_connected and time.monotonic() < deadline:
-                await asyncio.sleep(0.02)
-        if not nc.is_connected:
-            raise RequestError(
-                "The gateway is not connected to the mesh.",
-                503,
-                "server_error",
-                code="mesh_unavailable",
-            )
+        await self.connected()
         await self.require_stages()
         span = trace.get_current_span()  # gateway.request, opened by the HTTP handler
         span.set_attributes(
@@ -196,6 +186,8 @@ class MeshClient:
             raise too_large_for_the_bus(size, nc.max_payload, api)
         stream = self.inbox.open(request.choice_ids(), self.config.request_timeout_s, base_id)
         stream.observer = RequestObserver(self.metrics, span)
+        stream.origin, stream.resubmitter = request, self
+        stream.max_resumes = self.config.max_resumes
         try:
             await nc.publish(self.subjects.tokenizer_encode, payload, headers=headers)
         except asyncio.CancelledError:  # the client left while we published
@@ -212,6 +204,44 @@ class MeshClient:
                 code="mesh_unavailable",
             ) from exc
         return stream
+
+    async def connected(self) -> None:
+        """Return once connected to NATS; raise a 503 (``mesh_unavailable``) if not. On a
+        cluster, a lost server is replaced within a reconnect: that is waited for."""
+        nc = self.service.nc
+        if not nc.is_connected and len(self.config.mesh.nats_servers) > 1:
+            deadline = time.monotonic() + CLUSTER_RECONNECT_S
+            while not nc.is_connected and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+        if not nc.is_connected:
+            raise RequestError(
+                "The gateway is not connected to the mesh.",
+                503,
+                "server_error",
+                code="mesh_unavailable",
+            )
+
+    async def resubmit(self, stream: RequestStream, request: GenerateRequest, lost_id: str) -> None:
+        """A choice's continuation (``resume.py``): withdraw the lost attempt everywhere (it
+        may still be generating, e.g. when only a delta was lost), route the continuation's
+        events to ``stream``, and publish it as ``submit`` does, in the request's trace."""
+        await self._publish_abort([lost_id], "resumed as a continuation")
+        await self.connected()
+        self.inbox.route(stream, [request.request_id, *request.choice_ids()])
+        span = stream.observer.span if stream.observer is not None else None
+        context = trace.set_span_in_context(span) if span is not None else None
+        try:
+            await self.service.nc.publish(
+                self.subjects.tokenizer_encode, request.encode(), headers=inject(None, context)
+            )
+        except Exception as exc:
+            log.exception("gateway: could not publish continuation %s", request.request_id)
+            raise RequestError(
+                "The gateway could not reach the mesh.",
+                503,
+                "server_error",
+                code="mesh_unavailable",
+            ) from exc
 
     async def release(self, stream: RequestStream, reason: str | None = None) -> None:
         """Stop routing ``stream``'s events; abort the choices that are still generating.

@@ -146,6 +146,19 @@ class RequestObserver:
             }
         )
 
+    def resumed(self, index: int, reason: str, delivered: int, attempt: int) -> None:
+        """Choice ``index`` lost tokens in transit and goes on as a continuation."""
+        self.metrics.resumed_after(reason)
+        self.span.add_event(
+            "request.resumed",
+            {
+                "meshserve.choice": index,
+                "meshserve.resume.reason": reason,
+                "meshserve.resume.attempt": attempt,
+                "meshserve.resume.delivered_tokens": delivered,
+            },
+        )
+
     def failed(self, error: RequestError) -> None:
         """A stage failed the request (or it timed out) after it entered the mesh."""
         self.metrics.failed(error.status)

@@ -4,7 +4,8 @@ Every stage replies to the same inbox subject (``subjects.gateway_inbox(instance
 subscription serves all requests; ``Inbox.deliver`` routes each ``TextDelta`` / ``ErrorEvent``
 by its ``request_id`` to the ``RequestStream`` of the HTTP request that owns it (one HTTP
 request with ``n`` choices owns ``n`` choice ids, and its own id: the tokenizer answers an
-error for the whole request under it, before the request splits into choices).
+error for the whole request under it, before the request splits into choices; a choice
+resumed after a loss in transit owns its continuation's ids too, ``resume.py``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ import logging
 from common.runtime import RequestError
 from common.wire.codec import MessageError, decode_any
 from common.wire.gateway import ErrorEvent, TextDelta, TextDeltas
+from common.wire.tokenizer import GenerateRequest
 from services.gateway.observe import RequestObserver
+from services.gateway.resume import Resubmitter, continuation, resumable
 
 log = logging.getLogger("meshserve.gateway")
 
@@ -25,25 +28,39 @@ InboxEvent = TextDelta | ErrorEvent
 class RequestStream:
     """The events of one HTTP request's sub-requests, in arrival order.
 
-    Iterating yields ``(choice_index, TextDelta)`` until every choice has a finish_reason. An
-    ``ErrorEvent`` for any choice, or for ``request_id`` (the whole request), raises
-    ``RequestError`` (the request fails as a whole, so the caller aborts the other choices);
-    passing the deadline raises a 504 ``RequestError``. ``failure`` then says why, for the
-    abort reason.
+    Iterating yields ``(choice_index, TextDelta)`` until every choice has a finish_reason. A
+    choice lost in transit (``resume.RESUMABLE``: an error event with such a code, or a gap in
+    its deltas' numbers) is resumed as a continuation when ``resubmitter`` is set and the
+    choice has resumes left, and its deltas go on under the continuation's ids; iterating
+    never shows the loss. Any other ``ErrorEvent`` for a choice, or one for ``request_id``
+    (the whole request), raises ``RequestError`` (the request fails as a whole, so the caller
+    aborts the other choices); passing the deadline raises a 504 ``RequestError``.
+    ``failure`` then says why, for the abort reason.
     """
 
     def __init__(
         self, request_ids: list[str], deadline: float, request_id: str | None = None
     ) -> None:
-        self.request_ids = tuple(request_ids)  # the choices'
         self.request_id = request_id
         self.deadline = deadline  # event-loop time
         self.failure: str | None = None
-        self._index = {rid: i for i, rid in enumerate(request_ids)}
-        self._open = set(request_ids)
-        self._seq = dict.fromkeys(request_ids, 0)  # TextDelta.seq of the last delta taken
+        # Every id whose events belong to a choice -> that choice: its own id, and each of its
+        # continuations' (the continuation request's id and its one choice's).
+        self._choice_of = {rid: i for i, rid in enumerate(request_ids)}
+        # Per choice, the ids of the attempt now generating it; the last one is what the
+        # scheduler and executors know it by. Events of an earlier attempt are dropped.
+        self._attempt: list[tuple[str, ...]] = [(rid,) for rid in request_ids]
+        self._open = set(range(len(request_ids)))
+        self._seq: dict[str, int] = {}  # TextDelta.seq of the last delta taken, per id
+        self._delivered: list[list[int]] = [[] for _ in request_ids]  # tokens taken, per choice
+        self.resumes = [0] * len(request_ids)
         self._queue: asyncio.Queue[InboxEvent] = asyncio.Queue()
         self.observer: RequestObserver | None = None  # latency metrics, fed as events are taken
+        # Resumption (``resume.py``), set by ``MeshClient.submit``: the request as submitted,
+        # who publishes a continuation, and how many each choice may have (0: none).
+        self.origin: GenerateRequest | None = None
+        self.resubmitter: Resubmitter | None = None
+        self.max_resumes = 0
         # Event-loop time of the last sign of life (opened, or an event arrived), and how many
         # checks in a row found it unknown to the scheduler (``watchdog.py``).
         self.last_event_at = asyncio.get_running_loop().time()
@@ -51,13 +68,14 @@ class RequestStream:
 
     @property
     def routed_ids(self) -> list[str]:
-        """Every id whose events belong to this stream: the choices', and the request's."""
-        return [*self.request_ids, *([self.request_id] if self.request_id else [])]
+        """Every id whose events belong to this stream: the choices' and their continuations',
+        and the request's."""
+        return [*self._choice_of, *([self.request_id] if self.request_id else [])]
 
     @property
     def unfinished(self) -> list[str]:
         """Sub-requests that are still generating (the ones to abort if the client leaves)."""
-        return [rid for rid in self.request_ids if rid in self._open]
+        return [self._attempt[i][-1] for i in sorted(self._open)]
 
     def put(self, event: InboxEvent) -> None:
         self.last_event_at = asyncio.get_running_loop().time()
@@ -70,21 +88,31 @@ class RequestStream:
     async def __anext__(self) -> tuple[int, TextDelta]:
         while self._open:
             event = await self._next_event()
-            whole = event.request_id == self.request_id and isinstance(event, ErrorEvent)
-            if event.request_id not in self._open and not whole:
-                continue  # a late event for a choice that already ended
+            rid = event.request_id
+            if rid == self.request_id:
+                if isinstance(event, ErrorEvent):
+                    # The tokenizer failed the whole request; it may have forwarded some
+                    # choices already: they all stay open, to be aborted.
+                    self.failure = f"the request failed: {event.message}"
+                    raise self._failed(self._error(event))
+                continue
+            index = self._choice_of.get(rid)
+            if index is None or index not in self._open or rid not in self._attempt[index]:
+                continue  # a late event for a choice that ended, or for an attempt it left
             if isinstance(event, ErrorEvent):
-                # The failing stage has dropped that choice. One that failed the whole request
-                # may have forwarded some choices already: they all stay open, to be aborted.
-                self._open.discard(event.request_id)
-                failed = "the request" if whole else "another choice"
-                self.failure = f"{failed} failed: {event.message}"
-                raise self._failed(
-                    RequestError(event.message, event.status, event.type, event.param, event.code)
-                )
-            if event.seq and event.seq != self._seq[event.request_id] + 1:
-                self._open.discard(event.request_id)
-                self.failure = f"delta {self._seq[event.request_id] + 1} lost on the way"
+                if await self._resume(index, event.status, event.code, event.message):
+                    continue
+                # The failing stage has dropped that choice.
+                self._open.discard(index)
+                self.failure = f"another choice failed: {event.message}"
+                raise self._failed(self._error(event))
+            expected = self._seq.get(rid, 0) + 1
+            if event.seq and event.seq != expected:
+                why = f"delta {expected} lost on the way"
+                if await self._resume(index, 503, "stream_gap", why):
+                    continue
+                self._open.discard(index)
+                self.failure = why
                 raise self._failed(
                     RequestError(
                         "The stream lost part of its text on the way (a message-bus server "
@@ -95,14 +123,50 @@ class RequestStream:
                         "stream_gap",
                     )
                 )
-            self._seq[event.request_id] = event.seq
+            self._seq[rid] = event.seq
+            self._delivered[index].extend(event.token_ids)
             if event.finish_reason is not None:
-                self._open.discard(event.request_id)
-            index = self._index[event.request_id]
+                self._open.discard(index)
             if self.observer is not None:
                 self.observer.delta(index, event)
             return index, event
         raise StopAsyncIteration
+
+    async def _resume(self, index: int, status: int, code: str | None, why: str) -> bool:
+        """Continue choice ``index`` after the tokens its client has; False when it may not
+        (not a loss in transit, no resumes left, past its deadline, the mesh refused)."""
+        if (
+            self.resubmitter is None
+            or self.origin is None
+            or not resumable(status, code)
+            or self.resumes[index] >= self.max_resumes
+            or asyncio.get_running_loop().time() >= self.deadline
+        ):
+            return False
+        self.resumes[index] += 1
+        lost = self._attempt[index][-1]
+        delivered = self._delivered[index]
+        request = continuation(self.origin, index, delivered, self.resumes[index])
+        ids = (request.request_id, *request.choice_ids())
+        for rid in ids:
+            self._choice_of[rid] = index
+        self._attempt[index] = ids  # before publishing: its first events may come at once
+        try:
+            await self.resubmitter.resubmit(self, request, lost)
+        except RequestError as exc:
+            log.warning("gateway: could not resume %s (%s): %s", lost, why, exc)
+            return False
+        log.info(
+            "gateway: resumed %s as %s after %d tokens (%s: %s)",
+            lost, ids[-1], len(delivered), code, why,
+        )  # fmt: skip
+        if self.observer is not None:
+            self.observer.resumed(index, code or "", len(delivered), self.resumes[index])
+        return True
+
+    @staticmethod
+    def _error(event: ErrorEvent) -> RequestError:
+        return RequestError(event.message, event.status, event.type, event.param, event.code)
 
     async def _next_event(self) -> InboxEvent:
         try:
@@ -154,10 +218,17 @@ class Inbox:
         """The open streams, each once."""
         return list({id(s): s for s in self._streams.values()}.values())
 
+    def route(self, stream: RequestStream, request_ids: list[str]) -> None:
+        """Send these ids' events to ``stream`` too (a choice's continuation)."""
+        for rid in request_ids:
+            self._streams[rid] = stream
+
     def fail_all(self, message: str, status: int) -> None:
-        """End every open request with an error event (e.g. the bus connection was lost)."""
-        for rid, stream in list(self._streams.items()):
-            stream.put(ErrorEvent(rid, status, message, "server_error", "mesh_unavailable"))
+        """End every open request's choices with an error event (e.g. the bus connection was
+        lost): each is resumed, if it may be, or fails."""
+        for stream in self.streams():
+            for rid in stream.unfinished:
+                stream.put(ErrorEvent(rid, status, message, "server_error", "mesh_unavailable"))
 
     def deliver(self, payload: bytes) -> None:
         try:

@@ -6,8 +6,10 @@ restarted with it queued, an executor lost after a scheduler restart, so no one 
 would leave its client waiting for the whole request timeout. Every ``STALL_S`` the gateway
 asks the scheduler about its requests that have had no event for that long; one the scheduler
 does not know in two checks in a row (the second one ``STALL_S`` later, so a request still
-being tokenized, or being moved off a lost executor, is not mistaken for lost) ends with a 503
-its client can retry. A scheduler that does not answer changes nothing: health reports it.
+being tokenized, or being moved off a lost executor, is not mistaken for lost) gets a 503
+``request_lost`` event: its stream resumes it from the tokens its client has (``resume.py``),
+or, with no resumes left, fails with it (the client can retry). A scheduler that does not
+answer changes nothing: health reports it.
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ async def check_stalled(service: Asker, inbox: Inbox, stall_s: float = STALL_S) 
         stream.last_event_at = now
         if stream.unknown_checks < STRIKES:
             continue
-        log.warning("gateway: %s lost in the mesh; failing it", ", ".join(lost))
+        log.warning("gateway: %s lost in the mesh", ", ".join(lost))
         stream.put(
             ErrorEvent(
                 lost[0],

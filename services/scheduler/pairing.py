@@ -26,28 +26,34 @@ class Route:
 
 
 def route(
-    router: Router, req: TokenizedRequest, overlaps: dict[str, int] | None = None
+    router: Router,
+    req: TokenizedRequest,
+    overlaps: dict[str, int] | None = None,
+    keep_free: int = 0,
 ) -> Route | None:
-    """Where ``req`` goes now, or None to keep it queued (no executor of its pool has room)."""
+    """Where ``req`` goes now, or None to keep it queued (no executor of its pool has room).
+    ``keep_free``: slots each chosen executor must still have free beyond this request (a
+    request spilled in from another region leaves this region's reserve alone)."""
     live = router.live_roles()
     if "decode" not in live:
-        executor = router.pick(req, overlaps, router.candidates(("mixed", "prefill")))
+        among = router.candidates(("mixed", "prefill"), keep_free)
+        executor = router.pick(req, overlaps, among)
         return Route(executor) if executor else None
-    decode = pick_decode(router, req)
+    decode = pick_decode(router, req, keep_free)
     if decode is None:
         return None
     if "prefill" not in live or req.output_token_ids or req.grammar is not None:
         # A constrained request is prefilled where it decodes: its grammar's state after the
         # first token would have to cross to the decode side with the KV.
         return Route(decode)
-    prefill = router.pick(req, overlaps, router.candidates(("prefill",)))
+    prefill = router.pick(req, overlaps, router.candidates(("prefill",), keep_free))
     return Route(decode, prefill) if prefill else None
 
 
-def pick_decode(router: Router, req: TokenizedRequest) -> str | None:
+def pick_decode(router: Router, req: TokenizedRequest, keep_free: int = 0) -> str | None:
     """The lightest decode executor whose free pages hold the prompt (and a token more)."""
     fits = []
-    for e in router.candidates(("decode",)):
+    for e in router.candidates(("decode",), keep_free):
         hb = router.executors[e].heartbeat
         if hb.free_pages * hb.page_size > len(req.prompt_token_ids) + len(req.output_token_ids):
             fits.append(e)

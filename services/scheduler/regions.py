@@ -14,7 +14,11 @@ itself. The scheduler adds that, with one rule (``choose_region``):
   (home included, with rtt 0 and the prefix cache it holds), so a spill happens only when the
   other region, round trip and a cold prefill paid, still beats waiting at home;
 - only into another region's spare sequence slots (beyond the ``--spill-reserve-seqs`` it keeps
-  for its own clients), so spilled work never queues in front of that region's clients;
+  for its own clients), so spilled work never queues in front of that region's clients. The
+  sender counts on the slots last reported; the receiver enforces the reserve itself (its
+  report may be a poll old): a spilled-in request queues behind all of its own clients'
+  requests and goes only to an executor that still has the reserve free after it
+  (``SchedulerService.on_spilled``);
 - a home region with no live executor sends everything to the cheapest live region.
 
 A remote region's report older than ``stale_s`` is not counted on (the gateway link may be cut):

@@ -77,6 +77,11 @@ class ExecutorState:
     def load(self) -> float:
         return self.pending_pages + self.sequences
 
+    @property
+    def free_seqs(self) -> int:
+        """Sequence slots of its batch that nothing holds or is about to."""
+        return max(0, self.heartbeat.max_num_seqs - self.sequences)
+
     def has_room(self, slack: float) -> bool:
         return not self.heartbeat.draining and self.sequences < self.heartbeat.max_num_seqs * (
             1 + slack
@@ -218,14 +223,16 @@ class Router:
             self.check_page_sizes()  # the majority page size may have left with them
         return dead
 
-    def candidates(self, roles: Sequence[str] | None = None) -> list[str]:
+    def candidates(self, roles: Sequence[str] | None = None, keep_free: int = 0) -> list[str]:
         """Live executors with room now (of these roles), in a stable order; never a refused
-        one."""
+        one. ``keep_free`` > 0: only those with more than that many sequence slots free (a
+        request from another region must leave this region's reserve alone)."""
         return sorted(
             e
             for e in self.alive()
             if e not in self.refused
             and self.executors[e].has_room(self.slack)
+            and (keep_free == 0 or self.executors[e].free_seqs > keep_free)
             and (roles is None or self.executors[e].heartbeat.role in roles)
         )
 

@@ -20,6 +20,7 @@ import dataclasses
 import heapq
 import itertools
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -110,6 +111,8 @@ class SchedulerService:
         self.queue: list[tuple[Rank, TokenizedRequest]] = []  # a heap: lowest rank first
         self.queued: set[str] = set()  # the ids in ``queue``
         self.ended: RecentIds[str, bool] = RecentIds()  # aborted: drop if they arrive later
+        # Requests spilled in from another region (``on_spilled``), as long as one may live.
+        self.guests: RecentIds[str, bool] = RecentIds(ttl_s=900.0)
         self.order = itertools.count()
         self.dispatched = 0
         # A request its executor never listed is taken as finished after a heartbeat timeout
@@ -139,8 +142,13 @@ class SchedulerService:
         await self.admit(req, may_spill=True)
 
     async def on_spilled(self, req: TokenizedRequest) -> None:
-        """A request another region's scheduler sent here: queued as our own, never sent on."""
+        """A request another region's scheduler sent here: a guest, never sent on. The sender
+        counted on our spare slots as last reported (up to a poll old), so this side keeps the
+        reserve itself: a guest queues behind every request of our own clients and is
+        dispatched only to an executor that keeps ``--spill-reserve-seqs`` slots free after
+        it."""
         self.spill.received()
+        self.guests.add(req.request_id, True)
         await self.admit(req, may_spill=False)
 
     async def admit(self, req: TokenizedRequest, may_spill: bool) -> None:
@@ -166,7 +174,10 @@ class SchedulerService:
                 code="queue_full",
             )
         self.routes.queued(req)  # the scheduler.route span, a child of the tokenizer's
-        rank = (req.priority * self.config.priority_aging_s + time.monotonic(), next(self.order))
+        key = req.priority * self.config.priority_aging_s + time.monotonic()
+        if req.request_id in self.guests:
+            key = math.inf  # after all of our own, in arrival order among themselves
+        rank = (key, next(self.order))
         self.push(rank, req)
         await self.dispatch()
 
@@ -228,7 +239,9 @@ class SchedulerService:
                 overlaps = await self.overlaps(req) if len(candidates) > 1 else {}
             if not self.queue or self.queue[0][1] is not req:
                 continue  # the queue changed (or the client left) while we asked the index
-            chosen = route(self.router, req, overlaps)
+            guest = req.request_id in self.guests
+            keep_free = self.config.regions.spill_reserve_seqs if guest else 0
+            chosen = route(self.router, req, overlaps, keep_free)
             if chosen is None:
                 return
             heapq.heappop(self.queue)
@@ -378,6 +391,7 @@ class SchedulerService:
                 ),
             )
         self.ended.prune()
+        self.guests.prune()
         await self.spill_queued()
         await self.dispatch()
 

@@ -150,6 +150,7 @@ class TokenizerService:
                     priority=req.priority,
                     deadline=req.deadline,
                     arrival_time=req.arrival_time,
+                    output_token_ids=req.output_token_ids,
                     grammar=grammar,
                 ),
             )

@@ -35,6 +35,7 @@ class ReceivedSpan:
     end_ns: int
     status_code: int
     attributes: dict[str, Any] = field(default_factory=dict)
+    events: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # name, attributes
 
 
 def plain(value: AnyValue) -> Any:
@@ -93,6 +94,10 @@ class OtlpReceiver:
                             end_ns=span.end_time_unix_nano,
                             status_code=span.status.code,
                             attributes={a.key: plain(a.value) for a in span.attributes},
+                            events=[
+                                (e.name, {a.key: plain(a.value) for a in e.attributes})
+                                for e in span.events
+                            ],
                         )
                     )
         with self._lock:
