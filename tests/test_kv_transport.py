@@ -3,7 +3,10 @@ into chosen pages of the other, the notification after them, and a dead peer."""
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -12,6 +15,7 @@ import pytest
 
 from common.kv_layout import KVLayout
 from services.executor.kv_transport import KVTransport, TransferError
+from tools.bench.kv_probe import KINDS
 
 LAYERS, PAGES, PAGE_BYTES = 3, 8, 4096
 
@@ -141,3 +145,18 @@ def test_a_write_to_a_dead_peer_fails_clearly(peer):
     with pytest.raises(TransferError, match=name):
         transport.write(name, [0], dst_layout, [0], b"late", timeout_s=5)
     assert time.monotonic() - started < 10
+
+
+def test_the_probe_times_every_kind_and_sees_every_notification():
+    """``tools.bench.kv_probe`` end to end on small sizes (one pair of processes)."""
+    cmd = [sys.executable, "-m", "tools.bench.kv_probe", "--one", "--repeat", "2",
+           "--sizes-mb", "0.1,2"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    results = json.loads([ln for ln in done.stdout.splitlines() if ln.startswith("{")][-1])
+    assert [round(row["mb"], 2) for row in results["sizes"]] == [0.74, 1.47]  # whole pages, >= 1
+    for row in results["sizes"]:
+        assert set(KINDS) <= set(row) and all(len(row[k]) == 2 for k in KINDS)
+    kinds_with_notes = len(results["sizes"]) * 4 * 3  # raw, ours x2, unprepared; 3 writes each
+    assert results["notified"] == f"{kinds_with_notes}/{kinds_with_notes}"
+    assert results["idle_cpu"] < 0.2
