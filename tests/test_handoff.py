@@ -106,6 +106,16 @@ def test_an_abandoned_reservation_gives_its_pages_back(tiny_llama):
     decode.pages.check_invariants([])
 
 
+def test_descriptor_indices_name_pages_of_every_layer_in_the_prepared_list():
+    layout = KVLayout((1000, 9000), page_bytes=10, num_pages=5)
+    extents = layout.page_extents
+    assert len(extents) == 10 and extents[0] == (1000, 10) and extents[7] == (9020, 10)
+    assert layout.descriptor_indices([4, 0]) == [4, 0, 9, 5]
+    assert [extents[i] for i in layout.descriptor_indices([2])] == [(1020, 10), (9020, 10)]
+    with pytest.raises(ValueError, match="outside"):
+        layout.descriptor_indices([5])
+
+
 def test_paired_extents_merge_runs_consecutive_on_both_sides():
     src = KVLayout((1000, 9000), page_bytes=10, num_pages=50)
     dst = KVLayout((50000, 70000), page_bytes=10, num_pages=40)

@@ -3,7 +3,10 @@ into chosen pages of the other, the notification after them, and a dead peer."""
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -12,6 +15,7 @@ import pytest
 
 from common.kv_layout import KVLayout
 from services.executor.kv_transport import KVTransport, TransferError
+from tools.bench.kv_probe import KINDS
 
 LAYERS, PAGES, PAGE_BYTES = 3, 8, 4096
 
@@ -29,15 +33,21 @@ def receiver(to_parent: Any, from_parent: Any) -> None:
     layers, layout = pool()
     transport = KVTransport("decode-agent", layout)
     to_parent.put((transport.metadata, layout))
-    if from_parent.get() == "die":
+    order = from_parent.get()
+    if order == "die":
         return
-    got: list[bytes] = []
-    deadline = time.monotonic() + 30
-    while not got and time.monotonic() < deadline:
-        got = transport.notifications()
-        time.sleep(0.001)
-    to_parent.put((got, [bytes(b) for b in layers]))
-    from_parent.get()
+    while True:  # one reply per notification (each is one write), until told to stop
+        if order == "go, but look away":
+            time.sleep(3)  # a decode side busy elsewhere: nothing moves UCX here meanwhile
+        got: list[bytes] = []
+        deadline = time.monotonic() + 30
+        while not got and time.monotonic() < deadline:
+            got = transport.notifications()
+            time.sleep(0.001)
+        to_parent.put((got, [bytes(b) for b in layers]))
+        order = from_parent.get()
+        if order == "bye":
+            return
 
 
 @pytest.fixture
@@ -71,7 +81,56 @@ def test_a_write_lands_in_the_chosen_pages_of_another_process(peer):
             assert (got[d] == 1 + 16 * layer + s).all()
         untouched = set(range(PAGES)) - set(dst_pages)
         assert all((got[p] == 0).all() for p in untouched)
+    from_parent.put("again")
+    # A second write to the same peer goes through the page lists prepared for the first.
+    src_pages, dst_pages = [7], [6]
+    result = transport.write(name, src_pages, dst_layout, dst_pages, b"req-2", timeout_s=30)
+    assert result.bytes == LAYERS * PAGE_BYTES and result.extents == LAYERS
+    notifications, layers = to_parent.get(timeout=60)
+    assert notifications == [b"req-2"]
+    for layer in range(LAYERS):
+        got = np.frombuffer(layers[layer], dtype=np.uint8).reshape(PAGES, PAGE_BYTES)
+        assert (got[6] == 1 + 16 * layer + 7).all() and (got[3] == 1 + 16 * layer + 1).all()
     from_parent.put("bye")
+
+
+def test_a_write_completes_while_the_receiver_looks_away(peer):
+    """The writer's transfer does not wait for the receiver to poll (the notification goes
+    through shared memory, not TCP); the notification is there when it looks."""
+    _, metadata, dst_layout, to_parent, from_parent = peer
+    _src, src_layout = pool(fill=1)
+    transport = KVTransport("prefill-agent-4", src_layout)
+    name = transport.add_peer(metadata)
+    from_parent.put("go, but look away")
+    started = time.monotonic()
+    transport.write(name, [0, 1], dst_layout, [2, 3], b"req-3", timeout_s=2.5)
+    assert time.monotonic() - started < 2.5  # the receiver still sleeps (3 s)
+    notifications, layers = to_parent.get(timeout=60)
+    assert notifications == [b"req-3"]
+    assert (np.frombuffer(layers[0], dtype=np.uint8).reshape(PAGES, PAGE_BYTES)[3] == 2).all()
+    from_parent.put("bye")
+
+
+def test_pages_outside_either_pool_are_refused_before_anything_moves(peer):
+    _, metadata, dst_layout, _, _ = peer
+    _src, src_layout = pool(fill=1)
+    transport = KVTransport("prefill-agent-3", src_layout)
+    name = transport.add_peer(metadata)
+    with pytest.raises(ValueError, match="outside"):
+        transport.write(name, [0], dst_layout, [PAGES], b"bad", timeout_s=5)
+    with pytest.raises(ValueError, match="2 source pages for 1"):
+        transport.write(name, [0, 1], dst_layout, [0], b"bad", timeout_s=5)
+
+
+def test_an_idle_agent_burns_no_cpu():
+    """NIXL's own progress thread spins (a core per agent); the transport runs without it."""
+    _bufs, layout = pool()
+    transport = KVTransport("idle-agent", layout)
+    cpu, wall = time.process_time(), time.perf_counter()
+    time.sleep(1.0)
+    share = (time.process_time() - cpu) / (time.perf_counter() - wall)
+    assert share < 0.2, f"an idle agent used {share:.0%} of a core"
+    transport.close()
 
 
 def test_a_write_to_a_dead_peer_fails_clearly(peer):
@@ -86,3 +145,18 @@ def test_a_write_to_a_dead_peer_fails_clearly(peer):
     with pytest.raises(TransferError, match=name):
         transport.write(name, [0], dst_layout, [0], b"late", timeout_s=5)
     assert time.monotonic() - started < 10
+
+
+def test_the_probe_times_every_kind_and_sees_every_notification():
+    """``tools.bench.kv_probe`` end to end on small sizes (one pair of processes)."""
+    cmd = [sys.executable, "-m", "tools.bench.kv_probe", "--one", "--repeat", "2",
+           "--sizes-mb", "0.1,2"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    results = json.loads([ln for ln in done.stdout.splitlines() if ln.startswith("{")][-1])
+    assert [round(row["mb"], 2) for row in results["sizes"]] == [0.74, 1.47]  # whole pages, >= 1
+    for row in results["sizes"]:
+        assert set(KINDS) <= set(row) and all(len(row[k]) == 2 for k in KINDS)
+    kinds_with_notes = len(results["sizes"]) * 4 * 3  # raw, ours x2, unprepared; 3 writes each
+    assert results["notified"] == f"{kinds_with_notes}/{kinds_with_notes}"
+    assert results["idle_cpu"] < 0.2
