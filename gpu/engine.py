@@ -201,7 +201,7 @@ class Engine:
             raise RuntimeError("warm up before the first request, not while sequences run")
         return warm_up(
             self.runner, self.pages, self.sampler, self.config.max_num_batched_tokens,
-            self.max_seq_len,
+            self.max_seq_len, self.config.max_num_seqs,
         )  # fmt: skip
 
     def drain_kv_events(self) -> list[KVEvent]:

@@ -29,40 +29,44 @@ from gpu.page_manager import PageManager, PageTable
 from gpu.runner import ModelRunner
 from gpu.sampling import Sampler, SamplerInput, SamplingParams, make_generator
 
-# Tokens of the warm-up prompt: past one page (the append crosses a page boundary), small enough
-# for any pool and step budget that can serve a request at all.
+# Pages of the warm-up prompt (and one token more: the append crosses a page boundary); small
+# enough for any pool and step budget that can serve a request at all.
 PROMPT_PAGES = 1
 
 
 @dataclass(frozen=True)
 class WarmupReport:
-    """What the warm-up ran and how long each part took (seconds)."""
+    """What the warm-up ran and how long each part took (seconds). ``graphs_s``: capturing
+    the decode steps' CUDA graphs and replaying one (None: this runner decodes eagerly)."""
 
     prompt_tokens: int
     prefill_s: float
     decode_s: float
     sample_s: float
+    graphs_s: float | None = None
 
     @property
     def total_s(self) -> float:
-        return self.prefill_s + self.decode_s + self.sample_s
+        return self.prefill_s + self.decode_s + self.sample_s + (self.graphs_s or 0.0)
 
     def describe(self) -> str:
+        graphs = "" if self.graphs_s is None else f", CUDA graphs {self.graphs_s:.2f}s"
         return (
             f"{self.total_s:.2f}s (a prompt chunk of {self.prompt_tokens} tokens "
             f"{self.prefill_s:.2f}s, a decode step {self.decode_s:.2f}s, "
-            f"sampling {self.sample_s:.2f}s)"
+            f"sampling {self.sample_s:.2f}s{graphs})"
         )
 
 
 def warmup_prompt_tokens(page_size: int, max_num_batched_tokens: int, max_seq_len: int) -> int:
     """The warm-up prompt's length: one page and one token, within the step budget and with
-    room for the decoded token. Raises ``ValueError`` when no prompt of two tokens fits."""
-    n = min(PROMPT_PAGES * page_size + 1, max_num_batched_tokens, max_seq_len - 1)
+    room for two decoded tokens (eager, then from a CUDA graph). Raises ``ValueError`` when
+    no prompt of two tokens fits."""
+    n = min(PROMPT_PAGES * page_size + 1, max_num_batched_tokens, max_seq_len - 2)
     if n < 2:
         raise ValueError(
             f"cannot warm up: a step budget of {max_num_batched_tokens} tokens and a context "
-            f"of {max_seq_len} leave no room for a prompt and a decoded token"
+            f"of {max_seq_len} leave no room for a prompt and two decoded tokens"
         )
     return n
 
@@ -73,19 +77,21 @@ def warm_up(
     sampler: Sampler,
     max_num_batched_tokens: int,
     max_seq_len: int,
+    max_num_seqs: int = 1,
 ) -> WarmupReport:
     """Run a prompt chunk, a decode step and both sampler paths on ``runner`` with pages
     borrowed from ``pages`` and returned (call it before any request arrives: it needs
-    ``warmup_prompt_tokens`` + 1 free pages' worth of tokens)."""
+    ``warmup_prompt_tokens`` + 2 free pages' worth of tokens). A runner with CUDA graphs
+    then captures them for batches up to ``max_num_seqs`` and replays a second decode step."""
     n = warmup_prompt_tokens(pages.page_size, max_num_batched_tokens, max_seq_len)
     vocab = runner.config.vocab_size
     # Arbitrary but valid ids; the values do not matter, only the shapes and the paths.
     prompt = [(7 * i + 1) % vocab for i in range(n)]
     table = PageTable()
-    if not pages.allocate(table, n + 1):
+    if not pages.allocate(table, n + 2):
         raise ValueError(
-            f"cannot warm up: {n + 1} tokens need "
-            f"{pages.pages_needed(PageTable(), n + 1)} pages, {pages.num_free} free"
+            f"cannot warm up: {n + 2} tokens need "
+            f"{pages.pages_needed(PageTable(), n + 2)} pages, {pages.num_free} free"
         )
     try:
         started = time.perf_counter()
@@ -109,9 +115,15 @@ def warm_up(
         )
         _sync(runner.device)
         done = time.perf_counter()
+        graphs_s = runner.capture_graphs(max_num_seqs)
+        if graphs_s is not None:  # the step after: a decode replayed from its graph
+            replay_started = time.perf_counter()
+            runner.execute([SeqChunk(tuple(table.pages), n + 1, 1)], [[prompt[-1]]])
+            _sync(runner.device)
+            graphs_s += time.perf_counter() - replay_started
     finally:
         pages.free(table)
-    return WarmupReport(n, prefilled - started, decoded - prefilled, done - decoded)
+    return WarmupReport(n, prefilled - started, decoded - prefilled, done - decoded, graphs_s)
 
 
 def _sync(device: torch.device) -> None:

@@ -33,8 +33,8 @@ def make_engine(folder, page_size: int = 4, num_pages: int = 64) -> Engine:
 def test_prompt_length_fits_page_budget_and_context():
     assert warmup_prompt_tokens(16, 512, 4096) == 17  # one page and one token
     assert warmup_prompt_tokens(16, 8, 4096) == 8  # the step budget caps it
-    assert warmup_prompt_tokens(16, 512, 10) == 9  # room for the decoded token
-    with pytest.raises(ValueError, match="no room for a prompt and a decoded token"):
+    assert warmup_prompt_tokens(16, 512, 10) == 8  # room for two decoded tokens
+    with pytest.raises(ValueError, match="no room for a prompt and two decoded tokens"):
         warmup_prompt_tokens(16, 1, 4096)
 
 
@@ -44,6 +44,7 @@ def test_warm_up_runs_both_kinds_and_leaves_nothing_behind(tiny_llama):
     report = engine.warm_up()
     assert report.prompt_tokens == 5  # page_size 4 + 1: the append crosses a page boundary
     assert report.prefill_s > 0 and report.decode_s > 0 and report.sample_s > 0
+    assert report.graphs_s is None and "CUDA graphs" not in report.describe()  # CPU: eager
     assert "a decode step" in report.describe()
     # Every page free again, none hashed; no request, no cache counters, no KV event.
     assert pages.num_free == pages.num_pages and not pages.evictable and not pages.hash_to_page
@@ -73,11 +74,11 @@ def test_warm_up_refuses_while_a_request_runs(tiny_llama):
 
 
 def test_warm_up_needs_free_pages(tiny_llama):
-    # The warm-up's 5 + 1 tokens need 2 pages of 4; with one of the 2 held, it says so.
+    # The warm-up's 5 + 2 tokens need 2 pages of 4; with one of the 2 held, it says so.
     engine = make_engine(tiny_llama, page_size=4, num_pages=2)
     held = PageTable()
     assert engine.pages.allocate(held, 4)
-    with pytest.raises(ValueError, match="cannot warm up: 6 tokens need 2 pages, 1 free"):
+    with pytest.raises(ValueError, match="cannot warm up: 7 tokens need 2 pages, 1 free"):
         engine.warm_up()
     assert engine.pages.num_free == 1
     engine.pages.check_invariants([held])

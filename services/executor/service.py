@@ -596,6 +596,7 @@ def build_engine(config: ExecutorConfig) -> Engine:
         kv_cache=config.kv_cache_dtype,
         tensor_parallel_size=config.tensor_parallel_size,
         timeout_s=config.tensor_parallel_timeout_s,
+        cuda_graphs=config.cuda_graphs,
     )
     engine_config = EngineConfig(
         max_num_batched_tokens=config.max_num_batched_tokens,
