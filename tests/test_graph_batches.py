@@ -6,6 +6,9 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +21,8 @@ from gpu.graph_batches import (
     graph_buckets,
     padded_batch_indices,
 )
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def test_buckets_cover_every_batch_up_to_max_num_seqs():
@@ -137,6 +142,15 @@ def test_steps_a_graph_cannot_run_are_refused():
         fill_staging(host.long(), layout, torch.zeros(2, dtype=torch.long), full, 9)
 
 
+def test_cuda_modules_import_without_flashinfer():
+    code = (
+        "import sys\n"
+        "import gpu.graph_runner, gpu.ops, gpu.warmup, tools.gpu_check.decode_graphs\n"
+        "assert 'flashinfer' not in sys.modules, 'flashinfer imported eagerly'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)
+
+
 def test_graph_runner_imports_without_cuda_and_refuses_a_cpu_model(tiny_llama):
     from gpu.graph_runner import DecodeGraphs
     from gpu.loader import load_model
@@ -156,19 +170,23 @@ CUDA_READY = torch.cuda.is_available() and importlib.util.find_spec("flashinfer"
 @pytest.mark.cuda
 @pytest.mark.skipif(not CUDA_READY, reason="needs an NVIDIA GPU and flashinfer-python")
 def test_graph_decode_matches_eager_decode(tiny_llama):
-    from gpu.engine import Engine, EngineConfig
     from gpu.loader import load_model
     from gpu.runner import ModelRunner
-    from gpu.sampling import SamplingParams
 
-    def engine(graphs: bool) -> Engine:
-        model = load_model(tiny_llama, device="cuda", dtype=torch.bfloat16, progress=False)
-        runner = ModelRunner(model, num_pages=128, page_size=16, cuda_graphs=graphs)
-        built = Engine(runner, EngineConfig(max_num_seqs=8))
-        built.warm_up()
-        assert (runner.graphs is not None) == graphs
-        return built
-
-    prompts = [[1 + i, 7, 9, 11 + 2 * i][: 1 + i % 4] * (1 + i) for i in range(6)]
-    params = SamplingParams(temperature=0.0, max_tokens=12)
-    assert engine(True).generate(prompts, params) == engine(False).generate(prompts, params)
+    model = load_model(tiny_llama, device="cuda", dtype=torch.bfloat16, progress=False)
+    eager = ModelRunner(model, num_pages=64, page_size=16)
+    graphs = ModelRunner(model, num_pages=64, page_size=16, cuda_graphs=True)
+    assert graphs.capture_graphs(8) is not None and graphs.graphs is not None
+    prompts = [[5 + i] * (3 + 7 * i) for i in range(3)]  # 3, 10, 17 tokens: 1-2 pages
+    tables = [tuple(range(4 * b, 4 * b + 4)) for b in range(3)]
+    for runner in (eager, graphs):
+        prefill = [SeqChunk(t, 0, len(p)) for t, p in zip(tables, prompts, strict=True)]
+        runner.execute(prefill, prompts)
+    for step in range(20):  # decodes, crossing the second page boundary
+        chunks = [SeqChunk(t, len(p) + step, 1) for t, p in zip(tables, prompts, strict=True)]
+        tokens = [[(7 * step + b) % 500 + 3] for b in range(3)]
+        meta = build_batch_metadata(chunks, 16)
+        assert graphs.graphs.bucket(meta, None) == 4  # 3 rows: the bucket of 4, one pad row
+        want = eager.execute(chunks, tokens)
+        got = graphs.execute(chunks, tokens).clone()
+        assert (got - want).abs().max() <= 2e-2 * want.abs().max(), step
