@@ -238,8 +238,11 @@ class DecodeGraphs:
         used = fill_staging(self.host, layout, input_ids, meta, self.pad_page)
         self.staging[:used].copy_(self.host[:used], non_blocking=True)
         hq, hkv, d = self._heads
+        # The step's page indices only (``indptr[-1]`` of them), already in the wrapper's own
+        # index buffer: plan's copy of them into it is one of the buffer onto itself.
+        indices = self.staging[layout.kv_indices.start : used]
         backend.wrapper.plan(
-            self.host[layout.kv_indptr], self.staging[layout.kv_indices],
+            self.host[layout.kv_indptr], indices,
             self.host[layout.kv_last_page_len], hq, hkv, d, self.page_size,
             pos_encoding_mode="NONE", q_data_type=self.model.dtype,
             kv_data_type=self.kv.spec.dtype, non_blocking=True,
