@@ -38,6 +38,19 @@ RUN pip install --no-deps . \
     && python -c "import importlib.metadata as m; print('flashinfer', m.version('flashinfer-python'))" \
     && python -c "from gpu.gguf import default_model_folder; print(default_model_folder(progress=False))"
 
+# FlashInfer's kernels for Hopper (sm_90a), compiled here with the image's nvcc (no GPU needed)
+# into flashinfer/data/aot, where FlashInfer loads them instead of compiling at the first
+# request: the page/append, batch-prefill and batch-decode modules for bf16 at the head sizes
+# of AOT_HEAD_DIMS (64: SmolLM2; 128: Llama/Qwen/Mistral 7-8B). Other shapes still compile on
+# first use, in the executor's warm-up (gpu/warmup.py), into the flashinfer-cache volume.
+# --build-arg AOT_HEAD_DIMS= skips it.
+ARG AOT_HEAD_DIMS=64,128
+RUN if [ -n "$AOT_HEAD_DIMS" ]; then \
+        site=$(python -c "import flashinfer, pathlib; print(pathlib.Path(flashinfer.__file__).parent.parent)") \
+        && FLASHINFER_CUDA_ARCH_LIST=9.0 python -m tools.gpu_check.check_flashinfer \
+            --export-aot "$site" --head-dims "$AOT_HEAD_DIMS"; \
+    fi
+
 # 8000: the gateway's HTTP API (its /metrics there needs an API key); 9100: /metrics + /health
 # of every service (compose publishes 8000 on 127.0.0.1 by default, 9100 not at all).
 EXPOSE 8000 9100

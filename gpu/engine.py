@@ -30,6 +30,7 @@ from gpu.sampling import Sampler, SamplerInput, SamplingParams, make_generator, 
 from gpu.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from gpu.sequence import FinishReason, SeqStatus, Sequence
 from gpu.spec_decode import DraftLength, DraftRequest, Proposal, Proposer, SpecStats, verify
+from gpu.warmup import WarmupReport, warm_up
 
 
 @dataclass(frozen=True)
@@ -192,6 +193,16 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return bool(self.seqs)
+
+    def warm_up(self) -> WarmupReport:
+        """Build every kernel the steps use and run one step of each kind (``gpu.warmup``);
+        only before the first request: it borrows pages a request would need."""
+        if self.seqs or self.reserved:
+            raise RuntimeError("warm up before the first request, not while sequences run")
+        return warm_up(
+            self.runner, self.pages, self.sampler, self.config.max_num_batched_tokens,
+            self.max_seq_len, self.config.max_num_seqs,
+        )  # fmt: skip
 
     def drain_kv_events(self) -> list[KVEvent]:
         return self.pages.drain_events()

@@ -53,9 +53,16 @@ class KVCacheSpec:
 
 
 class KVCache:
-    def __init__(self, spec: KVCacheSpec, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self, spec: KVCacheSpec, device: torch.device | str = "cpu", pad_pages: int = 0
+    ) -> None:
+        """``pad_pages`` extra pages after the ``spec.num_pages`` the page manager hands out:
+        where the padding rows of a CUDA-graph decode step write (``gpu/graph_batches.py``);
+        no sequence ever owns them (page ids ``spec.num_pages`` and up)."""
         self.spec = spec
-        shape = (spec.num_pages, 2, spec.page_size, spec.num_kv_heads, spec.head_dim)
+        self.pad_pages = pad_pages
+        rows = spec.num_pages + pad_pages
+        shape = (rows, 2, spec.page_size, spec.num_kv_heads, spec.head_dim)
         self.layers = [
             torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)
         ]

@@ -7,8 +7,10 @@ the layer's business, chosen once at load time by :func:`make_linear`:
   blocks (else ``x @ W_t`` with ``W_t`` ``[K, N]``); ``F.linear`` on CUDA.
 - int8 (``Int8Linear``): int8 ``[N, K]`` + one fp32 scale per output channel. CPU: W8A8, the
   activations quantized per block of 32 to int8 and an integer multiply-add (the block kernel
-  of ``gpu.cpu_kernels``; without it, the same math in torch); CUDA: weight-only,
-  ``torch._weight_int8pack_mm`` where the torch build has it, else dequantize + matmul.
+  of ``gpu.cpu_kernels``; without it, the same math in torch); CUDA: W8A8 too, activations
+  quantized per token and one ``torch._int_mm`` (cuBLASLt int8 tensor cores, int32
+  accumulation; ``int8_int_mm``) where K and N are multiples of 8, else weight-only
+  (``torch._weight_int8pack_mm`` where the torch build has it, else dequantize + matmul).
 - GGUF blocks (``BlockLinear``): Q4_0 / Q4_1 / Q8_0 rows of 32-weight blocks, as the file has
   them (``gguf``), or quantized to Q4_1 at load (``int4``); activations quantized per block to
   int8 as for int8. Without the CPU kernels (CUDA, no compiler) these dequantize at load.
@@ -51,6 +53,7 @@ from gpu.quant import (
     quantize_fp8,
     quantize_fp8_rows,
     quantize_int8,
+    quantize_int8_rows,
     quantize_q4_1,
     quantize_q8_0,
     repack_x8,
@@ -204,9 +207,34 @@ class DenseLinear(Linear):
         return self.weight[ids]
 
 
+# torch._int_mm's shape rules on CUDA (aten/src/ATen/native/cuda/Blas.cpp, _int_mm_out_cuda):
+# A [M, K] and B [K, N] int8, M > 16, K and N positive multiples of 8; the result is int32.
+INT_MM_MIN_ROWS = 17
+INT_MM_ALIGN = 8
+
+
+def int_mm_fits(n: int, k: int) -> bool:
+    """Whether a ``[N, K]`` int8 weight meets ``torch._int_mm``'s K and N rules."""
+    return n > 0 and k > 0 and n % INT_MM_ALIGN == 0 and k % INT_MM_ALIGN == 0
+
+
+def int8_int_mm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """W8A8: ``x`` ``[M, K]`` quantized per row to int8, times the int8 weight ``[N, K]`` in
+    one ``torch._int_mm`` (exact int32 sums), rescaled by the row's and the channel's scales;
+    fp32 ``[M, N]``. Fewer than ``INT_MM_MIN_ROWS`` rows are padded with zero rows (a decode
+    step's batch) and cut off again: each row's result depends on that row only."""
+    m = x.shape[0]
+    xq, x_scale = quantize_int8_rows(x)
+    if m < INT_MM_MIN_ROWS:
+        xq = F.pad(xq, (0, 0, 0, INT_MM_MIN_ROWS - m))
+    acc = torch._int_mm(xq, qweight.t())[:m]
+    return acc.to(torch.float32) * x_scale * scale.view(1, -1)
+
+
 class Int8Linear(Linear):
     """int8, one fp32 scale per output channel (see ``gpu.quant.quantize_int8``): W8A8 on CPU
-    (activations quantized per block of 32), weight-only on CUDA."""
+    (activations quantized per block of 32) and on CUDA (per token, ``int8_int_mm``) where
+    the shape allows it, weight-only otherwise."""
 
     format = "int8"
     kind = LIN_INT8
@@ -232,7 +260,13 @@ class Int8Linear(Linear):
         self.w8a8 = device.type == "cpu"
         self.register_buffer("scale", scale)
         self.register_buffer("bias", None if bias is None else bias.to(torch.float32))
-        self.int8pack = device.type == "cuda" and _int8pack_mm_works(device, dtype)
+        # W8A8 on int8 tensor cores: the weight is read once at half bf16's bytes, and the
+        # GEMM runs on the tensor cores at any batch (the weight-only kernels below run a
+        # matrix-vector product per row, slower than bf16 from batch 2 on).
+        self.int_mm = device.type == "cuda" and int_mm_fits(int(q.shape[0]), int(q.shape[1]))
+        self.int8pack = (
+            device.type == "cuda" and not self.int_mm and _int8pack_mm_works(device, dtype)
+        )
         # The scale in the activations' dtype, as torch._weight_int8pack_mm wants it.
         self.register_buffer("scale_x", scale.to(dtype) if self.int8pack else None)
         self._prepared: PackedLinear | None = None
@@ -242,6 +276,11 @@ class Int8Linear(Linear):
         prepared = self.packed()
         if prepared is not None and x2.dtype == torch.float32:
             y = prepared(x2)
+        elif self.int_mm:
+            y = int8_int_mm(x2, self.qweight, self.scale)
+            if self.bias is not None:
+                y = y + self.bias
+            y = y.to(x.dtype)
         elif self.int8pack and self.scale_x is not None:
             y = torch._weight_int8pack_mm(x2.contiguous(), self.qweight, self.scale_x)
             if self.bias is not None:

@@ -198,7 +198,7 @@ class CausalLM(nn.Module):
         self.config = config
         self.quantization = quantization
         self.kernels = kernels
-        self.ops = make_ops(kernels)
+        self.ops = make_ops(kernels, device)
         linear = partial(make_linear, quantization=quantization, kernels=kernels, dtype=dtype)
         self.norm = owned(w["model.norm.weight"])
         # Tied: the embedding is the LM head's weight, in the head's format (read by rows).

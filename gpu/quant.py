@@ -99,6 +99,15 @@ def quantize_fp8(
     return q.contiguous(), scale
 
 
+def quantize_int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations ``[M, K]`` -> (int8 ``[M, K]``, fp32 scales ``[M, 1]``), symmetric, one scale
+    ``amax / 127`` per row (round to nearest even), so a row's codes depend on that row only."""
+    amax = x.abs().amax(dim=1, keepdim=True).to(torch.float32)
+    scale = torch.clamp(amax, min=1e-12) / INT8_MAX
+    q = torch.round(x.to(torch.float32) / scale).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, scale
+
+
 def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Activations ``[M, K]`` -> (e4m3 ``[M, K]``, fp32 scales ``[M, 1]``), one scale per row."""
     amax = x.abs().amax(dim=1, keepdim=True).to(torch.float32)

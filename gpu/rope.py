@@ -40,6 +40,12 @@ class RotaryEmbedding:
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos = emb.cos().to(device=device, dtype=dtype)
         self.sin = emb.sin().to(device=device, dtype=dtype)
+        # FlashInfer's rotary kernel (gpu.ops.FlashInferOps) reads float32 [max_pos, D]: each
+        # position's cos of the D/2 frequencies, then their sin. CUDA only: elsewhere it
+        # would be one more table of the context's length.
+        self.cos_sin_cache: torch.Tensor | None = None
+        if torch.device(device).type == "cuda":
+            self.cos_sin_cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(device)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``[T, 1, D]`` tables for the step's token positions (broadcast over heads)."""

@@ -16,6 +16,7 @@ from gpu.attention.metadata import BatchMetadata, SeqChunk, build_batch_metadata
 from gpu.attention.torch_backend import TorchPagedAttention
 from gpu.config import ModelConfig, ModelError
 from gpu.cpu_kernels import CpuKernels
+from gpu.graph_runner import DecodeGraphs
 from gpu.kv_cache import KVCache, KVCacheSpec
 from gpu.model import CausalLM
 from gpu.parallel.launch import RankGroup
@@ -45,9 +46,13 @@ class ModelRunner:
         backend: AttentionBackend | None = None,
         kv_dtype: torch.dtype | None = None,
         peers: RankGroup | None = None,
+        cuda_graphs: bool = False,
     ) -> None:
         """``peers``: the other ranks of a tensor-parallel replica (``model`` is rank 0's
-        shard): each step is broadcast to them before it runs here."""
+        shard): each step is broadcast to them before it runs here. ``cuda_graphs``: decode
+        steps replay CUDA graphs (``gpu/graph_runner.py``) once ``capture_graphs`` has run;
+        only on one CUDA device with the FlashInfer backend, ignored elsewhere (the pool
+        then gets one pad page more for the graphs' padding rows)."""
         self.model = model
         self.config = model.config
         self.device = model.device
@@ -55,17 +60,39 @@ class ModelRunner:
         # This rank's heads: a tensor-parallel shard's pool holds only its KV heads.
         local = model.local_config
         spec = KVCacheSpec.for_model(local, num_pages, page_size, kv_dtype or model.dtype)
-        self.kv = KVCache(spec, self.device)
         # The fused decode-attention kernel reads fp32 queries and an fp32 cache.
         fp32 = model.dtype == torch.float32 and spec.dtype == torch.float32
         kernels = model.kernels if fp32 else None
-        if backend is None and spec.dtype == FP8:
-            # FlashInfer here attends over fp16/bf16 pages only; fp8 pages take the torch
-            # backend (converted on append and gather) on any device.
+        if backend is None and spec.dtype == FP8 and self.device.type != "cuda":
+            # fp8 pages off CUDA: the torch backend (converted on append and gather); on CUDA
+            # FlashInfer attends over them directly (bf16 queries, e4m3 pages).
             backend = TorchPagedAttention(
                 local.num_attention_heads, local.num_key_value_heads, local.head_dim
             )
         self.backend = backend or make_backend(local, self.device, kernels)
+        self.cuda_graphs = (
+            cuda_graphs
+            and self.device.type == "cuda"
+            and peers is None
+            and isinstance(self.backend, FlashInferPagedAttention)
+        )
+        self.kv = KVCache(spec, self.device, pad_pages=1 if self.cuda_graphs else 0)
+        self.graphs: DecodeGraphs | None = None
+
+    def capture_graphs(self, max_num_seqs: int) -> float | None:
+        """Capture the decode graphs for batches up to ``max_num_seqs`` (the warm-up does);
+        the seconds it took, or None where this runner decodes eagerly."""
+        if not self.cuda_graphs or not isinstance(self.backend, FlashInferPagedAttention):
+            return None
+        spec = self.kv.spec
+        graphs = DecodeGraphs(
+            self.model, self.kv, pad_page=spec.num_pages, max_num_seqs=max_num_seqs,
+            max_seq_len=min(self.max_model_len, spec.num_tokens),
+            decode_tensor_cores=self.backend.decode_tensor_cores,
+        )  # fmt: skip
+        seconds = graphs.capture()
+        self.graphs = graphs
+        return seconds
 
     def close(self) -> None:
         """Stop the other ranks of a tensor-parallel replica (nothing on one device)."""
@@ -147,6 +174,10 @@ class ModelRunner:
         all_logits: bool,
         logits_indices: torch.Tensor | None,
     ) -> torch.Tensor:
+        if self.graphs is not None and not all_logits:  # (never with peers: no TP graphs)
+            bucket = self.graphs.bucket(meta, logits_indices)
+            if bucket is not None:
+                return self.graphs.run(bucket, input_ids, meta)
         if self.device.type != "cpu":
             meta = meta.to(self.device)
             input_ids = input_ids.to(self.device, non_blocking=True)

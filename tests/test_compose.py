@@ -201,6 +201,14 @@ def test_executors_each_reserve_their_own_gpu(compose):
     ids = [svc["environment"]["MESHSERVE_INSTANCE_ID"] for svc in executors.values()]
     assert sorted(ids) == sorted(executors), "an executor's id differs from its service name"
     assert all(svc["environment"]["MESHSERVE_DEVICE"] == "cuda" for svc in executors.values())
+    # A GPU executor's engine thread only launches kernels: it runs at the process's priority.
+    from services.executor.config import parse_args as executor_args
+
+    for name, svc in executors.items():
+        env = {k: str(v) for k, v in svc["environment"].items()}
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(os, "environ", env)
+            assert executor_args(svc["command"][3:]).engine_nice == 0, name
     assert gpu_devices(mesh["speculator"]), "the speculator's draft model needs a GPU"
 
 

@@ -229,6 +229,33 @@ def test_plan_once_per_step_and_replan_for_float16():
         backend.attend(q[:3], k[:3], v[:3], cache)
 
 
+def test_fp8_pages_are_attended_by_flashinfer_with_bf16_queries():
+    """--kv-cache-dtype fp8 on CUDA: e4m3 pages under bf16 queries go to FlashInfer (planned
+    with kv_data_type e4m3, keys and values converted on append), as the torch backend reads
+    the same pages."""
+    fake = make_fake_flashinfer()
+    backend = fake_backend(fake, 4, 2, 16)
+    fp8 = torch.float8_e4m3fn
+    chunks = [SeqChunk((3, 1), 17, 1), SeqChunk((0, 2), 0, 9)]
+    meta = build_batch_metadata(chunks, 16)
+    ref = TorchPagedAttention(4, 2, 16)
+    ref.plan(meta)
+    backend.plan(meta)
+    gen = torch.Generator().manual_seed(1)
+    cache = torch.randn((4, 2, 16, 2, 16), generator=gen).to(fp8)
+    ref_cache = cache.clone()
+    q = torch.randn((10, 4, 16), generator=gen).bfloat16()
+    k, v = torch.randn((2, 10, 2, 16), generator=gen).bfloat16()
+    out = backend.attend(q, k, v, cache)
+    expected = ref.attend(q, k, v, ref_cache)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(cache.view(torch.uint8), ref_cache.view(torch.uint8))  # same e4m3 bits
+    assert chk.rel_max_error(out, expected) < 2e-2
+    assert fake.plans == ["FakePrefill", "FakePrefill"]  # re-planned once for the e4m3 pages
+    with pytest.raises(ValueError, match="float8_e4m3fn pages"):
+        backend.attend(q, k, v, cache.view(torch.int8))
+
+
 def test_attend_before_plan_is_an_error():
     backend = fake_backend(make_fake_flashinfer(), 4, 2, 16)
     x = torch.zeros((1, 4, 16), dtype=torch.bfloat16)

@@ -377,3 +377,27 @@ def test_cuda_fp8_model_tracks_bf16(tiny_llama):
     )
     agree = (bf16.argmax(-1) == fp8.argmax(-1)).float().mean().item()
     assert agree >= 0.85
+
+
+def test_int8_w8a8_int_mm_is_exact_per_row_and_pads_small_batches():
+    """int8 on CUDA: activations per token to int8, one torch._int_mm (torch's CPU kernel
+    runs the same call here), rows below _int_mm's CUDA minimum of 17 padded with zeros."""
+    from gpu.linear import INT_MM_MIN_ROWS, int8_int_mm, int_mm_fits
+    from gpu.quant import quantize_int8_rows
+
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn((48, 64), generator=gen)
+    q, scale = quantize_int8(w)
+    x = torch.randn((3, 64), generator=gen) * torch.tensor([[1.0], [30.0], [0.01]])
+    y = int8_int_mm(x, q, scale)
+    xq, xs = quantize_int8_rows(x)
+    assert xq.dtype == torch.int8 and xs.shape == (3, 1)
+    assert xq.abs().amax(dim=1).tolist() == [127, 127, 127]  # each row on its own scale
+    exact = (xq.double() @ q.double().t()) * xs.double() * scale.double()
+    torch.testing.assert_close(y.double(), exact, rtol=1e-6, atol=1e-6)
+    # close to the float product (int8 rounding on both sides)
+    assert (y - x @ w.t()).abs().max() < 0.03 * (x @ w.t()).abs().max()
+    # batch invariance: a row's result does not depend on the rows beside it or the padding
+    many = torch.cat([x, torch.randn((INT_MM_MIN_ROWS + 4, 64), generator=gen)])
+    torch.testing.assert_close(int8_int_mm(many, q, scale)[:3], y, rtol=0, atol=0)
+    assert int_mm_fits(48, 64) and not int_mm_fits(48, 60) and not int_mm_fits(44, 64)

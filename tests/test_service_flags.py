@@ -94,6 +94,7 @@ SERVICES: dict[str, list[Row]] = {
         ("--num-speculative-tokens", "MESHSERVE_NUM_SPECULATIVE_TOKENS", "5"),
         ("--speculator-timeout", "MESHSERVE_SPECULATOR_TIMEOUT", "0.5"),
         ("--quantization", "MESHSERVE_QUANTIZATION", "int8"),
+        ("--no-cuda-graphs", "MESHSERVE_NO_CUDA_GRAPHS", None),
         ("--kv-cache-dtype", "MESHSERVE_KV_CACHE_DTYPE", "fp8"),
         ("--engine-nice", "MESHSERVE_ENGINE_NICE", "0"),
         ("--tensor-parallel-size", "MESHSERVE_TENSOR_PARALLEL_SIZE", "2"),

@@ -30,6 +30,9 @@ INSTALL_HINT = "pip install meshserve[cuda]"
 # which never run in the same step.
 DEFAULT_WORKSPACE_BYTES = 128 * 1024 * 1024
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+# The pages may also hold e4m3 (``--kv-cache-dtype fp8``): FlashInfer's fa2 kernels read an fp8
+# cache under fp16/bf16 queries (scale 1, as gpu/quant.py stores it), and append converts.
+KV_DTYPES = (*SUPPORTED_DTYPES, torch.float8_e4m3fn)
 KV_LAYOUT = "NHD"
 
 
@@ -201,12 +204,16 @@ class FlashInferPagedAttention:
     ) -> torch.Tensor:
         if self._active is None:
             raise RuntimeError("FlashInferPagedAttention.attend called before plan()")
-        for name, dtype in (("q", q.dtype), ("the KV cache", kv_cache.dtype)):
-            if dtype not in SUPPORTED_DTYPES:
-                raise ValueError(
-                    f"FlashInfer attention runs in float16 or bfloat16; {name} is {dtype} "
-                    "(load the model in bfloat16 on CUDA)"
-                )
+        if q.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(
+                f"FlashInfer attention runs in float16 or bfloat16; q is {q.dtype} "
+                "(load the model in bfloat16 on CUDA)"
+            )
+        if kv_cache.dtype not in KV_DTYPES:
+            raise ValueError(
+                f"FlashInfer attends over float16, bfloat16 or float8_e4m3fn pages, not "
+                f"{kv_cache.dtype}"
+            )
         if q.shape[0] != self._num_tokens:
             raise ValueError(f"q has {q.shape[0]} rows, the planned step {self._num_tokens}")
         if (q.dtype, kv_cache.dtype) != (self._q_dtype, self._kv_dtype):

@@ -42,6 +42,12 @@ class ExecutorConfig:
         "weight format (auto: a GGUF model in its own blocks on CPU, else unquantized)",
         choices=QUANTIZATIONS,
     )
+    cuda_graphs: bool = setting(
+        True,
+        "decode eagerly: capture no CUDA graphs (captured per batch-size bucket in the warm-up, "
+        "on CUDA with FlashInfer only)",
+        flag="--no-cuda-graphs",
+    )
     kv_cache_dtype: str = setting(
         "auto", "KV cache dtype; auto: the model's", choices=KV_CACHE_DTYPES
     )

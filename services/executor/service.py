@@ -50,6 +50,7 @@ from gpu.parallel.group import ParallelGroupLost
 from gpu.proposers import NgramProposer
 from gpu.replica import build_runner
 from gpu.sequence import Sequence
+from gpu.warmup import WarmupReport
 from services.executor.config import ExecutorConfig
 from services.executor.decode_side import DecodeSide
 from services.executor.grammars import GrammarCache, tokenizer_info
@@ -109,6 +110,7 @@ class ExecutorService:
         self.draining = False
         self.broken = False  # the tensor-parallel group lost a rank: nothing runs here again
         self.incarnation = uuid.uuid4().hex[:12]
+        self.warmup: WarmupReport | None = None  # set by start(), before the first heartbeat
         self.load = (0, 0, engine.pages.num_free, 0)  # running, waiting, free pages, pending
         self.kv_events = KVEventPublisher(self.svc, config.executor_id)
         self.metrics = ExecutorMetrics(self.svc.registry, config.executor_id, self.engine_state)
@@ -153,9 +155,20 @@ class ExecutorService:
                 self.subjects.executor_kv_agent(me), KVAgentQuery, decode.on_kv_agent
             )
             self.svc.spawn(decode.pump(), "kv-pump")
+        await self.warm_up()
         await self.kv_events.start()  # before the first step: the index starts from "cleared"
         self.svc.spawn(self.step_loop(), "step-loop")
         self.svc.spawn(self.svc.every(self.config.heartbeat_s, self.heartbeat), "heartbeat")
+
+    async def warm_up(self) -> None:
+        """Every kernel built and one step of each kind run (``gpu/warmup.py``), on the engine
+        thread, before the first heartbeat: until then the scheduler sends this executor
+        nothing, so no request waits behind a compile. Submits that arrive meanwhile (from a
+        scheduler that knew an earlier incarnation) wait in ``pending_adds``."""
+        loop = asyncio.get_running_loop()
+        report = await loop.run_in_executor(self.worker, self.engine.warm_up)
+        self.warmup = report
+        log.info("executor %s: warmed up in %s", self.config.executor_id, report.describe())
 
     # -- handlers ---------------------------------------------------------------------------
     async def on_submit(self, req: TokenizedRequest) -> None:
@@ -584,6 +597,7 @@ def build_engine(config: ExecutorConfig) -> Engine:
         kv_cache=config.kv_cache_dtype,
         tensor_parallel_size=config.tensor_parallel_size,
         timeout_s=config.tensor_parallel_timeout_s,
+        cuda_graphs=config.cuda_graphs,
     )
     engine_config = EngineConfig(
         max_num_batched_tokens=config.max_num_batched_tokens,

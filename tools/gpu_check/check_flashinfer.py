@@ -14,6 +14,9 @@ Three sections, each independent (one failing does not stop the others):
 - timing: one decode step (every sequence at ~512 tokens of context) at batch 1/8/64 for each
   attention backend, timed with CUDA events around whole ``ModelRunner.forward`` calls
   (plan + all layers + lm_head, host overhead included).
+- graphs: the same decode timing on a Llama-3-8B-shaped model with random bf16 weights, eager
+  and replayed from CUDA graphs, as a fraction of the measured HBM bandwidth
+  (``decode_graphs.py``).
 
 The default model is SmolLM2-135M (``gpu.gguf.resolve_model_path(None)``); where it is not
 installed (an offline GPU host) a random model of SmolLM2's exact shape stands in, which checks
@@ -638,16 +641,23 @@ def environment() -> dict[str, Any]:
 
 
 def kernel_specs(head_dims: Sequence[int], dtype: torch.dtype) -> list[Any]:
-    """FlashInfer's JIT specs of the modules FlashInferPagedAttention uses at these head sizes:
-    the page (append) module, the FA2 batch-prefill module (which also serves tensor-core
-    decode) and the CUDA-core batch-decode module. This leans on FlashInfer internals (0.7.x);
+    """FlashInfer's JIT specs of the modules the model uses on CUDA at these head sizes: the
+    page (append) module, norm/rope/activation (``gpu.ops.FlashInferOps``), the FA2
+    batch-prefill module (which also serves tensor-core decode) and the CUDA-core
+    batch-decode module. This leans on FlashInfer internals (0.7.x);
     the arguments are the ones the wrappers' plans pass: fa2, int32 indices, no RoPE, sliding
     window, soft cap, fp16 QK reduction or token-head scales."""
-    from flashinfer.jit import gen_batch_decode_module
+    from flashinfer.jit import gen_act_and_mul_module, gen_batch_decode_module
     from flashinfer.jit.attention.modules import _gen_batch_prefill_primary_module
+    from flashinfer.jit.norm import gen_norm_module
     from flashinfer.jit.page import gen_page_module
+    from flashinfer.jit.rope import gen_rope_module
 
-    specs = [gen_page_module()]
+    # The page module, then gpu.ops.FlashInferOps' norm, rotary and SwiGLU modules (the norm
+    # module is the CUDA one: device_run.sh sets FLASHINFER_USE_CUDA_NORM=1, the carried
+    # files have no CuTe DSL).
+    specs = [gen_page_module(), gen_norm_module(), gen_rope_module()]
+    specs.append(gen_act_and_mul_module("silu"))
     for d in sorted(set(head_dims)):
         specs.append(
             _gen_batch_prefill_primary_module(
@@ -749,7 +759,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model", default="default", help='"default" (SmolLM2), "synthetic", a folder or .gguf'
     )
-    p.add_argument("--sections", default="kernels,model,timing")
+    p.add_argument("--sections", default="kernels,model,timing,graphs")
     p.add_argument("--head-configs", default="9/3,32/8", help="q/kv head pairs")
     p.add_argument("--head-dims", default="64")
     p.add_argument("--kernel-tol", type=float, default=KERNEL_TOL)
@@ -791,8 +801,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     head_configs = parse_pairs(args.head_configs)
     head_dims = parse_ints(args.head_dims)
+    # The kernels the sections run: the model's head size 64 (SmolLM2), 128 for the graphs
+    # section's 8B shape.
+    build_dims = [*head_dims, 64, *([128] if "graphs" in sections else [])]
     if args.prebuild_only:
-        prebuilt = prebuild_kernels([*head_dims, 64], torch.bfloat16)
+        prebuilt = prebuild_kernels(build_dims, torch.bfloat16)
         report.set("prebuild", prebuilt)
         report.set("ok", prebuilt["ok"])
         print(f"[prebuild] {prebuilt}", flush=True)
@@ -805,7 +818,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         def run_prebuild() -> None:
             prebuild.clear()
-            prebuild.update(prebuild_kernels([*head_dims, 64], torch.bfloat16))
+            prebuild.update(prebuild_kernels(build_dims, torch.bfloat16))
 
         builder = threading.Thread(target=run_prebuild, daemon=True)
         builder.start()
@@ -903,13 +916,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         except Exception as exc:
             report.error("timing", exc)
 
+    if "graphs" in sections:
+        del gpu_model  # the 8B-class model needs the memory
+        torch.cuda.empty_cache()
+        try:
+            from tools.gpu_check.decode_graphs import (
+                LLAMA3_8B_CONFIG,
+                graphs_section,
+                measure_bandwidth,
+                random_model,
+            )
+
+            bandwidth = measure_bandwidth(device)
+            big = random_model(LLAMA3_8B_CONFIG, device, torch.bfloat16, args.seed)
+            result = graphs_section(
+                big, parse_ints(args.batches), args.context, args.iters, bandwidth
+            )
+            result["model"] = "Llama-3-8B shape, random bf16 weights"
+            report.section("graphs", result)
+            del big
+        except Exception as exc:
+            report.error("graphs", exc)
+
     shutil.rmtree(workdir, ignore_errors=True)
-    wanted = {"kernels", "model", "timing"} & sections
+    wanted = {"kernels", "model", "timing", "graphs"} & sections
     results = report.data["sections"]
     ok = not report.data["errors"] and all(results.get(s, {}).get("ok") for s in wanted)
     report.set("ok", ok)
     print("\n## Summary\n", flush=True)
-    for name in ("kernels", "model", "timing"):
+    for name in ("kernels", "model", "timing", "graphs"):
         if name in results:
             body = results[name].get("table") or f"error: {results[name].get('error')}"
             print(f"### {name}\n\n{body}\n", flush=True)

@@ -165,6 +165,9 @@ if ! command -v ninja >/dev/null; then
         export PATH=$ninja_dir:$PATH
 fi
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
+# FlashInfer's norms default to CuTe DSL kernels (nvidia-cutlass-dsl, not carried): take its
+# CUDA JIT norm module, which the check prebuilds.
+export FLASHINFER_USE_CUDA_NORM=${FLASHINFER_USE_CUDA_NORM:-1}
 export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-$STATE}
 
 # 4. What is here, in the log's first lines.

@@ -19,7 +19,7 @@
 # per-call upload limit is 64 MiB; README: "The real SmolLM2 on the device").
 #
 # Usage: bash tools/gpu_check/make_carry.sh [--model] [--no-aot] [OUT_DIR]
-# Env:   FLASHINFER_SPEC (default flashinfer-python==0.7.*), TVM_FFI_SPEC, PYTHON,
+# Env:   FLASHINFER_SPEC (default flashinfer-python==0.7.4, pyproject's pin), TVM_FFI_SPEC, PYTHON,
 #        TARGET_PYTHON (default 3.12, the GPU host's CPython), CALL_LIMIT_MB (default 60),
 #        CUDA_HOME, AOT_ARCH (default 9.0), AOT_HEAD_DIMS (default 64), XZ_LEVEL (default 9).
 # Nothing is installed; pip only downloads. out/ is git-ignored.
@@ -41,7 +41,7 @@ for arg in "$@"; do
     esac
 done
 OUT_DIR=${OUT_DIR:-$ROOT/out/carry}
-FLASHINFER_SPEC=${FLASHINFER_SPEC:-flashinfer-python==0.7.*}
+FLASHINFER_SPEC=${FLASHINFER_SPEC:-flashinfer-python==0.7.4}
 # flashinfer-python 0.7 declares apache-tvm-ffi>=0.1.11,<0.2.
 TVM_FFI_SPEC=${TVM_FFI_SPEC:-apache-tvm-ffi>=0.1.11,<0.2}
 TARGET_PYTHON=${TARGET_PYTHON:-3.12}
