@@ -49,15 +49,10 @@ SHAPE: dict[str, Any] = dict(
 
 
 def write_model(folder: Path) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """Random weights of ``SHAPE`` (safetensors only: the GPU machine has no transformers)."""
+    from tools.gpu_check.check_flashinfer import write_synthetic_model
 
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**SHAPE))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.05)
-    model.save_pretrained(folder, safe_serialization=True)
-    return folder
+    return write_synthetic_model(folder, {"model_type": "llama", **SHAPE})
 
 
 @dataclass

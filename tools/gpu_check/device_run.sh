@@ -205,5 +205,15 @@ rc=${PIPESTATUS[0]}
 if ((rc == 124 || rc == 137)); then
     log "stopped at the time limit; what finished is in $RESULTS/$name.json"
 fi
+# Tensor parallelism over NCCL needs two GPUs: time TP=2 against TP=1 where there are.
+gpus=$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+left=$((LIMIT - (SECONDS - started)))
+if ((STAGE == 0 && gpus >= 2 && left > 60)); then
+    log "timing tensor parallelism (TP=2 over NCCL against TP=1, $gpus GPUs, limit ${left}s)"
+    timeout --signal=TERM --kill-after=15 "$left" "$PY" -m tools.bench.tensor_parallel \
+        --device cuda --rounds 3 2>&1 | tee "$RESULTS/tensor_parallel.log"
+elif ((STAGE == 0)); then
+    log "tensor parallelism not timed: $gpus GPU(s) here, TP=2 needs 2"
+fi
 log "exit status $rc"
 exit "$rc"
