@@ -28,10 +28,11 @@ static inline __m256i QFN(dot_acc)(__m256i acc, __m256i u, __m256i s) {
 
 /* out[r * ldo + j] = dot(weight row j of a group of 8, x row r) for R rows of x (repacked
    4-bit kinds, see blocks.c), j < nvalid. One accumulator lane per weight row, over blocks in
-   order, whatever R. */
+   order, whatever R. `prefetch`: hint the weight bytes LIN_PREFETCH ahead (the first call on a
+   group does; the others read it from L1). */
 static inline __attribute__((always_inline)) void QFN(dot_x8)(
     const int kind, const int R, const uint8_t* grp, const xblock* xq, i64 ldq, i64 nb,
-    float* out, i64 ldo, int nvalid) {
+    float* out, i64 ldo, int nvalid, int prefetch) {
     const int q41 = kind == LIN_Q4_1X8, q80 = kind == LIN_Q8_0X8;
     const i64 rec = q80 ? 272 : q41 ? 160 : 144;
     __m256 acc[4], summ[4];
@@ -39,6 +40,9 @@ static inline __attribute__((always_inline)) void QFN(dot_x8)(
     const __m256i low = _mm256_set1_epi8(0x0F);
     for (i64 b = 0; b < nb; ++b) {
         const uint8_t* p = grp + b * rec;
+        if (prefetch)
+            for (i64 o = 0; o < rec; o += 64)
+                _mm_prefetch((const char*)(p + LIN_PREFETCH + o), _MM_HINT_T1);
         const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
         const __m256 m8 = q41 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 16)))
                               : _mm256_setzero_ps();
@@ -90,9 +94,11 @@ static inline __attribute__((always_inline)) void QFN(x8_rows_kind)(
             const i64 n = g * 8;
             const int nvalid = (int)imin(8, N - n);
             for (i64 m = mc; m < m4; m += 4)
-                QFN(dot_x8)(kind, 4, grp, xq + m * ldq, ldq, nb, y + m * ldy + n, ldy, nvalid);
+                QFN(dot_x8)(kind, 4, grp, xq + m * ldq, ldq, nb, y + m * ldy + n, ldy, nvalid,
+                            m == mc);
             for (i64 m = m4; m < mend; ++m)
-                QFN(dot_x8)(kind, 1, grp, xq + m * ldq, ldq, nb, y + m * ldy + n, ldy, nvalid);
+                QFN(dot_x8)(kind, 1, grp, xq + m * ldq, ldq, nb, y + m * ldy + n, ldy, nvalid,
+                            m == mc);
             if (bias)
                 for (i64 m = mc; m < mend; ++m)
                     for (int j = 0; j < nvalid; ++j) y[m * ldy + n + j] += bias[n + j];
@@ -112,10 +118,12 @@ static void QFN(x8_rows)(int kind, const xblock* xq, i64 ldq, i64 m0, i64 m1, co
 }
 
 /* out[r] = dot(weight row, x row r) for R rows of x (blocks xq + r * ldq), before scale and
-   bias. The same operations per (row, block) whatever R: the bits do not depend on it. */
+   bias. The same operations per (row, block) whatever R: the bits do not depend on it.
+   `prefetch` as for dot_x8 (a block is at most 34 bytes: one hint per block covers every
+   line). */
 static inline __attribute__((always_inline)) void QFN(dot_rows)(
     const int kind, const int R, const uint8_t* wrow, const xblock* xq, i64 ldq, i64 nb,
-    float* out, i64 ldo) {
+    float* out, i64 ldo, int prefetch) {
     __m256 acc[4];
     float summ[4];
     for (int r = 0; r < R; ++r) {
@@ -125,6 +133,7 @@ static inline __attribute__((always_inline)) void QFN(dot_rows)(
     const i64 bb = block_bytes(kind);
     for (i64 b = 0; b < nb; ++b) {
         const uint8_t* p = wrow + b * bb;
+        if (prefetch) _mm_prefetch((const char*)(p + LIN_PREFETCH), _MM_HINT_T1);
         __m256i wv;
         float dw = 1.0f, mw = 0.0f;
         if (kind == LIN_Q4_0) {
@@ -174,9 +183,11 @@ static inline __attribute__((always_inline)) void QFN(block_rows_kind)(
         for (i64 n = n0; n < n1; ++n) {
             const uint8_t* wrow = w + n * row_bytes;
             for (i64 m = mc; m < m4; m += 4)
-                QFN(dot_rows)(kind, 4, wrow, xq + m * ldq, ldq, nb, y + m * ldy + n, ldy);
+                QFN(dot_rows)(kind, 4, wrow, xq + m * ldq, ldq, nb, y + m * ldy + n, ldy,
+                              m == mc);
             for (i64 m = m4; m < mend; ++m)
-                QFN(dot_rows)(kind, 1, wrow, xq + m * ldq, ldq, nb, y + m * ldy + n, ldy);
+                QFN(dot_rows)(kind, 1, wrow, xq + m * ldq, ldq, nb, y + m * ldy + n, ldy,
+                              m == mc);
             for (i64 m = mc; m < mend; ++m) {
                 float v = y[m * ldy + n];
                 if (scale) v = v * scale[n];
