@@ -60,14 +60,15 @@ static inline __attribute__((always_inline)) void QFN(dot_x8_one)(
         const xblock* x = xq + b;
         const __m512i xz = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)x->qs));
         __m512i dot = _mm512_setzero_si512();
-        if (q80) {  /* |w| times x with w's sign (no vpsignb on zmm: negate under a mask) */
+        if (q80) {  /* (x + 128) . w - 128 * sum(w): x made unsigned, w's signs kept */
+            const __m512i xu = _mm512_xor_si512(xz, _mm512_set1_epi8((char)0x80));
+            __m512i wsum = _mm512_setzero_si512();
             for (int j = 0; j < 4; ++j) {
                 const __m512i w = _mm512_loadu_si512((const void*)(c + 64 * j));
-                const __m512i xs = _mm512_permutexvar_epi32(pick[j], xz);
-                const __m512i sx = _mm512_mask_sub_epi8(xs, _mm512_movepi8_mask(w),
-                                                        _mm512_setzero_si512(), xs);
-                dot = _mm512_dpbusd_epi32(dot, _mm512_abs_epi8(w), sx);
+                dot = _mm512_dpbusd_epi32(dot, _mm512_permutexvar_epi32(pick[j], xu), w);
+                wsum = _mm512_dpbusd_epi32(wsum, _mm512_set1_epi8(1), w);
             }
+            dot = _mm512_sub_epi32(dot, _mm512_slli_epi32(wsum, 7));
         } else {  /* zmm k of the codes: vectors 2k, 2k + 1 (low nibbles: j, high: j + 4) */
             for (int k = 0; k < 2; ++k) {
                 const __m512i v = _mm512_loadu_si512((const void*)(c + 64 * k));
