@@ -41,6 +41,7 @@ from gpu.cpu_kernels.prepared import (
     LIN_Q4_1X8,
     LIN_Q8_0,
     LIN_Q8_0X8,
+    QK,
 )
 from gpu.formats import check_quantization
 from gpu.quant import (
@@ -59,6 +60,7 @@ from gpu.quant import (
     repack_x8,
     unpack_row_blocks,
     unpack_x8,
+    x8_row_index,
 )
 
 # GGML type name -> the kernels' linear kind (as the file lays it out; 4-bit repacked).
@@ -365,11 +367,10 @@ class BlockLinear(Linear):
         return dequantize_block_rows(self.qtype, self.block_rows(), self.in_features)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.grouped:  # the groups of 8 rows that hold ids, unpacked
-            groups = torch.unique(ids // 8)
-            rows = unpack_x8(self.qtype, self.blocks[groups], 8 * groups.numel())
-            where = torch.searchsorted(groups, ids // 8) * 8 + ids % 8
-            return dequantize_block_rows(self.qtype, rows[where], self.in_features)
+        if self.grouped:  # each row's bytes gathered from its group of 8
+            index = x8_row_index(self.qtype, -(-self.in_features // QK))
+            rows = self.blocks[ids // 8].gather(1, index[ids % 8])
+            return dequantize_block_rows(self.qtype, rows, self.in_features)
         return dequantize_block_rows(self.qtype, self.blocks[ids], self.in_features)
 
 

@@ -29,6 +29,8 @@ models sit well inside e4m3's +-448 range).
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 import torch.nn.functional as F
 
@@ -243,6 +245,23 @@ def unpack_x8(qtype: str, packed: torch.Tensor, n: int) -> torch.Tensor:
         qs = nib[..., :16] | (nib[..., 16:] << 4)
     blocks = torch.cat([*scales, qs], dim=-1)  # [g, nb, 8, size]
     return blocks.transpose(1, 2).reshape(g * 8, nb * size)[:n].contiguous()
+
+
+@cache
+def x8_row_index(qtype: str, nb: int) -> torch.Tensor:
+    """Where the bytes of one GGUF row lie in its group of 8 as :func:`repack_x8` stores it:
+    ``int64 [8, nb * bytes]``, row ``r`` of the group -> offsets into the group's bytes (a
+    block's fp16 scales, then its codes: each 4-bit code byte, low and high nibble, is one byte
+    of the repacked vectors, so every kind is a pure byte permutation). Gathering them reads
+    a row back without unpacking its group: the embedding of a tied head, each step."""
+    size, head = BLOCK_BYTES[qtype], _head(qtype)
+    r = torch.arange(8).view(8, 1, 1)
+    o = torch.arange(size).view(1, 1, size)  # byte of a file block
+    scale = 16 * (o // 2) + 2 * r + o % 2  # the 8 rows' d, then (Q4_1) their m
+    i = o - head  # code byte i: piece i // 4 of x, byte i % 4 of row r's 4 in its vector
+    code = 8 * head + 32 * (i // 4) + 4 * r + i % 4
+    block = torch.arange(nb).view(1, nb, 1) * 8 * size
+    return (block + torch.where(o < head, scale, code)).reshape(8, nb * size)
 
 
 class BlockWeight:

@@ -465,8 +465,10 @@ class Sampler:
             and all(p.logprobs is None and not p.logit_bias for p in params)
         ):
             # Fast path: all greedy, nothing to compute but an argmax (a bf16 -> fp32 cast is
-            # exact and monotone, so no cast either).
-            return SamplerOutput(logits.argmax(dim=-1), None, None)
+            # exact and monotone, so no cast either). max(dim)'s indices are argmax's (the
+            # first maximum, NaN counting as one) at a third of its time on CPU: 61 -> 20 us
+            # for one row of SmolLM2's 49,152 logits.
+            return SamplerOutput(logits.max(dim=-1).indices, None, None)
 
         work = self._processed(logits, inp, copy=False)  # 1-2: penalties, temperature
 

@@ -25,6 +25,7 @@ from gpu.cpu_kernels.prepared import (
     LIN_Q8_0X8,
 )
 from gpu.quant import (
+    BLOCK_BYTES,
     dequantize_block_rows,
     fake_quantize_blocks,
     pad_int8_blocks,
@@ -32,6 +33,7 @@ from gpu.quant import (
     quantize_q4_1,
     repack_x8,
     unpack_x8,
+    x8_row_index,
 )
 
 KERNELS = cpu_kernels.load()
@@ -52,6 +54,18 @@ def run_both_layouts(qtype: str, x: torch.Tensor, rows: torch.Tensor, bias=None)
         k.block_linear(KINDS[qtype], x, rows, n, None, bias),
         k.block_linear(GROUPED[qtype], x, grouped, n, None, bias),
     )
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_a_row_gathered_from_its_group_is_the_files_row(qtype):
+    """x8_row_index (an embedding row read from a tied head's groups) gives each row's file
+    bytes, for every row of a weight whose last group is padded."""
+    g = torch.Generator().manual_seed(11)
+    rows = gguf_blocks(torch.randn(21, 96, generator=g) * 0.05, qtype)[0]
+    grouped = repack_x8(qtype, rows)
+    ids = torch.tensor([20, 0, 7, 8, 13, 20])
+    index = x8_row_index(qtype, rows.shape[1] // BLOCK_BYTES[qtype])
+    assert torch.equal(grouped[ids // 8].gather(1, index[ids % 8]), rows[ids])
 
 
 def kernels() -> cpu_kernels.CpuKernels:

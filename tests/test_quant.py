@@ -219,6 +219,38 @@ def test_decode_kernel_matches_sdpa_in_mixed_batches():
     assert torch.equal(cache_fused, cache_ref)
 
 
+@needs_kernels
+def test_decode_kernel_splits_a_lone_sequence_by_head_with_the_same_bits():
+    """One decode (SmolLM2's heads, 70 keys: the kernel splits it by query head over the
+    threads) matches SDPA, and gives the bits it gets as one of 12 decodes (split by KV
+    head)."""
+    hq, hkv, d, ps, num_pages = 9, 3, 64, 16, 64
+    g = torch.Generator().manual_seed(4)
+    cache = torch.randn(num_pages, 2, ps, hkv, d, generator=g)
+    perm = torch.randperm(num_pages, generator=g).tolist()
+    lens = [69, 20, 33, 5, 47, 16, 1, 30, 64, 9, 12, 40]  # keys already cached, one new each
+    chunks, start = [], 0
+    for computed in lens:
+        n = -(-(computed + 1) // ps)
+        chunks.append(SeqChunk(tuple(perm[start : start + n]), computed, 1))
+        start += n
+    qkv = torch.randn(len(lens), (hq + 2 * hkv) * d, generator=g)
+
+    def attend(batch: list[SeqChunk], rows: torch.Tensor, kernels: object) -> torch.Tensor:
+        meta = build_batch_metadata(batch, ps)
+        t = rows.shape[0]
+        q = rows[:, : hq * d].view(t, hq, d)
+        k = rows[:, hq * d : (hq + hkv) * d].view(t, hkv, d)
+        v = rows[:, (hq + hkv) * d :].view(t, hkv, d)
+        backend = TorchPagedAttention(hq, hkv, d, kernels)  # type: ignore[arg-type]
+        backend.plan(meta)
+        return backend.attend(q, k, v, cache.clone())
+
+    alone = attend(chunks[:1], qkv[:1], KERNELS)
+    torch.testing.assert_close(alone, attend(chunks[:1], qkv[:1], None), rtol=1e-5, atol=1e-5)
+    assert torch.equal(attend(chunks, qkv, KERNELS)[:1], alone)
+
+
 # -- whole models, per format -----------------------------------------------------------------
 
 

@@ -188,6 +188,11 @@ def test_greedy_is_argmax_and_mixed_batch() -> None:
     assert out.logprobs is None and out.top_logprobs is None
     out_bf16 = Sampler()(logits.bfloat16(), inp_for([greedy] * 6))
     assert torch.equal(out_bf16.token_ids, logits.bfloat16().float().argmax(-1))
+    # Ties go to the first maximum, and a NaN row to its first NaN, as argmax decides them.
+    tied = torch.randint(0, 4, (6, 49152)).float()
+    tied[2, 7] = tied[2, 900] = float("nan")
+    out = Sampler()(tied, inp_for([greedy] * 6))
+    assert torch.equal(out.token_ids, tied.argmax(-1)) and out.token_ids[2] == 7
     # Greedy rows in a batch with sampled rows are still argmax.
     mixed = [greedy, SamplingParams(top_p=0.9), greedy, SamplingParams(temperature=1.8)] * 2
     logits8 = torch.randn(8, 300)

@@ -14,7 +14,8 @@ are chains of tiny kernels. These kernels cover exactly that path:
   activations quantized per row and block to int8 (as ggml's CPU path does); each block's dot
   product is an integer multiply-add (``maddubs`` + ``madd``; on AVX-512 VNNI CPUs ``dpbusd``,
   picked at run time: the same int32 sums, so the same bits), scaled into fp32. One weight
-  row meets 4 activation rows at a time in batches.
+  row meets 4 activation rows at a time in batches. Each thread's weight stream is hinted
+  8 KB ahead into L2: at batch 1 the kernels otherwise wait on memory here (blocks.c).
 - ``rms_norm`` (residual add fused in), ``rope`` (in place on the q/k heads of the fused qkv
   output), ``silu_mul`` (SwiGLU), and ``paged_decode_attention`` (append the step's K/V to the
   paged cache, then one query per sequence straight from its pages; no gather copy, no mask).

@@ -62,7 +62,10 @@ static void weighted_values(const float* p, const float* cache, const int32_t* p
  * token's K/V is written to (append_pages[b], append_offsets[b]) first, then each query head
  * of sequence b attends to all L_b keys (pages kv_indices[kv_indptr[b]:kv_indptr[b+1]], the
  * last one holding last_len[b] keys). D must be a multiple of 8. Work items are (sequence,
- * KV head): the G query heads sharing a KV head score each key while it is in L1.
+ * KV head): the G query heads sharing a KV head score each key while it is in L1. With fewer
+ * items than 4 per thread (a batch of one has Hkv = 3 here: a 2 : 1 split) an item is one
+ * query head instead, which evens the threads' shares; a head's result is computed the same
+ * way in either case, so its bits do not depend on the batch.
  */
 void paged_decode_attention(const float* q, i64 q_ld, const float* k, const float* v, i64 kv_ld,
                             float* out, i64 out_ld, const i64* rows, i64 B, float* cache,
@@ -81,31 +84,35 @@ void paged_decode_attention(const float* q, i64 q_ld, const float* k, const floa
         if (L > max_len) max_len = L;
         work += L;
     }
-    int parallel = nthreads > 1 && work * Hq * D >= 65536;
+    /* From ~30 keys per head of SmolLM2 on: two threads beat one by more than the fork. */
+    int parallel = nthreads > 1 && work * Hq * D >= 16384;
+    const i64 per_kv = B * Hkv < 4 * (i64)nthreads ? G : 1;  /* items per (sequence, KV head) */
     #pragma omp parallel num_threads(nthreads) if (parallel)
     {
         float* p = (float*)malloc(G * (max_len + 8) * sizeof(float));
         i64 lo, hi;
-        split(B * Hkv, 1, omp_get_thread_num(), omp_get_num_threads(), &lo, &hi);
+        split(B * Hkv * per_kv, 1, omp_get_thread_num(), omp_get_num_threads(), &lo, &hi);
         for (i64 item = lo; item < hi; ++item) {
-            i64 b = item / Hkv, kvh = item % Hkv;
+            const i64 bk = item / per_kv, part = item % per_kv;
+            const i64 b = bk / Hkv, kvh = bk % Hkv;
+            const i64 g0 = G * part / per_kv, g1 = G * (part + 1) / per_kv;
             const int32_t* pages = kv_indices + kv_indptr[b];
             i64 npages = kv_indptr[b + 1] - kv_indptr[b];
             i64 L = (npages - 1) * ps + last_len[b];
             const float* q0 = q + rows[b] * q_ld + kvh * G * D;
             float mx[64];  /* G <= 64 (checked by the caller) */
-            for (i64 g = 0; g < G; ++g) mx[g] = -INFINITY;
+            for (i64 g = g0; g < g1; ++g) mx[g] = -INFINITY;
             for (i64 pg = 0, t = 0; pg < npages; ++pg) {
                 const float* kbase = cache + (i64)pages[pg] * page_stride + kvh * D;
                 i64 n = imin(ps, L - pg * ps);
                 for (i64 o = 0; o < n; ++o, ++t)
-                    for (i64 g = 0; g < G; ++g) {
+                    for (i64 g = g0; g < g1; ++g) {
                         float s = dot(q0 + g * D, kbase + o * tok, D) * scale;
                         p[g * (max_len + 8) + t] = s;
                         if (s > mx[g]) mx[g] = s;
                     }
             }
-            for (i64 g = 0; g < G; ++g) {
+            for (i64 g = g0; g < g1; ++g) {
                 float* pg_ = p + g * (max_len + 8);
                 float sum = softmax_numerators(pg_, L, mx[g]);
                 weighted_values(pg_, cache, pages, L, ps, page_stride, tok, ps * tok + kvh * D, D,

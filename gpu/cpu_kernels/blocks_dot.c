@@ -1,7 +1,8 @@
 /* ---------------------------------------------------------------- block dot products (ISA) */
 /*
  * Compiled twice (build.py): QISA avx2 (maddubs + madd, the tested default) and QISA vnni
- * (AVX-512 VNNI's dpbusd on 256-bit vectors, under a target pragma), picked at run time.
+ * (AVX-512 VNNI's dpbusd, on 256-bit vectors and for one row of x against grouped weights on
+ * 512-bit ones, under a target pragma), picked at run time.
  */
 #define QCAT_(a, b) a##_##b
 #define QCAT(a, b) QCAT_(a, b)
@@ -26,12 +27,82 @@ static inline __m256i QFN(dot_acc)(__m256i acc, __m256i u, __m256i s) {
 #endif
 }
 
+#if QVNNI
+/*
+ * dot_x8 for one row of x on 512-bit vectors: each zmm holds two of a record's 32-byte code
+ * vectors (j, j + 1), and one vpermd spreads x's 4-byte pieces j and j + 1 over its two
+ * halves, so a block takes half the instructions of the 256-bit loop. The two halves' int32
+ * lanes are added at the end of the block: the same integer as the 256-bit loop's, so the
+ * same bits after it (integer sums are exact).
+ */
+static inline __attribute__((always_inline)) void QFN(dot_x8_one)(
+    const int kind, const uint8_t* grp, const xblock* xq, i64 nb, float* out, int nvalid,
+    int prefetch) {
+    const int q41 = kind == LIN_Q4_1X8, q80 = kind == LIN_Q8_0X8;
+    const i64 rec = q80 ? 272 : q41 ? 160 : 144;
+    __m256 acc = _mm256_setzero_ps(), summ = _mm256_setzero_ps();
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    const __m512i pick[4] = {
+        _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+        _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3),
+        _mm512_setr_epi32(4, 4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5, 5, 5, 5, 5),
+        _mm512_setr_epi32(6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7),
+    };
+    for (i64 b = 0; b < nb; ++b) {
+        const uint8_t* p = grp + b * rec;
+        if (prefetch)
+            for (i64 o = 0; o < rec; o += 64)
+                _mm_prefetch((const char*)(p + LIN_PREFETCH + o), _MM_HINT_T1);
+        const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+        const __m256 m8 = q41 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 16)))
+                              : _mm256_setzero_ps();
+        const uint8_t* c = p + (q41 ? 32 : 16);
+        const xblock* x = xq + b;
+        const __m512i xz = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)x->qs));
+        __m512i dot = _mm512_setzero_si512();
+        if (q80) {  /* (x + 128) . w - 128 * sum(w): x made unsigned, w's signs kept */
+            const __m512i xu = _mm512_xor_si512(xz, _mm512_set1_epi8((char)0x80));
+            __m512i wsum = _mm512_setzero_si512();
+            for (int j = 0; j < 4; ++j) {
+                const __m512i w = _mm512_loadu_si512((const void*)(c + 64 * j));
+                dot = _mm512_dpbusd_epi32(dot, _mm512_permutexvar_epi32(pick[j], xu), w);
+                wsum = _mm512_dpbusd_epi32(wsum, _mm512_set1_epi8(1), w);
+            }
+            dot = _mm512_sub_epi32(dot, _mm512_slli_epi32(wsum, 7));
+        } else {  /* zmm k of the codes: vectors 2k, 2k + 1 (low nibbles: j, high: j + 4) */
+            for (int k = 0; k < 2; ++k) {
+                const __m512i v = _mm512_loadu_si512((const void*)(c + 64 * k));
+                dot = _mm512_dpbusd_epi32(dot, _mm512_and_si512(v, low),
+                                          _mm512_permutexvar_epi32(pick[k], xz));
+                dot = _mm512_dpbusd_epi32(dot, _mm512_and_si512(_mm512_srli_epi16(v, 4), low),
+                                          _mm512_permutexvar_epi32(pick[k + 2], xz));
+            }
+        }
+        __m256i d = _mm256_add_epi32(_mm512_castsi512_si256(dot),
+                                     _mm512_extracti64x4_epi64(dot, 1));
+        if (!q41 && !q80) d = _mm256_sub_epi32(d, _mm256_set1_epi32(8 * x->sum));
+        acc = _mm256_fmadd_ps(_mm256_mul_ps(d8, _mm256_set1_ps(x->d)), _mm256_cvtepi32_ps(d), acc);
+        if (q41) summ = _mm256_fmadd_ps(m8, _mm256_set1_ps(x->s), summ);
+    }
+    float v[8];
+    _mm256_storeu_ps(v, q41 ? _mm256_add_ps(acc, summ) : acc);
+    for (int j = 0; j < nvalid; ++j) out[j] = v[j];
+}
+#endif
+
 /* out[r * ldo + j] = dot(weight row j of a group of 8, x row r) for R rows of x (repacked
    4-bit kinds, see blocks.c), j < nvalid. One accumulator lane per weight row, over blocks in
-   order, whatever R. */
+   order, whatever R. `prefetch`: hint the weight bytes LIN_PREFETCH ahead (the first call on a
+   group does; the others read it from L1). */
 static inline __attribute__((always_inline)) void QFN(dot_x8)(
     const int kind, const int R, const uint8_t* grp, const xblock* xq, i64 ldq, i64 nb,
-    float* out, i64 ldo, int nvalid) {
+    float* out, i64 ldo, int nvalid, int prefetch) {
+#if QVNNI
+    if (R == 1) {
+        QFN(dot_x8_one)(kind, grp, xq, nb, out, nvalid, prefetch);
+        return;
+    }
+#endif
     const int q41 = kind == LIN_Q4_1X8, q80 = kind == LIN_Q8_0X8;
     const i64 rec = q80 ? 272 : q41 ? 160 : 144;
     __m256 acc[4], summ[4];
@@ -39,6 +110,9 @@ static inline __attribute__((always_inline)) void QFN(dot_x8)(
     const __m256i low = _mm256_set1_epi8(0x0F);
     for (i64 b = 0; b < nb; ++b) {
         const uint8_t* p = grp + b * rec;
+        if (prefetch)
+            for (i64 o = 0; o < rec; o += 64)
+                _mm_prefetch((const char*)(p + LIN_PREFETCH + o), _MM_HINT_T1);
         const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
         const __m256 m8 = q41 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 16)))
                               : _mm256_setzero_ps();
@@ -90,9 +164,11 @@ static inline __attribute__((always_inline)) void QFN(x8_rows_kind)(
             const i64 n = g * 8;
             const int nvalid = (int)imin(8, N - n);
             for (i64 m = mc; m < m4; m += 4)
-                QFN(dot_x8)(kind, 4, grp, xq + m * ldq, ldq, nb, y + m * ldy + n, ldy, nvalid);
+                QFN(dot_x8)(kind, 4, grp, xq + m * ldq, ldq, nb, y + m * ldy + n, ldy, nvalid,
+                            m == mc);
             for (i64 m = m4; m < mend; ++m)
-                QFN(dot_x8)(kind, 1, grp, xq + m * ldq, ldq, nb, y + m * ldy + n, ldy, nvalid);
+                QFN(dot_x8)(kind, 1, grp, xq + m * ldq, ldq, nb, y + m * ldy + n, ldy, nvalid,
+                            m == mc);
             if (bias)
                 for (i64 m = mc; m < mend; ++m)
                     for (int j = 0; j < nvalid; ++j) y[m * ldy + n + j] += bias[n + j];
@@ -112,10 +188,12 @@ static void QFN(x8_rows)(int kind, const xblock* xq, i64 ldq, i64 m0, i64 m1, co
 }
 
 /* out[r] = dot(weight row, x row r) for R rows of x (blocks xq + r * ldq), before scale and
-   bias. The same operations per (row, block) whatever R: the bits do not depend on it. */
+   bias. The same operations per (row, block) whatever R: the bits do not depend on it.
+   `prefetch` as for dot_x8 (a block is at most 34 bytes: one hint per block covers every
+   line). */
 static inline __attribute__((always_inline)) void QFN(dot_rows)(
     const int kind, const int R, const uint8_t* wrow, const xblock* xq, i64 ldq, i64 nb,
-    float* out, i64 ldo) {
+    float* out, i64 ldo, int prefetch) {
     __m256 acc[4];
     float summ[4];
     for (int r = 0; r < R; ++r) {
@@ -125,6 +203,7 @@ static inline __attribute__((always_inline)) void QFN(dot_rows)(
     const i64 bb = block_bytes(kind);
     for (i64 b = 0; b < nb; ++b) {
         const uint8_t* p = wrow + b * bb;
+        if (prefetch) _mm_prefetch((const char*)(p + LIN_PREFETCH), _MM_HINT_T1);
         __m256i wv;
         float dw = 1.0f, mw = 0.0f;
         if (kind == LIN_Q4_0) {
@@ -174,9 +253,11 @@ static inline __attribute__((always_inline)) void QFN(block_rows_kind)(
         for (i64 n = n0; n < n1; ++n) {
             const uint8_t* wrow = w + n * row_bytes;
             for (i64 m = mc; m < m4; m += 4)
-                QFN(dot_rows)(kind, 4, wrow, xq + m * ldq, ldq, nb, y + m * ldy + n, ldy);
+                QFN(dot_rows)(kind, 4, wrow, xq + m * ldq, ldq, nb, y + m * ldy + n, ldy,
+                              m == mc);
             for (i64 m = m4; m < mend; ++m)
-                QFN(dot_rows)(kind, 1, wrow, xq + m * ldq, ldq, nb, y + m * ldy + n, ldy);
+                QFN(dot_rows)(kind, 1, wrow, xq + m * ldq, ldq, nb, y + m * ldy + n, ldy,
+                              m == mc);
             for (i64 m = mc; m < mend; ++m) {
                 float v = y[m * ldy + n];
                 if (scale) v = v * scale[n];

@@ -1,6 +1,7 @@
 /* ---------------------------------------------------------------- block linears: entry */
 
-/* 1: the VNNI path runs (the CPU has AVX-512 VNNI + VL and MESHSERVE_CPU_VNNI is not 0). */
+/* 1: the VNNI path runs (the CPU has AVX-512 VNNI, VL and BW, and MESHSERVE_CPU_VNNI is not
+   0). */
 static int use_vnni = -1;
 
 static int vnni_enabled(void) {
@@ -8,7 +9,8 @@ static int vnni_enabled(void) {
         const char* env = getenv("MESHSERVE_CPU_VNNI");
         int want = !(env && env[0] == '0');
         __builtin_cpu_init();
-        use_vnni = want && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl");
+        use_vnni = want && __builtin_cpu_supports("avx512vnni") &&
+                   __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw");
     }
     return use_vnni;
 }
