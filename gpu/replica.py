@@ -35,9 +35,10 @@ def build_runner(
     """The runner for ``folder``; ``tensor_parallel_size`` > 1 starts that many ranks (one
     device each: ``cuda:0..N-1`` from ``device``'s index, or the CPU's cores shared: each
     rank, this one included, gets ``torch.get_num_threads() // N`` threads; their
-    all-reduces go through shared memory unless ``shared_memory`` is False: Gloo). Raises ``ModelError`` for a model whose
-    heads cannot be split so, before any rank starts. ``cuda_graphs``: decode steps from CUDA
-    graphs once captured (one CUDA device only: a split replica decodes eagerly)."""
+    all-reduces go through shared memory unless ``shared_memory`` is False: Gloo). Raises
+    ``ModelError`` for a model whose heads cannot be split so, before any rank starts.
+    ``cuda_graphs``: decode steps from CUDA graphs once captured (one CUDA device only: a
+    split replica decodes eagerly)."""
     if tensor_parallel_size == 1:
         model = load_model(folder, device=device, quantization=quantization, progress=progress)
         kv_dtype = kv_cache_dtype(kv_cache, model.dtype)
