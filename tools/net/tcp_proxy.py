@@ -52,9 +52,12 @@ class DelayProxy:
             writer.close()
             return
         self.writers |= {writer, up_writer}
-        await asyncio.gather(
-            self._pipe(reader, up_writer), self._pipe(up_reader, writer), return_exceptions=True
-        )
+        # stop() cancels every task; a client task that ends cancelled makes asyncio's stream
+        # callback (task.exception()) log a traceback per connection (3.11).
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.gather(
+                self._pipe(reader, up_writer), self._pipe(up_reader, writer), return_exceptions=True
+            )
         for w in (writer, up_writer):
             self.writers.discard(w)
             w.close()
