@@ -64,3 +64,17 @@ def test_a_constrained_request_is_prefilled_where_it_decodes():
     constrained = dataclasses.replace(request(PROMPT), grammar=grammar)
     assert route(r, constrained, {}) == Route("d0")
     assert route(r, request(PROMPT), {}) == Route("d0", "p0")
+
+
+def test_a_short_uncached_prompt_is_prefilled_on_its_decode_executor():
+    """Conditional disaggregation: below ``min_prompt_tokens`` uncached tokens the decode
+    executor prefills the prompt itself; its cached pages there count as computed."""
+    r = mesh(beat("p0", "prefill"), beat("d0", "decode"))
+    n = len(PROMPT)
+    assert route(r, request(PROMPT), {}, min_prompt_tokens=n + 1) == Route("d0")
+    assert route(r, request(PROMPT), {}, min_prompt_tokens=n) == Route("d0", "p0")
+    assert route(r, request(PROMPT), {}) == Route("d0", "p0")  # 0: every prompt moves
+    page = r.executors["d0"].heartbeat.page_size
+    cached = {"d0": 2}  # two pages of the prompt already on d0: fewer tokens to compute
+    assert route(r, request(PROMPT), cached, min_prompt_tokens=n - 2 * page + 1) == Route("d0")
+    assert route(r, request(PROMPT), cached, min_prompt_tokens=n - 2 * page) == Route("d0", "p0")

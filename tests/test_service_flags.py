@@ -61,6 +61,7 @@ SERVICES: dict[str, list[Row]] = {
         ("--index-timeout", "MESHSERVE_INDEX_TIMEOUT", "0.3"),
         ("--migration-limit", "MESHSERVE_MIGRATION_LIMIT", "0"),
         ("--priority-aging", "MESHSERVE_PRIORITY_AGING", "2.5"),
+        ("--disagg-min-prompt-tokens", "MESHSERVE_DISAGG_MIN_PROMPT_TOKENS", "256"),
         ("--peer-regions", "MESHSERVE_PEER_REGIONS", "eu-west"),
         ("--spill-queue-ms", "MESHSERVE_SPILL_QUEUE_MS", "250"),
         ("--prefill-ms-per-token", "MESHSERVE_PREFILL_MS_PER_TOKEN", "0.5"),

@@ -9,6 +9,10 @@
   chosen as a mixed executor is (cached overlap and load: only it computes the prompt); the
   decode side by load, then by free pages, among those whose free pages hold the prompt.
 - Prefill executors take a request alone (as mixed ones) only when no decode executor lives.
+- A prompt shorter than ``min_prompt_tokens`` once its cached pages on the decode executor
+  are counted out is prefilled there (vLLM's and Dynamo's conditional disaggregation): a
+  few dozen tokens cost the decode batch less than a hop to the prefill executor and a KV
+  transfer whose fixed cost outweighs its bytes.
 """
 
 from __future__ import annotations
@@ -30,10 +34,12 @@ def route(
     req: TokenizedRequest,
     overlaps: dict[str, int] | None = None,
     keep_free: int = 0,
+    min_prompt_tokens: int = 0,
 ) -> Route | None:
     """Where ``req`` goes now, or None to keep it queued (no executor of its pool has room).
     ``keep_free``: slots each chosen executor must still have free beyond this request (a
-    request spilled in from another region leaves this region's reserve alone)."""
+    request spilled in from another region leaves this region's reserve alone).
+    ``min_prompt_tokens``: shorter uncached prompts are prefilled on the decode executor."""
     live = router.live_roles()
     if "decode" not in live:
         among = router.candidates(("mixed", "prefill"), keep_free)
@@ -45,6 +51,9 @@ def route(
     if "prefill" not in live or req.output_token_ids or req.grammar is not None:
         # A constrained request is prefilled where it decodes: its grammar's state after the
         # first token would have to cross to the decode side with the KV.
+        return Route(decode)
+    cached = (overlaps or {}).get(decode, 0) * router.executors[decode].heartbeat.page_size
+    if len(req.prompt_token_ids) - cached < min_prompt_tokens:
         return Route(decode)
     prefill = router.pick(req, overlaps, router.candidates(("prefill",), keep_free))
     return Route(decode, prefill) if prefill else None

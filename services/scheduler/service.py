@@ -75,6 +75,11 @@ class SchedulerServiceConfig:
         "first, as in vLLM; aging bounds how long a request can be overtaken)",
         flag="--priority-aging",
     )
+    disagg_min_prompt_tokens: int = setting(
+        0,
+        "disaggregation: a prompt with fewer uncached tokens than this is prefilled on its "
+        "decode executor, not moved from a prefill one (0: every prompt is moved)",
+    )
     progress_timeout_s: float = 1.0  # the detokenizer's answer on what a stream received
     # Spillover to other regions (regions.py, spill.py); off without --region/--peer-regions.
     regions: RegionConfig = field(default_factory=RegionConfig)
@@ -90,6 +95,8 @@ class SchedulerServiceConfig:
             raise ValueError("migration_limit must be >= 0")
         if self.priority_aging_s < 0:
             raise ValueError("priority_aging_s must be >= 0")
+        if self.disagg_min_prompt_tokens < 0:
+            raise ValueError("disagg_min_prompt_tokens must be >= 0")
 
 
 def parse_args(argv: list[str] | None = None) -> SchedulerServiceConfig:
@@ -241,7 +248,9 @@ class SchedulerService:
                 continue  # the queue changed (or the client left) while we asked the index
             guest = req.request_id in self.guests
             keep_free = self.config.regions.spill_reserve_seqs if guest else 0
-            chosen = route(self.router, req, overlaps, keep_free)
+            chosen = route(
+                self.router, req, overlaps, keep_free, self.config.disagg_min_prompt_tokens
+            )
             if chosen is None:
                 return
             heapq.heappop(self.queue)

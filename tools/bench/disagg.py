@@ -204,7 +204,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--window", type=float, default=60.0)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--out-dir", default="out/bench_disagg")
+    p.add_argument(
+        "--local-prefill-below", type=int, default=0,
+        help="disagg: prompts with fewer uncached tokens are prefilled on the decode executor "
+        "(the scheduler's --disagg-min-prompt-tokens; 0: every prompt moves)",
+    )  # fmt: skip
     args = p.parse_args(argv)
+    # The scheduler of each mesh reads it from the environment (the mixed one has no pairs).
+    os.environ["MESHSERVE_DISAGG_MIN_PROMPT_TOKENS"] = str(args.local_prefill_below)
     os.environ["OMP_NUM_THREADS"] = "1"  # each executor one thread (children inherit it)
     # Both layouts' executors at the same priority as everything else on the machine: the
     # default niceness (10) starves them on a machine other jobs keep busy.
