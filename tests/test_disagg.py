@@ -99,6 +99,29 @@ async def test_pair_equals_mixed_engine_and_transformers(process_mesh, offline):
         await wait_idle(mesh, ["prefill-0", "decode-0"])
 
 
+async def test_short_prompts_stay_on_the_decode_executor(process_mesh, offline, monkeypatch):
+    """--disagg-min-prompt-tokens (the scheduler reads MESHSERVE_DISAGG_MIN_PROMPT_TOKENS): a
+    short prompt is prefilled where it decodes, nothing moves; a long one still moves. Both
+    give the mixed engine's text."""
+    monkeypatch.setenv("MESHSERVE_DISAGG_MIN_PROMPT_TOKENS", "64")
+    mesh = start_pair(process_mesh)
+    base = mesh.base_url + "/v1"
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    short, long = "Hello world", "Serving language models at scale " * 16
+    async with aiohttp.ClientSession() as session:
+        assert (
+            await complete(session, base, short, max_tokens=8, temperature=0)
+            == offline(short, greedy)[0]
+        )
+        assert metric(mesh, "prefill-0", "meshserve:kv_transfer_bytes_total", absent=0) == 0
+        assert (
+            await complete(session, base, long, max_tokens=8, temperature=0)
+            == offline(long, greedy)[0]
+        )
+        assert metric(mesh, "prefill-0", "meshserve:kv_transfer_bytes_total", absent=0) > 0
+        await wait_idle(mesh, ["prefill-0", "decode-0"])
+
+
 async def test_killed_prefill_executor_ends_every_request(process_mesh):
     """Requests in flight through the prefill executor when it is killed: each ends with the
     text of an uninterrupted run (the decode executor computes the prompt itself) and no page
