@@ -17,6 +17,7 @@ import ctypes
 import datetime
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -126,14 +127,18 @@ class TensorParallel:
                     os.unlink(shm_path)
         return cls(shard, group, device, shm)
 
-    def _run(self, what: str, work: dist.Work) -> None:
+    def _run(self, what: str, start: Callable[[], dist.Work]) -> None:
+        """Start one Gloo/NCCL collective and wait for it, timed and counted."""
+        began = time.perf_counter_ns()
         try:
-            work.wait()
+            start().wait()
         except RuntimeError as exc:
             self.failed = exc
             raise ParallelGroupLost(
                 f"tensor-parallel {what} failed on rank {self.rank} of {self.world}: {exc}"
             ) from exc
+        self._comm_ns += time.perf_counter_ns() - began
+        self._collectives += 1
 
     def _check(self) -> None:
         if self.failed is not None:
@@ -145,28 +150,14 @@ class TensorParallel:
         shm = self.shm
         if shm is not None and tensor.dtype == torch.float32 and tensor.is_contiguous():
             if not shm.all_reduce_(tensor):  # (it times itself)
-                self._lost_in_shm()
+                raise self.lost(RuntimeError("shared-memory all-reduce"))
             return
-        start = time.perf_counter_ns()
-        self._run("all-reduce", self.group.allreduce([tensor]))
-        self._comm_ns += time.perf_counter_ns() - start
-        self._collectives += 1
-
-    def _lost_in_shm(self) -> None:
-        assert self.shm is not None
-        lost = self.shm.lost_rank
-        self.failed = RuntimeError(f"rank {lost} died or passed the timeout")
-        raise ParallelGroupLost(
-            f"tensor-parallel all-reduce failed on rank {self.rank} of {self.world}: {self.failed}"
-        )
+        self._run("all-reduce", lambda: self.group.allreduce([tensor]))
 
     def broadcast_(self, tensor: torch.Tensor) -> None:
         """Rank 0's ``tensor`` into every rank's (same shape and dtype)."""
         self._check()
-        start = time.perf_counter_ns()
-        self._run("broadcast", self.group.broadcast(tensor, 0))
-        self._comm_ns += time.perf_counter_ns() - start
-        self._collectives += 1
+        self._run("broadcast", lambda: self.group.broadcast(tensor, 0))
 
     def gather_vocab(self, local: torch.Tensor, vocab: int) -> torch.Tensor | None:
         """Logits ``[T, shard]`` of each rank's vocabulary rows -> ``[T, vocab]`` on rank 0
@@ -177,17 +168,14 @@ class TensorParallel:
         if local.shape[1] < per:
             local = torch.nn.functional.pad(local, (0, per - local.shape[1]))
         local = local.contiguous()
-        start = time.perf_counter_ns()
         if self.device.type == "cuda":  # NCCL: every rank gets them
             parts = [torch.empty_like(local) for _ in range(self.world)]
-            self._run("all-gather", self.group.allgather([parts], [local]))
+            self._run("all-gather", lambda: self.group.allgather([parts], [local]))
         else:
             opts = dist.GatherOptions()
             opts.rootRank = 0
             parts = [torch.empty_like(local) for _ in range(self.world)] if self.rank == 0 else []
-            self._run("gather", self.group.gather([parts] if parts else [], [local], opts))
-        self._comm_ns += time.perf_counter_ns() - start
-        self._collectives += 1
+            self._run("gather", lambda: self.group.gather([parts] if parts else [], [local], opts))
         if self.rank != 0:
             return None
         return torch.cat(parts, dim=1)[:, :vocab]
@@ -216,12 +204,15 @@ class TensorParallel:
         return address, 0
 
     def lost(self, cause: BaseException) -> ParallelGroupLost:
-        """The error for a fused call whose all-reduce hook failed."""
-        if self.failed is None and self.shm is not None and self.shm.lost_rank is not None:
-            self.failed = RuntimeError(f"rank {self.shm.lost_rank} died or passed the timeout")
+        """The error for an all-reduce that failed outside Gloo (in shared memory, or in the
+        fused step's hook); the group counts as failed from now on."""
+        if self.failed is None:
+            rank = self.shm.lost_rank if self.shm is not None else None
+            self.failed = (
+                cause if rank is None else RuntimeError(f"rank {rank} died or passed the timeout")
+            )
         return ParallelGroupLost(
-            f"tensor-parallel all-reduce failed on rank {self.rank} of {self.world}: "
-            f"{self.failed or cause}"
+            f"tensor-parallel all-reduce failed on rank {self.rank} of {self.world}: {self.failed}"
         )
 
     def close(self) -> None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from gpu.config import ModelConfig, ModelError
-from gpu.quant import QK, BlockWeight, block_columns
+from gpu.quant import BlockWeight, block_columns
 
 Weight = torch.Tensor | BlockWeight
 
@@ -98,14 +98,6 @@ def rows(weight: Weight, start: int, stop: int) -> Weight:
     return weight[start:stop].contiguous()
 
 
-def check_block_split(name: str, weight: Weight, start: int, stop: int) -> None:
-    if isinstance(weight, BlockWeight) and (start % QK or (stop % QK and stop != weight.k)):
-        raise ModelError(
-            f"tensor parallelism splits {name}'s {weight.k} inputs at {start}..{stop}, off the "
-            f"{QK}-weight blocks of its {weight.qtype} format"
-        )
-
-
 @dataclass
 class ShardedWeights:
     """One rank's tensors (by checkpoint name) and, for each row-parallel weight that is not
@@ -131,8 +123,10 @@ def shard_weights(config: ModelConfig, weights: dict[str, Weight], shard: Shard)
     def split_columns(name: str, start: int, stop: int) -> None:
         weight = out[name]
         if isinstance(weight, BlockWeight):
-            check_block_split(name, weight, start, stop)
-            out[name] = block_columns(weight, start, stop)
+            try:  # block_columns refuses a split off the 32-weight blocks
+                out[name] = block_columns(weight, start, stop)
+            except ModelError as exc:
+                raise ModelError(f"tensor parallelism cannot split {name}: {exc}") from None
             return
         amax[name] = weight.abs().amax(dim=1).to(torch.float32)
         out[name] = weight[:, start:stop].contiguous()

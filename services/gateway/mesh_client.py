@@ -43,6 +43,11 @@ log = logging.getLogger("meshserve.gateway")
 CLUSTER_RECONNECT_S = 3.0  # a request waits this long for the gateway to reach another server
 
 
+def mesh_unavailable(message: str) -> RequestError:
+    """The 503 a client gets when the gateway cannot reach the mesh (retryable)."""
+    return RequestError(message, 503, "server_error", code="mesh_unavailable")
+
+
 class MeshClient:
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
@@ -197,12 +202,7 @@ class MeshClient:
             log.exception("gateway: could not publish %s", base_id)
             stream.failure = f"gateway failed to submit the request: {exc!r}"
             await self.release(stream)
-            raise RequestError(
-                "The gateway could not reach the mesh.",
-                503,
-                "server_error",
-                code="mesh_unavailable",
-            ) from exc
+            raise mesh_unavailable("The gateway could not reach the mesh.") from exc
         return stream
 
     async def connected(self) -> None:
@@ -214,12 +214,7 @@ class MeshClient:
             while not nc.is_connected and time.monotonic() < deadline:
                 await asyncio.sleep(0.02)
         if not nc.is_connected:
-            raise RequestError(
-                "The gateway is not connected to the mesh.",
-                503,
-                "server_error",
-                code="mesh_unavailable",
-            )
+            raise mesh_unavailable("The gateway is not connected to the mesh.")
 
     async def resubmit(self, stream: RequestStream, request: GenerateRequest, lost_id: str) -> None:
         """A choice's continuation (``resume.py``): withdraw the lost attempt everywhere (it
@@ -236,12 +231,7 @@ class MeshClient:
             )
         except Exception as exc:
             log.exception("gateway: could not publish continuation %s", request.request_id)
-            raise RequestError(
-                "The gateway could not reach the mesh.",
-                503,
-                "server_error",
-                code="mesh_unavailable",
-            ) from exc
+            raise mesh_unavailable("The gateway could not reach the mesh.") from exc
 
     async def release(self, stream: RequestStream, reason: str | None = None) -> None:
         """Stop routing ``stream``'s events; abort the choices that are still generating.
