@@ -14,6 +14,7 @@ import torch
 
 from common.kv_layout import KVLayout
 from gpu.config import ModelConfig
+from gpu.host_memory import huge_page_zeros
 
 
 @dataclass(frozen=True)
@@ -63,8 +64,12 @@ class KVCache:
         self.pad_pages = pad_pages
         rows = spec.num_pages + pad_pages
         shape = (rows, 2, spec.page_size, spec.num_kv_heads, spec.head_dim)
+        on_host = torch.device(device).type == "cpu"
         self.layers = [
-            torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)
+            huge_page_zeros(shape, spec.dtype)
+            if on_host
+            else torch.zeros(shape, dtype=spec.dtype, device=device)
+            for _ in range(spec.num_layers)
         ]
 
     def layout(self) -> KVLayout:

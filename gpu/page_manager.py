@@ -120,8 +120,10 @@ class PageManager:
         needed = self.pages_needed(table, num_tokens)
         if needed > self.num_free:
             return False
-        for _ in range(needed):
-            table.pages.append(self._fresh_page())
+        # In ascending order: pages freed or evicted together come back in runs, often
+        # reversed (a sequence's tail is released first), and a KV transfer copies each run of
+        # pages consecutive on both sides as one extent instead of page by page.
+        table.pages.extend(sorted(self._fresh_page() for _ in range(needed)))
         return True
 
     def free(self, table: PageTable) -> None:

@@ -155,16 +155,30 @@ def test_cached_free_pages_are_evicted_least_recently_used_first_a_tables_tail_f
     pm.drain_events()
     big = PageTable()
     assert pm.allocate(big, 5)  # 3 pages: the free one, then the two least recently used
-    assert big.pages == [3, 1, 2] and list(pm.evictable) == [0]
+    assert big.pages == [1, 2, 3] and list(pm.evictable) == [0]  # handed out ascending
     assert pm.drain_events() == [KVEvent("evicted", hx[1]), KVEvent("evicted", hy[0])]
     assert pm.hash_to_page == {hx[0]: 0}
     check_pages(pm, [big])
-    assert pm.allocate(big, 8) and big.pages == [3, 1, 2, 0]
+    assert pm.allocate(big, 8) and big.pages == [1, 2, 3, 0]
     assert pm.drain_events() == [KVEvent("evicted", hx[0])] and pm.hash_to_page == {}
     assert pm.page_hash == [None] * 4
     pm.free(big)
     assert pm.match_prefix(PageTable(), [*x_toks, 7]) == 0  # forgotten
     check_pages(pm, [big])
+
+
+def test_a_long_prompts_evicted_pages_come_back_as_one_ascending_run():
+    # A table's tail is evicted first, so evicted pages come off the LRU reversed; handed out
+    # sorted, a later long prompt gets one run (one extent per layer for a KV transfer).
+    pm = make_pages(8, 2)
+    old = computed(pm, tokens(16))
+    assert old.pages == list(range(8))
+    pm.free(old)
+    assert list(pm.evictable) == [7, 6, 5, 4, 3, 2, 1, 0]
+    new = PageTable()
+    assert pm.allocate(new, 12)
+    assert new.pages == [2, 3, 4, 5, 6, 7]
+    check_pages(pm, [new])
 
 
 def test_the_same_prefix_computed_twice_keeps_one_cached_copy():

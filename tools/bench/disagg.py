@@ -165,6 +165,7 @@ def start_mesh(name: str, args: argparse.Namespace, folder: Path, metrics_port: 
     for key, value in layout.items():
         setattr(up, key, value)
     up.kv_transfer_timeout = 120.0
+    up.max_num_batched_tokens = args.chunk_tokens
     logs = ServiceLogs(Path(args.out_dir) / f"{name}-logs", 30)
     mesh = LocalMesh(up, folder, logs=logs)
     mesh.start()
@@ -204,6 +205,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--window", type=float, default=60.0)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--out-dir", default="out/bench_disagg")
+    p.add_argument(
+        "--chunk-tokens", type=int, default=512,
+        help="every executor's step token budget (--max-num-batched-tokens): a long prompt's "
+        "prefill chunk",
+    )  # fmt: skip
     p.add_argument(
         "--local-prefill-below", type=int, default=0,
         help="disagg: prompts with fewer uncached tokens are prefilled on the decode executor "

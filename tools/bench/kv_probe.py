@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import mmap
 import multiprocessing as mp
 import os
 import statistics
@@ -42,8 +41,10 @@ import time
 from typing import Any
 
 import numpy as np
+import torch
 
 from common.kv_layout import KVLayout, paired_extents
+from gpu.host_memory import huge_page_zeros
 from services.executor.decode_side import POLL_S
 from services.executor.kv_transport import CPU_ERROR_HANDLING
 
@@ -54,10 +55,8 @@ KINDS = ("raw", "quiet", "ours", "ours_scattered", "unprepared", "memcpy")
 def buffer(nbytes: int, huge: bool) -> np.ndarray:
     if not huge:
         return np.ones(nbytes, dtype=np.uint8)
-    mapped = mmap.mmap(-1, nbytes)  # anonymous; transparent huge pages on request
-    mapped.madvise(mmap.MADV_HUGEPAGE)
-    array = np.frombuffer(mapped, dtype=np.uint8)
-    array[:] = 1  # touched after the advice, so the kernel backs it with huge pages
+    array = huge_page_zeros((nbytes,), torch.uint8).numpy()  # the KV pool's own allocation
+    array[:] = 1
     return array
 
 
