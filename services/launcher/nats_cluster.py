@@ -8,8 +8,12 @@ gateways (one cluster per region), with JetStream clustered.
 - A supercluster: per region a cluster named after the region, each server tagged
   ``region:<name>`` (``common/kv_stream.py`` places the region's stream by that tag), and a
   ``gateway`` block listing the other regions' gateway URLs. ``gateway_urls`` lets the caller
-  put something between regions (a delaying or cuttable TCP proxy, ``tools/tcp_delay_proxy.py``):
+  put something between regions (a delaying or cuttable TCP proxy, ``tools/net/tcp_proxy.py``):
   what a region dials to reach another and what it advertises as its own address.
+- A cluster may listen for clients and gateways on another address than loopback, and run
+  its servers through a command prefix: ``tests/test_partition.py`` puts a region in a network
+  namespace (``ip netns exec``) whose links to the host can be cut. Routes stay on 127.0.0.1,
+  the loopback of wherever the cluster's servers run.
 
 deploy/nats/ holds the same shape as config files for real hosts.
 """
@@ -35,24 +39,37 @@ class ClusterPlan:
     client_ports: tuple[int, ...]
     route_ports: tuple[int, ...]
     gateway_ports: tuple[int, ...] = ()
+    host: str = "127.0.0.1"  # where clients connect
+    gateway_host: str = "127.0.0.1"  # where other regions' gateways connect
+    command_prefix: tuple[str, ...] = ()  # runs each server, e.g. ("ip", "netns", "exec", NS)
 
     @classmethod
-    def free(cls, name: str, size: int, gateways: bool = False) -> ClusterPlan:
+    def free(
+        cls,
+        name: str,
+        size: int,
+        gateways: bool = False,
+        host: str = "127.0.0.1",
+        gateway_host: str = "127.0.0.1",
+        command_prefix: tuple[str, ...] = (),
+    ) -> ClusterPlan:
+        """Ports free on this machine's loopback (in a namespace of its own, any is free)."""
         if size < 1:
             raise ValueError("a cluster needs at least one server")
         ports = [free_port() for _ in range(size * (3 if gateways else 2))]
         while len(set(ports)) < len(ports):  # two draws may return the same free port
             ports = [free_port() for _ in ports]
         clients, routes = tuple(ports[:size]), tuple(ports[size : 2 * size])
-        return cls(name, clients, routes, tuple(ports[2 * size :]) if gateways else ())
+        gateway_ports = tuple(ports[2 * size :]) if gateways else ()
+        return cls(name, clients, routes, gateway_ports, host, gateway_host, command_prefix)
 
     @property
     def urls(self) -> list[str]:
-        return [f"nats://127.0.0.1:{p}" for p in self.client_ports]
+        return [f"nats://{self.host}:{p}" for p in self.client_ports]
 
     @property
     def gateway_addresses(self) -> list[str]:
-        return [f"127.0.0.1:{p}" for p in self.gateway_ports]
+        return [f"{self.gateway_host}:{p}" for p in self.gateway_ports]
 
 
 def server_config(
@@ -85,7 +102,7 @@ def server_config(
         lines += [
             "gateway {",
             f'  name: "{plan.name}"',
-            f'  listen: "127.0.0.1:{plan.gateway_ports[index]}"',
+            f'  listen: "{plan.gateway_addresses[index]}"',
             *([f'  advertise: "{advertise}"'] if advertise else []),
             "  connect_retries: 1000000",
             f"  gateways: [{remotes}]",
@@ -118,7 +135,10 @@ class NatsCluster:
                 config = server_config(
                     plan, i, remote_gateways, advertise[i] if advertise else None
                 )
-                cluster.servers.append(LocalNatsServer.start(port=port, config=config))
+                server = LocalNatsServer.start(
+                    port=port, config=config, host=plan.host, command_prefix=plan.command_prefix
+                )
+                cluster.servers.append(server)
         except Exception:
             cluster.stop()
             raise

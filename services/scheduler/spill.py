@@ -42,6 +42,12 @@ from services.scheduler.regions import Decision, RegionConfig, RegionLoad, choos
 log = logging.getLogger("meshserve.scheduler")
 
 MAX_QUEUE_MS = 1e9  # what "no estimate" is sent as (msgpack carries no infinity we rely on)
+# How long the gateway's watchdog question (about spilled requests) waits for the region
+# holding them. Under the watchdog's own wait for this scheduler (1 s, ``ASK_TIMEOUT_S`` in
+# services/gateway/watchdog.py): past it the watchdog takes the scheduler as silent and
+# resumes nothing, so across a partition that drops packets (no "no responders" then) spilled
+# streams would wait until the servers drop their gateway connection, tens of seconds.
+REMOTE_STATUS_TIMEOUT_S = 0.5
 
 
 @dataclass
@@ -190,7 +196,7 @@ class RegionSpill:
                     self.svc.mesh.subjects_of(region).scheduler_status,
                     RequestStatusQuery(ids),
                     RequestStatusReply,
-                    self.config.stale_s,
+                    REMOTE_STATUS_TIMEOUT_S,
                 )
             except NoAnswer:
                 return []  # unreachable: its stream cannot reach the client either
