@@ -14,6 +14,7 @@ per-page hashes agree.
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -46,7 +47,11 @@ class PageManager:
         self.ref_counts = [0] * num_pages
         self.page_hash: list[int | None] = [None] * num_pages
         self.hash_to_page: dict[int, int] = {}
-        self.free_pages: list[int] = list(range(num_pages - 1, -1, -1))  # pop() gives page 0 first
+        # A min-heap: the lowest free page goes first, so a sequence's pages come out in runs
+        # (a KV transfer copies a run, consecutive on both sides, as one extent).
+        self.free_pages: list[int] = list(range(num_pages))
+        # How far an eviction follows the run it ends (``_evict_for``).
+        self.evict_batch = num_pages // 8
         self.evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; LRU first
         self.events: list[KVEvent] = []
         # Prefix-cache metrics, counted once per request at its first admission (see
@@ -120,10 +125,11 @@ class PageManager:
         needed = self.pages_needed(table, num_tokens)
         if needed > self.num_free:
             return False
-        # In ascending order: pages freed or evicted together come back in runs, often
-        # reversed (a sequence's tail is released first), and a KV transfer copies each run of
-        # pages consecutive on both sides as one extent instead of page by page.
-        table.pages.extend(sorted(self._fresh_page() for _ in range(needed)))
+        self._evict_for(needed - len(self.free_pages))
+        for _ in range(needed):
+            page = heapq.heappop(self.free_pages)
+            self.ref_counts[page] = 1
+            table.pages.append(page)
         return True
 
     def free(self, table: PageTable) -> None:
@@ -147,7 +153,7 @@ class PageManager:
                 if self.page_hash[page] is not None:
                     self.evictable[page] = None
                 else:
-                    self.free_pages.append(page)
+                    heapq.heappush(self.free_pages, page)
         del table.pages[keep:]
 
     def drain_events(self) -> list[KVEvent]:
@@ -164,15 +170,22 @@ class PageManager:
             self.evictable.pop(page, None)
         self.ref_counts[page] += 1
 
-    def _fresh_page(self) -> int:
-        if self.free_pages:
-            page = self.free_pages.pop()
-        else:
-            page = next(iter(self.evictable))
+    def _evict_for(self, short: int) -> None:
+        """Evict ``short`` pages, least recently used first, and then the rest of the run the
+        last one ends (a table's tail is evicted first, so its next page is one lower), up to
+        ``evict_batch`` more: the allocation that follows takes the lowest free page first, so
+        a prompt that reuses an old prompt's pages gets them as one run, chunk after chunk."""
+        if short <= 0:
+            return
+        for _ in range(short):
+            last = next(iter(self.evictable))
+            self._evict(last)
+        for _ in range(self.evict_batch):
+            page = next(iter(self.evictable), None)
+            if page != last - 1:
+                return
             self._evict(page)
-            self.free_pages.pop()
-        self.ref_counts[page] = 1
-        return page
+            last = page
 
     def _evict(self, page: int) -> None:
         h = self.page_hash[page]
@@ -180,7 +193,7 @@ class PageManager:
         del self.evictable[page]
         del self.hash_to_page[h]
         self.page_hash[page] = None
-        self.free_pages.append(page)
+        heapq.heappush(self.free_pages, page)
         self.events.append(KVEvent("evicted", h))
 
     def check_invariants(self, tables: list[PageTable]) -> None:
