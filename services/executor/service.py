@@ -310,6 +310,14 @@ class ExecutorService:
                 incarnation=self.incarnation,
                 max_model_len=self.engine.max_seq_len,
                 role=self.config.role,
+                guests=sum(
+                    r.guest
+                    for r in (
+                        *self.requests.values(),
+                        *self.pending_adds,
+                        *self.compiling.values(),
+                    )
+                ),
             ),
         )
 
@@ -385,6 +393,7 @@ class ExecutorService:
                         params,
                         req.output_token_ids,
                         grammar=self.compiled.pop(req.request_id, None),
+                        guest=req.guest,
                     )
             except ValueError as exc:  # ModelError included: the request, not the executor
                 self.timelines.finished(req.request_id, "error")
