@@ -114,8 +114,12 @@ class Engine:
         params: SamplingParams,
         output_token_ids: list[int] | None = None,
         grammar: Any = None,
+        guest: bool = False,
     ) -> None:
         """Queue a request; raises ``ModelError``/``ValueError`` naming what is wrong with it.
+
+        ``guest``: spilled in from another region; preempted for this region's own requests
+        when the batch is full (``gpu/scheduler.py``).
 
         ``grammar``: an ``xgrammar.CompiledGrammar`` (for this model's vocabulary and
         ``eos_token_ids``) the output must follow (``gpu.grammar``); compiled by the caller,
@@ -127,6 +131,7 @@ class Engine:
         they took, so the continuation is the one an uninterrupted run would have sampled.
         """
         seq = self.new_sequence(request_id, prompt_token_ids, params, output_token_ids, grammar)
+        seq.guest = guest
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
 

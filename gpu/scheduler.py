@@ -6,6 +6,11 @@ a prompt larger than the remaining budget gets a chunk now and the rest in later
 running sequence cannot get a page, the newest running sequence is preempted: its pages are
 released (their full pages stay in the prefix cache) and it waits at the queue's head to be
 recomputed.
+
+Guests (requests spilled in from another region, ``Sequence.guest``) wait behind every
+sequence of this region's own clients, and when the batch is full (``max_num_seqs``) a
+waiting own sequence preempts the newest running guest the same way: a guest never holds a
+slot one of the region's clients waits for (it resumes, recomputed, when a slot frees).
 """
 
 from __future__ import annotations
@@ -68,6 +73,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
+        yielded = self._yield_guests()
         preempted: list[Sequence] = []
         i = 0
         while i < len(self.running) and budget > 0:
@@ -87,7 +93,25 @@ class Scheduler:
             break  # seq itself was preempted: nothing after it remains in running
         if not preempted:
             budget = self._admit(budget, scheduled)
-        return SchedulerOutput(scheduled, preempted)
+        return SchedulerOutput(scheduled, yielded + preempted)
+
+    def _yield_guests(self) -> list[Sequence]:
+        """Preempt the newest running guest for each waiting own sequence the full batch has
+        no slot for; every guest then waits behind the own ones (module docstring)."""
+        yielded: list[Sequence] = []
+        own_waiting = sum(not s.guest for s in self.waiting)
+        while own_waiting > len(yielded) and len(self.running) >= self.config.max_num_seqs:
+            guests = [s for s in self.running if s.guest]
+            if not guests:
+                break
+            self.running.remove(guests[-1])
+            self._preempt(guests[-1])
+            yielded.append(guests[-1])
+        if any(s.guest for s in self.waiting):  # stable: each kind keeps its own order
+            ordered = sorted(self.waiting, key=lambda s: s.guest)
+            self.waiting.clear()
+            self.waiting.extend(ordered)
+        return yielded
 
     def _admit(self, budget: int, scheduled: list[ScheduledSeq]) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:

@@ -52,6 +52,9 @@ class Sequence:
     draft: Proposal | None = None  # speculative tokens to verify in the next step
     draft_length: DraftLength | None = None  # adaptive k (speculation on)
     grammar: GrammarState | None = None  # constrained decoding: follows the output tokens
+    # Spilled in from another region: a full batch preempts it for a sequence of this
+    # region's own clients (``Scheduler._yield_guests``).
+    guest: bool = False
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -324,3 +324,60 @@ def test_random_churn_keeps_every_invariant_after_every_step():
     assert all(len(s.output_token_ids) == s.params.max_tokens for s in finished)
     # the churn did what it is for
     assert preemptions > 50 and evictions > 500 and core.pages.hits > 200 and aborted > 50
+
+
+def guest_seq(prompt_len: int, request_id: str, max_tokens: int = 16) -> Sequence:
+    seq = make_seq(prompt_len, max_tokens=max_tokens, request_id=request_id)
+    seq.guest = True  # spilled in from another region (the executor sets it from the wire)
+    return seq
+
+
+def test_a_full_batch_preempts_its_newest_guest_for_an_own_request():
+    core = make_core(budget=64, max_seqs=3)
+    g1, g2 = guest_seq(4, "g1"), guest_seq(4, "g2")
+    own = make_seq(4, request_id="own")
+    core.add(g1, g2, own)
+    # own goes first (guests wait behind own requests), then the guests in their order
+    assert core.step().order == [("own", 4), ("g1", 4), ("g2", 4)]
+    late = make_seq(4, request_id="late")  # an own request while the batch is full
+    core.add(late)
+    step = core.step()
+    # g2 (the newest guest) gives its slot up; late is in this very step, prompt and all.
+    assert step.preempted == ["g2"]
+    assert step.order == [("own", 1), ("g1", 1), ("late", 4)]
+    assert g2.num_computed == 0 and g2.table.pages == [] and g2.num_preemptions == 1
+    assert len(g2.output_token_ids) == 1  # its streamed token stays; it is recomputed
+    assert list(core.sched.waiting) == [g2]
+    core.check()
+
+
+def test_guests_wait_behind_own_requests_and_resume_when_a_slot_frees():
+    core = make_core(budget=64, max_seqs=2)
+    g = guest_seq(4, "g", max_tokens=3)
+    a = make_seq(4, max_tokens=3, request_id="a")
+    core.add(g, a)
+    core.step()
+    b, later_guest = make_seq(4, max_tokens=2, request_id="b"), guest_seq(4, "g2")
+    core.add(later_guest, b)  # the guest arrived first; b still goes first
+    assert core.step().preempted == ["g"]
+    assert [s.request_id for s in core.sched.waiting] == ["g", "g2"]
+    results = core.run()
+    finished = [rid for r in results for rid in r.finished]
+    assert finished[:2] == ["a", "b"] and sorted(finished[2:]) == ["g", "g2"]
+    assert len(g.output_token_ids) == 3  # one before its preemption, two after
+    assert core.pages.num_free == core.pages.num_pages
+
+
+def test_nothing_is_preempted_for_a_guest_nor_when_no_guest_runs():
+    core = make_core(budget=64, max_seqs=2)
+    a, b = make_seq(4, request_id="a"), make_seq(4, request_id="b")
+    core.add(a, b)
+    core.step()
+    core.add(make_seq(4, request_id="c"), guest_seq(4, "g"))  # own ones hold the batch
+    assert core.step().preempted == []
+    core2 = make_core(budget=64, max_seqs=2)
+    core2.add(guest_seq(4, "g1"), guest_seq(4, "g2"))
+    core2.step()
+    core2.add(guest_seq(4, "g3"))  # a guest never preempts another guest
+    step = core2.step()
+    assert step.preempted == [] and step.order == [("g1", 1), ("g2", 1)]

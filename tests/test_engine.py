@@ -221,3 +221,25 @@ def test_thousand_random_requests_leave_every_page_free(tiny_llama):
     assert engine.pages.hits > 0
     engine.pages.reset_prefix_cache()
     assert len(engine.pages.free_pages) == engine.pages.num_pages
+
+
+def test_a_guest_preempted_for_an_own_request_still_matches_transformers(tiny_llama, oracle):
+    """One slot: the guest has streamed tokens when an own request arrives; the own request
+    runs in the very next step, the guest is recomputed after it and ends as HF's."""
+    engine = make_engine(tiny_llama, max_seqs=1)
+    guest_prompt, own_prompt = prompts_for(7, [9, 6])
+    engine.add_request("guest", guest_prompt, SamplingParams(max_tokens=10, **GREEDY), guest=True)
+    outputs: dict[str, list[int]] = {}
+    for _ in range(4):
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+    engine.add_request("own", own_prompt, SamplingParams(max_tokens=5, **GREEDY))
+    first = engine.step()
+    assert [out.request_id for out in first] == ["own"]
+    assert engine.seqs["guest"].num_preemptions == 1
+    for out in first:
+        outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+    run_until_done(engine, outputs)
+    assert outputs["own"] == hf_greedy(oracle, own_prompt, 5)
+    assert outputs["guest"] == hf_greedy(oracle, guest_prompt, 10)
+    assert engine.pages.num_free == engine.pages.num_pages

@@ -78,3 +78,19 @@ def test_a_short_uncached_prompt_is_prefilled_on_its_decode_executor():
     cached = {"d0": 2}  # two pages of the prompt already on d0: fewer tokens to compute
     assert route(r, request(PROMPT), cached, min_prompt_tokens=n - 2 * page + 1) == Route("d0")
     assert route(r, request(PROMPT), cached, min_prompt_tokens=n - 2 * page) == Route("d0", "p0")
+
+
+def full(executor: str, guests: int) -> Heartbeat:
+    """A mixed executor of 4 slots holding 5 sequences (its scheduler's 25% slack), ``guests``
+    of them spilled in from another region."""
+    hb = dataclasses.replace(heartbeat(executor), running=4, waiting=1, max_num_seqs=4)
+    return dataclasses.replace(hb, guests=guests)
+
+
+def test_guests_on_a_full_executor_yield_their_room_to_own_requests_only():
+    own, guest = request(PROMPT), dataclasses.replace(request(PROMPT, "g"), guest=True)
+    r = mesh(full("m0", guests=2))
+    assert route(r, own) == Route("m0")  # 5 held, 2 of them give their slots up: 3 < 5
+    assert route(r, guest) is None  # a guest does not push another guest out
+    assert route(r, guest, keep_free=1) is None
+    assert route(mesh(full("m0", guests=0)), own) is None  # own sequences keep their slots

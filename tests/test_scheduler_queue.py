@@ -35,7 +35,7 @@ def scheduler(monkeypatch):
 
         async def publish(subject: str, message: object) -> None:
             if isinstance(message, TokenizedRequest):
-                sent.append(message.request_id)
+                sent.append(message.request_id + " (guest)" * message.guest)
 
         monkeypatch.setattr(sched.svc, "publish", publish)
         sched.router.slack = 0.0  # an executor takes exactly max_num_seqs
@@ -130,6 +130,20 @@ async def test_a_request_from_another_region_waits_behind_ours_and_leaves_the_re
     await sched.on_submit(request("local-2"))
     assert sent == ["local-1", "local-2"]  # a local one may
     await sched.on_heartbeat(Heartbeat("a", 1, 0, 100, 100, 16, 4, 0))  # 3 free
-    assert sent == ["local-1", "local-2", "guest-1", "guest-2"]
+    # Marked as guests for the executor (which preempts them for a local request, if full).
+    assert sent == ["local-1", "local-2", "guest-1 (guest)", "guest-2 (guest)"]
     await sched.on_submit(request("local-3"))
     assert sent[-1] == "local-3" and not sched.queue
+
+
+async def test_guests_do_not_count_in_the_wait_our_own_clients_are_estimated(scheduler):
+    # A local request's spill decision rests on this estimate: guests queued here (behind
+    # every local request, yielding their executor slots to them) are no wait of its.
+    sched, sent = scheduler(regions=RegionConfig(spill_reserve_seqs=1))
+    await sched.on_heartbeat(Heartbeat("a", 1, 0, 100, 100, 16, 4, 0, guests=1))
+    for i in range(3):
+        await sched.on_spilled(request(f"guest-{i}"))
+    assert sent == ["guest-0 (guest)", "guest-1 (guest)"] and len(sched.queue) == 1
+    assert sched.home_load().queue_ms == 0.0  # room for a local one: it starts now
+    await sched.on_heartbeat(Heartbeat("a", 4, 1, 100, 100, 16, 4, 0, guests=0))  # own only
+    assert sched.home_load().queue_ms > 0.0

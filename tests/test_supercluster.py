@@ -196,6 +196,29 @@ async def test_streams_spilled_when_the_link_is_cut_are_resumed_at_home(regions:
     await wait_for(lambda: east_sched.spill.remotes(1), 20, "the link to heal")
 
 
+async def test_a_guest_yields_its_slot_to_the_regions_own_client(regions: Regions) -> None:
+    # eu-west's executor (2 slots, 1 kept free for its own clients) runs a long guest; two of
+    # its own clients arrive together: the second finds no slot, and the guest is preempted
+    # for it instead of making it wait out the guest's stream (~0.9 s). The guest is
+    # recomputed and its client's text is the uninterrupted one.
+    east, west = (regions.meshes[r] for r in REGIONS)
+    east_sched, west_sched = regions.scheduler("us-east"), regions.scheduler("eu-west")
+    await wait_for(lambda: east_sched.spill.remotes(1), 20, "eu-west's load report")
+    expected, _ = await greedy(east.base_url, 60)
+    spilled_in = regions.spilled_in("eu-west")
+    overload = [asyncio.create_task(greedy(east.base_url, 60)) for _ in range(6)]
+
+    def guest_running() -> bool:
+        return any(e.heartbeat.guests for e in west_sched.router.executors.values())
+
+    await wait_for(guest_running, 10, "a guest on eu-west's executor")
+    ttfts = [ttft for ttft, _ in await asyncio.gather(*(one(west.base_url, 30) for _ in range(2)))]
+    results = await asyncio.gather(*overload)
+    assert regions.spilled_in("eu-west") > spilled_in
+    assert max(ttfts) < 0.4, ttfts  # a step or two (15 ms each), not the guest's 0.9 s
+    assert all(r == (expected, "length") for r in results), results
+
+
 async def test_a_region_without_executors_is_served_by_the_other(regions: Regions) -> None:
     east = regions.meshes["us-east"]
     east_sched = regions.scheduler("us-east")

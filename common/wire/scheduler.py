@@ -36,6 +36,10 @@ class Heartbeat(Message):
     max_model_len: int = 0
     # mixed (prefill and decode), prefill or decode (disaggregated; common.wire.executor.ROLES)
     role: str = "mixed"
+    # Of the requests it holds, those spilled in from another region: each gives its slot up
+    # to a request of this region's own clients (``gpu/scheduler.py``), so the scheduler does
+    # not count them against one.
+    guests: int = 0
 
     def __post_init__(self) -> None:
         # Only values no working executor sends: a rejected heartbeat makes the executor look

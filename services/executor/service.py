@@ -102,6 +102,10 @@ class ExecutorService:
         self._grammar_cache: asyncio.Task[GrammarCache] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self.pending_aborts: set[str] = set()
+        # Requests in the engine as guests (spilled in from another region): preempted there
+        # for a request of this region's own (``gpu/scheduler.py``). A guest computed through a
+        # KV handoff is not one of them: its sequence is built by the decode side.
+        self.guests: set[str] = set()
         # Requests that ended everywhere (the client left, a stop string): a submit that
         # arrives after its abort (they travel different paths) is dropped, not run for nobody.
         self.ended: RecentIds[str, bool] = RecentIds()
@@ -310,6 +314,7 @@ class ExecutorService:
                 incarnation=self.incarnation,
                 max_model_len=self.engine.max_seq_len,
                 role=self.config.role,
+                guests=len(self.guests),
             ),
         )
 
@@ -385,7 +390,10 @@ class ExecutorService:
                         params,
                         req.output_token_ids,
                         grammar=self.compiled.pop(req.request_id, None),
+                        guest=req.guest,
                     )
+                    if req.guest:
+                        self.guests.add(req.request_id)
             except ValueError as exc:  # ModelError included: the request, not the executor
                 self.timelines.finished(req.request_id, "error")
                 await self.try_publish(req.reply_to, ErrorEvent(req.request_id, 400, str(exc)))
@@ -426,6 +434,7 @@ class ExecutorService:
     def forget(self, request_id: str, reason: str = "abort") -> None:
         self.requests.pop(request_id, None)
         self.started.discard(request_id)
+        self.guests.discard(request_id)
         self.timelines.finished(request_id, reason)
         if self.remote is not None:
             self.remote.release([request_id])

@@ -38,11 +38,12 @@ def route(
 ) -> Route | None:
     """Where ``req`` goes now, or None to keep it queued (no executor of its pool has room).
     ``keep_free``: slots each chosen executor must still have free beyond this request (a
-    request spilled in from another region leaves this region's reserve alone).
+    request spilled in from another region leaves this region's reserve alone); the guests an
+    executor holds do not count against a request of the region's own (they yield to it).
     ``min_prompt_tokens``: shorter uncached prompts are prefilled on the decode executor."""
     live = router.live_roles()
     if "decode" not in live:
-        among = router.candidates(("mixed", "prefill"), keep_free)
+        among = router.candidates(("mixed", "prefill"), keep_free, req.guest)
         executor = router.pick(req, overlaps, among)
         return Route(executor) if executor else None
     decode = pick_decode(router, req, keep_free)
@@ -55,14 +56,14 @@ def route(
     cached = (overlaps or {}).get(decode, 0) * router.executors[decode].heartbeat.page_size
     if len(req.prompt_token_ids) - cached < min_prompt_tokens:
         return Route(decode)
-    prefill = router.pick(req, overlaps, router.candidates(("prefill",), keep_free))
+    prefill = router.pick(req, overlaps, router.candidates(("prefill",), keep_free, req.guest))
     return Route(decode, prefill) if prefill else None
 
 
 def pick_decode(router: Router, req: TokenizedRequest, keep_free: int = 0) -> str | None:
     """The lightest decode executor whose free pages hold the prompt (and a token more)."""
     fits = []
-    for e in router.candidates(("decode",), keep_free):
+    for e in router.candidates(("decode",), keep_free, req.guest):
         hb = router.executors[e].heartbeat
         if hb.free_pages * hb.page_size > len(req.prompt_token_ids) + len(req.output_token_ids):
             fits.append(e)

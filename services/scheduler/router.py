@@ -82,10 +82,10 @@ class ExecutorState:
         """Sequence slots of its batch that nothing holds or is about to."""
         return max(0, self.heartbeat.max_num_seqs - self.sequences)
 
-    def has_room(self, slack: float) -> bool:
-        return not self.heartbeat.draining and self.sequences < self.heartbeat.max_num_seqs * (
-            1 + slack
-        )
+    def has_room(self, slack: float, yielding: int = 0) -> bool:
+        """``yielding``: sequences there that give their slots up to this request."""
+        held = self.sequences - yielding
+        return not self.heartbeat.draining and held < self.heartbeat.max_num_seqs * (1 + slack)
 
 
 @dataclass
@@ -223,15 +223,21 @@ class Router:
             self.check_page_sizes()  # the majority page size may have left with them
         return dead
 
-    def candidates(self, roles: Sequence[str] | None = None, keep_free: int = 0) -> list[str]:
+    def candidates(
+        self, roles: Sequence[str] | None = None, keep_free: int = 0, guest: bool = False
+    ) -> list[str]:
         """Live executors with room now (of these roles), in a stable order; never a refused
         one. ``keep_free`` > 0: only those with more than that many sequence slots free (a
-        request from another region must leave this region's reserve alone)."""
+        request from another region must leave this region's reserve alone). Unless the
+        request is itself a ``guest``, the guests an executor holds do not take its room:
+        they yield their slots to it (``Heartbeat.guests``)."""
         return sorted(
             e
             for e in self.alive()
             if e not in self.refused
-            and self.executors[e].has_room(self.slack)
+            and self.executors[e].has_room(
+                self.slack, 0 if guest else self.executors[e].heartbeat.guests
+            )
             and (keep_free == 0 or self.executors[e].free_seqs > keep_free)
             and (roles is None or self.executors[e].heartbeat.role in roles)
         )

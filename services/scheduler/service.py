@@ -153,10 +153,11 @@ class SchedulerService:
         counted on our spare slots as last reported (up to a poll old), so this side keeps the
         reserve itself: a guest queues behind every request of our own clients and is
         dispatched only to an executor that keeps ``--spill-reserve-seqs`` slots free after
-        it."""
+        it; and its executor preempts it for one of our clients' requests when its batch is
+        full (``TokenizedRequest.guest``)."""
         self.spill.received()
         self.guests.add(req.request_id, True)
-        await self.admit(req, may_spill=False)
+        await self.admit(dataclasses.replace(req, guest=True), may_spill=False)
 
     async def admit(self, req: TokenizedRequest, may_spill: bool) -> None:
         rid = req.request_id
@@ -412,9 +413,16 @@ class SchedulerService:
             for e in self.router.alive()
             if e not in self.router.refused and not self.router.executors[e].heartbeat.draining
         ]
-        waits = [now - route.queued_at for route in self.routes.open.values()]
+        # The wait of a request of our own clients: guests queue behind it and yield their
+        # executor slots to it, so neither their number nor their waits count.
+        waits = [
+            now - route.queued_at
+            for rid, route in self.routes.open.items()
+            if rid not in self.guests
+        ]
+        own_queued = sum(rid not in self.guests for rid in self.queued)
         has_room = bool(self.router.candidates())
-        queue_ms = self.estimate.queue_ms(len(self.queue), max(waits, default=0.0), has_room, now)
+        queue_ms = self.estimate.queue_ms(own_queued, max(waits, default=0.0), has_room, now)
         free = sum(
             max(
                 0,

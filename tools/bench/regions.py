@@ -1,17 +1,19 @@
 """Two regions, one overloaded: goodput and TTFT with spillover against local-only, one run.
 
     python -m tools.bench.regions [--delay-ms 25] [--rounds 2] [--round-s 20]
-                                  [--rate-east 10] [--rate-west 2] [--slo-ms 1000]
+                                  [--rate-east 18] [--rate-west 3] [--slo-ms 1000]
 
 Two regions (us-east, eu-west) on this machine: per region a two-server NATS cluster with
 JetStream, joined by gateways whose every connection passes a TCP proxy that delays each byte
-by ``--delay-ms`` one way (``tools/net/tcp_proxy.py``; a round trip between the regions costs
-twice that), and a whole mesh per region (the in-process harness of the tests:
-tokenizer, scheduler, prefix index, detokenizer, gateway, one executor). Model: the tiny random
-Llama of the tests; each executor runs at most ``--max-num-seqs`` sequences with a fixed
-``--step-ms`` per step (the model's own time is a fraction of a millisecond, so the sleep
-stands for a device step; both regions share this machine's CPUs, and without it they would
-also share the compute they are meant to add).
+by ``--delay-ms`` one way (``tools/net/tcp_proxy.py``, a process of its own; a round trip
+between the regions costs twice that), and a whole mesh per region (the tests' harness:
+tokenizer, scheduler, prefix index, detokenizer, gateway, one executor) in a child process of
+its own (``region_mesh.py``), so neither region's Python work nor the load generator's (this
+process) takes the GIL from the other. Model: the tiny random Llama of the tests; each
+executor runs at most ``--max-num-seqs`` sequences with a fixed ``--step-ms`` per step (the
+model's own time is a fraction of a millisecond, so the sleep stands for a device step; both
+regions share this machine's CPUs, and without it they would also share the compute they are
+meant to add).
 
 Load: open-loop Poisson arrivals, the same seeded schedule for both sides: us-east at
 ``--rate-east`` requests/s (above its capacity), eu-west at ``--rate-west`` (below). Every
@@ -20,30 +22,31 @@ Sides take turns per round (spill, local-only, spill, ...), switched by giving u
 scheduler its peer regions or none, after the previous round has drained.
 
 Printed: per side, goodput (requests/s with TTFT <= ``--slo-ms``), TTFT p50/p99 of us-east's
-and of eu-west's clients, and how many requests spilled; then the goodput ratio and the change
-in eu-west's local TTFT p50.
+and of eu-west's clients, and how many requests spilled each way; where eu-west's own
+requests spent their time inside its executor (waiting for the step in progress to end, then
+their first step); then the goodput ratio and the change in eu-west's local TTFT p50. Each
+child's log is under ``--log-dir``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
+import contextlib
+import json
 import random
-import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
 from services.launcher.nats_cluster import ClusterPlan, Supercluster
-from services.scheduler.regions import RegionConfig
-from services.scheduler.service import SchedulerService
-from tests.mesh import MeshHarness
 from tests.models import write_tiny_model
-from tools.net.tcp_proxy import DelayProxy
 
 REGIONS = ("us-east", "eu-west")
 
@@ -53,8 +56,12 @@ class Side:
     name: str
     ttft: dict[str, list[float]] = field(default_factory=lambda: {r: [] for r in REGIONS})
     failed: int = 0
-    spilled: int = 0
+    spilled: int = 0  # us-east -> eu-west
+    spilled_back: int = 0  # eu-west -> us-east (its own clients' requests sent away)
     seconds: float = 0.0
+    # eu-west's own requests inside its executor (region_mesh.py ``local``)
+    west_queue_ms: list[float] = field(default_factory=list)
+    west_first_step_ms: list[float] = field(default_factory=list)
 
     def goodput(self, slo_s: float) -> float:
         good = sum(t <= slo_s for ts in self.ttft.values() for t in ts)
@@ -86,7 +93,7 @@ async def one(session: aiohttp.ClientSession, url: str, tokens: int, due: float)
 
 
 async def run_round(
-    meshes: dict[str, MeshHarness], rates: dict[str, float], args: argparse.Namespace, seed: int
+    urls: dict[str, str], rates: dict[str, float], args: argparse.Namespace, seed: int
 ) -> tuple[dict[str, list[float]], int]:
     rng = random.Random(seed)
     start = time.perf_counter() + 0.5
@@ -94,7 +101,7 @@ async def run_round(
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
         for region in REGIONS:
             t = start
-            url = meshes[region].base_url + "/completions"
+            url = urls[region] + "/completions"
             while True:
                 t += rng.expovariate(rates[region])
                 if t > start + args.round_s:
@@ -111,19 +118,43 @@ async def run_round(
     return ttft, failed
 
 
-def spilled_count(sched: SchedulerService) -> int:
-    samples = [s for m in sched.spill.spilled_total.collect() for s in m.samples]
-    return int(sum(s.value for s in samples if s.name.endswith("_total")))
+class Child:
+    """A child process spoken to in lines: its first line of JSON when it is up, then one JSON
+    reply per command (``region_mesh.py``'s protocol)."""
 
+    def __init__(self, cmd: list[str], log: Path) -> None:
+        self.log = log.open("w")
+        self.proc = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True
+        )
 
-async def measure_rtt(sched: SchedulerService, timeout: float = 20) -> float:
-    deadline = time.monotonic() + timeout
-    while not sched.spill.remotes(1):
-        if time.monotonic() > deadline:
-            raise TimeoutError("no load report crossed the gateway link")
-        await asyncio.sleep(0.1)
-    await asyncio.sleep(1.0)
-    return statistics.median(p.rtt_ms for p in sched.spill.peers.values())
+    def read(self) -> Any:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            code = self.proc.wait()
+            raise RuntimeError(f"a child exited ({code}): see {self.log.name}")
+        return json.loads(line)
+
+    def ask(self, command: str) -> Any:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        answer = self.read()
+        if isinstance(answer, dict) and "error" in answer:
+            raise RuntimeError(answer["error"])
+        return answer
+
+    def stop(self) -> None:
+        assert self.proc.stdin is not None
+        with contextlib.suppress(OSError):
+            self.proc.stdin.close()  # end of input: the child stops its mesh and exits
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
 
 
 def main() -> None:
@@ -138,64 +169,70 @@ def main() -> None:
     p.add_argument("--output-tokens", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=4)
     p.add_argument("--step-ms", type=float, default=15.0)
+    p.add_argument("--log-dir", type=Path, default=Path("out/bench_regions"))
     args = p.parse_args()
+    args.log_dir.mkdir(parents=True, exist_ok=True)
     model = write_tiny_model(Path(tempfile.mkdtemp(prefix="bench-regions-")) / "llama")
     plans = [ClusterPlan.free(r, 2, gateways=True) for r in REGIONS]
-    proxies = {
-        plan.name: [DelayProxy(port, args.delay_ms / 1000).start() for port in plan.gateway_ports]
-        for plan in plans
-    }
-    supercluster = Supercluster.start(
-        plans, {r: [proxy.address for proxy in ps] for r, ps in proxies.items()}
-    )
-    meshes: dict[str, MeshHarness] = {}
+    ports = [port for plan in plans for port in plan.gateway_ports]
+    proxy = Child(
+        [sys.executable, "-m", "tools.net.tcp_proxy", "--delay-ms", str(args.delay_ms),
+         *map(str, ports)],
+        args.log_dir / "proxy.log",
+    )  # fmt: skip
+    children = [proxy]
+    supercluster: Supercluster | None = None
     try:
+        addresses = iter(proxy.read())
+        supercluster = Supercluster.start(
+            plans, {plan.name: [next(addresses) for _ in plan.gateway_ports] for plan in plans}
+        )
         supercluster.wait_jetstream()
+        meshes: dict[str, Child] = {}
+        urls: dict[str, str] = {}
         for region in REGIONS:
-            regions = RegionConfig(
-                peer_regions=tuple(r for r in REGIONS if r != region),
-                spill_queue_ms=args.spill_queue_ms,
-            )
-            mesh = MeshHarness(
-                model,
-                max_num_seqs=args.max_num_seqs,
-                nats_url=supercluster.clusters[region].url,
-                region=region,
-                kv_replicas=2,
-                required_stages=("tokenizer", "scheduler", "detokenizer"),
-                scheduler_options={"regions": regions},
-            )
-            meshes[region] = mesh.start()
-            mesh.slow_steps(args.step_ms / 1000)
-        east = next(s for s in meshes["us-east"].services if isinstance(s, SchedulerService))
-        spill_config = east.spill.config
-        local_config = dataclasses.replace(spill_config, peer_regions=())
-        rtt = asyncio.run(measure_rtt(east))
+            meshes[region] = Child(
+                [sys.executable, "-m", "tools.bench.region_mesh", "--model", str(model),
+                 "--nats-url", supercluster.clusters[region].url, "--region", region,
+                 "--peer-regions", ",".join(r for r in REGIONS if r != region),
+                 "--spill-queue-ms", str(args.spill_queue_ms),
+                 "--max-num-seqs", str(args.max_num_seqs), "--step-ms", str(args.step_ms)],
+                args.log_dir / f"{region}.log",
+            )  # fmt: skip
+            children.append(meshes[region])
+        for region in REGIONS:  # both start at once: each imports torch and builds its mesh
+            urls[region] = meshes[region].read()["base_url"]
+        east = meshes["us-east"]
+        rtt = east.ask("rtt")["rtt_ms"]
+        meshes["eu-west"].ask("local")  # (nothing yet; the warm-up's are dropped below)
         rates = {"us-east": args.rate_east, "eu-west": args.rate_west}
-        asyncio.run(run_round(meshes, {r: 2.0 for r in REGIONS}, argparse.Namespace(
+        asyncio.run(run_round(urls, {r: 2.0 for r in REGIONS}, argparse.Namespace(
             round_s=3.0, output_tokens=args.output_tokens), seed=0))  # fmt: skip
+        meshes["eu-west"].ask("local")
         sides = {"spillover": Side("spillover"), "local-only": Side("local-only")}
         for round_no in range(args.rounds):
-            for name, config in (("spillover", spill_config), ("local-only", local_config)):
-                east.spill.config = config  # the bench's switch between the two sides
+            for name, switch in (("spillover", "spill on"), ("local-only", "spill off")):
+                east.ask(switch)  # the bench's switch between the two sides
                 side = sides[name]
-                before = spilled_count(east)
-                ttft, failed = asyncio.run(run_round(meshes, rates, args, seed=round_no + 1))
+                before = east.ask("spilled")["spilled"]
+                before_back = meshes["eu-west"].ask("spilled")["spilled"]
+                ttft, failed = asyncio.run(run_round(urls, rates, args, seed=round_no + 1))
                 for region in REGIONS:
                     side.ttft[region] += ttft[region]
                 side.failed += failed
-                side.spilled += spilled_count(east) - before
+                side.spilled += east.ask("spilled")["spilled"] - before
+                side.spilled_back += meshes["eu-west"].ask("spilled")["spilled"] - before_back
                 side.seconds += args.round_s
+                west = meshes["eu-west"].ask("local")
+                side.west_queue_ms += west["queue_ms"]
+                side.west_first_step_ms += west["first_step_ms"]
                 print(f"round {round_no} {name}: done", flush=True)
-        east.spill.config = spill_config
         report(sides, args, rtt)
     finally:
-        for mesh in meshes.values():
-            mesh.stop()
-        for ps in proxies.values():
-            for proxy in ps:
-                proxy.stop()
-        supercluster.stop()
+        for child in reversed(children):
+            child.stop()
+        if supercluster is not None:
+            supercluster.stop()
 
 
 def report(sides: dict[str, Side], args: argparse.Namespace, rtt_ms: float) -> None:
@@ -206,7 +243,7 @@ def report(sides: dict[str, Side], args: argparse.Namespace, rtt_ms: float) -> N
         f"{args.rounds} x {args.round_s:.0f} s per side\n"
     )
     print("| side | goodput req/s | us-east TTFT p50 / p99 ms | eu-west TTFT p50 / p99 ms "
-          "| spilled | failed |")  # fmt: skip
+          "| spilled east -> west / west -> east | failed |")  # fmt: skip
     print("|---|---|---|---|---|---|")
     for side in sides.values():
         e, w = side.ttft["us-east"], side.ttft["eu-west"]
@@ -214,7 +251,14 @@ def report(sides: dict[str, Side], args: argparse.Namespace, rtt_ms: float) -> N
             f"| {side.name} | {side.goodput(slo):.2f} | "
             f"{1000 * percentile(e, 0.5):.0f} / {1000 * percentile(e, 0.99):.0f} | "
             f"{1000 * percentile(w, 0.5):.0f} / {1000 * percentile(w, 0.99):.0f} | "
-            f"{side.spilled} | {side.failed} |"
+            f"{side.spilled} / {side.spilled_back} | {side.failed} |"
+        )
+    print("\neu-west's own requests inside its executor, p50 ms: received -> scheduled "
+          "(waiting out the step in progress) | scheduled -> first token")  # fmt: skip
+    for side in sides.values():
+        print(
+            f"  {side.name}: {percentile(side.west_queue_ms, 0.5):.1f} | "
+            f"{percentile(side.west_first_step_ms, 0.5):.1f}"
         )
     spill, local = sides["spillover"], sides["local-only"]
     ratio = spill.goodput(slo) / max(local.goodput(slo), 1e-9)

@@ -117,3 +117,29 @@ class DelayProxy:
         asyncio.run_coroutine_threadsafe(close(), self.loop).result(5)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
+
+
+def main() -> None:
+    """``python -m tools.net.tcp_proxy --delay-ms D PORT...``: one delaying proxy per target
+    port, in a process of its own (a benchmark's own Python work then does not delay the
+    link). Writes the listen addresses as one JSON list line; runs until stdin closes."""
+    import argparse
+    import json
+    import sys
+
+    p = argparse.ArgumentParser(prog="python -m tools.net.tcp_proxy")
+    p.add_argument("--delay-ms", type=float, default=0.0, help="one way, each direction")
+    p.add_argument("ports", type=int, nargs="+", help="the target ports on loopback")
+    args = p.parse_args()
+    proxies = [DelayProxy(port, args.delay_ms / 1000).start() for port in args.ports]
+    sys.stdout.write(json.dumps([proxy.address for proxy in proxies]) + "\n")
+    sys.stdout.flush()
+    try:
+        sys.stdin.read()
+    finally:
+        for proxy in proxies:
+            proxy.stop()
+
+
+if __name__ == "__main__":
+    main()

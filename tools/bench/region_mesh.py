@@ -1,0 +1,151 @@
+"""One region's whole mesh in a process of its own, driven over stdin by ``tools.bench.regions``.
+
+    python -m tools.bench.region_mesh --model DIR --nats-url URLS --region eu-west \\
+        --peer-regions us-east [--spill-queue-ms 300] [--max-num-seqs 4] [--step-ms 15]
+
+Two regions are two sets of machines: run in one interpreter, one region's Python work (and
+the load generator's) would take the GIL from the other's, and a local request in the quiet
+region would pay for the overloaded one's traffic. So each region's mesh (the tests' harness,
+``tests/mesh.py``, its executors slowed to ``--step-ms`` per step) lives in its own child.
+
+Protocol, one JSON object per line: once the mesh serves, the child writes
+``{"base_url": ...}``; then for each command read on stdin it writes one reply:
+
+- ``spill on`` / ``spill off``: give the scheduler its peer regions, or none -> ``{}``;
+- ``spilled``: requests this region's scheduler sent elsewhere so far -> ``{"spilled": n}``;
+- ``rtt``: the round trip to the peers its scheduler measured -> ``{"rtt_ms": x}``;
+- ``local``: for each request of this region's own clients finished since the last ``local``,
+  its executor's time from receiving it to the start of the step that scheduled it, and from
+  there to its first token, in ms -> ``{"queue_ms": [...], "first_step_ms": [...]}`` (where
+  the time a local client waits goes, with guests and without);
+- ``stop`` (or end of input): the mesh stops and the child exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from services.executor.timeline import Timelines
+from services.scheduler.regions import RegionConfig
+from services.scheduler.service import SchedulerService
+from tests.mesh import MeshHarness
+
+
+def reply(message: Mapping[str, object]) -> None:
+    sys.stdout.write(json.dumps(message) + "\n")
+    sys.stdout.flush()
+
+
+def spilled_count(sched: SchedulerService) -> int:
+    samples = [s for m in sched.spill.spilled_total.collect() for s in m.samples]
+    return int(sum(s.value for s in samples if s.name.endswith("_total")))
+
+
+def rtt_ms(sched: SchedulerService, timeout: float = 20) -> float:
+    """The median round trip to the peers, once a load report has crossed the link."""
+    deadline = time.monotonic() + timeout
+    while not sched.spill.remotes(1):
+        if time.monotonic() > deadline:
+            raise TimeoutError("no load report crossed the gateway link")
+        time.sleep(0.1)
+    time.sleep(1.0)  # a few more polls: the first one pays for connection set-up
+    return statistics.median(p.rtt_ms for p in sched.spill.peers.values())
+
+
+class LocalTimes:
+    """Executor-side times of this region's own requests (not guests), as they finish."""
+
+    def __init__(self, mesh: MeshHarness, sched: SchedulerService) -> None:
+        self.queue_ms: list[float] = []
+        self.first_step_ms: list[float] = []
+        self.lock = threading.Lock()
+        for executor in mesh.executor_services:
+            timelines = executor.timelines
+            finished = timelines.finished
+
+            def record(
+                request_id: str, reason: str, t: Timelines = timelines, f: Any = finished
+            ) -> None:
+                timeline = t.active.get(request_id)
+                if (
+                    timeline is not None
+                    and timeline.first_token_ns
+                    and request_id not in sched.guests
+                ):
+                    with self.lock:
+                        self.queue_ms.append((timeline.scheduled_ns - timeline.received_ns) / 1e6)
+                        self.first_step_ms.append(
+                            (timeline.first_token_ns - timeline.scheduled_ns) / 1e6
+                        )
+                f(request_id, reason)
+
+            timelines.finished = record  # type: ignore[method-assign]
+
+    def take(self) -> dict[str, list[float]]:
+        with self.lock:
+            taken = {"queue_ms": self.queue_ms, "first_step_ms": self.first_step_ms}
+            self.queue_ms, self.first_step_ms = [], []
+        return taken
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="python -m tools.bench.region_mesh")
+    p.add_argument("--model", type=Path, required=True)
+    p.add_argument("--nats-url", required=True)
+    p.add_argument("--region", required=True)
+    p.add_argument("--peer-regions", default="", help="comma-separated")
+    p.add_argument("--spill-queue-ms", type=float, default=300.0)
+    p.add_argument("--max-num-seqs", type=int, default=4)
+    p.add_argument("--step-ms", type=float, default=15.0)
+    args = p.parse_args()
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    spill_config = RegionConfig(
+        peer_regions=tuple(r for r in args.peer_regions.split(",") if r),
+        spill_queue_ms=args.spill_queue_ms,
+    )
+    mesh = MeshHarness(
+        args.model,
+        max_num_seqs=args.max_num_seqs,
+        nats_url=args.nats_url,
+        region=args.region,
+        kv_replicas=2,
+        required_stages=("tokenizer", "scheduler", "detokenizer"),
+        scheduler_options={"regions": spill_config},
+    ).start()
+    try:
+        mesh.slow_steps(args.step_ms / 1000)
+        sched = next(s for s in mesh.services if isinstance(s, SchedulerService))
+        configs = {"on": spill_config, "off": dataclasses.replace(spill_config, peer_regions=())}
+        local = LocalTimes(mesh, sched)
+        reply({"base_url": mesh.base_url})
+        for line in sys.stdin:
+            command = line.split()
+            if command[:1] == ["spill"] and command[1:] in (["on"], ["off"]):
+                sched.spill.config = configs[command[1]]  # read afresh on every decision
+                reply({})
+            elif command == ["spilled"]:
+                reply({"spilled": spilled_count(sched)})
+            elif command == ["rtt"]:
+                reply({"rtt_ms": rtt_ms(sched)})
+            elif command == ["local"]:
+                reply(local.take())
+            elif command == ["stop"]:
+                break
+            else:
+                reply({"error": f"unknown command {line.strip()!r}"})
+    finally:
+        mesh.stop()
+
+
+if __name__ == "__main__":
+    main()
