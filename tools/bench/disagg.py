@@ -1,7 +1,8 @@
 """Disaggregated prefill/decode against mixed executors, in one run on the same cores.
 
     python -m tools.bench.disagg [--model PATH] [--streams 6] [--long-every 12] \\
-        [--long-tokens 1100] [--window 60] [--rounds 2]
+        [--long-tokens 1100] [--window 60] [--rounds 2] [--chunk-tokens 512] \\
+        [--local-prefill-below 0]
 
 Two meshes run side by side (each ``meshserve up`` as its processes; every executor one
 thread, ``OMP_NUM_THREADS=1``): ``mixed`` with ``--executors 2`` and ``disagg`` with
@@ -17,8 +18,10 @@ streams (a long prompt stalls only the streams that share its executor, for a fe
 where those stalls are under 1% of the gaps only p99.9 and the maximum see them),
 TTFT p50/p99 of the long prompts, output throughput (every token of both kinds / window
 time), and for ``disagg`` the KV transfer bandwidth (bytes / time of the prefill executor's
-transfers, from its metrics) against this machine's memcpy bandwidth on a buffer of the mean
-transfer's size (numpy, one thread: a transfer is one thread's copy too).
+transfers, from its metrics) against this machine's memcpy bandwidth (numpy, one thread: a
+transfer is one thread's copy too), measured twice: after the windows on a buffer of the mean
+transfer's size (an idle machine), and during every window halfway between long prompts, 64 MB,
+while the streams decode (the memory bus as the transfers find it; both layouts alike).
 """
 
 from __future__ import annotations
@@ -66,6 +69,8 @@ class Tally:
     kv_bytes: float = 0.0
     kv_seconds: float = 0.0
     kv_transfers: float = 0.0
+    # memcpy GB/s sampled in the bench process while the mesh serves (between long prompts)
+    memcpy_gb_s: list[float] = field(default_factory=list)
 
     def add_stream(self, r: RequestResult) -> None:
         if not r.success:
@@ -127,8 +132,19 @@ async def window(url: str, args: argparse.Namespace, seed: int) -> tuple[Tally, 
         for r in await asyncio.gather(*pending):
             tally.add_long(r)
 
+    async def memcpy_samples() -> None:
+        # Halfway between long prompts (no transfer then), while the streams decode: what a
+        # copy gets from the memory bus the transfers share with the decode steps.
+        await asyncio.sleep(args.long_every)
+        while time.perf_counter() < stop_at - 1:
+            sample = await asyncio.to_thread(memcpy_gb_s, MEMCPY_BYTES, 3)
+            tally.memcpy_gb_s.append(sample)
+            await asyncio.sleep(args.long_every)
+
     async with new_session() as session:
-        await asyncio.gather(longs(session), *(stream(session, i) for i in range(args.streams)))
+        await asyncio.gather(
+            longs(session), memcpy_samples(), *(stream(session, i) for i in range(args.streams))
+        )
     tally.seconds = time.perf_counter() - start
     return tally, tally.seconds
 
@@ -143,6 +159,9 @@ def kv_counters(mesh: LocalMesh) -> tuple[float, float, float]:
         sums.get("meshserve:kv_transfer_time_seconds_sum", 0.0),
         sums.get("meshserve:kv_transfer_time_seconds_count", 0.0),
     )
+
+
+MEMCPY_BYTES = 64 << 20  # past the caches, about a 1,152-token prompt's KV
 
 
 def memcpy_gb_s(nbytes: int, tries: int = 7) -> float:
@@ -187,9 +206,18 @@ def report(name: str, t: Tally, memcpy: float | None) -> list[str]:
         bw = t.kv_bytes / t.kv_seconds / 1e9
         rows.append(
             f"        KV transfers {t.kv_transfers:.0f}, "
-            f"{t.kv_bytes / t.kv_transfers / 1e6:.1f} MB each, "
-            f"{bw:.2f} GB/s; memcpy {memcpy:.2f} GB/s ({bw / (memcpy or 1) * 100:.0f}%)"
+            f"{t.kv_bytes / t.kv_transfers / 1e6:.1f} MB each, {bw:.2f} GB/s; "
+            f"memcpy after the windows {memcpy:.2f} GB/s ({bw / (memcpy or 1) * 100:.0f}%)"
         )
+    if t.memcpy_gb_s:
+        during = statistics.median(t.memcpy_gb_s)
+        line = (
+            f"        memcpy of 64 MB during the windows, median of {len(t.memcpy_gb_s)}: "
+            f"{during:.2f} GB/s (range {min(t.memcpy_gb_s):.2f}-{max(t.memcpy_gb_s):.2f})"
+        )
+        if t.kv_transfers:
+            line += f"; KV transfers at {bw / during * 100:.0f}% of it"
+        rows.append(line)
     return rows
 
 
@@ -248,6 +276,7 @@ def main(argv: list[str] | None = None) -> None:
                 total.kv_bytes += after[0] - before[0]
                 total.kv_seconds += after[1] - before[1]
                 total.kv_transfers += after[2] - before[2]
+                total.memcpy_gb_s += t.memcpy_gb_s
                 print(*report(f"{name}#{r}", t, None)[:1], flush=True)
     finally:
         for mesh in meshes.values():
