@@ -36,7 +36,9 @@ def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     with contextlib.suppress(AttributeError, OSError):
         mapped.madvise(mmap.MADV_HUGEPAGE, offset, len(mapped) - offset)
     tensor = raw[offset : offset + nbytes].view(dtype).view(shape)
-    tensor.zero_()  # first touch after the advice: the faults take huge pages
+    # Touched now, after the advice, so the faults take huge pages; and a pool is resident
+    # from the start (what --kv-cache-tokens asked for), with no fault inside a step later.
+    tensor.zero_()
     return tensor
 
 
