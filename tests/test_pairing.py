@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from common.wire.executor import WireGrammar
+from common.wire.executor import TokenizedRequest, WireGrammar
 from common.wire.scheduler import Heartbeat
+from services.scheduler.guests import GuestPlacement
 from services.scheduler.pairing import Route, route
 from services.scheduler.router import Router
 from tests.test_routing import PROMPT, heartbeat, request
@@ -94,3 +95,71 @@ def test_guests_on_a_full_executor_yield_their_room_to_own_requests_only():
     assert route(r, guest) is None  # a guest does not push another guest out
     assert route(r, guest, keep_free=1) is None
     assert route(mesh(full("m0", guests=0)), own) is None  # own sequences keep their slots
+
+
+# Guests (requests spilled in from another region): guests.py.
+
+
+def seqs(executor: str, running: int, role: str = "mixed", guests: int = 0) -> Heartbeat:
+    """An executor of 4 sequence slots, ``running`` of them taken."""
+    hb = dataclasses.replace(beat(executor, role), running=running, max_num_seqs=4)
+    return dataclasses.replace(hb, guests=guests)
+
+
+def least_load(*beats: Heartbeat) -> Router:
+    r = Router("least-load")
+    for hb in beats:
+        r.observe(hb)
+    return r
+
+
+def guest(rid: str = "g") -> TokenizedRequest:
+    return dataclasses.replace(request(PROMPT, rid), guest=True)
+
+
+def test_guests_go_only_to_the_guest_executors_and_leave_the_reserve_executor_alone():
+    # m2 is the lightest, but m0 and m1 already hold guests: with 1 executor in reserve, the
+    # third executor takes none, however idle (without the policy it would be chosen).
+    r = least_load(seqs("m0", 2), seqs("m1", 2), seqs("m2", 0))
+    placement = GuestPlacement({"m0": 1, "m1": 1}, reserve_executors=1)
+    assert route(r, guest(), {}, placement=placement) in (Route("m0"), Route("m1"))
+    assert route(r, guest(), {}) == Route("m2")  # no reserve: the lightest
+    # No guest anywhere yet: the guest executors are the ones with the most free slots.
+    fresh = GuestPlacement({}, reserve_executors=1)
+    r = least_load(seqs("m0", 3), seqs("m1", 1), seqs("m2", 0))
+    assert fresh.guest_executors(r, ("mixed",)) == ["m1", "m2"]
+    # Full guest executors (1 slot each kept for our own clients, as the scheduler does):
+    # the guest waits (None) rather than take the reserve executor.
+    r = least_load(seqs("m0", 3), seqs("m1", 3), seqs("m2", 0))
+    assert route(r, guest(), {}, keep_free=1, placement=placement) is None
+    assert route(r, guest(), {}, keep_free=1) == Route("m2")
+    assert placement.spare_seqs(r, reserve_seqs=1) == 0  # nothing to report to other regions
+
+
+def test_a_region_with_no_more_executors_than_its_reserve_takes_no_guests():
+    r = least_load(seqs("m0", 0))
+    placement = GuestPlacement({}, reserve_executors=1)
+    assert route(r, guest(), {}, placement=placement) is None
+    assert placement.spare_seqs(r, reserve_seqs=0) == 0
+    assert route(r, request(PROMPT), {}, placement=placement) == Route("m0")
+    assert GuestPlacement({}, reserve_executors=0).spare_seqs(r, reserve_seqs=1) == 3
+
+
+def test_own_requests_prefer_an_executor_holding_no_guests():
+    # m0 and m1 are lighter but run guests (their steps keep going); m2 holds none.
+    r = least_load(seqs("m0", 1, guests=1), seqs("m1", 1, guests=1), seqs("m2", 2))
+    placement = GuestPlacement({"m0": 1, "m1": 1}, reserve_executors=1)
+    assert route(r, request(PROMPT), {}, placement=placement) == Route("m2")
+    assert route(r, request(PROMPT), {}) in (Route("m0"), Route("m1"))  # without: the lightest
+    # m2's slots all taken: the request goes where a guest yields its slot at the next step,
+    # not into m2's local queue until one of its sequences ends.
+    r = least_load(seqs("m0", 4, guests=2), seqs("m1", 4, guests=3), seqs("m2", 4))
+    assert route(r, request(PROMPT), {}, placement=placement) in (Route("m0"), Route("m1"))
+
+
+def test_guest_executors_are_decode_executors_when_the_region_is_disaggregated():
+    r = least_load(seqs("p0", 0, "prefill"), seqs("d0", 1, "decode"), seqs("d1", 0, "decode"))
+    placement = GuestPlacement({"d0": 1}, reserve_executors=1)
+    assert route(r, guest(), {}, placement=placement) == Route("d0", "p0")
+    assert route(r, request(PROMPT), {}, placement=placement) == Route("d1", "p0")
+    assert placement.spare_seqs(r, reserve_seqs=1) == 2  # d0's 3 free slots, 1 kept

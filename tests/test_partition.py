@@ -79,8 +79,11 @@ def regions(tiny_llama: Path) -> Iterator[Partitionable]:
                 kv_replicas=2,
                 required_stages=("tokenizer", "scheduler", "detokenizer"),
                 scheduler_options={
+                    # One executor per region: none in reserve, or no region takes guests.
                     "regions": RegionConfig(
-                        peer_regions=tuple(r for r in REGIONS if r != region), spill_queue_ms=100.0
+                        peer_regions=tuple(r for r in REGIONS if r != region),
+                        spill_queue_ms=100.0,
+                        spill_reserve_executors=0,
                     )
                 },
             )

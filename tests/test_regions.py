@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import argparse
 import math
 
 import pytest
 
 from common.config import MeshConfig
+from services.launcher.mesh import LocalMesh
 from services.launcher.nats_cluster import ClusterPlan, server_config
+from services.launcher.regions import RegionMesh
+from services.launcher.up import add_up
 from services.scheduler.regions import QueueEstimate, RegionConfig, RegionLoad, choose_region
 
 HOME = "us-east"
@@ -92,3 +96,25 @@ def test_server_config_lists_the_other_routes_and_gateways() -> None:
     assert 'routes: ["nats://127.0.0.1:6222"]' in text  # not its own
     assert '{name: "us-east", urls: ["nats://127.0.0.1:9000"]}' in text
     assert 'advertise: "127.0.0.1:9100"' in text
+
+
+def test_up_regions_with_one_executor_keeps_none_guest_free(monkeypatch, tmp_path):
+    # The scheduler keeps --spill-reserve-executors 1 guest-free by default: with one executor
+    # per region, `meshserve up --regions` would then never take spilled work.
+    spawned: dict[str, tuple[str, ...]] = {}
+    monkeypatch.setattr(
+        LocalMesh, "spawn", lambda self, name, module, *flags: spawned.update({name: flags})
+    )
+    parser = argparse.ArgumentParser()
+    add_up(parser.add_subparsers())
+    for extra, reserve in (([], ["--spill-reserve-executors", "0"]), (["--executors", "2"], [])):
+        args = parser.parse_args(["up", "--regions", "us-east,eu-west", *extra])
+        mesh = RegionMesh(args, tmp_path, region="eu-west", peers=("us-east",))
+        mesh.spawn("scheduler", "services.scheduler")
+        assert spawned["eu-west-scheduler"] == (
+            "--region",
+            "eu-west",
+            "--peer-regions",
+            "us-east",
+            *reserve,
+        )

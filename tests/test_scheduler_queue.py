@@ -121,7 +121,7 @@ async def test_a_request_from_another_region_waits_behind_ours_and_leaves_the_re
     # Spilled in (a guest): queued after every request of this region's own clients, and sent
     # only to an executor that keeps --spill-reserve-seqs slots free after it, so a local
     # request arriving next still finds a slot.
-    sched, sent = scheduler(regions=RegionConfig(spill_reserve_seqs=1))
+    sched, sent = scheduler(regions=RegionConfig(spill_reserve_seqs=1, spill_reserve_executors=0))
     await sched.on_spilled(request("guest-1"))
     await sched.on_submit(request("local-1"))
     await sched.on_spilled(request("guest-2"))
@@ -139,7 +139,7 @@ async def test_a_request_from_another_region_waits_behind_ours_and_leaves_the_re
 async def test_guests_do_not_count_in_the_wait_our_own_clients_are_estimated(scheduler):
     # A local request's spill decision rests on this estimate: guests queued here (behind
     # every local request, yielding their executor slots to them) are no wait of its.
-    sched, sent = scheduler(regions=RegionConfig(spill_reserve_seqs=1))
+    sched, sent = scheduler(regions=RegionConfig(spill_reserve_seqs=1, spill_reserve_executors=0))
     await sched.on_heartbeat(Heartbeat("a", 1, 0, 100, 100, 16, 4, 0, guests=1))
     for i in range(3):
         await sched.on_spilled(request(f"guest-{i}"))
@@ -147,3 +147,19 @@ async def test_guests_do_not_count_in_the_wait_our_own_clients_are_estimated(sch
     assert sched.home_load().queue_ms == 0.0  # room for a local one: it starts now
     await sched.on_heartbeat(Heartbeat("a", 4, 1, 100, 100, 16, 4, 0, guests=0))  # own only
     assert sched.home_load().queue_ms > 0.0
+
+
+async def test_guests_keep_to_one_executor_of_two_and_our_own_requests_to_the_other(scheduler):
+    # --spill-reserve-executors 1 (the default) of 2: guests go to one executor only, the
+    # region reports only that one's slots as spare, and its own requests go to the other.
+    sched, sent = scheduler(regions=RegionConfig(spill_reserve_seqs=1))
+    await sched.on_heartbeat(Heartbeat("a", 0, 0, 100, 100, 16, 4, 0))
+    await sched.on_heartbeat(Heartbeat("b", 0, 0, 100, 100, 16, 4, 0))
+    assert sched.home_load().spare_seqs == 3  # one executor's 4 slots, 1 kept (not 4 + 4 - 1)
+    for i in range(4):
+        await sched.on_spilled(request(f"guest-{i}"))
+    assert sent == ["guest-0 (guest)", "guest-1 (guest)", "guest-2 (guest)"]
+    assert {a.executor_id for a in sched.inflight.assignments.values()} == {"a"}
+    assert len(sched.queue) == 1  # guest-3 waits: a keeps its last slot, b takes no guests
+    await sched.on_submit(request("local-0"))
+    assert sent[-1] == "local-0" and sched.inflight.assignments["local-0"].executor_id == "b"

@@ -66,6 +66,7 @@ SERVICES: dict[str, list[Row]] = {
         ("--spill-queue-ms", "MESHSERVE_SPILL_QUEUE_MS", "250"),
         ("--prefill-ms-per-token", "MESHSERVE_PREFILL_MS_PER_TOKEN", "0.5"),
         ("--spill-reserve-seqs", "MESHSERVE_SPILL_RESERVE_SEQS", "2"),
+        ("--spill-reserve-executors", "MESHSERVE_SPILL_RESERVE_EXECUTORS", "2"),
     ],
     "services.detokenizer.service": [
         ("--model", "MESHSERVE_MODEL", "m"),

@@ -69,8 +69,11 @@ def regions(tiny_llama: Path) -> Iterator[Regions]:
                 region=region,
                 kv_replicas=2,
                 required_stages=("tokenizer", "scheduler", "detokenizer"),
+                # One executor per region: none in reserve, or no region would take guests.
                 scheduler_options={
-                    "regions": RegionConfig(peer_regions=peers, spill_queue_ms=100.0)
+                    "regions": RegionConfig(
+                        peer_regions=peers, spill_queue_ms=100.0, spill_reserve_executors=0
+                    )
                 },
             )
             meshes[region] = mesh.start()

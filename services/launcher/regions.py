@@ -5,7 +5,8 @@ Per region: a two-server cluster named after the region (JetStream runs clustere
 region's KV-event stream at R2 on its own servers), joined to the other regions by gateways,
 and every service started with ``--region NAME`` (its subjects, logs, metrics and traces say
 where it runs; so does ``ps``). Region ``i``'s gateway listens on ``--port + i``. Its scheduler
-knows the other regions (``--peer-regions``) and spills to them past ``--spill-queue-ms``;
+knows the other regions (``--peer-regions``) and spills to them past ``--spill-queue-ms``
+(with one executor per region it keeps none guest-free: ``--spill-reserve-executors 0``);
 its gateway does not require a local executor (``--required-stages``): with none, the
 scheduler sends everything to another region.
 """
@@ -42,6 +43,10 @@ class RegionMesh(LocalMesh):
             extra += ["--peer-regions", ",".join(self.peers)]
             if self.spill_queue_ms is not None:
                 extra += ["--spill-queue-ms", str(self.spill_queue_ms)]
+            if len(self.executor_roles) <= 1:
+                # One executor: a guest-free executor in reserve (the default 1) would leave
+                # none for guests, and the local demo would never take spilled work.
+                extra += ["--spill-reserve-executors", "0"]
         if module == "services.gateway" and self.region:
             extra += ["--required-stages", "tokenizer,scheduler,detokenizer"]
         super().spawn(f"{self.region}-{name}" if self.region else name, module, *flags, *extra)

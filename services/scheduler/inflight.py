@@ -62,6 +62,14 @@ class Inflight:
                 # Finished (or rejected by the executor, which answered the client itself).
                 del self.assignments[rid]
 
+    def guests_by_executor(self) -> dict[str, int]:
+        """Executor -> the guests (requests from another region) dispatched to it, unfinished."""
+        held: dict[str, int] = {}
+        for a in self.assignments.values():
+            if a.request.guest:
+                held[a.executor_id] = held.get(a.executor_id, 0) + 1
+        return held
+
     def take_executor(self, executor_id: str) -> list[Assignment]:
         """Remove and return a dead executor's requests."""
         mine = [a for a in self.assignments.values() if a.executor_id == executor_id]

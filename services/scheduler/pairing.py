@@ -13,6 +13,9 @@
   are counted out is prefilled there (vLLM's and Dynamo's conditional disaggregation): a
   few dozen tokens cost the decode batch less than a hop to the prefill executor and a KV
   transfer whose fixed cost outweighs its bytes.
+- Guests (requests spilled in from another region) go only to the region's guest executors,
+  and its own requests prefer executors holding no guests (``guests.py``); that applies to
+  the pool a request lives on (decode executors, or mixed ones), not to the prefill side.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common.wire.executor import TokenizedRequest
+from services.scheduler.guests import DECODE_POOL, MIXED_POOL, GuestPlacement
 from services.scheduler.router import Router
 
 
@@ -35,18 +39,22 @@ def route(
     overlaps: dict[str, int] | None = None,
     keep_free: int = 0,
     min_prompt_tokens: int = 0,
+    placement: GuestPlacement | None = None,
 ) -> Route | None:
     """Where ``req`` goes now, or None to keep it queued (no executor of its pool has room).
     ``keep_free``: slots each chosen executor must still have free beyond this request (a
     request spilled in from another region leaves this region's reserve alone); the guests an
     executor holds do not count against a request of the region's own (they yield to it).
-    ``min_prompt_tokens``: shorter uncached prompts are prefilled on the decode executor."""
+    ``min_prompt_tokens``: shorter uncached prompts are prefilled on the decode executor.
+    ``placement``: which executors guests may go to and own requests prefer (``guests.py``)."""
+    placement = placement or GuestPlacement()
     live = router.live_roles()
     if "decode" not in live:
-        among = router.candidates(("mixed", "prefill"), keep_free, req.guest)
+        among = router.candidates(MIXED_POOL, keep_free, req.guest)
+        among = placement.among(router, req, among, MIXED_POOL)
         executor = router.pick(req, overlaps, among)
         return Route(executor) if executor else None
-    decode = pick_decode(router, req, keep_free)
+    decode = pick_decode(router, req, keep_free, placement)
     if decode is None:
         return None
     if "prefill" not in live or req.output_token_ids or req.grammar is not None:
@@ -60,10 +68,16 @@ def route(
     return Route(decode, prefill) if prefill else None
 
 
-def pick_decode(router: Router, req: TokenizedRequest, keep_free: int = 0) -> str | None:
+def pick_decode(
+    router: Router,
+    req: TokenizedRequest,
+    keep_free: int = 0,
+    placement: GuestPlacement | None = None,
+) -> str | None:
     """The lightest decode executor whose free pages hold the prompt (and a token more)."""
     fits = []
-    for e in router.candidates(("decode",), keep_free, req.guest):
+    among = router.candidates(DECODE_POOL, keep_free, req.guest)
+    for e in (placement or GuestPlacement()).among(router, req, among, DECODE_POOL):
         hb = router.executors[e].heartbeat
         if hb.free_pages * hb.page_size > len(req.prompt_token_ids) + len(req.output_token_ids):
             fits.append(e)

@@ -13,9 +13,11 @@ itself. The scheduler adds that, with one rule (``choose_region``):
 
   (home included, with rtt 0 and the prefix cache it holds), so a spill happens only when the
   other region, round trip and a cold prefill paid, still beats waiting at home;
-- only into another region's spare sequence slots (beyond the ``--spill-reserve-seqs`` it keeps
-  for its own clients), so spilled work never queues in front of that region's clients. The
-  sender counts on the slots last reported; the receiver enforces the reserve itself (its
+- only into another region's spare sequence slots (on its guest executors, beyond the
+  ``--spill-reserve-seqs`` each keeps for its own clients; at least
+  ``--spill-reserve-executors`` of its executors take no guests at all: ``guests.py``), so
+  spilled work never queues in front of that region's clients. The sender counts on the
+  slots last reported; the receiver enforces the reserve itself (its
   report may be a poll old): a spilled-in request queues behind all of its own clients'
   requests and goes only to an executor that still has the reserve free after it
   (``SchedulerService.on_spilled``);
@@ -61,6 +63,12 @@ class RegionConfig:
         "sequence slots this region keeps free for its own clients: it takes requests from "
         "other regions only beyond them",
     )
+    spill_reserve_executors: int = setting(
+        1,
+        "executors of this region that take no requests from other regions, so its own "
+        "clients' requests find one not kept busy by them (a region with no more executors "
+        "than this takes none)",
+    )
     status_interval_s: float = 0.25  # how often each peer region is asked for its load
     stale_s: float = 1.5  # a peer report older than this is not counted on
 
@@ -72,6 +80,8 @@ class RegionConfig:
             raise ValueError("spill_queue_ms and prefill_ms_per_token must be >= 0")
         if self.spill_reserve_seqs < 0:
             raise ValueError("spill_reserve_seqs must be >= 0")
+        if self.spill_reserve_executors < 0:
+            raise ValueError("spill_reserve_executors must be >= 0")
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ from common.wire.gateway import ErrorEvent
 from common.wire.prefix_index import IndexMatchReply, IndexMatchRequest
 from common.wire.presence import Presence
 from common.wire.scheduler import Heartbeat, RequestStatusQuery, RequestStatusReply
+from services.scheduler.guests import GuestPlacement
 from services.scheduler.inflight import Assignment, Inflight, Rank
 from services.scheduler.pairing import route
 from services.scheduler.regions import QueueEstimate, RegionConfig, RegionLoad
@@ -154,7 +155,8 @@ class SchedulerService:
         reserve itself: a guest queues behind every request of our own clients and is
         dispatched only to an executor that keeps ``--spill-reserve-seqs`` slots free after
         it; and its executor preempts it for one of our clients' requests when its batch is
-        full (``TokenizedRequest.guest``)."""
+        full (``TokenizedRequest.guest``); only to our guest executors, so at least
+        ``--spill-reserve-executors`` executors hold none (``guests.py``)."""
         self.spill.received()
         self.guests.add(req.request_id, True)
         await self.admit(dataclasses.replace(req, guest=True), may_spill=False)
@@ -250,7 +252,12 @@ class SchedulerService:
             guest = req.request_id in self.guests
             keep_free = self.config.regions.spill_reserve_seqs if guest else 0
             chosen = route(
-                self.router, req, overlaps, keep_free, self.config.disagg_min_prompt_tokens
+                self.router,
+                req,
+                overlaps,
+                keep_free,
+                self.config.disagg_min_prompt_tokens,
+                self.placement(),
             )
             if chosen is None:
                 return
@@ -405,6 +412,11 @@ class SchedulerService:
         await self.spill_queued()
         await self.dispatch()
 
+    def placement(self) -> GuestPlacement:
+        return GuestPlacement(
+            self.inflight.guests_by_executor(), self.config.regions.spill_reserve_executors
+        )
+
     def home_load(self) -> RegionLoad:
         """This region's load (``regions.py``): live executors and the estimated queue time."""
         now = time.monotonic()
@@ -423,16 +435,11 @@ class SchedulerService:
         own_queued = sum(rid not in self.guests for rid in self.queued)
         has_room = bool(self.router.candidates())
         queue_ms = self.estimate.queue_ms(own_queued, max(waits, default=0.0), has_room, now)
-        free = sum(
-            max(
-                0,
-                self.router.executors[e].heartbeat.max_num_seqs
-                - self.router.executors[e].sequences,
-            )
-            for e in live
-        )
-        spare = 0 if self.queue else free - self.config.regions.spill_reserve_seqs
-        return RegionLoad(self.svc.mesh.region, len(live), queue_ms, spare_seqs=max(0, spare))
+        # Only the slots a guest may take: on the guest executors, beyond each one's reserve.
+        spare = 0
+        if not self.queue:
+            spare = self.placement().spare_seqs(self.router, self.config.regions.spill_reserve_seqs)
+        return RegionLoad(self.svc.mesh.region, len(live), queue_ms, spare_seqs=spare)
 
     async def spill_queued(self) -> None:
         """With no live executor here, queued requests go to another region as well (new ones

@@ -1,7 +1,8 @@
 """One region's whole mesh in a process of its own, driven over stdin by ``tools.bench.regions``.
 
     python -m tools.bench.region_mesh --model DIR --nats-url URLS --region eu-west \\
-        --peer-regions us-east [--spill-queue-ms 300] [--max-num-seqs 4] [--step-ms 15]
+        --peer-regions us-east [--spill-queue-ms 300] [--max-num-seqs 4] [--step-ms 15] \\
+        [--executors 1] [--spill-reserve-executors 0]
 
 Two regions are two sets of machines: run in one interpreter, one region's Python work (and
 the load generator's) would take the GIL from the other's, and a local request in the quiet
@@ -107,15 +108,19 @@ def main() -> None:
     p.add_argument("--spill-queue-ms", type=float, default=300.0)
     p.add_argument("--max-num-seqs", type=int, default=4)
     p.add_argument("--step-ms", type=float, default=15.0)
+    p.add_argument("--executors", type=int, default=1)
+    p.add_argument("--spill-reserve-executors", type=int, default=0)
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     spill_config = RegionConfig(
         peer_regions=tuple(r for r in args.peer_regions.split(",") if r),
         spill_queue_ms=args.spill_queue_ms,
+        spill_reserve_executors=args.spill_reserve_executors,
     )
     mesh = MeshHarness(
         args.model,
         max_num_seqs=args.max_num_seqs,
+        executors=args.executors,
         nats_url=args.nats_url,
         region=args.region,
         kv_replicas=2,

@@ -2,18 +2,20 @@
 
     python -m tools.bench.regions [--delay-ms 25] [--rounds 2] [--round-s 20]
                                   [--rate-east 18] [--rate-west 3] [--slo-ms 1000]
+                                  [--executors 1] [--spill-reserve-executors 0]
 
 Two regions (us-east, eu-west) on this machine: per region a two-server NATS cluster with
 JetStream, joined by gateways whose every connection passes a TCP proxy that delays each byte
 by ``--delay-ms`` one way (``tools/net/tcp_proxy.py``, a process of its own; a round trip
 between the regions costs twice that), and a whole mesh per region (the tests' harness:
-tokenizer, scheduler, prefix index, detokenizer, gateway, one executor) in a child process of
-its own (``region_mesh.py``), so neither region's Python work nor the load generator's (this
-process) takes the GIL from the other. Model: the tiny random Llama of the tests; each
-executor runs at most ``--max-num-seqs`` sequences with a fixed ``--step-ms`` per step (the
-model's own time is a fraction of a millisecond, so the sleep stands for a device step; both
-regions share this machine's CPUs, and without it they would also share the compute they are
-meant to add).
+tokenizer, scheduler, prefix index, detokenizer, gateway, ``--executors`` executors, of which
+``--spill-reserve-executors`` take no guests: ``services/scheduler/guests.py``) in a child
+process of its own (``region_mesh.py``), so neither region's Python work nor the load
+generator's (this process) takes the GIL from the other. Model: the tiny random Llama of the
+tests; each executor runs at most ``--max-num-seqs`` sequences with a fixed ``--step-ms`` per
+step (the model's own time is a fraction of a millisecond, so the sleep stands for a device
+step; both regions share this machine's CPUs, and without it they would also share the
+compute they are meant to add).
 
 Load: open-loop Poisson arrivals, the same seeded schedule for both sides: us-east at
 ``--rate-east`` requests/s (above its capacity), eu-west at ``--rate-west`` (below). Every
@@ -34,6 +36,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import random
 import subprocess
 import sys
@@ -169,9 +172,18 @@ def main() -> None:
     p.add_argument("--output-tokens", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=4)
     p.add_argument("--step-ms", type=float, default=15.0)
+    p.add_argument("--executors", type=int, default=1, help="per region, both alike")
+    p.add_argument(
+        "--spill-reserve-executors",
+        type=int,
+        default=0,
+        help="per region: executors that take no guests (0 here, not the scheduler's 1, so "
+        "the one-executor runs recorded before it still mean the same command)",
+    )
     p.add_argument("--log-dir", type=Path, default=Path("out/bench_regions"))
     args = p.parse_args()
     args.log_dir.mkdir(parents=True, exist_ok=True)
+    load_at_start = os.getloadavg()[0]
     model = write_tiny_model(Path(tempfile.mkdtemp(prefix="bench-regions-")) / "llama")
     plans = [ClusterPlan.free(r, 2, gateways=True) for r in REGIONS]
     ports = [port for plan in plans for port in plan.gateway_ports]
@@ -196,7 +208,9 @@ def main() -> None:
                  "--nats-url", supercluster.clusters[region].url, "--region", region,
                  "--peer-regions", ",".join(r for r in REGIONS if r != region),
                  "--spill-queue-ms", str(args.spill_queue_ms),
-                 "--max-num-seqs", str(args.max_num_seqs), "--step-ms", str(args.step_ms)],
+                 "--max-num-seqs", str(args.max_num_seqs), "--step-ms", str(args.step_ms),
+                 "--executors", str(args.executors),
+                 "--spill-reserve-executors", str(args.spill_reserve_executors)],
                 args.log_dir / f"{region}.log",
             )  # fmt: skip
             children.append(meshes[region])
@@ -228,6 +242,8 @@ def main() -> None:
                 side.west_first_step_ms += west["first_step_ms"]
                 print(f"round {round_no} {name}: done", flush=True)
         report(sides, args, rtt)
+        load_at_end = os.getloadavg()[0]
+        print(f"load average: {load_at_start:.1f} at the start, {load_at_end:.1f} at the end")
     finally:
         for child in reversed(children):
             child.stop()
