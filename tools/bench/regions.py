@@ -280,7 +280,7 @@ def report(sides: dict[str, Side], args: argparse.Namespace, rtt_ms: float) -> N
     ratio = spill.goodput(slo) / max(local.goodput(slo), 1e-9)
     west = percentile(spill.ttft["eu-west"], 0.5) / percentile(local.ttft["eu-west"], 0.5) - 1
     print(f"\ngoodput ratio spillover / local-only: {ratio:.2f}x (target >= 1.5x)")
-    print(f"eu-west local TTFT p50 change with spillover: {100 * west:+.0f}% (target <= +10%)")
+    print(f"eu-west local TTFT p50 change with spillover: {100 * west:+.1f}% (target <= +10%)")
 
 
 if __name__ == "__main__":
