@@ -42,11 +42,11 @@ def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return tensor
 
 
-def huge_pages_backing(tensor: torch.Tensor) -> int:
-    """Bytes the kernel backs with huge pages now in the mappings that hold ``tensor`` (from
-    /proc/self/smaps; 0 where it is not readable)."""
-    start = tensor.data_ptr()
-    end = start + tensor.numel() * tensor.element_size()
+def huge_pages_backing(tensors: list[torch.Tensor]) -> int:
+    """Bytes the kernel backs with huge pages now in the mappings that hold ``tensors``, each
+    mapping counted once (from /proc/self/smaps; 0 where it is not readable). A mapping may
+    also hold memory next to them: neighbours with the same flags are merged into one."""
+    spans = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors]
     total = 0
     try:
         with open("/proc/self/smaps") as f:
@@ -55,7 +55,7 @@ def huge_pages_backing(tensor: torch.Tensor) -> int:
                 head = line.split(maxsplit=1)[0]
                 if "-" in head and not head.endswith(":"):
                     lo, hi = (int(x, 16) for x in head.split("-"))
-                    inside = lo < end and hi > start
+                    inside = any(lo < end and hi > start for start, end in spans)
                 elif inside and head == "AnonHugePages:":
                     total += int(line.split()[1]) * 1024
     except OSError:

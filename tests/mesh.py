@@ -233,3 +233,20 @@ class MeshHarness:
                 self.thread.join(5)
             if self.nats:
                 self.nats.stop()
+
+
+@dataclass
+class RegionMeshes:
+    """One in-process mesh per region (the supercluster and partition tests)."""
+
+    meshes: dict[str, MeshHarness]
+
+    def scheduler(self, region: str) -> SchedulerService:
+        return next(s for s in self.meshes[region].services if isinstance(s, SchedulerService))
+
+    def spilled(self, region: str) -> float:
+        """Requests this region's scheduler sent to another region so far."""
+        counter = self.scheduler(region).spill.spilled_total
+        return sum(
+            s.value for m in counter.collect() for s in m.samples if s.name.endswith("_total")
+        )

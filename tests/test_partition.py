@@ -21,8 +21,7 @@ import pytest
 
 from services.launcher.nats_cluster import ClusterPlan, Supercluster
 from services.scheduler.regions import RegionConfig
-from services.scheduler.service import SchedulerService
-from tests.mesh import MeshHarness, openai_client
+from tests.mesh import MeshHarness, RegionMeshes, openai_client
 from tools.bench.scrape import metric_sums
 from tools.net.netns import Namespace, unavailable
 
@@ -37,18 +36,8 @@ STEP_S = 0.015
 
 
 @dataclass
-class Partitionable:
-    meshes: dict[str, MeshHarness]
+class Partitionable(RegionMeshes):
     namespace: Namespace  # eu-west's servers; links "clients" and "gateways"
-
-    def scheduler(self, region: str) -> SchedulerService:
-        return next(s for s in self.meshes[region].services if isinstance(s, SchedulerService))
-
-    def spilled(self, region: str) -> float:
-        counter = self.scheduler(region).spill.spilled_total
-        return sum(
-            s.value for m in counter.collect() for s in m.samples if s.name.endswith("_total")
-        )
 
     def sees_peer(self, region: str) -> bool:
         return bool(self.scheduler(region).spill.remotes(1))

@@ -19,8 +19,7 @@ import pytest
 
 from services.launcher.nats_cluster import ClusterPlan, Supercluster
 from services.scheduler.regions import RegionConfig
-from services.scheduler.service import SchedulerService
-from tests.mesh import MeshHarness, openai_client, runtime_of
+from tests.mesh import MeshHarness, RegionMeshes, openai_client, runtime_of
 from tools.bench.scrape import metric_sums
 from tools.net.tcp_proxy import DelayProxy
 
@@ -29,19 +28,9 @@ STEP_S = 0.015
 
 
 @dataclass
-class Regions:
-    meshes: dict[str, MeshHarness]
+class Regions(RegionMeshes):
     proxies: list[DelayProxy]
     supercluster: Supercluster
-
-    def scheduler(self, region: str) -> SchedulerService:
-        return next(s for s in self.meshes[region].services if isinstance(s, SchedulerService))
-
-    def spilled(self, region: str) -> float:
-        counter = self.scheduler(region).spill.spilled_total
-        return sum(
-            s.value for m in counter.collect() for s in m.samples if s.name.endswith("_total")
-        )
 
     def spilled_in(self, region: str) -> float:
         samples = [
