@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +24,7 @@ from services.detokenizer.service import DetokenizerConfig, DetokenizerService
 from services.executor.config import ExecutorConfig
 from services.executor.service import ExecutorService, build_engine
 from services.prefix_index.service import PrefixIndexConfig, PrefixIndexService
+from services.scheduler.regions import RegionConfig
 from services.scheduler.service import SchedulerService, SchedulerServiceConfig
 from services.tokenizer.service import TokenizerConfig, TokenizerService
 from tools.bench.scrape import metric_sums
@@ -233,6 +234,54 @@ class MeshHarness:
                 self.thread.join(5)
             if self.nats:
                 self.nats.stop()
+
+
+async def stream_greedy(base_url: str, prompt: str, max_tokens: int) -> tuple[str, str | None]:
+    """The text and finish reason of one streamed greedy completion (ignore_eos; the client
+    raises on any status but 200)."""
+    async with openai_client(base_url) as client:
+        text, finish = "", None
+        stream = await client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=max_tokens, stream=True, temperature=0,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        async for chunk in stream:
+            text += chunk.choices[0].text
+            finish = chunk.choices[0].finish_reason or finish
+        return text, finish
+
+
+async def wait_for(check: Callable[[], Any], timeout: float, what: str) -> None:
+    """Poll ``check`` every 0.1 s until it is true; fail naming ``what`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.1)
+
+
+def start_region_mesh(
+    model: Path, region: str, regions: tuple[str, ...], nats_url: str, step_s: float
+) -> MeshHarness:
+    """One region's whole mesh for the two-region tests: one executor of 2 sequences slowed to
+    ``step_s`` a step, spilling to the other ``regions`` past a 100 ms queue."""
+    mesh = MeshHarness(
+        model,
+        max_num_seqs=2,
+        nats_url=nats_url,
+        region=region,
+        kv_replicas=2,
+        required_stages=("tokenizer", "scheduler", "detokenizer"),
+        scheduler_options={
+            # One executor per region: none in reserve, or no region would take guests.
+            "regions": RegionConfig(
+                peer_regions=tuple(r for r in regions if r != region),
+                spill_queue_ms=100.0,
+                spill_reserve_executors=0,
+            )
+        },
+    ).start()
+    mesh.slow_steps(step_s)
+    return mesh
 
 
 @dataclass

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from services.launcher.nats_cluster import ClusterPlan, NatsCluster
-from tests.mesh import MeshHarness, openai_client, runtime_of
+from tests.mesh import MeshHarness, runtime_of, stream_greedy
 from tests.test_prefix_index import wait_for_agreement
 from tools.bench.scrape import metric_sums
 
@@ -47,16 +47,7 @@ def cluster_mesh(tiny_llama: Path) -> Iterator[tuple[NatsCluster, MeshHarness]]:
 
 
 async def stream(base_url: str, prompt: str, max_tokens: int = 40) -> tuple[str, str | None]:
-    async with openai_client(base_url) as client:
-        text, finish = "", None
-        out = await client.completions.create(
-            model="tiny", prompt=prompt, max_tokens=max_tokens, stream=True, temperature=0,
-            extra_body={"ignore_eos": True},
-        )  # fmt: skip
-        async for chunk in out:
-            text += chunk.choices[0].text
-            finish = chunk.choices[0].finish_reason or finish
-        return text, finish
+    return await stream_greedy(base_url, prompt, max_tokens)
 
 
 async def test_kill_9_one_of_three_servers_under_streaming_load(cluster_mesh: Any) -> None:

@@ -12,16 +12,14 @@ overloads with 8 clients and spills to eu-west, whatever the machine's load.
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from services.launcher.nats_cluster import ClusterPlan, Supercluster
-from services.scheduler.regions import RegionConfig
-from tests.mesh import MeshHarness, RegionMeshes, openai_client
+from tests.mesh import MeshHarness, RegionMeshes, start_region_mesh, stream_greedy, wait_for
 from tools.bench.scrape import metric_sums
 from tools.net.netns import Namespace, unavailable
 
@@ -60,24 +58,8 @@ def regions(tiny_llama: Path) -> Iterator[Partitionable]:
         supercluster = Supercluster.start(plans)
         supercluster.wait_jetstream()
         for region in REGIONS:
-            mesh = MeshHarness(
-                tiny_llama,
-                max_num_seqs=2,
-                nats_url=supercluster.clusters[region].url,
-                region=region,
-                kv_replicas=2,
-                required_stages=("tokenizer", "scheduler", "detokenizer"),
-                scheduler_options={
-                    # One executor per region: none in reserve, or no region takes guests.
-                    "regions": RegionConfig(
-                        peer_regions=tuple(r for r in REGIONS if r != region),
-                        spill_queue_ms=100.0,
-                        spill_reserve_executors=0,
-                    )
-                },
-            )
-            meshes[region] = mesh.start()
-            mesh.slow_steps(STEP_S)
+            url = supercluster.clusters[region].url
+            meshes[region] = start_region_mesh(tiny_llama, region, REGIONS, url, STEP_S)
         yield Partitionable(meshes, namespace)
     finally:
         for mesh in meshes.values():
@@ -88,26 +70,10 @@ def regions(tiny_llama: Path) -> Iterator[Partitionable]:
 
 
 async def greedy(base_url: str, max_tokens: int) -> str:
-    """The text of one streamed greedy completion (the client raises on any status but 200 and
-    on a stream that ends without its finish reason)."""
-    async with openai_client(base_url) as client:
-        text, finish = "", None
-        stream = await client.completions.create(
-            model="tiny", prompt="hello region", max_tokens=max_tokens, stream=True,
-            temperature=0, extra_body={"ignore_eos": True},
-        )  # fmt: skip
-        async for chunk in stream:
-            text += chunk.choices[0].text
-            finish = chunk.choices[0].finish_reason or finish
-        assert finish == "length", (text, finish)
-        return text
-
-
-async def wait_for(check: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.1)
+    """The text of one streamed greedy completion, which must end with its length."""
+    text, finish = await stream_greedy(base_url, "hello region", max_tokens)
+    assert finish == "length", (text, finish)
+    return text
 
 
 def resumed(mesh: MeshHarness) -> float:

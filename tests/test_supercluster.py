@@ -13,13 +13,19 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from services.launcher.nats_cluster import ClusterPlan, Supercluster
-from services.scheduler.regions import RegionConfig
-from tests.mesh import MeshHarness, RegionMeshes, openai_client, runtime_of
+from tests.mesh import (
+    MeshHarness,
+    RegionMeshes,
+    openai_client,
+    runtime_of,
+    start_region_mesh,
+    stream_greedy,
+    wait_for,
+)
 from tools.bench.scrape import metric_sums
 from tools.net.tcp_proxy import DelayProxy
 
@@ -50,23 +56,8 @@ def regions(tiny_llama: Path) -> Iterator[Regions]:
     try:
         supercluster.wait_jetstream()
         for region in REGIONS:
-            peers = tuple(r for r in REGIONS if r != region)
-            mesh = MeshHarness(
-                tiny_llama,
-                max_num_seqs=2,
-                nats_url=supercluster.clusters[region].url,
-                region=region,
-                kv_replicas=2,
-                required_stages=("tokenizer", "scheduler", "detokenizer"),
-                # One executor per region: none in reserve, or no region would take guests.
-                scheduler_options={
-                    "regions": RegionConfig(
-                        peer_regions=peers, spill_queue_ms=100.0, spill_reserve_executors=0
-                    )
-                },
-            )
-            meshes[region] = mesh.start()
-            mesh.slow_steps(STEP_S)
+            url = supercluster.clusters[region].url
+            meshes[region] = start_region_mesh(tiny_llama, region, REGIONS, url, STEP_S)
         yield Regions(meshes, [p for ps in proxies.values() for p in ps], supercluster)
     finally:
         for mesh in meshes.values():
@@ -101,13 +92,6 @@ async def closed_loop(base_url: str, clients: int, each: int) -> list[float]:
 
     results = await asyncio.gather(*(client() for _ in range(clients)))
     return [t for r in results for t in r]
-
-
-async def wait_for(check: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.1)
 
 
 def goodput(ttfts: list[float], slo_s: float) -> int:
@@ -149,16 +133,7 @@ async def test_overload_spills_and_a_cut_link_keeps_each_region_serving(regions:
 
 
 async def greedy(base_url: str, max_tokens: int) -> tuple[str, str | None]:
-    async with openai_client(base_url) as client:
-        text, finish = "", None
-        stream = await client.completions.create(
-            model="tiny", prompt="hello region", max_tokens=max_tokens, stream=True,
-            temperature=0, extra_body={"ignore_eos": True},
-        )  # fmt: skip
-        async for chunk in stream:
-            text += chunk.choices[0].text
-            finish = chunk.choices[0].finish_reason or finish
-        return text, finish
+    return await stream_greedy(base_url, "hello region", max_tokens)
 
 
 async def test_streams_spilled_when_the_link_is_cut_are_resumed_at_home(regions: Regions) -> None:

@@ -27,6 +27,23 @@ static inline __m256i QFN(dot_acc)(__m256i acc, __m256i u, __m256i s) {
 #endif
 }
 
+/* A grouped record's bytes (repacked 4-bit kinds and Q8_0, see blocks.c): 8 fp16 scales, for
+   Q4_1 8 fp16 mins, then the codes. */
+static inline i64 QFN(x8_record_bytes)(int q41, int q80) { return q80 ? 272 : q41 ? 160 : 144; }
+
+/* Block b's record: hints the bytes LIN_PREFETCH ahead if asked, loads the scales (and Q4_1's
+   mins; zero otherwise) and returns where its codes start. */
+static inline __attribute__((always_inline)) const uint8_t* QFN(x8_record)(
+    const uint8_t* grp, i64 b, i64 rec, int q41, int prefetch, __m256* d8, __m256* m8) {
+    const uint8_t* p = grp + b * rec;
+    if (prefetch)
+        for (i64 o = 0; o < rec; o += 64)
+            _mm_prefetch((const char*)(p + LIN_PREFETCH + o), _MM_HINT_T1);
+    *d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+    *m8 = q41 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 16))) : _mm256_setzero_ps();
+    return p + (q41 ? 32 : 16);
+}
+
 #if QVNNI
 /*
  * dot_x8 for one row of x on 512-bit vectors: each zmm holds two of a record's 32-byte code
@@ -39,7 +56,7 @@ static inline __attribute__((always_inline)) void QFN(dot_x8_one)(
     const int kind, const uint8_t* grp, const xblock* xq, i64 nb, float* out, int nvalid,
     int prefetch) {
     const int q41 = kind == LIN_Q4_1X8, q80 = kind == LIN_Q8_0X8;
-    const i64 rec = q80 ? 272 : q41 ? 160 : 144;
+    const i64 rec = QFN(x8_record_bytes)(q41, q80);
     __m256 acc = _mm256_setzero_ps(), summ = _mm256_setzero_ps();
     const __m512i low = _mm512_set1_epi8(0x0F);
     const __m512i pick[4] = {
@@ -49,14 +66,8 @@ static inline __attribute__((always_inline)) void QFN(dot_x8_one)(
         _mm512_setr_epi32(6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 7, 7, 7, 7, 7, 7),
     };
     for (i64 b = 0; b < nb; ++b) {
-        const uint8_t* p = grp + b * rec;
-        if (prefetch)
-            for (i64 o = 0; o < rec; o += 64)
-                _mm_prefetch((const char*)(p + LIN_PREFETCH + o), _MM_HINT_T1);
-        const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
-        const __m256 m8 = q41 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 16)))
-                              : _mm256_setzero_ps();
-        const uint8_t* c = p + (q41 ? 32 : 16);
+        __m256 d8, m8;
+        const uint8_t* c = QFN(x8_record)(grp, b, rec, q41, prefetch, &d8, &m8);
         const xblock* x = xq + b;
         const __m512i xz = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)x->qs));
         __m512i dot = _mm512_setzero_si512();
@@ -104,19 +115,13 @@ static inline __attribute__((always_inline)) void QFN(dot_x8)(
     }
 #endif
     const int q41 = kind == LIN_Q4_1X8, q80 = kind == LIN_Q8_0X8;
-    const i64 rec = q80 ? 272 : q41 ? 160 : 144;
+    const i64 rec = QFN(x8_record_bytes)(q41, q80);
     __m256 acc[4], summ[4];
     for (int r = 0; r < R; ++r) acc[r] = summ[r] = _mm256_setzero_ps();
     const __m256i low = _mm256_set1_epi8(0x0F);
     for (i64 b = 0; b < nb; ++b) {
-        const uint8_t* p = grp + b * rec;
-        if (prefetch)
-            for (i64 o = 0; o < rec; o += 64)
-                _mm_prefetch((const char*)(p + LIN_PREFETCH + o), _MM_HINT_T1);
-        const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
-        const __m256 m8 = q41 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 16)))
-                              : _mm256_setzero_ps();
-        const uint8_t* c = p + (q41 ? 32 : 16);
+        __m256 d8, m8;
+        const uint8_t* c = QFN(x8_record)(grp, b, rec, q41, prefetch, &d8, &m8);
         __m256i w[8], sw[8];  /* Q8_0: |w|, and w for its signs */
         if (q80) {
             for (int j = 0; j < 8; ++j) {
