@@ -56,7 +56,22 @@ class Scheduler:
         self.running: list[Sequence] = []
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        self._wait(seq, first=False)
+
+    def _wait(self, seq: Sequence, first: bool) -> None:
+        """Queue ``seq`` behind (``first``: ahead of) the waiting sequences of its kind; every
+        own sequence waits ahead of every guest (module docstring)."""
+        if seq.guest and not first:
+            self.waiting.append(seq)
+            return
+        if not seq.guest and first:
+            self.waiting.appendleft(seq)
+            return
+        if not seq.guest and not (self.waiting and self.waiting[-1].guest):
+            self.waiting.append(seq)  # no guest waits: the usual case, O(1)
+            return
+        first_guest = next((i for i, s in enumerate(self.waiting) if s.guest), len(self.waiting))
+        self.waiting.insert(first_guest, seq)
 
     def remove(self, seq: Sequence) -> None:
         """Take a sequence out of the queues and free its pages (finish or abort)."""
@@ -99,6 +114,8 @@ class Scheduler:
         """Preempt the newest running guest for each waiting own sequence the full batch has
         no slot for; every guest then waits behind the own ones (module docstring)."""
         yielded: list[Sequence] = []
+        if len(self.running) < self.config.max_num_seqs:
+            return yielded
         own_waiting = sum(not s.guest for s in self.waiting)
         while own_waiting > len(yielded) and len(self.running) >= self.config.max_num_seqs:
             guests = [s for s in self.running if s.guest]
@@ -107,10 +124,6 @@ class Scheduler:
             self.running.remove(guests[-1])
             self._preempt(guests[-1])
             yielded.append(guests[-1])
-        if any(s.guest for s in self.waiting):  # stable: each kind keeps its own order
-            ordered = sorted(self.waiting, key=lambda s: s.guest)
-            self.waiting.clear()
-            self.waiting.extend(ordered)
         return yielded
 
     def _admit(self, budget: int, scheduled: list[ScheduledSeq]) -> int:
@@ -142,4 +155,4 @@ class Scheduler:
         seq.num_computed = 0
         seq.num_preemptions += 1
         seq.status = SeqStatus.WAITING
-        self.waiting.appendleft(seq)
+        self._wait(seq, first=True)

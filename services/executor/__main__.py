@@ -18,15 +18,12 @@ async def build(config: ExecutorConfig) -> ExecutorService:
 
 
 async def drain_and_stop(service: ExecutorService) -> None:
-    if service.broken:  # its tensor-parallel group lost a rank: nothing left to finish
-        await service.stop()
-        raise SystemExit(3)  # a failure, for whoever supervises us (meshserve up restarts it)
     await service.drain()
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(_until_idle(service), timeout=30)
     await service.stop()
-    if service.broken:
-        raise SystemExit(3)
+    if service.broken:  # its tensor-parallel group lost a rank (nothing was left to finish)
+        raise SystemExit(3)  # a failure, for whoever supervises us (meshserve up restarts it)
 
 
 async def _until_idle(service: ExecutorService) -> None:

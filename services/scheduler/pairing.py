@@ -47,11 +47,9 @@ def route(
     executor holds do not count against a request of the region's own (they yield to it).
     ``min_prompt_tokens``: shorter uncached prompts are prefilled on the decode executor.
     ``placement``: which executors guests may go to and own requests prefer (``guests.py``)."""
-    placement = placement or GuestPlacement()
     live = router.live_roles()
     if "decode" not in live:
-        among = router.candidates(MIXED_POOL, keep_free, req.guest)
-        among = placement.among(router, req, among, MIXED_POOL)
+        among = pool_candidates(router, req, MIXED_POOL, keep_free, placement)
         executor = router.pick(req, overlaps, among)
         return Route(executor) if executor else None
     decode = pick_decode(router, req, keep_free, placement)
@@ -68,6 +66,18 @@ def route(
     return Route(decode, prefill) if prefill else None
 
 
+def pool_candidates(
+    router: Router,
+    req: TokenizedRequest,
+    pool: tuple[str, ...],
+    keep_free: int,
+    placement: GuestPlacement | None,
+) -> list[str]:
+    """The executors of ``pool`` with room for ``req`` that the guest placement allows it."""
+    among = router.candidates(pool, keep_free, req.guest)
+    return (placement or GuestPlacement()).among(router, req, among, pool)
+
+
 def pick_decode(
     router: Router,
     req: TokenizedRequest,
@@ -76,8 +86,7 @@ def pick_decode(
 ) -> str | None:
     """The lightest decode executor whose free pages hold the prompt (and a token more)."""
     fits = []
-    among = router.candidates(DECODE_POOL, keep_free, req.guest)
-    for e in (placement or GuestPlacement()).among(router, req, among, DECODE_POOL):
+    for e in pool_candidates(router, req, DECODE_POOL, keep_free, placement):
         hb = router.executors[e].heartbeat
         if hb.free_pages * hb.page_size > len(req.prompt_token_ids) + len(req.output_token_ids):
             fits.append(e)

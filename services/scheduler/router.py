@@ -242,15 +242,15 @@ class Router:
             and (roles is None or self.executors[e].heartbeat.role in roles)
         )
 
-    def pool(self, roles: Sequence[str]) -> list[str]:
-        """The live executors of these roles that may get work, room or not (draining ones
+    def pool(self, roles: Sequence[str] | None = None) -> list[str]:
+        """The live executors (of these roles) that may get work, room or not (draining ones
         take none)."""
         return sorted(
             e
             for e in self.alive()
             if e not in self.refused
             and not self.executors[e].heartbeat.draining
-            and self.executors[e].heartbeat.role in roles
+            and (roles is None or self.executors[e].heartbeat.role in roles)
         )
 
     def live_roles(self) -> set[str]:

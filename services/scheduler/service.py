@@ -119,8 +119,6 @@ class SchedulerService:
         self.queue: list[tuple[Rank, TokenizedRequest]] = []  # a heap: lowest rank first
         self.queued: set[str] = set()  # the ids in ``queue``
         self.ended: RecentIds[str, bool] = RecentIds()  # aborted: drop if they arrive later
-        # Requests spilled in from another region (``on_spilled``), as long as one may live.
-        self.guests: RecentIds[str, bool] = RecentIds(ttl_s=900.0)
         self.order = itertools.count()
         self.dispatched = 0
         # A request its executor never listed is taken as finished after a heartbeat timeout
@@ -158,7 +156,6 @@ class SchedulerService:
         full (``TokenizedRequest.guest``); only to our guest executors, so at least
         ``--spill-reserve-executors`` executors hold none (``guests.py``)."""
         self.spill.received()
-        self.guests.add(req.request_id, True)
         await self.admit(dataclasses.replace(req, guest=True), may_spill=False)
 
     async def admit(self, req: TokenizedRequest, may_spill: bool) -> None:
@@ -185,7 +182,7 @@ class SchedulerService:
             )
         self.routes.queued(req)  # the scheduler.route span, a child of the tokenizer's
         key = req.priority * self.config.priority_aging_s + time.monotonic()
-        if req.request_id in self.guests:
+        if req.guest:
             key = math.inf  # after all of our own, in arrival order among themselves
         rank = (key, next(self.order))
         self.push(rank, req)
@@ -249,8 +246,7 @@ class SchedulerService:
                 overlaps = await self.overlaps(req) if len(candidates) > 1 else {}
             if not self.queue or self.queue[0][1] is not req:
                 continue  # the queue changed (or the client left) while we asked the index
-            guest = req.request_id in self.guests
-            keep_free = self.config.regions.spill_reserve_seqs if guest else 0
+            keep_free = self.config.regions.spill_reserve_seqs if req.guest else 0
             chosen = route(
                 self.router,
                 req,
@@ -408,7 +404,6 @@ class SchedulerService:
                 ),
             )
         self.ended.prune()
-        self.guests.prune()
         await self.spill_queued()
         await self.dispatch()
 
@@ -420,19 +415,12 @@ class SchedulerService:
     def home_load(self) -> RegionLoad:
         """This region's load (``regions.py``): live executors and the estimated queue time."""
         now = time.monotonic()
-        live = [
-            e
-            for e in self.router.alive()
-            if e not in self.router.refused and not self.router.executors[e].heartbeat.draining
-        ]
+        live = self.router.pool()
         # The wait of a request of our own clients: guests queue behind it and yield their
         # executor slots to it, so neither their number nor their waits count.
-        waits = [
-            now - route.queued_at
-            for rid, route in self.routes.open.items()
-            if rid not in self.guests
-        ]
-        own_queued = sum(rid not in self.guests for rid in self.queued)
+        own = [req.request_id for _, req in self.queue if not req.guest]
+        waits = [now - route.queued_at for rid in own if (route := self.routes.open.get(rid))]
+        own_queued = len(own)
         has_room = bool(self.router.candidates())
         queue_ms = self.estimate.queue_ms(own_queued, max(waits, default=0.0), has_room, now)
         # Only the slots a guest may take: on the guest executors, beyond each one's reserve.
