@@ -182,7 +182,8 @@ class CausalLM(nn.Module):
         self.local_config = config if tp is None else shard_config(config, tp.world)
         row_amax: dict[str, torch.Tensor] = {}
         if tp is not None:  # this rank's slices (only they move to the device below)
-            sharded = shard_weights(config, weights, tp.shard)
+            scaled_per_row = quantization in ("int8", "fp8")
+            sharded = shard_weights(config, weights, tp.shard, row_amax=scaled_per_row)
             weights, row_amax = sharded.weights, sharded.row_amax
             self.vocab_start = tp.shard.vocab_range(config.vocab_size)[0]
         device = torch.device(device)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import openai
+from prometheus_client import Counter
 
 from common.config import MeshConfig, NatsAuth
 from common.nats_server import LocalNatsServer, free_port
@@ -36,6 +37,14 @@ def metric_value(metrics_url: str, name: str) -> float:
     if name not in sums:
         raise AssertionError(f"{metrics_url} has no {name}")
     return sums[name]
+
+
+def resumed(mesh: MeshHarness) -> float:
+    """Choices the mesh's gateway resumed after finding them lost (0 before the first: the
+    counter is labelled, so it has no series until then)."""
+    return metric_sums(f"http://127.0.0.1:{mesh.port}/metrics").get(
+        "meshserve:requests_resumed_total", 0.0
+    )
 
 
 def openai_client(base_url: str, api_key: str = "unused") -> openai.AsyncOpenAI:
@@ -260,23 +269,33 @@ async def wait_for(check: Callable[[], Any], timeout: float, what: str) -> None:
 
 
 def start_region_mesh(
-    model: Path, region: str, regions: tuple[str, ...], nats_url: str, step_s: float
+    model: Path,
+    region: str,
+    regions: tuple[str, ...],
+    nats_url: str,
+    step_s: float,
+    max_num_seqs: int = 2,
+    executors: int = 1,
+    spill_queue_ms: float = 100.0,
+    spill_reserve_executors: int = 0,
 ) -> MeshHarness:
-    """One region's whole mesh for the two-region tests: one executor of 2 sequences slowed to
-    ``step_s`` a step, spilling to the other ``regions`` past a 100 ms queue."""
+    """One region's whole mesh (the two-region tests and ``tools/bench/region_mesh.py``): its
+    executors slowed to ``step_s`` a step, spilling to the other ``regions`` past
+    ``spill_queue_ms`` of queue. One executor per region keeps none in reserve, or no region
+    would take guests."""
     mesh = MeshHarness(
         model,
-        max_num_seqs=2,
+        max_num_seqs=max_num_seqs,
+        executors=executors,
         nats_url=nats_url,
         region=region,
         kv_replicas=2,
         required_stages=("tokenizer", "scheduler", "detokenizer"),
         scheduler_options={
-            # One executor per region: none in reserve, or no region would take guests.
             "regions": RegionConfig(
                 peer_regions=tuple(r for r in regions if r != region),
-                spill_queue_ms=100.0,
-                spill_reserve_executors=0,
+                spill_queue_ms=spill_queue_ms,
+                spill_reserve_executors=spill_reserve_executors,
             )
         },
     ).start()
@@ -295,7 +314,17 @@ class RegionMeshes:
 
     def spilled(self, region: str) -> float:
         """Requests this region's scheduler sent to another region so far."""
-        counter = self.scheduler(region).spill.spilled_total
-        return sum(
-            s.value for m in counter.collect() for s in m.samples if s.name.endswith("_total")
-        )
+        return counter_total(self.scheduler(region).spill.spilled_total)
+
+    def spilled_in(self, region: str) -> float:
+        """Requests another region's scheduler sent here so far."""
+        return counter_total(self.scheduler(region).spill.received_total)
+
+    def sees_peer(self, region: str) -> bool:
+        """Whether this region's scheduler has a fresh load report from another region."""
+        return bool(self.scheduler(region).spill.remotes(1))
+
+
+def counter_total(counter: Counter) -> float:
+    """A Prometheus counter's value summed over its labels."""
+    return sum(s.value for m in counter.collect() for s in m.samples if s.name.endswith("_total"))

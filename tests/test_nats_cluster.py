@@ -20,9 +20,8 @@ from typing import Any
 import pytest
 
 from services.launcher.nats_cluster import ClusterPlan, NatsCluster
-from tests.mesh import MeshHarness, runtime_of, stream_greedy
+from tests.mesh import MeshHarness, resumed, runtime_of, stream_greedy
 from tests.test_prefix_index import wait_for_agreement
-from tools.bench.scrape import metric_sums
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +78,3 @@ async def test_kill_9_one_of_three_servers_under_streaming_load(cluster_mesh: An
     actual = await wait_for_agreement(mesh, mesh.index)
     assert all(actual.values())
     log.info("cluster kill: %d choices resumed", resumed(mesh))
-
-
-def resumed(mesh: MeshHarness) -> float:
-    sums = metric_sums(f"http://127.0.0.1:{mesh.port}/metrics")
-    return sums.get("meshserve:requests_resumed_total", 0.0)

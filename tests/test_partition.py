@@ -19,8 +19,14 @@ from pathlib import Path
 import pytest
 
 from services.launcher.nats_cluster import ClusterPlan, Supercluster
-from tests.mesh import MeshHarness, RegionMeshes, start_region_mesh, stream_greedy, wait_for
-from tools.bench.scrape import metric_sums
+from tests.mesh import (
+    MeshHarness,
+    RegionMeshes,
+    resumed,
+    start_region_mesh,
+    stream_greedy,
+    wait_for,
+)
 from tools.net.netns import Namespace, unavailable
 
 REASON = unavailable()
@@ -36,9 +42,6 @@ STEP_S = 0.015
 @dataclass
 class Partitionable(RegionMeshes):
     namespace: Namespace  # eu-west's servers; links "clients" and "gateways"
-
-    def sees_peer(self, region: str) -> bool:
-        return bool(self.scheduler(region).spill.remotes(1))
 
 
 @pytest.fixture
@@ -74,13 +77,6 @@ async def greedy(base_url: str, max_tokens: int) -> str:
     text, finish = await stream_greedy(base_url, "hello region", max_tokens)
     assert finish == "length", (text, finish)
     return text
-
-
-def resumed(mesh: MeshHarness) -> float:
-    """Requests its gateway resumed after finding them lost."""
-    return metric_sums(f"http://127.0.0.1:{mesh.port}/metrics").get(
-        "meshserve:requests_resumed_total", 0.0
-    )
 
 
 async def overload(base_url: str, clients: int = 8, max_tokens: int = 24) -> list[str]:

@@ -18,17 +18,14 @@ import pytest
 
 from common.runtime import RequestError
 from common.wire.codec import Message
-from common.wire.detokenizer import SeqTokens, StepTokens
+from common.wire.detokenizer import StepTokens
 from common.wire.gateway import ErrorEvent, TextDelta, TextDeltas
 from common.wire.tokenizer import GenerateRequest, WireSamplingParams
 from services.gateway.resume import continuation
 from services.gateway.streams import Inbox, RequestStream
 from services.gateway.watchdog import check_stalled
-from tests.mesh import MeshHarness, openai_client, runtime_of
+from tests.mesh import MeshHarness, openai_client, resumed, runtime_of
 from tools.bench.otlp_receiver import OtlpReceiver
-from tools.bench.scrape import metric_sums
-
-RESUMED = "meshserve:requests_resumed_total"
 
 
 @pytest.fixture(scope="module")
@@ -70,10 +67,6 @@ def resume_events(
     return events(receiver.snapshot())
 
 
-def resumed(mesh: MeshHarness) -> float:
-    return metric_sums(f"http://127.0.0.1:{mesh.port}/metrics").get(RESUMED, 0.0)
-
-
 class Drop:
     """Drop the first message a service publishes that ``matches`` (as a NATS server that
     dies with it in flight would), once; every other message goes out."""
@@ -99,14 +92,6 @@ class Drop:
 
     def restore(self) -> None:
         self.runtime.publish = self.publish  # type: ignore[method-assign]
-
-
-def step_seqs(step: StepTokens) -> list[SeqTokens]:
-    return step.seqs
-
-
-def deltas(message: TextDeltas) -> list[TextDelta]:
-    return message.deltas
 
 
 async def complete(

@@ -21,12 +21,12 @@ from tests.mesh import (
     MeshHarness,
     RegionMeshes,
     openai_client,
+    resumed,
     runtime_of,
     start_region_mesh,
     stream_greedy,
     wait_for,
 )
-from tools.bench.scrape import metric_sums
 from tools.net.tcp_proxy import DelayProxy
 
 REGIONS = ("us-east", "eu-west")
@@ -37,12 +37,6 @@ STEP_S = 0.015
 class Regions(RegionMeshes):
     proxies: list[DelayProxy]
     supercluster: Supercluster
-
-    def spilled_in(self, region: str) -> float:
-        samples = [
-            s for m in self.scheduler(region).spill.received_total.collect() for s in m.samples
-        ]
-        return sum(s.value for s in samples if s.name.endswith("_total"))
 
 
 @pytest.fixture(scope="module")
@@ -100,8 +94,7 @@ def goodput(ttfts: list[float], slo_s: float) -> int:
 
 async def test_overload_spills_and_a_cut_link_keeps_each_region_serving(regions: Regions) -> None:
     east, west = (regions.meshes[r] for r in REGIONS)
-    east_sched = regions.scheduler("us-east")
-    await wait_for(lambda: east_sched.spill.remotes(1), 10, "eu-west's load report")
+    await wait_for(lambda: regions.sees_peer("us-east"), 10, "eu-west's load report")
     for mesh in (east, west):  # warm-up: both regions serve
         await one(mesh.base_url)
 
@@ -115,7 +108,7 @@ async def test_overload_spills_and_a_cut_link_keeps_each_region_serving(regions:
     # Cut the gateway link for real: us-east stops counting on eu-west's reports.
     for proxy in regions.proxies:
         proxy.cut()
-    await wait_for(lambda: not east_sched.spill.remotes(1), 10, "the cut to be noticed")
+    await wait_for(lambda: not regions.sees_peer("us-east"), 10, "the cut to be noticed")
     for mesh in (east, west):  # each region keeps serving its own clients
         ttft, text = await one(mesh.base_url)
         assert text and ttft > 0
@@ -129,7 +122,7 @@ async def test_overload_spills_and_a_cut_link_keeps_each_region_serving(regions:
 
     for proxy in regions.proxies:
         proxy.heal()
-    await wait_for(lambda: east_sched.spill.remotes(1), 20, "the link to heal")
+    await wait_for(lambda: regions.sees_peer("us-east"), 20, "the link to heal")
 
 
 async def greedy(base_url: str, max_tokens: int) -> tuple[str, str | None]:
@@ -142,8 +135,7 @@ async def test_streams_spilled_when_the_link_is_cut_are_resumed_at_home(regions:
     # not answer for them) and the gateway resumes each from the tokens its client has, at
     # home (a continuation that streamed tokens never spills). Same prompt, greedy: one text.
     east = regions.meshes["us-east"]
-    east_sched = regions.scheduler("us-east")
-    await wait_for(lambda: east_sched.spill.remotes(1), 20, "eu-west's load report")
+    await wait_for(lambda: regions.sees_peer("us-east"), 20, "eu-west's load report")
     expected = await greedy(east.base_url, 100)
     spilled_before = regions.spilled("us-east")
     load = [asyncio.ensure_future(greedy(east.base_url, 100)) for _ in range(8)]
@@ -155,12 +147,11 @@ async def test_streams_spilled_when_the_link_is_cut_are_resumed_at_home(regions:
     try:
         results = await asyncio.wait_for(asyncio.gather(*load), 90)
         assert results == [expected] * 8
-        resumed = metric_sums(f"http://127.0.0.1:{east.port}/metrics")
-        assert resumed.get("meshserve:requests_resumed_total", 0) >= 1
+        assert resumed(east) >= 1
     finally:
         for proxy in regions.proxies:
             proxy.heal()
-    await wait_for(lambda: east_sched.spill.remotes(1), 20, "the link to heal")
+    await wait_for(lambda: regions.sees_peer("us-east"), 20, "the link to heal")
 
 
 async def test_a_guest_yields_its_slot_to_the_regions_own_client(regions: Regions) -> None:
@@ -169,8 +160,8 @@ async def test_a_guest_yields_its_slot_to_the_regions_own_client(regions: Region
     # for it instead of making it wait out the guest's stream (~0.9 s). The guest is
     # recomputed and its client's text is the uninterrupted one.
     east, west = (regions.meshes[r] for r in REGIONS)
-    east_sched, west_sched = regions.scheduler("us-east"), regions.scheduler("eu-west")
-    await wait_for(lambda: east_sched.spill.remotes(1), 20, "eu-west's load report")
+    west_sched = regions.scheduler("eu-west")
+    await wait_for(lambda: regions.sees_peer("us-east"), 20, "eu-west's load report")
     expected, _ = await greedy(east.base_url, 60)
     spilled_in = regions.spilled_in("eu-west")
     overload = [asyncio.create_task(greedy(east.base_url, 60)) for _ in range(6)]
@@ -188,12 +179,12 @@ async def test_a_guest_yields_its_slot_to_the_regions_own_client(regions: Region
 
 async def test_a_region_without_executors_is_served_by_the_other(regions: Regions) -> None:
     east = regions.meshes["us-east"]
-    east_sched = regions.scheduler("us-east")
-    await wait_for(lambda: east_sched.spill.remotes(1), 20, "eu-west's load report")
+    await wait_for(lambda: regions.sees_peer("us-east"), 20, "eu-west's load report")
     for executor in east.executor_services:  # gone without a goodbye
         runtime = runtime_of(executor)
         runtime.stopping.set()
         await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(runtime.nc.close(), east.loop))
+    east_sched = regions.scheduler("us-east")
     await wait_for(lambda: east_sched.home_load().live_executors == 0, 10, "executor loss")
     received = regions.spilled_in("eu-west")
     results = await asyncio.gather(*(one(east.base_url) for _ in range(4)))

@@ -92,8 +92,6 @@ class RankGroup:
         env = dict(
             os.environ, OMP_NUM_THREADS=str(spec.threads), MESHSERVE_TP_PARENT=str(os.getpid())
         )
-        if not cpu:  # a dead peer then fails NCCL's wait() instead of hanging the stream
-            env["TORCH_NCCL_BLOCKING_WAIT"] = "1"
         for rank in range(1, spec.world):
             cmd = [sys.executable, "-m", "gpu.parallel.worker", spec.to_json(), str(rank)]
             self.workers.append(

@@ -107,8 +107,12 @@ class ShardedWeights:
     row_amax: dict[str, torch.Tensor]
 
 
-def shard_weights(config: ModelConfig, weights: dict[str, Weight], shard: Shard) -> ShardedWeights:
-    """This rank's share of every split tensor; norms stay whole."""
+def shard_weights(
+    config: ModelConfig, weights: dict[str, Weight], shard: Shard, row_amax: bool = True
+) -> ShardedWeights:
+    """This rank's share of every split tensor; norms stay whole. ``row_amax``: keep the whole
+    rows' magnitudes of the row-parallel weights (only int8 and fp8 read them; each is a pass
+    over the whole weight)."""
     if shard.world == 1:
         return ShardedWeights(weights, {})
     check_tensor_parallel(config, shard.world)
@@ -128,7 +132,8 @@ def shard_weights(config: ModelConfig, weights: dict[str, Weight], shard: Shard)
             except ModelError as exc:
                 raise ModelError(f"tensor parallelism cannot split {name}: {exc}") from None
             return
-        amax[name] = weight.abs().amax(dim=1).to(torch.float32)
+        if row_amax:
+            amax[name] = weight.abs().amax(dim=1).to(torch.float32)
         out[name] = weight[:, start:stop].contiguous()
 
     for name in ("model.embed_tokens.weight", "lm_head.weight"):

@@ -36,20 +36,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from services.executor.timeline import Timelines
-from services.scheduler.regions import RegionConfig
+from services.executor.service import ExecutorService
 from services.scheduler.service import SchedulerService
-from tests.mesh import MeshHarness
+from tests.mesh import MeshHarness, RegionMeshes, start_region_mesh
 
 
 def reply(message: Mapping[str, object]) -> None:
     sys.stdout.write(json.dumps(message) + "\n")
     sys.stdout.flush()
-
-
-def spilled_count(sched: SchedulerService) -> int:
-    samples = [s for m in sched.spill.spilled_total.collect() for s in m.samples]
-    return int(sum(s.value for s in samples if s.name.endswith("_total")))
 
 
 def rtt_ms(sched: SchedulerService, timeout: float = 20) -> float:
@@ -66,23 +60,20 @@ def rtt_ms(sched: SchedulerService, timeout: float = 20) -> float:
 class LocalTimes:
     """Executor-side times of this region's own requests (not guests), as they finish."""
 
-    def __init__(self, mesh: MeshHarness, sched: SchedulerService) -> None:
+    def __init__(self, mesh: MeshHarness) -> None:
         self.queue_ms: list[float] = []
         self.first_step_ms: list[float] = []
         self.lock = threading.Lock()
         for executor in mesh.executor_services:
-            timelines = executor.timelines
-            finished = timelines.finished
+            forget = executor.forget
 
             def record(
-                request_id: str, reason: str, t: Timelines = timelines, f: Any = finished
-            ) -> None:
-                timeline = t.active.get(request_id)
-                if (
-                    timeline is not None
-                    and timeline.first_token_ns
-                    and request_id not in sched.guests
-                ):
+                request_id: str, reason: str = "abort", e: ExecutorService = executor,
+                f: Any = forget,
+            ) -> None:  # fmt: skip
+                req = e.requests.get(request_id)  # still there: forget drops it
+                timeline = e.timelines.active.get(request_id)
+                if req is not None and not req.guest and timeline and timeline.first_token_ns:
                     with self.lock:
                         self.queue_ms.append((timeline.scheduled_ns - timeline.received_ns) / 1e6)
                         self.first_step_ms.append(
@@ -90,7 +81,7 @@ class LocalTimes:
                         )
                 f(request_id, reason)
 
-            timelines.finished = record  # type: ignore[method-assign]
+            executor.forget = record  # type: ignore[method-assign]
 
     def take(self) -> dict[str, list[float]]:
         with self.lock:
@@ -112,26 +103,18 @@ def main() -> None:
     p.add_argument("--spill-reserve-executors", type=int, default=0)
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    spill_config = RegionConfig(
-        peer_regions=tuple(r for r in args.peer_regions.split(",") if r),
-        spill_queue_ms=args.spill_queue_ms,
-        spill_reserve_executors=args.spill_reserve_executors,
-    )
-    mesh = MeshHarness(
-        args.model,
-        max_num_seqs=args.max_num_seqs,
-        executors=args.executors,
-        nats_url=args.nats_url,
-        region=args.region,
-        kv_replicas=2,
-        required_stages=("tokenizer", "scheduler", "detokenizer"),
-        scheduler_options={"regions": spill_config},
-    ).start()
+    peers = tuple(r for r in args.peer_regions.split(",") if r)
+    mesh = start_region_mesh(
+        args.model, args.region, (args.region, *peers), args.nats_url, args.step_ms / 1000,
+        max_num_seqs=args.max_num_seqs, executors=args.executors,
+        spill_queue_ms=args.spill_queue_ms, spill_reserve_executors=args.spill_reserve_executors,
+    )  # fmt: skip
     try:
-        mesh.slow_steps(args.step_ms / 1000)
-        sched = next(s for s in mesh.services if isinstance(s, SchedulerService))
+        regions = RegionMeshes({args.region: mesh})
+        sched = regions.scheduler(args.region)
+        spill_config = sched.spill.config
         configs = {"on": spill_config, "off": dataclasses.replace(spill_config, peer_regions=())}
-        local = LocalTimes(mesh, sched)
+        local = LocalTimes(mesh)
         reply({"base_url": mesh.base_url})
         for line in sys.stdin:
             command = line.split()
@@ -139,7 +122,7 @@ def main() -> None:
                 sched.spill.config = configs[command[1]]  # read afresh on every decision
                 reply({})
             elif command == ["spilled"]:
-                reply({"spilled": spilled_count(sched)})
+                reply({"spilled": int(regions.spilled(args.region))})
             elif command == ["rtt"]:
                 reply({"rtt_ms": rtt_ms(sched)})
             elif command == ["local"]:

@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
         pages: dict[str, Any] = dict(num_pages=max(batches) * 8, page_size=16)
         pages["device"] = args.device
         one = build_runner(folder, quantization=args.quantization, progress=False, **pages)
-        torch.set_num_threads(args.threads // 2)  # rank 1 takes this many too
+        torch.set_num_threads(args.threads)  # build_runner gives each rank its share
         two = build_runner(
             folder, quantization=args.quantization, progress=False, tensor_parallel_size=2,
             **pages,
@@ -114,6 +114,7 @@ def main(argv: list[str] | None = None) -> None:
         sides = [("TP=1", one, args.threads), ("TP=2", two, half)]
         gloo = None
         if not cuda:  # NCCL is the only CUDA path
+            torch.set_num_threads(args.threads)
             gloo = build_runner(
                 folder, quantization=args.quantization, progress=False, tensor_parallel_size=2,
                 shared_memory=False, **pages,
