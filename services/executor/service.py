@@ -65,6 +65,8 @@ log = logging.getLogger("meshserve.executor")
 
 # Room left in a step message for its NATS headers (the trace context) under max_payload.
 PAYLOAD_HEADROOM = 1024
+# The closest two heartbeats may follow each other when sequences end (``report_freed_slots``).
+EARLY_HEARTBEAT_MIN_S = 0.02
 
 
 def fit_payload(
@@ -116,6 +118,7 @@ class ExecutorService:
         self.incarnation = uuid.uuid4().hex[:12]
         self.warmup: WarmupReport | None = None  # set by start(), before the first heartbeat
         self.load = (0, 0, engine.pages.num_free, 0)  # running, waiting, free pages, pending
+        self.last_heartbeat = 0.0  # monotonic
         self.kv_events = KVEventPublisher(self.svc, config.executor_id)
         self.metrics = ExecutorMetrics(self.svc.registry, config.executor_id, self.engine_state)
         self.timelines = Timelines(self.svc.tracer, self.metrics, config.executor_id)
@@ -284,9 +287,20 @@ class ExecutorService:
             return seq.num_pending
         return max(1, seq.num_pending - self.cached_prefix_tokens(req))
 
+    async def report_freed_slots(self) -> None:
+        """Sequences ended this step: heartbeat now, not at the next period. The scheduler
+        counts a finished sequence as running until it hears otherwise, and meanwhile sends
+        the next request to another executor, which may be mid-step (the request then waits
+        that step out) while this one idles. At most one such early report per
+        ``EARLY_HEARTBEAT_MIN_S``: a busy executor ends sequences nearly every step."""
+        if time.monotonic() - self.last_heartbeat >= EARLY_HEARTBEAT_MIN_S:
+            self.snapshot_load()  # between steps: the ended sequences have left the batch
+            await self.heartbeat()
+
     async def heartbeat(self) -> None:
         if self.broken:
             return  # silence: the scheduler counts this executor lost and moves its work
+        self.last_heartbeat = time.monotonic()
         self.ended.prune()  # here for want of a sweep: it runs a few times a second anyway
         running, waiting, free_pages, pending = self.load
         await self.svc.publish(
@@ -342,6 +356,8 @@ class ExecutorService:
             self.timelines.stepped(started_ns, time.time_ns(), outputs, self.admitted)
             self.kv_events.add(self.engine.drain_kv_events())
             await self.publish_outputs(outputs)
+            if any(out.finish_reason is not None for out in outputs):
+                await self.report_freed_slots()
 
     async def lose_group(self, exc: ParallelGroupLost) -> None:
         """A rank of this executor's tensor-parallel group died: no step can run again here.

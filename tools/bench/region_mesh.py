@@ -16,9 +16,11 @@ Protocol, one JSON object per line: once the mesh serves, the child writes
 - ``spilled``: requests this region's scheduler sent elsewhere so far -> ``{"spilled": n}``;
 - ``rtt``: the round trip to the peers its scheduler measured -> ``{"rtt_ms": x}``;
 - ``local``: for each request of this region's own clients finished since the last ``local``,
-  its executor's time from receiving it to the start of the step that scheduled it, and from
-  there to its first token, in ms -> ``{"queue_ms": [...], "first_step_ms": [...]}`` (where
-  the time a local client waits goes, with guests and without);
+  in ms: the gateway's arrival -> its executor's receipt, -> the start of the step that
+  scheduled it, -> its first token, and its TTFT as the gateway measured it ->
+  ``{"to_executor_ms": [...], "queue_ms": [...], "first_step_ms": [...],
+  "gateway_ttft_ms": [...]}`` (where the time a local client waits goes, with guests and
+  without);
 - ``stop`` (or end of input): the mesh stops and the child exits.
 """
 
@@ -37,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from services.executor.service import ExecutorService
+from services.gateway.app import GatewayServer
 from services.scheduler.service import SchedulerService
 from tests.mesh import MeshHarness, RegionMeshes, start_region_mesh
 
@@ -63,7 +66,19 @@ class LocalTimes:
     def __init__(self, mesh: MeshHarness) -> None:
         self.queue_ms: list[float] = []
         self.first_step_ms: list[float] = []
+        self.gateway_ttft_ms: list[float] = []
+        self.to_executor_ms: list[float] = []  # the gateway's arrival -> the executor's receipt
         self.lock = threading.Lock()
+        gateway = next(s for s in mesh.services if isinstance(s, GatewayServer))
+        ttft = gateway.mesh.metrics.ttft  # this gateway's clients are all the region's own
+        observe = ttft.observe
+
+        def observed(amount: float, exemplar: Any = None) -> None:
+            with self.lock:
+                self.gateway_ttft_ms.append(1000 * amount)
+            observe(amount, exemplar)
+
+        ttft.observe = observed  # type: ignore[method-assign]
         for executor in mesh.executor_services:
             forget = executor.forget
 
@@ -79,14 +94,23 @@ class LocalTimes:
                         self.first_step_ms.append(
                             (timeline.first_token_ns - timeline.scheduled_ns) / 1e6
                         )
+                        self.to_executor_ms.append(
+                            timeline.received_ns / 1e6 - 1000 * req.arrival_time
+                        )
                 f(request_id, reason)
 
             executor.forget = record  # type: ignore[method-assign]
 
     def take(self) -> dict[str, list[float]]:
         with self.lock:
-            taken = {"queue_ms": self.queue_ms, "first_step_ms": self.first_step_ms}
-            self.queue_ms, self.first_step_ms = [], []
+            taken = {
+                "queue_ms": self.queue_ms,
+                "first_step_ms": self.first_step_ms,
+                "gateway_ttft_ms": self.gateway_ttft_ms,
+                "to_executor_ms": self.to_executor_ms,
+            }
+            self.queue_ms, self.first_step_ms, self.gateway_ttft_ms = [], [], []
+            self.to_executor_ms = []
         return taken
 
 

@@ -10,8 +10,10 @@ by ``--delay-ms`` one way (``tools/net/tcp_proxy.py``, a process of its own; a r
 between the regions costs twice that), and a whole mesh per region (the tests' harness:
 tokenizer, scheduler, prefix index, detokenizer, gateway, ``--executors`` executors, of which
 ``--spill-reserve-executors`` take no guests: ``services/scheduler/guests.py``) in a child
-process of its own (``region_mesh.py``), so neither region's Python work nor the load
-generator's (this process) takes the GIL from the other. Model: the tiny random Llama of the
+process of its own (``region_mesh.py``), so neither region's Python work takes the GIL from
+the other; likewise each region's clients are a process of their own (a pool forked by this
+one), so the overloaded region's streams do not delay, in the client's event loop, the
+moment the quiet region's first tokens are read. Model: the tiny random Llama of the
 tests; each executor runs at most ``--max-num-seqs`` sequences with a fixed ``--step-ms`` per
 step (the model's own time is a fraction of a millisecond, so the sleep stands for a device
 step; both regions share this machine's CPUs, and without it they would also share the
@@ -25,9 +27,9 @@ scheduler its peer regions or none, after the previous round has drained.
 
 Printed: per side, goodput (requests/s with TTFT <= ``--slo-ms``), TTFT p50/p99 of us-east's
 and of eu-west's clients, and how many requests spilled each way; where eu-west's own
-requests spent their time inside its executor (waiting for the step in progress to end, then
-their first step); then the goodput ratio and the change in eu-west's local TTFT p50. Each
-child's log is under ``--log-dir``.
+requests' first token waited (gateway -> executor, the executor's step in progress, their
+first step, and the TTFT the gateway measured); then the goodput ratio and the change in
+eu-west's local TTFT p50. Each child's log is under ``--log-dir``.
 """
 
 from __future__ import annotations
@@ -36,12 +38,14 @@ import argparse
 import asyncio
 import contextlib
 import json
+import multiprocessing
 import os
 import random
 import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,6 +69,8 @@ class Side:
     # eu-west's own requests inside its executor (region_mesh.py ``local``)
     west_queue_ms: list[float] = field(default_factory=list)
     west_first_step_ms: list[float] = field(default_factory=list)
+    west_gateway_ttft_ms: list[float] = field(default_factory=list)
+    west_to_executor_ms: list[float] = field(default_factory=list)
 
     def goodput(self, slo_s: float) -> float:
         good = sum(t <= slo_s for ts in self.ttft.values() for t in ts)
@@ -79,8 +85,8 @@ def percentile(values: list[float], q: float) -> float:
 
 
 async def one(session: aiohttp.ClientSession, url: str, tokens: int, due: float) -> float | None:
-    """TTFT from the scheduled arrival ``due`` (perf_counter), or None if it failed."""
-    await asyncio.sleep(max(0.0, due - time.perf_counter()))
+    """TTFT from the scheduled arrival ``due`` (``time.monotonic``), or None if it failed."""
+    await asyncio.sleep(max(0.0, due - time.monotonic()))
     body = {
         "model": "tiny", "prompt": f"region bench {random.random()}", "max_tokens": tokens,
         "stream": True, "ignore_eos": True, "temperature": 0,
@@ -91,33 +97,62 @@ async def one(session: aiohttp.ClientSession, url: str, tokens: int, due: float)
             return None
         async for line in resp.content:
             if ttft is None and line.startswith(b"data: {"):
-                ttft = time.perf_counter() - due
+                ttft = time.monotonic() - due
     return ttft
 
 
-async def run_round(
-    urls: dict[str, str], rates: dict[str, float], args: argparse.Namespace, seed: int
-) -> tuple[dict[str, list[float]], int]:
+async def region_round(
+    url: str, rate: float, tokens: int, round_s: float, seed: int, start: float
+) -> list[float | None]:
+    """One region's clients for one round: Poisson arrivals at ``rate`` from ``start``
+    (``time.monotonic``, the same clock in every process) for ``round_s``; each one's TTFT, or
+    None if it failed."""
     rng = random.Random(seed)
-    start = time.perf_counter() + 0.5
-    jobs = []
+    dues = []
+    t = start
+    while True:
+        t += rng.expovariate(rate)
+        if t > start + round_s:
+            break
+        dues.append(t)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
-        for region in REGIONS:
-            t = start
-            url = urls[region] + "/completions"
-            while True:
-                t += rng.expovariate(rates[region])
-                if t > start + args.round_s:
-                    break
-                jobs.append((region, one(session, url, args.output_tokens, t)))
-        results = await asyncio.gather(*(job for _, job in jobs))
+        return list(await asyncio.gather(*(one(session, url, tokens, due) for due in dues)))
+
+
+def region_clients(
+    url: str, rate: float, tokens: int, round_s: float, seed: int, start: float
+) -> list[float | None]:
+    """``region_round`` in a process of the load generator's pool."""
+    return asyncio.run(region_round(url, rate, tokens, round_s, seed, start))
+
+
+def run_round(
+    clients: ProcessPoolExecutor,
+    urls: dict[str, str],
+    rates: dict[str, float],
+    tokens: int,
+    round_s: float,
+    seed: int,
+) -> tuple[dict[str, list[float]], int]:
+    """One round, each region's clients in a process of their own: one region's clients are
+    not another's machines, and in one event loop the overloaded region's streams would delay
+    the quiet region's first tokens as the client reads them."""
+    start = time.monotonic() + 0.5
+    futures = {
+        region: clients.submit(
+            region_clients, urls[region] + "/completions", rates[region], tokens, round_s,
+            1000 * seed + i, start,
+        )
+        for i, region in enumerate(REGIONS)
+    }  # fmt: skip
     ttft: dict[str, list[float]] = {r: [] for r in REGIONS}
     failed = 0
-    for (region, _), result in zip(jobs, results, strict=True):
-        if result is None:
-            failed += 1
-        else:
-            ttft[region].append(result)
+    for region, future in futures.items():
+        for result in future.result():
+            if result is None:
+                failed += 1
+            else:
+                ttft[region].append(result)
     return ttft, failed
 
 
@@ -193,6 +228,7 @@ def main() -> None:
         args.log_dir / "proxy.log",
     )  # fmt: skip
     children = [proxy]
+    children_pools: list[ProcessPoolExecutor] = []
     supercluster: Supercluster | None = None
     try:
         addresses = iter(proxy.read())
@@ -220,8 +256,10 @@ def main() -> None:
         rtt = east.ask("rtt")["rtt_ms"]
         meshes["eu-west"].ask("local")  # (nothing yet; the warm-up's are dropped below)
         rates = {"us-east": args.rate_east, "eu-west": args.rate_west}
-        asyncio.run(run_round(urls, {r: 2.0 for r in REGIONS}, argparse.Namespace(
-            round_s=3.0, output_tokens=args.output_tokens), seed=0))  # fmt: skip
+        # forked now: no thread of this process runs, and the workers need no imports of their own
+        clients = ProcessPoolExecutor(len(REGIONS), mp_context=multiprocessing.get_context("fork"))
+        children_pools.append(clients)
+        run_round(clients, urls, {r: 2.0 for r in REGIONS}, args.output_tokens, 3.0, seed=0)
         meshes["eu-west"].ask("local")
         sides = {"spillover": Side("spillover"), "local-only": Side("local-only")}
         for round_no in range(args.rounds):
@@ -230,7 +268,9 @@ def main() -> None:
                 side = sides[name]
                 before = east.ask("spilled")["spilled"]
                 before_back = meshes["eu-west"].ask("spilled")["spilled"]
-                ttft, failed = asyncio.run(run_round(urls, rates, args, seed=round_no + 1))
+                ttft, failed = run_round(
+                    clients, urls, rates, args.output_tokens, args.round_s, seed=round_no + 1
+                )
                 for region in REGIONS:
                     side.ttft[region] += ttft[region]
                 side.failed += failed
@@ -240,11 +280,15 @@ def main() -> None:
                 west = meshes["eu-west"].ask("local")
                 side.west_queue_ms += west["queue_ms"]
                 side.west_first_step_ms += west["first_step_ms"]
+                side.west_gateway_ttft_ms += west["gateway_ttft_ms"]
+                side.west_to_executor_ms += west["to_executor_ms"]
                 print(f"round {round_no} {name}: done", flush=True)
         report(sides, args, rtt)
         load_at_end = os.getloadavg()[0]
         print(f"load average: {load_at_start:.1f} at the start, {load_at_end:.1f} at the end")
     finally:
+        for pool in children_pools:
+            pool.shutdown(cancel_futures=True)
         for child in reversed(children):
             child.stop()
         if supercluster is not None:
@@ -269,13 +313,16 @@ def report(sides: dict[str, Side], args: argparse.Namespace, rtt_ms: float) -> N
             f"{1000 * percentile(w, 0.5):.0f} / {1000 * percentile(w, 0.99):.0f} | "
             f"{side.spilled} / {side.spilled_back} | {side.failed} |"
         )
-    print("\neu-west's own requests inside its executor, p50 ms: received -> scheduled "
-          "(waiting out the step in progress) | scheduled -> first token")  # fmt: skip
+    print(
+        "\nwhere eu-west's own clients' first token waits, p50 ms: gateway -> executor | "
+        "in the executor, the step in progress | its first step | TTFT at the gateway"
+    )
     for side in sides.values():
-        print(
-            f"  {side.name}: {percentile(side.west_queue_ms, 0.5):.1f} | "
-            f"{percentile(side.west_first_step_ms, 0.5):.1f}"
-        )
+        parts = (
+            side.west_to_executor_ms, side.west_queue_ms, side.west_first_step_ms,
+            side.west_gateway_ttft_ms,
+        )  # fmt: skip
+        print(f"  {side.name}: " + " | ".join(f"{percentile(p, 0.5):.1f}" for p in parts))
     spill, local = sides["spillover"], sides["local-only"]
     ratio = spill.goodput(slo) / max(local.goodput(slo), 1e-9)
     west = percentile(spill.ttft["eu-west"], 0.5) / percentile(local.ttft["eu-west"], 0.5) - 1
