@@ -16,7 +16,7 @@ from typing import Any
 
 from common.nats_permissions import inbox_prefix
 from common.settings import setting
-from common.subjects import DEFAULT_PREFIX, Subjects
+from common.subjects import DEFAULT_PREFIX, Subjects, region_subjects
 
 # Tokenizer (page hashes), executors (KV pages) and speculator (draft KV pages) must page alike:
 # the scheduler refuses executors paging differently from the tokenizer.
@@ -73,14 +73,16 @@ class NatsAuth:
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("--nats-tls-cert and --nats-tls-key go together")
 
-    def connect_options(self) -> dict[str, Any]:
-        """Keyword arguments for ``nats.connect``."""
+    def connect_options(self, region: str = "") -> dict[str, Any]:
+        """Keyword arguments for ``nats.connect`` of a service in ``region`` (empty: none)."""
         options: dict[str, Any] = {}
         if self.user is not None:
             options["user"], options["password"] = self.user, self.password
             # Replies to this user's requests come to _INBOX.<user>.*: with one NATS user per
-            # service, its permissions then open only its own inbox (common/nats_permissions.py).
-            options["inbox_prefix"] = inbox_prefix(self.user)
+            # service, its permissions then open only its own inbox (common/nats_permissions.py);
+            # in a region _INBOX.<user>.<region>.*: the same user name in another region (each
+            # region's servers have their own users) cannot read this one's replies.
+            options["inbox_prefix"] = inbox_prefix(self.user, region)
         if self.creds_file:
             options["user_credentials"] = self.creds_file
         if self.nkey_seed_file:
@@ -160,7 +162,7 @@ class MeshConfig:
 
     def subjects_of(self, region: str) -> Subjects:
         """The subjects of the mesh in ``region`` (empty: the mesh without regions)."""
-        return Subjects(f"{self.subject_prefix}.{region}" if region else self.subject_prefix)
+        return region_subjects(self.subject_prefix, region)
 
 
 def region_ok(name: str) -> bool:

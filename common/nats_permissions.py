@@ -29,6 +29,18 @@ one stream, not ``$JS.API.>``: with the whole API a service could create a strea
 left: the two users allowed to create and update that stream (executor, prefix index) could
 still change its subjects; closing that needs the stream made by an operator instead.
 
+Regions (a supercluster, docs/deploy.md): each region's servers load that region's users
+(``region_config``; ``python -m common.nats_permissions --region us-east --peer-regions eu-west
+--out deploy/nats/authorization-us-east.conf``), the same roles over the region's subjects
+(``mesh.v1.us-east.*``) plus exactly what crosses to a peer region: the scheduler spills to
+its ``scheduler.spill``, asks its ``scheduler.region_status`` and ``scheduler.status`` (the
+watchdog's question about a spilled request, forwarded) and forwards aborts to its
+``requests.abort``; a spilled request's stream goes back to the home region's gateway inbox,
+written by the executors, the detokenizer and the scheduler (error replies) of the region
+serving it. Nothing else of a peer is allowed: a tokenizer cannot submit to another region,
+an executor cannot take another region's work. Reply inboxes then carry the region too
+(``_INBOX.<user>.<region>``): the same user name exists in every region.
+
 Instance ids that appear in subjects (gateway and executor ids) must be one subject token (no
 dots) for ``every`` to match them; compose's are (container ids, ``executor-N``).
 """
@@ -39,12 +51,12 @@ import argparse
 import json
 import re
 import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from common.subjects import DEFAULT_PREFIX, Subjects
+from common.subjects import DEFAULT_PREFIX, Subjects, region_subjects
 
 ANY = "*"  # one subject token: any instance (gateway id, executor id, detokenizer shard)
 DEFAULT_INBOX_PREFIX = "_INBOX"  # nats-py's, for a service that logs in without a user name
@@ -59,14 +71,17 @@ def every(subject_of: Callable[[Any], str]) -> str:
     return subject_of(ANY)
 
 
-def inbox_prefix(user: str | None) -> str:
-    """The reply-inbox prefix of a service logged in as ``user``: ``_INBOX.<user>``.
+def inbox_prefix(user: str | None, region: str = "") -> str:
+    """The reply-inbox prefix of a service logged in as ``user``: ``_INBOX.<user>``, in a
+    region ``_INBOX.<user>.<region>`` (its peer regions' servers have a user of that name too).
 
     A user name that is not a single plain subject token (or none: creds, nkeys) keeps nats-py's
     default ``_INBOX``, which then needs ``_INBOX.>`` in that user's permissions.
     """
     if user is None or not _TOKEN.fullmatch(user):
         return DEFAULT_INBOX_PREFIX
+    if region and _TOKEN.fullmatch(region):
+        return f"{DEFAULT_INBOX_PREFIX}.{user}.{region}"
     return f"{DEFAULT_INBOX_PREFIX}.{user}"
 
 
@@ -88,19 +103,21 @@ def grant(
     requests: Iterable[str] = (),
     serves: Iterable[str] = (),
     jetstream: Iterable[str] = (),
+    region: str = "",
 ) -> Permissions:
     """``Permissions`` from what a service does (see the module docstring).
 
     Every service's runtime (``common/runtime.py``) announces its presence on
     ``presence.<service>`` and answers probes, so each user may do that, under its own service
     name only: no service can pose as another stage. ``jetstream``: JetStream API subjects it
-    calls (``kv_stream_api``); those calls are requests, so they also open the reply inbox.
+    calls (``kv_stream_api``); those calls are requests, so they also open the reply inbox
+    (``region``'s: ``inbox_prefix``).
     """
     requests, serves, jetstream = list(requests), list(serves), list(jetstream)
     pub = [*publish, s.presence(user), *requests, *jetstream]
     sub = [*subscribe, s.presence_probe, *serves]
     if requests or jetstream:
-        sub.append(f"{inbox_prefix(user)}.>")
+        sub.append(f"{inbox_prefix(user, region)}.>")
     return Permissions(_unique(pub), _unique(sub), allow_responses=bool(serves))
 
 
@@ -131,29 +148,38 @@ def kv_stream_api(s: Subjects, *apis: str) -> list[str]:
 # -- the roles: what each service publishes and subscribes to (read from services/<role>/) -----
 
 
-def gateway(s: Subjects) -> Permissions:
+# Each role takes its region's subjects (or the mesh's, without regions), the peer regions'
+# subjects and its region's name (for the reply inbox). Without peers nothing crosses.
+
+
+def gateway(s: Subjects, peers: Sequence[Subjects] = (), region: str = "") -> Permissions:
+    # Nothing crosses: a spilled stream comes back into its inbox; its abort and watchdog
+    # question go to its own scheduler, which forwards them to the region serving the request.
     return grant(
         s,
         "gateway",
+        region=region,
         publish=[s.tokenizer_encode, s.abort, s.presence_probe],
         subscribe=[every(s.gateway_inbox), s.executor_heartbeat, s.presence_all],
         requests=[s.scheduler_status],  # the watchdog: are these silent requests alive?
     )
 
 
-def tokenizer(s: Subjects) -> Permissions:
+def tokenizer(s: Subjects, peers: Sequence[Subjects] = (), region: str = "") -> Permissions:
     return grant(
         s,
         "tokenizer",
+        region=region,
         publish=[s.scheduler_submit, every(s.gateway_inbox)],  # the inbox: error replies
         subscribe=[s.tokenizer_encode],
     )
 
 
-def prefix_index(s: Subjects) -> Permissions:
+def prefix_index(s: Subjects, peers: Sequence[Subjects] = (), region: str = "") -> Permissions:
     return grant(
         s,
         "prefix-index",
+        region=region,
         subscribe=[s.executor_heartbeat],
         serves=[s.index_match],
         # ensure_kv_stream, stream_info, then replay()'s ordered push consumer
@@ -169,14 +195,22 @@ def prefix_index(s: Subjects) -> Permissions:
     )
 
 
-def scheduler(s: Subjects) -> Permissions:
+def scheduler(s: Subjects, peers: Sequence[Subjects] = (), region: str = "") -> Permissions:
     return grant(
         s,
         "scheduler",
-        # the inbox: failed requests; abort: moved or failed with a lost executor
-        publish=[every(s.executor_submit), every(s.gateway_inbox), s.abort, s.presence_probe],
-        # spill: requests another region's scheduler sends here (services/scheduler/spill.py;
-        # what it sends to other regions is under their prefixes, which no role here names)
+        region=region,
+        # the inbox: failed requests; abort: moved or failed with a lost executor. To each
+        # peer (services/scheduler/spill.py): spilled requests, forwarded aborts, and the
+        # inbox: a guest from there that fails here is answered in its home gateway's inbox
+        publish=[
+            every(s.executor_submit),
+            every(s.gateway_inbox),
+            s.abort,
+            s.presence_probe,
+            *(subject for p in peers for subject in peer_scheduler_publish(p)),
+        ],
+        # spill: requests another region's scheduler sends here (services/scheduler/spill.py)
         subscribe=[
             s.scheduler_submit,
             s.scheduler_spill,
@@ -184,15 +218,29 @@ def scheduler(s: Subjects) -> Permissions:
             s.abort,
             s.presence_all,
         ],
-        requests=[s.index_match, every(s.detok_progress)],
+        # peers: their load, and the watchdog's question about requests spilled there
+        requests=[
+            s.index_match,
+            every(s.detok_progress),
+            *(
+                subject
+                for p in peers
+                for subject in (p.scheduler_region_status, p.scheduler_status)
+            ),
+        ],
         serves=[s.scheduler_status, s.scheduler_region_status],
     )
 
 
-def executor(s: Subjects) -> Permissions:
+def peer_scheduler_publish(p: Subjects) -> list[str]:
+    return [p.scheduler_spill, p.abort, every(p.gateway_inbox)]
+
+
+def executor(s: Subjects, peers: Sequence[Subjects] = (), region: str = "") -> Permissions:
     return grant(
         s,
         "executor",
+        region=region,
         publish=[
             s.executor_heartbeat,
             every(s.detok),
@@ -201,6 +249,7 @@ def executor(s: Subjects) -> Permissions:
             every(s.kv_events),
             every(s.executor_prefill),  # disaggregated: decode -> prefill executor
             every(s.executor_prefilled),  # and back
+            *(every(p.gateway_inbox) for p in peers),  # error replies to a guest's client
         ],
         subscribe=[
             every(s.executor_submit),
@@ -217,22 +266,30 @@ def executor(s: Subjects) -> Permissions:
     )
 
 
-def speculator(s: Subjects) -> Permissions:
-    return grant(s, "speculator", serves=[s.speculator_propose])
+def speculator(s: Subjects, peers: Sequence[Subjects] = (), region: str = "") -> Permissions:
+    return grant(s, "speculator", serves=[s.speculator_propose], region=region)
 
 
-def detokenizer(s: Subjects) -> Permissions:
+def detokenizer(s: Subjects, peers: Sequence[Subjects] = (), region: str = "") -> Permissions:
     return grant(
         s,
         "detokenizer",
-        publish=[every(s.gateway_inbox), s.abort],  # abort: a stop string, a lost stream
+        region=region,
+        # abort: a stop string, a lost stream; a peer's inbox: a guest's text goes home
+        publish=[every(s.gateway_inbox), s.abort, *(every(p.gateway_inbox) for p in peers)],
         subscribe=[every(s.detok), s.abort],
         serves=[every(s.detok_progress)],  # what each stream received (a lost executor)
     )
 
 
+class Role(Protocol):
+    def __call__(
+        self, s: Subjects, peers: Sequence[Subjects] = (), region: str = ""
+    ) -> Permissions: ...
+
+
 # role (= NATS user name = compose service) -> its permissions
-ROLES: dict[str, Callable[[Subjects], Permissions]] = {
+ROLES: dict[str, Role] = {
     "gateway": gateway,
     "tokenizer": tokenizer,
     "prefix-index": prefix_index,
@@ -258,17 +315,56 @@ def server_config(
     resolves at start and refuses to start without (compose), so no secret is in the file.
     Listen address, JetStream and monitoring stay on the command line.
     """
-    s = subjects or Subjects()
-    lines = [
+    header = [
         "# nats-server authorization for meshserve: one user per service, each allowed only the",
         "# subjects it uses. Generated from common/nats_permissions.py by",
         "#   python -m common.nats_permissions --out deploy/nats/nats-server.conf",
+    ]
+    return _authorization(header, subjects or Subjects(), (), "", passwords)
+
+
+def region_config(
+    region: str,
+    peer_regions: Sequence[str],
+    passwords: Mapping[str, str] | None = None,
+    subject_prefix: str = DEFAULT_PREFIX,
+) -> str:
+    """The ``authorization`` block of ``region``'s servers in a supercluster (the module
+    docstring): its users over its subjects, plus what each role sends to ``peer_regions``.
+    Passwords as in ``server_config``: each region's servers read their own environment."""
+    if not region or region in peer_regions:
+        raise ValueError(f"region {region!r} must be named and not among its peers")
+    peers = tuple(region_subjects(subject_prefix, r) for r in peer_regions)
+    options = f"--region {region} --peer-regions {','.join(peer_regions)}"
+    if subject_prefix != DEFAULT_PREFIX:
+        options += f" --subject-prefix {subject_prefix}"
+    header = [
+        f"# nats-server authorization for meshserve's region {region} of a supercluster,",
+        "# included by every server of that region: one user per service, each allowed only",
+        "# the subjects it uses in its region and the few it sends to another one.",
+        "# Generated from common/nats_permissions.py by",
+        f"#   python -m common.nats_permissions {options} \\",
+        f"#     --out deploy/nats/authorization-{region}.conf",
+    ]
+    s = region_subjects(subject_prefix, region)
+    return _authorization(header, s, peers, region, passwords)
+
+
+def _authorization(
+    header: list[str],
+    s: Subjects,
+    peers: Sequence[Subjects],
+    region: str,
+    passwords: Mapping[str, str] | None,
+) -> str:
+    lines = [
+        *header,
         "# Do not edit: change the role functions there and regenerate.",
         "authorization {",
         "  users = [",
     ]
     for role, permissions_of in ROLES.items():
-        perms = permissions_of(s)
+        perms = permissions_of(s, peers, region)
         if passwords is None:
             password = "$" + password_variable(role)
         else:
@@ -306,8 +402,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", type=Path, default=None, help="file to write (default: stdout)")
     parser.add_argument("--subject-prefix", default=DEFAULT_PREFIX)
+    parser.add_argument(
+        "--region", default="", help="the users of this region's servers (a supercluster)"
+    )
+    parser.add_argument(
+        "--peer-regions", default="", help="with --region: the other regions, comma-separated"
+    )
     args = parser.parse_args(argv)
-    text = server_config(Subjects(args.subject_prefix))
+    peers = [r.strip() for r in args.peer_regions.split(",") if r.strip()]
+    if args.region:
+        text = region_config(args.region, peers, subject_prefix=args.subject_prefix)
+    elif peers:
+        parser.error("--peer-regions needs --region")
+    else:
+        text = server_config(Subjects(args.subject_prefix))
     if args.out is None:
         sys.stdout.write(text)
     else:

@@ -52,6 +52,11 @@ class RecentIds(Generic[K, V]):
     def __len__(self) -> int:
         return len(self._entries)
 
+    def keys(self) -> list[K]:
+        """The keys not yet expired, oldest first."""
+        now = self.clock()
+        return [key for key, (expires, _) in self._entries.items() if expires >= now]
+
     def prune(self) -> None:
         """Forget expired entries (insertion order is expiry order: same ttl for all)."""
         now = self.clock()

@@ -171,7 +171,7 @@ class Service:
                 error_cb=on_error,
                 disconnected_cb=on_disconnect,
                 reconnected_cb=on_reconnect,
-                **self.mesh.auth.connect_options(),
+                **self.mesh.auth.connect_options(self.mesh.region),
             )
         )
         waiters: set[asyncio.Future[Any]] = {connecting, rejected}

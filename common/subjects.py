@@ -114,3 +114,9 @@ class Subjects:
     @property
     def speculator_propose(self) -> str:
         return f"{self.prefix}.speculator.propose"
+
+
+def region_subjects(prefix: str, region: str) -> Subjects:
+    """The subjects of the mesh in ``region`` (``<prefix>.<region>.*``; empty: the mesh
+    without regions). ``MeshConfig.subjects_of`` and the per-region NATS users use this."""
+    return Subjects(f"{prefix}.{region}" if region else prefix)

@@ -278,11 +278,12 @@ def start_region_mesh(
     executors: int = 1,
     spill_queue_ms: float = 100.0,
     spill_reserve_executors: int = 0,
+    users: dict[str, NatsAuth] | None = None,
 ) -> MeshHarness:
     """One region's whole mesh (the two-region tests and ``tools/bench/region_mesh.py``): its
     executors slowed to ``step_s`` a step, spilling to the other ``regions`` past
     ``spill_queue_ms`` of queue. One executor per region keeps none in reserve, or no region
-    would take guests."""
+    would take guests. ``users``: each role's NATS login (``MeshHarness.users``)."""
     mesh = MeshHarness(
         model,
         max_num_seqs=max_num_seqs,
@@ -290,6 +291,7 @@ def start_region_mesh(
         nats_url=nats_url,
         region=region,
         kv_replicas=2,
+        users=dict(users or {}),
         required_stages=("tokenizer", "scheduler", "detokenizer"),
         scheduler_options={
             "regions": RegionConfig(

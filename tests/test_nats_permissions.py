@@ -1,6 +1,7 @@
 """One NATS user per service (common/nats_permissions.py), on a real nats-server.
 
-- deploy/nats/nats-server.conf is exactly what the module generates;
+- deploy/nats/nats-server.conf is exactly what the module generates, and so are the per-region
+  deploy/nats/authorization-<region>.conf (tests/test_region_permissions.py: the regions);
 - every subject a service's code names is in its role's permissions;
 - with the generated config, a client logged in as the tokenizer cannot forge an executor
   heartbeat, subscribe to ``>``, to a gateway's inbox or to another service's reply inbox,
@@ -32,7 +33,14 @@ from nats.aio.msg import Msg
 
 from common.config import MeshConfig, NatsAuth
 from common.kv_stream import ensure_kv_stream
-from common.nats_permissions import ANY, ROLES, inbox_prefix, server_config
+from common.nats_permissions import (
+    ANY,
+    ROLES,
+    inbox_prefix,
+    password_variable,
+    region_config,
+    server_config,
+)
 from common.nats_server import LocalNatsServer
 from common.page_hash import page_hashes
 from common.runtime import Service
@@ -60,26 +68,37 @@ PACKAGES = {
 JETSTREAM_MEMBERS = {"kv_events_all", "kv_events_stream"}
 
 
-def test_the_checked_in_compose_config_is_the_generated_one():
-    checked_in = (ROOT / "deploy" / "nats" / "nats-server.conf").read_text()
-    assert checked_in == server_config(), (
-        "deploy/nats/nats-server.conf is stale: "
-        "python -m common.nats_permissions --out deploy/nats/nats-server.conf"
+# The supercluster's two regions (deploy/nats/supercluster-*.conf) -> their peers.
+DEPLOYED_REGIONS = {"us-east": ("eu-west",), "eu-west": ("us-east",)}
+
+
+@pytest.mark.parametrize("region", ["", *DEPLOYED_REGIONS])
+def test_the_checked_in_configs_are_the_generated_ones(region: str) -> None:
+    if region:
+        name = f"authorization-{region}.conf"
+        generated = region_config(region, DEPLOYED_REGIONS[region])
+        command = f"--region {region} --peer-regions {','.join(DEPLOYED_REGIONS[region])}"
+    else:
+        name, generated, command = "nats-server.conf", server_config(), ""
+    checked_in = (ROOT / "deploy" / "nats" / name).read_text()
+    assert checked_in == generated, (
+        f"deploy/nats/{name} is stale: "
+        f"python -m common.nats_permissions {command} --out deploy/nats/{name}"
     )
     for role in ROLES:  # no secret in the file: nats-server reads them from the environment
-        assert f"password: $NATS_PASSWORD_{role.upper().replace('-', '_')}\n" in checked_in
+        assert f"password: ${password_variable(role)}\n" in checked_in
 
 
-def subject_members() -> dict[str, str]:
+def subject_members(s: Subjects = S) -> dict[str, str]:
     """Each ``Subjects`` member -> the subject it spells (``ANY`` for an instance id)."""
     out = {}
     for name, member in vars(Subjects).items():
         if name.startswith("_"):
             continue
         if isinstance(member, property):
-            out[name] = getattr(S, name)
+            out[name] = getattr(s, name)
         elif callable(member):
-            out[name] = getattr(S, name)(ANY)
+            out[name] = getattr(s, name)(ANY)
     return out
 
 
@@ -109,6 +128,9 @@ def test_a_plain_user_name_scopes_the_reply_inbox():
     assert inbox_prefix(None) == inbox_prefix("a.b") == inbox_prefix("x*") == "_INBOX"
     options = NatsAuth("scheduler", "pw").connect_options()
     assert options["inbox_prefix"] == "_INBOX.scheduler"
+    # in a region: every region's servers have a "scheduler", each with its own inbox
+    options = NatsAuth("scheduler", "pw").connect_options("eu-west")
+    assert options["inbox_prefix"] == "_INBOX.scheduler.eu-west"
     assert "inbox_prefix" not in NatsAuth().connect_options()
 
 

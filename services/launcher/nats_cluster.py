@@ -14,6 +14,10 @@ gateways (one cluster per region), with JetStream clustered.
   its servers through a command prefix: ``tests/test_partition.py`` puts a region in a network
   namespace (``ip netns exec``) whose links to the host can be cut. Routes stay on 127.0.0.1,
   the loopback of wherever the cluster's servers run.
+- Users and permissions are per server: ``authorization`` (an ``authorization`` block, per
+  region that of ``common.nats_permissions.region_config``) goes into each server's config,
+  and the JetStream readiness check then logs in with ``connect_options`` (a user allowed
+  ``$JS.API.STREAM.NAMES``, such as the prefix index).
 
 deploy/nats/ holds the same shape as config files for real hosts.
 """
@@ -25,6 +29,7 @@ import contextlib
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from common.nats_server import LocalNatsServer, free_port
 
@@ -77,9 +82,10 @@ def server_config(
     index: int,
     remote_gateways: Mapping[str, list[str]] | None = None,
     advertise: str | None = None,
+    authorization: str = "",
 ) -> str:
     """The config file of server ``index`` of ``plan`` (client port and JetStream store come
-    from the command line, ``LocalNatsServer.start``)."""
+    from the command line, ``LocalNatsServer.start``); ``authorization``: its users."""
     name = f"{plan.name}-{index}"
     routes = ", ".join(
         f'"nats://127.0.0.1:{p}"' for i, p in enumerate(plan.route_ports) if i != index
@@ -108,7 +114,7 @@ def server_config(
             f"  gateways: [{remotes}]",
             "}",
         ]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + authorization
 
 
 def quoted_urls(addresses: list[str]) -> str:
@@ -128,12 +134,13 @@ class NatsCluster:
         plan: ClusterPlan,
         remote_gateways: Mapping[str, list[str]] | None = None,
         advertise: list[str] | None = None,
+        authorization: str = "",
     ) -> NatsCluster:
         cluster = cls(plan)
         try:
             for i, port in enumerate(plan.client_ports):
                 config = server_config(
-                    plan, i, remote_gateways, advertise[i] if advertise else None
+                    plan, i, remote_gateways, advertise[i] if advertise else None, authorization
                 )
                 server = LocalNatsServer.start(
                     port=port, config=config, host=plan.host, command_prefix=plan.command_prefix
@@ -161,21 +168,32 @@ class NatsCluster:
             if server is not None:
                 server.stop()
 
-    def wait_jetstream(self, timeout: float = JETSTREAM_READY_S) -> None:
+    def wait_jetstream(
+        self,
+        timeout: float = JETSTREAM_READY_S,
+        connect_options: Mapping[str, Any] | None = None,
+    ) -> None:
         """Until the cluster's JetStream answers (its meta leader is elected)."""
-        asyncio.run(jetstream_ready(self.url, timeout))
+        asyncio.run(jetstream_ready(self.url, timeout, connect_options))
 
 
-async def jetstream_ready(url: str, timeout: float = JETSTREAM_READY_S) -> None:
+async def jetstream_ready(
+    url: str,
+    timeout: float = JETSTREAM_READY_S,
+    connect_options: Mapping[str, Any] | None = None,
+) -> None:
+    """Until JetStream answers ``STREAM.NAMES`` (an API the prefix index's user may call)."""
     import nats
 
     deadline = time.monotonic() + timeout
-    nc = await nats.connect(servers=url.split(","), connect_timeout=2)
+    options = dict(connect_options or {})
+    nc = await nats.connect(servers=url.split(","), connect_timeout=2, **options)
     try:
         while True:
             with contextlib.suppress(Exception):
-                await nc.jetstream().account_info()
-                return
+                reply = await nc.request("$JS.API.STREAM.NAMES", b"{}", timeout=2)
+                if b'"error"' not in reply.data:
+                    return
             if time.monotonic() > deadline:
                 raise TimeoutError(f"JetStream at {url} not ready within {timeout:.0f} s")
             await asyncio.sleep(0.2)
@@ -194,25 +212,33 @@ class Supercluster:
         cls,
         plans: list[ClusterPlan],
         gateway_urls: Mapping[str, list[str]] | None = None,
+        authorization: Mapping[str, str] | None = None,
     ) -> Supercluster:
         """``gateway_urls``: per region, the addresses (host:port, one per server) other
-        regions dial to reach it; default: its servers' gateway ports themselves."""
+        regions dial to reach it; default: its servers' gateway ports themselves.
+        ``authorization``: per region, its servers' users (default: none, anyone may connect)."""
         dial = {p.name: list((gateway_urls or {}).get(p.name, p.gateway_addresses)) for p in plans}
         started: dict[str, NatsCluster] = {}
         try:
             for plan in plans:
                 remotes = {name: urls for name, urls in dial.items() if name != plan.name}
                 advertise = dial[plan.name] if gateway_urls else None
-                started[plan.name] = NatsCluster.start(plan, remotes, advertise)
+                users = (authorization or {}).get(plan.name, "")
+                started[plan.name] = NatsCluster.start(plan, remotes, advertise, users)
         except Exception:
             for cluster in started.values():
                 cluster.stop()
             raise
         return cls(started)
 
-    def wait_jetstream(self, timeout: float = JETSTREAM_READY_S) -> None:
-        for cluster in self.clusters.values():
-            cluster.wait_jetstream(timeout)
+    def wait_jetstream(
+        self,
+        timeout: float = JETSTREAM_READY_S,
+        connect_options: Mapping[str, Mapping[str, Any]] | None = None,
+    ) -> None:
+        """``connect_options``: per region, how to log in there (with ``authorization``)."""
+        for name, cluster in self.clusters.items():
+            cluster.wait_jetstream(timeout, (connect_options or {}).get(name))
 
     def stop(self) -> None:
         for cluster in self.clusters.values():
