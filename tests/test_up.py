@@ -229,8 +229,9 @@ def test_up_restarts_a_killed_executor_while_the_other_serves(tiny_llama, tmp_pa
 
 
 def test_up_restarts_an_executor_whose_tensor_parallel_rank_died(tiny_llama, tmp_path):
-    """Kill -9 the second rank of executor-0 (TP=2): the executor fails (exit 3, not a hang),
-    executor-1 answers meanwhile, and up restarts executor-0 with a new rank."""
+    """Kill -9 the second rank of executor-0 (TP=2): the idle executor notices by itself (its
+    heartbeat checks the ranks; no request has to fail on the group first) and exits 3, not a
+    hang; executor-1 answers meanwhile, and up restarts executor-0 with a new rank."""
     flags = ("--executors", "2", "--tensor-parallel-size", "2")
     with meshserve_up(tiny_llama, tmp_path, *flags) as up:
         up.wait_up()
@@ -245,8 +246,9 @@ def test_up_restarts_an_executor_whose_tensor_parallel_rank_died(tiny_llama, tmp
         deadline = time.monotonic() + 60
         while (new := child_running(up.proc.pid, *executor_0)) in (None, old):
             assert time.monotonic() < deadline, f"executor-0 not restarted:\n{up.log_tail()}"
-            status, text = up.chat("while it is down")
-            assert status == 200 and text, (status, text, up.log_tail())
+            time.sleep(0.1)  # no request: the idle executor must find the dead rank itself
+        status, text = up.chat("while it is down")
+        assert status == 200 and text, (status, text, up.log_tail())
         up.wait_log(f"meshserve up: executor-0 (pid {old}) died (exit code 3); restarting it in")
         assert "tensor-parallel group lost" in up.service_log("executor-0")
         joined = "executor executor-0 connected to nats"

@@ -135,13 +135,20 @@ class RankGroup:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.spec.shm_path)
 
+    def check_alive(self) -> None:
+        """Raise ``ParallelGroupLost`` if a rank has exited, found without a collective (NCCL
+        would hang): before every step, and from the executor's heartbeat while it idles, so
+        an idle replica with a dead rank leaves the mesh instead of taking the next request."""
+        for rank, worker in enumerate(self.workers, 1):
+            if worker.poll() is not None:
+                self.comm.failed = RuntimeError(f"rank {rank} exited ({worker.returncode})")
+                raise ParallelGroupLost(f"tensor-parallel rank {rank} exited ({worker.returncode})")
+
     def send_step(self, step: torch.Tensor) -> None:
         """Wake every rank with the step's length, then broadcast the step itself."""
         head = int(step.numel()).to_bytes(8, "little")
+        self.check_alive()
         for rank, worker in enumerate(self.workers, 1):
-            if worker.poll() is not None:  # found without a collective (NCCL would hang)
-                self.comm.failed = RuntimeError(f"rank {rank} exited ({worker.returncode})")
-                raise ParallelGroupLost(f"tensor-parallel rank {rank} exited ({worker.returncode})")
             try:
                 assert worker.stdin is not None
                 worker.stdin.write(head)

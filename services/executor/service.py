@@ -300,6 +300,13 @@ class ExecutorService:
     async def heartbeat(self) -> None:
         if self.broken:
             return  # silence: the scheduler counts this executor lost and moves its work
+        peers = self.engine.runner.peers
+        if peers is not None and not self.engine.has_unfinished():  # (a step checks itself)
+            try:
+                peers.check_alive()
+            except ParallelGroupLost as exc:
+                await self.lose_group(exc)
+                return
         self.last_heartbeat = time.monotonic()
         self.ended.prune()  # here for want of a sweep: it runs a few times a second anyway
         running, waiting, free_pages, pending = self.load
