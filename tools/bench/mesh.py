@@ -35,8 +35,7 @@ from dataclasses import dataclass
 from common.tokenizer import Tokenizer
 from gpu.engine import Engine, EngineConfig
 from gpu.gguf import resolve_model_path
-from gpu.loader import load_model
-from gpu.runner import ModelRunner
+from gpu.replica import build_runner
 from gpu.sampling import SamplingParams
 from loadtest.client import Endpoint, RequestResult, send_request
 from loadtest.runner import new_session
@@ -218,9 +217,13 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = Tokenizer.from_folder(folder)
     config = EngineConfig(up_args.max_num_batched_tokens, up_args.max_num_seqs)
     pages = up_args.kv_cache_tokens // up_args.page_size
-    engine = Engine(
-        ModelRunner(load_model(folder), pages, up_args.page_size), config, tokenizer.eos_token_ids
-    )
+    # The weights and KV in the format each executor of ``meshserve up`` loads (its defaults:
+    # ``--quantization auto`` reads a GGUF model's own blocks), so both sides run one engine.
+    runner = build_runner(
+        folder, quantization=up_args.quantization, num_pages=pages,
+        page_size=up_args.page_size, kv_cache=up_args.kv_cache_dtype, progress=False,
+    )  # fmt: skip
+    engine = Engine(runner, config, tokenizer.eos_token_ids)
     up_args.model, up_args.port, up_args.served_model_name = str(folder), args.port, "bench"
     mesh = LocalMesh(up_args, folder)
     url, c, out_tokens = mesh.base_url, args.concurrency, args.output_tokens
