@@ -208,7 +208,8 @@ def scheduler(s: Subjects, peers: Sequence[Subjects] = (), region: str = "") -> 
             every(s.gateway_inbox),
             s.abort,
             s.presence_probe,
-            *(subject for p in peers for subject in peer_scheduler_publish(p)),
+            *(subject for p in peers for subject in (p.scheduler_spill, p.abort)),
+            *home_inboxes(peers),
         ],
         # spill: requests another region's scheduler sends here (services/scheduler/spill.py)
         subscribe=[
@@ -232,8 +233,10 @@ def scheduler(s: Subjects, peers: Sequence[Subjects] = (), region: str = "") -> 
     )
 
 
-def peer_scheduler_publish(p: Subjects) -> list[str]:
-    return [p.scheduler_spill, p.abort, every(p.gateway_inbox)]
+def home_inboxes(peers: Sequence[Subjects]) -> list[str]:
+    """The peer regions' gateway inboxes: a guest's replies (text, errors) go to its home
+    gateway from every stage of the region serving it that answers a client."""
+    return [every(p.gateway_inbox) for p in peers]
 
 
 def executor(s: Subjects, peers: Sequence[Subjects] = (), region: str = "") -> Permissions:
@@ -249,7 +252,7 @@ def executor(s: Subjects, peers: Sequence[Subjects] = (), region: str = "") -> P
             every(s.kv_events),
             every(s.executor_prefill),  # disaggregated: decode -> prefill executor
             every(s.executor_prefilled),  # and back
-            *(every(p.gateway_inbox) for p in peers),  # error replies to a guest's client
+            *home_inboxes(peers),  # error replies to a guest's client
         ],
         subscribe=[
             every(s.executor_submit),
@@ -276,7 +279,7 @@ def detokenizer(s: Subjects, peers: Sequence[Subjects] = (), region: str = "") -
         "detokenizer",
         region=region,
         # abort: a stop string, a lost stream; a peer's inbox: a guest's text goes home
-        publish=[every(s.gateway_inbox), s.abort, *(every(p.gateway_inbox) for p in peers)],
+        publish=[every(s.gateway_inbox), s.abort, *home_inboxes(peers)],
         subscribe=[every(s.detok), s.abort],
         serves=[every(s.detok_progress)],  # what each stream received (a lost executor)
     )

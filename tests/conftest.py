@@ -2,14 +2,14 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import openai
 import pytest
 import torch
 
-from common.nats_server import free_port
+from common.nats_server import LocalNatsServer, free_port
 from common.tokenizer import Tokenizer
 from gpu.engine import Engine, EngineConfig
 from gpu.loader import load_model
@@ -21,6 +21,14 @@ from tests.mesh import openai_client
 from tests.models import hf_model, write_tiny_model
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture
+def nats_server() -> Iterator[LocalNatsServer]:
+    """A nats-server of the test's own (modules sharing one per module define their own)."""
+    server = LocalNatsServer.start()
+    yield server
+    server.stop()
 
 
 @pytest.fixture

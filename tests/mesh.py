@@ -245,6 +245,16 @@ class MeshHarness:
                 self.nats.stop()
 
 
+def tiny_executor(nats_url: str, model: Path, instance_id: str, **config: Any) -> ExecutorService:
+    """One executor on its own (no mesh around it) for the executor's tests: 4-token pages,
+    a 256-token KV cache and a normal-priority engine thread unless ``config`` says else."""
+    options: dict[str, Any] = {"page_size": 4, "kv_cache_tokens": 256, "engine_nice": 0}
+    executor_config = ExecutorConfig(
+        MeshConfig(nats_url, instance_id=instance_id), str(model), **(options | config)
+    )
+    return ExecutorService(executor_config, build_engine(executor_config))
+
+
 async def stream_greedy(base_url: str, prompt: str, max_tokens: int) -> tuple[str, str | None]:
     """The text and finish reason of one streamed greedy completion (ignore_eos; the client
     raises on any status but 200)."""

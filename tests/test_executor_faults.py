@@ -11,14 +11,13 @@ import nats
 import nats.errors
 import pytest
 
-from common.config import MeshConfig
 from common.nats_server import LocalNatsServer
 from common.wire.detokenizer import StepTokens
 from common.wire.executor import AbortRequests, TokenizedRequest
 from common.wire.gateway import ErrorEvent
 from common.wire.tokenizer import WireSamplingParams
-from services.executor.config import ExecutorConfig
-from services.executor.service import ExecutorService, build_engine
+from services.executor.service import ExecutorService
+from tests.mesh import tiny_executor
 
 MAX_PAYLOAD = 8192
 
@@ -65,14 +64,8 @@ class Observer:
 
 @pytest.fixture
 async def executor(small_nats, tiny_llama):
-    config = ExecutorConfig(
-        MeshConfig(small_nats.url, instance_id="ex-0"),
-        str(tiny_llama),
-        page_size=4,
-        kv_cache_tokens=1024,
-        engine_nice=0,
-    )
-    service = ExecutorService(config, build_engine(config))
+    service = tiny_executor(small_nats.url, tiny_llama, "ex-0", kv_cache_tokens=1024)
+    config = service.config
     await service.start()
     nc = await nats.connect(small_nats.url)
     seen = Observer()

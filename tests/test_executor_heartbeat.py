@@ -7,41 +7,22 @@ import asyncio
 import time
 
 import nats
-import pytest
 
-from common.config import MeshConfig
-from common.nats_server import LocalNatsServer
 from common.wire.detokenizer import StepTokens
 from common.wire.executor import TokenizedRequest
 from common.wire.scheduler import Heartbeat
 from common.wire.tokenizer import WireSamplingParams
-from services.executor.config import ExecutorConfig
-from services.executor.service import ExecutorService, build_engine
+from tests.mesh import tiny_executor
 
 PERIOD_S = 30.0  # far longer than the test: every beat but the first is an early one
 
 
-@pytest.fixture
-def nats_server():
-    server = LocalNatsServer.start()
-    yield server
-    server.stop()
-
-
 async def test_a_finished_sequence_is_reported_before_the_next_period(nats_server, tiny_llama):
-    config = ExecutorConfig(
-        MeshConfig(nats_server.url, instance_id="ex-beat"),
-        str(tiny_llama),
-        page_size=4,
-        kv_cache_tokens=256,
-        engine_nice=0,
-        heartbeat_s=PERIOD_S,
-    )
-    service = ExecutorService(config, build_engine(config))
+    service = tiny_executor(nats_server.url, tiny_llama, "ex-beat", heartbeat_s=PERIOD_S)
     nc = await nats.connect(nats_server.url)
     beats: list[tuple[float, Heartbeat]] = []
     finished_at: dict[str, float] = {}
-    s = config.mesh.subjects
+    s = service.config.mesh.subjects
 
     async def on_beat(msg) -> None:
         beats.append((time.monotonic(), Heartbeat.decode(msg.data)))

@@ -10,7 +10,6 @@ import dataclasses
 import pytest
 
 from common.config import MeshConfig
-from common.nats_server import LocalNatsServer
 from common.tokenizer import Tokenizer
 from common.wire.codec import decode_any
 from common.wire.detokenizer import (
@@ -62,13 +61,6 @@ def test_a_resumed_request_that_already_has_max_tokens_is_refused(tiny_llama):
 
 
 # -- the detokenizer: one stream across executors ---------------------------------------------
-
-
-@pytest.fixture
-async def nats_server():
-    server = LocalNatsServer.start()
-    yield server
-    server.stop()
 
 
 class Wire:

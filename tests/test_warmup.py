@@ -11,8 +11,6 @@ import time
 import nats
 import pytest
 
-from common.config import MeshConfig
-from common.nats_server import LocalNatsServer
 from common.wire.scheduler import Heartbeat
 from gpu.engine import Engine, EngineConfig
 from gpu.loader import load_model
@@ -20,8 +18,7 @@ from gpu.page_manager import PageTable
 from gpu.runner import ModelRunner
 from gpu.sampling import SamplingParams
 from gpu.warmup import warmup_prompt_tokens
-from services.executor.config import ExecutorConfig
-from services.executor.service import ExecutorService, build_engine
+from tests.mesh import tiny_executor
 
 
 def make_engine(folder, page_size: int = 4, num_pages: int = 64) -> Engine:
@@ -84,23 +81,9 @@ def test_warm_up_needs_free_pages(tiny_llama):
     engine.pages.check_invariants([held])
 
 
-@pytest.fixture
-def nats_server():
-    server = LocalNatsServer.start()
-    yield server
-    server.stop()
-
-
 async def test_first_heartbeat_comes_after_the_warm_up(nats_server, tiny_llama, caplog):
-    config = ExecutorConfig(
-        MeshConfig(nats_server.url, instance_id="ex-warm"),
-        str(tiny_llama),
-        page_size=4,
-        kv_cache_tokens=256,
-        engine_nice=0,
-        heartbeat_s=0.05,
-    )
-    service = ExecutorService(config, build_engine(config))
+    service = tiny_executor(nats_server.url, tiny_llama, "ex-warm", heartbeat_s=0.05)
+    config = service.config
     nc = await nats.connect(nats_server.url)
     beats: list[Heartbeat] = []
 

@@ -60,14 +60,16 @@ def rtt_ms(sched: SchedulerService, timeout: float = 20) -> float:
     return statistics.median(p.rtt_ms for p in sched.spill.peers.values())
 
 
+# What ``local`` replies with: per part of the wait, one time (ms) per request.
+WAIT_PARTS = ("to_executor_ms", "queue_ms", "first_step_ms", "gateway_ttft_ms")
+
+
 class LocalTimes:
-    """Executor-side times of this region's own requests (not guests), as they finish."""
+    """Where this region's own requests (not guests) waited for their first token, as they
+    finish (``WAIT_PARTS``)."""
 
     def __init__(self, mesh: MeshHarness) -> None:
-        self.queue_ms: list[float] = []
-        self.first_step_ms: list[float] = []
-        self.gateway_ttft_ms: list[float] = []
-        self.to_executor_ms: list[float] = []  # the gateway's arrival -> the executor's receipt
+        self.times: dict[str, list[float]] = {part: [] for part in WAIT_PARTS}
         self.lock = threading.Lock()
         gateway = next(s for s in mesh.services if isinstance(s, GatewayServer))
         ttft = gateway.mesh.metrics.ttft  # this gateway's clients are all the region's own
@@ -75,7 +77,7 @@ class LocalTimes:
 
         def observed(amount: float, exemplar: Any = None) -> None:
             with self.lock:
-                self.gateway_ttft_ms.append(1000 * amount)
+                self.times["gateway_ttft_ms"].append(1000 * amount)
             observe(amount, exemplar)
 
         ttft.observe = observed  # type: ignore[method-assign]
@@ -89,13 +91,13 @@ class LocalTimes:
                 req = e.requests.get(request_id)  # still there: forget drops it
                 timeline = e.timelines.active.get(request_id)
                 if req is not None and not req.guest and timeline and timeline.first_token_ns:
+                    received_ms = timeline.received_ns / 1e6
+                    scheduled_ms = timeline.scheduled_ns / 1e6
                     with self.lock:
-                        self.queue_ms.append((timeline.scheduled_ns - timeline.received_ns) / 1e6)
-                        self.first_step_ms.append(
-                            (timeline.first_token_ns - timeline.scheduled_ns) / 1e6
-                        )
-                        self.to_executor_ms.append(
-                            timeline.received_ns / 1e6 - 1000 * req.arrival_time
+                        self.times["to_executor_ms"].append(received_ms - 1000 * req.arrival_time)
+                        self.times["queue_ms"].append(scheduled_ms - received_ms)
+                        self.times["first_step_ms"].append(
+                            timeline.first_token_ns / 1e6 - scheduled_ms
                         )
                 f(request_id, reason)
 
@@ -103,14 +105,7 @@ class LocalTimes:
 
     def take(self) -> dict[str, list[float]]:
         with self.lock:
-            taken = {
-                "queue_ms": self.queue_ms,
-                "first_step_ms": self.first_step_ms,
-                "gateway_ttft_ms": self.gateway_ttft_ms,
-                "to_executor_ms": self.to_executor_ms,
-            }
-            self.queue_ms, self.first_step_ms, self.gateway_ttft_ms = [], [], []
-            self.to_executor_ms = []
+            taken, self.times = self.times, {part: [] for part in WAIT_PARTS}
         return taken
 
 

@@ -45,6 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import defaultdict
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,6 +55,7 @@ import aiohttp
 
 from services.launcher.nats_cluster import ClusterPlan, Supercluster
 from tests.models import write_tiny_model
+from tools.bench.region_mesh import WAIT_PARTS
 
 REGIONS = ("us-east", "eu-west")
 
@@ -66,11 +68,8 @@ class Side:
     spilled: int = 0  # us-east -> eu-west
     spilled_back: int = 0  # eu-west -> us-east (its own clients' requests sent away)
     seconds: float = 0.0
-    # eu-west's own requests inside its executor (region_mesh.py ``local``)
-    west_queue_ms: list[float] = field(default_factory=list)
-    west_first_step_ms: list[float] = field(default_factory=list)
-    west_gateway_ttft_ms: list[float] = field(default_factory=list)
-    west_to_executor_ms: list[float] = field(default_factory=list)
+    # where eu-west's own requests waited: part -> ms per request (region_mesh.py ``local``)
+    west_waits: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
 
     def goodput(self, slo_s: float) -> float:
         good = sum(t <= slo_s for ts in self.ttft.values() for t in ts)
@@ -134,9 +133,7 @@ def run_round(
     round_s: float,
     seed: int,
 ) -> tuple[dict[str, list[float]], int]:
-    """One round, each region's clients in a process of their own: one region's clients are
-    not another's machines, and in one event loop the overloaded region's streams would delay
-    the quiet region's first tokens as the client reads them."""
+    """One round, each region's clients in a process of their own (module docstring)."""
     start = time.monotonic() + 0.5
     futures = {
         region: clients.submit(
@@ -228,7 +225,7 @@ def main() -> None:
         args.log_dir / "proxy.log",
     )  # fmt: skip
     children = [proxy]
-    children_pools: list[ProcessPoolExecutor] = []
+    clients: ProcessPoolExecutor | None = None
     supercluster: Supercluster | None = None
     try:
         addresses = iter(proxy.read())
@@ -258,7 +255,6 @@ def main() -> None:
         rates = {"us-east": args.rate_east, "eu-west": args.rate_west}
         # forked now: no thread of this process runs, and the workers need no imports of their own
         clients = ProcessPoolExecutor(len(REGIONS), mp_context=multiprocessing.get_context("fork"))
-        children_pools.append(clients)
         run_round(clients, urls, {r: 2.0 for r in REGIONS}, args.output_tokens, 3.0, seed=0)
         meshes["eu-west"].ask("local")
         sides = {"spillover": Side("spillover"), "local-only": Side("local-only")}
@@ -277,18 +273,15 @@ def main() -> None:
                 side.spilled += east.ask("spilled")["spilled"] - before
                 side.spilled_back += meshes["eu-west"].ask("spilled")["spilled"] - before_back
                 side.seconds += args.round_s
-                west = meshes["eu-west"].ask("local")
-                side.west_queue_ms += west["queue_ms"]
-                side.west_first_step_ms += west["first_step_ms"]
-                side.west_gateway_ttft_ms += west["gateway_ttft_ms"]
-                side.west_to_executor_ms += west["to_executor_ms"]
+                for part, times in meshes["eu-west"].ask("local").items():
+                    side.west_waits[part] += times
                 print(f"round {round_no} {name}: done", flush=True)
         report(sides, args, rtt)
         load_at_end = os.getloadavg()[0]
         print(f"load average: {load_at_start:.1f} at the start, {load_at_end:.1f} at the end")
     finally:
-        for pool in children_pools:
-            pool.shutdown(cancel_futures=True)
+        if clients is not None:
+            clients.shutdown(cancel_futures=True)
         for child in reversed(children):
             child.stop()
         if supercluster is not None:
@@ -318,11 +311,10 @@ def report(sides: dict[str, Side], args: argparse.Namespace, rtt_ms: float) -> N
         "in the executor, the step in progress | its first step | TTFT at the gateway"
     )
     for side in sides.values():
-        parts = (
-            side.west_to_executor_ms, side.west_queue_ms, side.west_first_step_ms,
-            side.west_gateway_ttft_ms,
-        )  # fmt: skip
-        print(f"  {side.name}: " + " | ".join(f"{percentile(p, 0.5):.1f}" for p in parts))
+        print(
+            f"  {side.name}: "
+            + " | ".join(f"{percentile(side.west_waits[p], 0.5):.1f}" for p in WAIT_PARTS)
+        )
     spill, local = sides["spillover"], sides["local-only"]
     ratio = spill.goodput(slo) / max(local.goodput(slo), 1e-9)
     west = percentile(spill.ttft["eu-west"], 0.5) / percentile(local.ttft["eu-west"], 0.5) - 1
