@@ -7,6 +7,7 @@ import asyncio
 import time
 
 import nats
+import pytest
 
 from common.wire.detokenizer import StepTokens
 from common.wire.executor import TokenizedRequest
@@ -17,7 +18,17 @@ from tests.mesh import tiny_executor
 PERIOD_S = 30.0  # far longer than the test: every beat but the first is an early one
 
 
-async def test_a_finished_sequence_is_reported_before_the_next_period(nats_server, tiny_llama):
+@pytest.mark.parametrize(
+    "b_tokens",
+    [
+        6,  # both end in one step (or one step apart, if b was admitted a step later)
+        7,  # b always ends a step or two after a: its report comes too soon after a's and
+        # must be sent late, not dropped
+    ],
+)
+async def test_a_finished_sequence_is_reported_before_the_next_period(
+    nats_server, tiny_llama, b_tokens: int
+):
     service = tiny_executor(nats_server.url, tiny_llama, "ex-beat", heartbeat_s=PERIOD_S)
     nc = await nats.connect(nats_server.url)
     beats: list[tuple[float, Heartbeat]] = []
@@ -40,8 +51,8 @@ async def test_a_finished_sequence_is_reported_before_the_next_period(nats_serve
         async with asyncio.timeout(10):
             while not beats:  # the first periodic one
                 await asyncio.sleep(0.01)
-        params = WireSamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-        for rid in ("a", "b"):
+        for rid, max_tokens in (("a", 6), ("b", b_tokens)):
+            params = WireSamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
             req = TokenizedRequest(rid, "test.inbox", params, [5, 6, 7, 8, 9], [], 0)
             await nc.publish(s.executor_submit("ex-beat"), req.encode())
         await nc.flush()

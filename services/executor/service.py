@@ -119,6 +119,7 @@ class ExecutorService:
         self.warmup: WarmupReport | None = None  # set by start(), before the first heartbeat
         self.load = (0, 0, engine.pages.num_free, 0)  # running, waiting, free pages, pending
         self.last_heartbeat = 0.0  # monotonic
+        self.deferred_report: asyncio.Task[None] | None = None  # see report_freed_slots
         self.kv_events = KVEventPublisher(self.svc, config.executor_id)
         self.metrics = ExecutorMetrics(self.svc.registry, config.executor_id, self.engine_state)
         self.timelines = Timelines(self.svc.tracer, self.metrics, config.executor_id)
@@ -292,9 +293,26 @@ class ExecutorService:
         counts a finished sequence as running until it hears otherwise, and meanwhile sends
         the next request to another executor, which may be mid-step (the request then waits
         that step out) while this one idles. At most one such early report per
-        ``EARLY_HEARTBEAT_MIN_S``: a busy executor ends sequences nearly every step."""
-        if time.monotonic() - self.last_heartbeat >= EARLY_HEARTBEAT_MIN_S:
+        ``EARLY_HEARTBEAT_MIN_S``: a busy executor ends sequences nearly every step. A report
+        that comes too soon is sent when that interval is up, not dropped: the last sequences
+        of a burst often end one step after the others, and then nothing else would tell the
+        scheduler before the next period."""
+        wait_s = self.last_heartbeat + EARLY_HEARTBEAT_MIN_S - time.monotonic()
+        if wait_s <= 0:
             self.snapshot_load()  # between steps: the ended sequences have left the batch
+            await self.heartbeat()
+        elif self.deferred_report is None:
+            self.deferred_report = asyncio.create_task(self.report_later(wait_s))
+
+    async def report_later(self, wait_s: float) -> None:
+        asked_at = time.monotonic()
+        try:
+            await asyncio.sleep(wait_s)
+        finally:
+            self.deferred_report = None
+        # ``self.load`` is fresh: the step loop reads it before each step and before it idles,
+        # so a periodic beat sent meanwhile carried the ended sequences already.
+        if self.last_heartbeat < asked_at:
             await self.heartbeat()
 
     async def heartbeat(self) -> None:
@@ -586,6 +604,8 @@ class ExecutorService:
 
     async def stop(self) -> None:
         """Leave the mesh: the index forgets this executor's cache, then NATS drains."""
+        if self.deferred_report is not None:
+            self.deferred_report.cancel()
         try:
             await asyncio.wait_for(self.kv_events.close(), 5)
         except Exception as exc:  # NATS gone: the index expires us by heartbeat instead
