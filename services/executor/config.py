@@ -57,6 +57,12 @@ class ExecutorConfig:
     engine_nice: int = setting(
         10, "niceness added to the engine's threads (0..19; 0 for dedicated cores)"
     )
+    # Several CPU executors on one host, each with torch's default of a thread per core, run
+    # N times as many threads as cores: every step then waits for the threads that lost their
+    # core (and OpenMP's spinning ones burn it). ``meshserve up`` gives each its share.
+    cpu_threads: int = setting(
+        0, "torch CPU threads of this executor's engine (0: torch's default, one per core)"
+    )
 
     tensor_parallel_size: int = setting(
         1,
@@ -108,6 +114,8 @@ class ExecutorConfig:
             raise ValueError("kv_cache_tokens must hold at least one page")
         if not 0 <= self.engine_nice <= 19:
             raise ValueError("engine_nice must be within 0..19")
+        if self.cpu_threads < 0:
+            raise ValueError("cpu_threads must be >= 0")
 
     @property
     def executor_id(self) -> str:

@@ -640,6 +640,8 @@ def build_engine(config: ExecutorConfig) -> Engine:
         # KV handoff registers one pool with NIXL; a split replica has one per rank.
         raise ValueError("tensor parallelism runs on mixed executors only (--role mixed)")
     folder = resolve_model_path(config.model)
+    if config.cpu_threads:  # in the engine thread, which runs every step: torch's is per thread
+        torch.set_num_threads(config.cpu_threads)
     runner = build_runner(
         folder,
         torch.device(config.device),

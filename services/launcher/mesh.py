@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -52,6 +53,9 @@ class LocalMesh:
     commands: dict[str, list[str]] = field(default_factory=dict)  # to start one again
     metrics_urls: dict[str, str] = field(default_factory=dict)  # service -> its /metrics
     logs: ServiceLogs | None = None
+    # Executors sharing this host's cores (0: this mesh's own); ``meshserve up --regions`` runs
+    # every region's on one host.
+    executors_on_host: int = 0
 
     @property
     def nats_url(self) -> str:
@@ -78,6 +82,15 @@ class LocalMesh:
             *((f"prefill-{i}", "prefill") for i in range(a.prefill_executors)),
             *((f"decode-{i}", "decode") for i in range(a.decode_executors)),
         ]
+
+    @property
+    def cpu_threads(self) -> int:
+        """Each CPU executor's share of the cores (0: torch's default, for one executor or
+        CUDA devices); a tensor-parallel replica splits its share among its ranks."""
+        executors = self.executors_on_host or len(self.executor_roles)
+        if self.args.device != "cpu" or executors <= 1:
+            return 0
+        return max(1, (os.cpu_count() or 1) // executors)
 
     @property
     def base_url(self) -> str:
@@ -176,6 +189,7 @@ class LocalMesh:
                 "--num-speculative-tokens", str(k),
                 "--quantization", a.quantization,
                 "--kv-cache-dtype", a.kv_cache_dtype,
+                "--cpu-threads", str(self.cpu_threads),
             )  # fmt: skip
         config = json.loads((self.model_folder / "config.json").read_text())
         self.spawn(

@@ -89,6 +89,7 @@ def start_regions(
                 kv_replicas=REGION_SERVERS,
                 spill_queue_ms=args.spill_queue_ms,
             )
+            mesh.executors_on_host = len(regions) * len(mesh.executor_roles)
             meshes.append(mesh)
             mesh.start()
     except Exception:
