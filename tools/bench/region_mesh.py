@@ -32,16 +32,14 @@ import json
 import logging
 import statistics
 import sys
-import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
-from services.executor.service import ExecutorService
 from services.gateway.app import GatewayServer
 from services.scheduler.service import SchedulerService
 from tests.mesh import MeshHarness, RegionMeshes, start_region_mesh
+from tools.bench.wait_times import WaitTimes
 
 
 def reply(message: Mapping[str, object]) -> None:
@@ -60,53 +58,13 @@ def rtt_ms(sched: SchedulerService, timeout: float = 20) -> float:
     return statistics.median(p.rtt_ms for p in sched.spill.peers.values())
 
 
-# What ``local`` replies with: per part of the wait, one time (ms) per request.
-WAIT_PARTS = ("to_executor_ms", "queue_ms", "first_step_ms", "gateway_ttft_ms")
-
-
-class LocalTimes:
-    """Where this region's own requests (not guests) waited for their first token, as they
-    finish (``WAIT_PARTS``)."""
-
-    def __init__(self, mesh: MeshHarness) -> None:
-        self.times: dict[str, list[float]] = {part: [] for part in WAIT_PARTS}
-        self.lock = threading.Lock()
-        gateway = next(s for s in mesh.services if isinstance(s, GatewayServer))
-        ttft = gateway.mesh.metrics.ttft  # this gateway's clients are all the region's own
-        observe = ttft.observe
-
-        def observed(amount: float, exemplar: Any = None) -> None:
-            with self.lock:
-                self.times["gateway_ttft_ms"].append(1000 * amount)
-            observe(amount, exemplar)
-
-        ttft.observe = observed  # type: ignore[method-assign]
-        for executor in mesh.executor_services:
-            forget = executor.forget
-
-            def record(
-                request_id: str, reason: str = "abort", e: ExecutorService = executor,
-                f: Any = forget,
-            ) -> None:  # fmt: skip
-                req = e.requests.get(request_id)  # still there: forget drops it
-                timeline = e.timelines.active.get(request_id)
-                if req is not None and not req.guest and timeline and timeline.first_token_ns:
-                    received_ms = timeline.received_ns / 1e6
-                    scheduled_ms = timeline.scheduled_ns / 1e6
-                    with self.lock:
-                        self.times["to_executor_ms"].append(received_ms - 1000 * req.arrival_time)
-                        self.times["queue_ms"].append(scheduled_ms - received_ms)
-                        self.times["first_step_ms"].append(
-                            timeline.first_token_ns / 1e6 - scheduled_ms
-                        )
-                f(request_id, reason)
-
-            executor.forget = record  # type: ignore[method-assign]
-
-    def take(self) -> dict[str, list[float]]:
-        with self.lock:
-            taken, self.times = self.times, {part: [] for part in WAIT_PARTS}
-        return taken
+def wait_times(mesh: MeshHarness) -> WaitTimes:
+    """Where this region's own requests waited (``wait_times.py``), in every service."""
+    times = WaitTimes()
+    times.watch_gateway(next(s for s in mesh.services if isinstance(s, GatewayServer)))
+    for executor in mesh.executor_services:
+        times.watch_executor(executor)
+    return times
 
 
 def main() -> None:
@@ -133,7 +91,7 @@ def main() -> None:
         sched = regions.scheduler(args.region)
         spill_config = sched.spill.config
         configs = {"on": spill_config, "off": dataclasses.replace(spill_config, peer_regions=())}
-        local = LocalTimes(mesh)
+        local = wait_times(mesh)
         reply({"base_url": mesh.base_url})
         for line in sys.stdin:
             command = line.split()

@@ -55,7 +55,7 @@ import aiohttp
 
 from services.launcher.nats_cluster import ClusterPlan, Supercluster
 from tests.models import write_tiny_model
-from tools.bench.region_mesh import WAIT_PARTS
+from tools.bench.wait_times import WAIT_PARTS
 
 REGIONS = ("us-east", "eu-west")
 
@@ -212,6 +212,12 @@ def main() -> None:
         help="per region: executors that take no guests (0 here, not the scheduler's 1, so "
         "the one-executor runs recorded before it still mean the same command)",
     )
+    p.add_argument(
+        "--processes",
+        action="store_true",
+        help="each region's services a process each, as meshserve up runs them "
+        "(region_processes.py), not one process per region (region_mesh.py)",
+    )
     p.add_argument("--log-dir", type=Path, default=Path("out/bench_regions"))
     args = p.parse_args()
     args.log_dir.mkdir(parents=True, exist_ok=True)
@@ -234,10 +240,12 @@ def main() -> None:
         )
         supercluster.wait_jetstream()
         meshes: dict[str, Child] = {}
+        program = "region_processes" if args.processes else "region_mesh"
         urls: dict[str, str] = {}
         for region in REGIONS:
+            logs = ["--log-dir", str(args.log_dir)] if args.processes else []
             meshes[region] = Child(
-                [sys.executable, "-m", "tools.bench.region_mesh", "--model", str(model),
+                [sys.executable, "-m", f"tools.bench.{program}", *logs, "--model", str(model),
                  "--nats-url", supercluster.clusters[region].url, "--region", region,
                  "--peer-regions", ",".join(r for r in REGIONS if r != region),
                  "--spill-queue-ms", str(args.spill_queue_ms),

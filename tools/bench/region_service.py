@@ -1,0 +1,168 @@
+"""One service of a region's mesh in a process of its own, as ``meshserve up --regions`` runs
+it, with what the regions bench (``region_processes.py``) needs of it:
+
+    python -m tools.bench.region_service services.executor --bench-name NAME \\
+        [--bench-step-ms 15] EXECUTOR FLAGS...
+
+- ``services.executor``: each engine step takes ``--bench-step-ms`` longer (a device step;
+  see ``regions.py``), and it records where its region's own requests waited;
+- ``services.gateway``: it records the TTFT of each of its clients' requests;
+- ``services.scheduler``: its spilling can be switched on and off between rounds.
+
+Each answers on ``bench.control.<NAME>`` (request/reply, JSON): ``local`` (executor, gateway:
+``wait_times.py``'s parts since the last ``local``), ``spill on`` / ``spill off``, ``spilled``
+(requests sent to another region so far), ``rtt`` (the round trip to the peers, ms).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from common.runtime import Service, run, run_service, serve_until_shutdown
+
+BENCH_SERVICES = ("services.executor", "services.gateway", "services.scheduler")
+Handlers = dict[str, Callable[[], Awaitable[Any]]]
+
+
+def control_subject(name: str) -> str:
+    return f"bench.control.{name}"
+
+
+def answer_on(name: str, service: Any, svc: Service, handlers: Handlers) -> None:
+    """Once ``service`` has started, answer the bench's commands on its connection."""
+    start = service.start
+
+    async def start_then_answer() -> None:
+        await start()
+
+        async def on_command(msg: Any) -> None:
+            handler = handlers.get(msg.data.decode())
+            try:
+                reply = await handler() if handler else {"error": f"unknown {msg.data!r}"}
+            except Exception as exc:  # the bench reports it; the service keeps serving
+                reply = {"error": repr(exc)}
+            await msg.respond(json.dumps(reply).encode())
+
+        await svc.nc.subscribe(control_subject(name), cb=on_command)
+
+    service.start = start_then_answer
+
+
+def executor(name: str, step_s: float) -> None:
+    from services.executor.__main__ import build, drain_and_stop
+    from services.executor.config import ExecutorConfig, parse_args
+    from services.executor.service import ExecutorService
+    from tools.bench.wait_times import WaitTimes
+
+    async def build_paced(config: ExecutorConfig) -> ExecutorService:
+        service = await build(config)
+        step = service.engine.step
+
+        def paced() -> Any:
+            time.sleep(step_s)
+            return step()
+
+        service.engine.step = paced  # type: ignore[method-assign]
+        times = WaitTimes()
+        times.watch_executor(service)
+
+        async def local() -> Any:
+            return times.take()
+
+        answer_on(name, service, service.svc, {"local": local})
+        return service
+
+    run_service("executor", parse_args, build_paced, drain_and_stop)
+
+
+def gateway(name: str, argv: list[str]) -> None:
+    from services.gateway.app import GatewayServer
+    from services.gateway.config import serving_config
+    from tools.bench.wait_times import WaitTimes
+
+    config = serving_config(argv)
+
+    async def main() -> None:
+        server = GatewayServer(config)
+        times = WaitTimes()
+        times.watch_gateway(server)
+
+        async def local() -> Any:
+            return times.take()
+
+        answer_on(name, server, server.mesh.service, {"local": local})
+        await serve_until_shutdown(server.mesh.service, server.start, server.stop)
+
+    run(main)
+
+
+def scheduler(name: str) -> None:
+    from services.scheduler.service import SchedulerService, SchedulerServiceConfig, parse_args
+
+    def build(config: SchedulerServiceConfig) -> SchedulerService:
+        service = SchedulerService(config)
+        spill = service.spill
+        configs = {
+            "on": spill.config,
+            "off": dataclasses.replace(spill.config, peer_regions=()),
+        }
+
+        def switch(side: str) -> Callable[[], Awaitable[Any]]:
+            async def set_config() -> Any:
+                spill.config = configs[side]  # read afresh on every decision
+                return {}
+
+            return set_config
+
+        async def spilled() -> Any:
+            total = sum(
+                s.value
+                for m in spill.spilled_total.collect()
+                for s in m.samples
+                if s.name.endswith("_total")
+            )
+            return {"spilled": int(total)}
+
+        async def rtt() -> Any:
+            deadline = time.monotonic() + 20
+            while not spill.remotes(1):
+                if time.monotonic() > deadline:
+                    raise TimeoutError("no load report crossed the gateway link")
+                await asyncio.sleep(0.1)
+            await asyncio.sleep(1.0)  # a few more polls: the first one pays for set-up
+            return {"rtt_ms": statistics.median(p.rtt_ms for p in spill.peers.values())}
+
+        handlers = {"spill on": switch("on"), "spill off": switch("off")}
+        answer_on(name, service, service.svc, {**handlers, "spilled": spilled, "rtt": rtt})
+        return service
+
+    run_service("scheduler", parse_args, build)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="python -m tools.bench.region_service")
+    p.add_argument(
+        "module", choices=("services.executor", "services.gateway", "services.scheduler")
+    )
+    p.add_argument("--bench-name", required=True)
+    p.add_argument("--bench-step-ms", type=float, default=15.0)
+    args, rest = p.parse_known_args()
+    sys.argv = [f"{sys.argv[0]} {args.module}", *rest]  # what the service parses
+    if args.module == "services.executor":
+        executor(args.bench_name, args.bench_step_ms / 1000)
+    elif args.module == "services.gateway":
+        gateway(args.bench_name, rest)
+    else:
+        scheduler(args.bench_name)
+
+
+if __name__ == "__main__":
+    main()
