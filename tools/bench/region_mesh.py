@@ -36,10 +36,11 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
+from services.detokenizer.service import DetokenizerService
 from services.gateway.app import GatewayServer
 from services.scheduler.service import SchedulerService
 from tests.mesh import MeshHarness, RegionMeshes, start_region_mesh
-from tools.bench.wait_times import WaitTimes
+from tools.bench.wait_times import WaitTimes, parts
 
 
 def reply(message: Mapping[str, object]) -> None:
@@ -62,6 +63,7 @@ def wait_times(mesh: MeshHarness) -> WaitTimes:
     """Where this region's own requests waited (``wait_times.py``), in every service."""
     times = WaitTimes()
     times.watch_gateway(next(s for s in mesh.services if isinstance(s, GatewayServer)))
+    times.watch_detokenizer(next(s for s in mesh.services if isinstance(s, DetokenizerService)))
     for executor in mesh.executor_services:
         times.watch_executor(executor)
     return times
@@ -103,7 +105,7 @@ def main() -> None:
             elif command == ["rtt"]:
                 reply({"rtt_ms": rtt_ms(sched)})
             elif command == ["local"]:
-                reply(local.take())
+                reply(parts([local.take()]))
             elif command == ["stop"]:
                 break
             else:

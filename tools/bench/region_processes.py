@@ -32,7 +32,7 @@ from services.launcher.regions import RegionMesh
 from services.launcher.up import add_up
 from tools.bench.region_mesh import reply
 from tools.bench.region_service import BENCH_SERVICES, control_subject
-from tools.bench.wait_times import merged
+from tools.bench.wait_times import parts
 
 
 @dataclass
@@ -78,7 +78,7 @@ async def serve_commands(mesh: BenchRegionMesh, nats_url: str) -> None:
     nc = await nats.connect(nats_url.split(","))
     names = [name for name, _ in mesh.procs]
     scheduler = next(n for n in names if n.endswith("-scheduler"))
-    watched = [n for n in names if n.endswith("-gateway") or "-executor-" in n]
+    watched = [n for n in names if n.endswith("-gateway") or "-executor-" in n or "-detok" in n]
     loop = asyncio.get_running_loop()
     try:
         while line := await loop.run_in_executor(None, sys.stdin.readline):
@@ -86,7 +86,7 @@ async def serve_commands(mesh: BenchRegionMesh, nats_url: str) -> None:
             if command in ("spill on", "spill off", "spilled", "rtt"):
                 reply(await ask(nc, scheduler, command))
             elif command == "local":
-                reply(merged(list(await asyncio.gather(*(ask(nc, n, "local") for n in watched)))))
+                reply(parts(list(await asyncio.gather(*(ask(nc, n, "local") for n in watched)))))
             elif command == "stop":
                 break
             else:

@@ -7,11 +7,13 @@ it, with what the regions bench (``region_processes.py``) needs of it:
 - ``services.executor``: each engine step takes ``--bench-step-ms`` longer (a device step;
   see ``regions.py``), and it records where its region's own requests waited;
 - ``services.gateway``: it records the TTFT of each of its clients' requests;
+- ``services.detokenizer``: it records when it turned to each stream's first tokens;
 - ``services.scheduler``: its spilling can be switched on and off between rounds.
 
-Each answers on ``bench.control.<NAME>`` (request/reply, JSON): ``local`` (executor, gateway:
-``wait_times.py``'s parts since the last ``local``), ``spill on`` / ``spill off``, ``spilled``
-(requests sent to another region so far), ``rtt`` (the round trip to the peers, ms).
+Each answers on ``bench.control.<NAME>`` (request/reply, JSON): ``local`` (executor, gateway,
+detokenizer: the moments ``wait_times.py`` stamped since the last ``local``), ``spill on`` /
+``spill off``, ``spilled`` (requests sent to another region so far), ``rtt`` (the round trip
+to the peers, ms).
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ from typing import Any
 
 from common.runtime import Service, run, run_service, serve_until_shutdown
 
-BENCH_SERVICES = ("services.executor", "services.gateway", "services.scheduler")
+BENCH_SERVICES = (
+    "services.executor", "services.gateway", "services.scheduler", "services.detokenizer",
+)  # fmt: skip
 Handlers = dict[str, Callable[[], Awaitable[Any]]]
 
 
@@ -104,6 +108,24 @@ def gateway(name: str, argv: list[str]) -> None:
     run(main)
 
 
+def detokenizer(name: str) -> None:
+    from services.detokenizer.service import DetokenizerService, parse_args
+    from tools.bench.wait_times import WaitTimes
+
+    def build(config: Any) -> DetokenizerService:
+        service = DetokenizerService(config)
+        times = WaitTimes()
+        times.watch_detokenizer(service)
+
+        async def local() -> Any:
+            return times.take()
+
+        answer_on(name, service, service.svc, {"local": local})
+        return service
+
+    run_service("detokenizer", parse_args, build)
+
+
 def scheduler(name: str) -> None:
     from services.scheduler.service import SchedulerService, SchedulerServiceConfig, parse_args
 
@@ -149,9 +171,7 @@ def scheduler(name: str) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m tools.bench.region_service")
-    p.add_argument(
-        "module", choices=("services.executor", "services.gateway", "services.scheduler")
-    )
+    p.add_argument("module", choices=BENCH_SERVICES)
     p.add_argument("--bench-name", required=True)
     p.add_argument("--bench-step-ms", type=float, default=15.0)
     args, rest = p.parse_known_args()
@@ -160,6 +180,8 @@ def main() -> None:
         executor(args.bench_name, args.bench_step_ms / 1000)
     elif args.module == "services.gateway":
         gateway(args.bench_name, rest)
+    elif args.module == "services.detokenizer":
+        detokenizer(args.bench_name)
     else:
         scheduler(args.bench_name)
 

@@ -41,6 +41,7 @@ import json
 import multiprocessing
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -315,13 +316,17 @@ def report(sides: dict[str, Side], args: argparse.Namespace, rtt_ms: float) -> N
             f"{side.spilled} / {side.spilled_back} | {side.failed} |"
         )
     print(
-        "\nwhere eu-west's own clients' first token waits, p50 ms: gateway -> executor | "
-        "in the executor, the step in progress | its first step | TTFT at the gateway"
+        "\nwhere eu-west's own clients' first token waits, p50 (mean) ms: gateway -> executor | "
+        "in the executor, the step in progress | its first step | -> the detokenizer | "
+        "-> the gateway | -> its handler | TTFT at the gateway"
     )
     for side in sides.values():
+        waits = [side.west_waits[p] for p in WAIT_PARTS]
         print(
             f"  {side.name}: "
-            + " | ".join(f"{percentile(side.west_waits[p], 0.5):.1f}" for p in WAIT_PARTS)
+            + " | ".join(
+                f"{percentile(w, 0.5):.1f} ({statistics.fmean(w or [0]):.1f})" for w in waits
+            )
         )
     spill, local = sides["spillover"], sides["local-only"]
     ratio = spill.goodput(slo) / max(local.goodput(slo), 1e-9)
