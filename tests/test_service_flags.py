@@ -99,6 +99,7 @@ SERVICES: dict[str, list[Row]] = {
         ("--no-cuda-graphs", "MESHSERVE_NO_CUDA_GRAPHS", None),
         ("--kv-cache-dtype", "MESHSERVE_KV_CACHE_DTYPE", "fp8"),
         ("--engine-nice", "MESHSERVE_ENGINE_NICE", "0"),
+        ("--cpu-threads", "MESHSERVE_CPU_THREADS", "2"),
         ("--tensor-parallel-size", "MESHSERVE_TENSOR_PARALLEL_SIZE", "2"),
         ("--tensor-parallel-timeout", "MESHSERVE_TENSOR_PARALLEL_TIMEOUT", "5"),
         ("--role", "MESHSERVE_ROLE", "decode"),

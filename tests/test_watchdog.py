@@ -59,6 +59,10 @@ async def test_a_request_lost_with_a_restarted_scheduler_is_resumed_or_gets_a_50
 ):
     mesh = MeshHarness(tiny_llama, max_num_seqs=1, gateway_options={"max_resumes": max_resumes})
     mesh.start()
+    # 240 tokens last >= 2.4 s: on a quiet machine the tiny model's ~1 ms steps would end a
+    # busy request within the poll below, and the executor's prompt report of the freed slot
+    # would let the third run before it was ever seen queued.
+    mesh.slow_steps(0.01)
     try:
         sched = next(s for s in mesh.services if type(s).__name__ == "SchedulerService")
         gateway = mesh.services[-1]

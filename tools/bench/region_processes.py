@@ -3,7 +3,8 @@ over stdin by ``tools.bench.regions --processes``:
 
     python -m tools.bench.region_processes --model DIR --nats-url URLS --region eu-west \\
         --peer-regions us-east [--spill-queue-ms 300] [--max-num-seqs 4] [--step-ms 15] \\
-        [--executors 1] [--spill-reserve-executors 0] [--log-dir DIR]
+        [--executors 1] [--prefill-executors 0 --decode-executors 0] \\
+        [--spill-reserve-executors 0] [--log-dir DIR]
 
 The same protocol as ``region_mesh.py`` (one JSON line when the mesh serves, then one per
 command: ``spill on|off``, ``spilled``, ``rtt``, ``local``, ``stop``), answered by asking the
@@ -78,7 +79,8 @@ async def serve_commands(mesh: BenchRegionMesh, nats_url: str) -> None:
     nc = await nats.connect(nats_url.split(","))
     names = [name for name, _ in mesh.procs]
     scheduler = next(n for n in names if n.endswith("-scheduler"))
-    watched = [n for n in names if n.endswith("-gateway") or "-executor-" in n or "-detok" in n]
+    stamping = ("-gateway", "-executor-", "-prefill-", "-decode-", "-detokenizer-")
+    watched = [n for n in names if any(part in n + "-" for part in stamping)]
     loop = asyncio.get_running_loop()
     try:
         while line := await loop.run_in_executor(None, sys.stdin.readline):
@@ -104,7 +106,9 @@ def main() -> None:
     p.add_argument("--spill-queue-ms", type=float, default=300.0)
     p.add_argument("--max-num-seqs", type=int, default=4)
     p.add_argument("--step-ms", type=float, default=15.0)
-    p.add_argument("--executors", type=int, default=1)
+    p.add_argument("--executors", type=int, default=1, help="mixed ones")
+    p.add_argument("--prefill-executors", type=int, default=0)
+    p.add_argument("--decode-executors", type=int, default=0)
     p.add_argument("--spill-reserve-executors", type=int, default=0)
     p.add_argument("--log-dir", type=Path, default=Path("out/bench_regions"))
     args = p.parse_args()
@@ -112,6 +116,8 @@ def main() -> None:
         [
             "--model", str(args.model), "--nats-url", args.nats_url, "--port", str(free_port()),
             "--executors", str(args.executors), "--max-num-seqs", str(args.max_num_seqs),
+            "--prefill-executors", str(args.prefill_executors),
+            "--decode-executors", str(args.decode_executors),
             "--router", "least-load",  # as region_mesh.py's harness routes
             "--page-size", "16", "--kv-cache-tokens", "4096", "--served-model-name", "tiny",
         ]
@@ -129,7 +135,7 @@ def main() -> None:
         spill_reserve_executors=args.spill_reserve_executors,
     )
     # every region's executors share this machine's cores (--cpu-threads: their share)
-    mesh.executors_on_host = (1 + len(mesh.peers)) * args.executors
+    mesh.executors_on_host = (1 + len(mesh.peers)) * len(mesh.executor_roles)
     try:
         mesh.start()
         mesh.wait_ready(180)

@@ -207,6 +207,13 @@ def main() -> None:
     p.add_argument("--step-ms", type=float, default=15.0)
     p.add_argument("--executors", type=int, default=1, help="per region, both alike")
     p.add_argument(
+        "--disaggregated",
+        metavar="P,D",
+        default="",
+        help="with --processes: per region P prefill and D decode executors (KV by NIXL) "
+        "besides the --executors mixed ones",
+    )
+    p.add_argument(
         "--spill-reserve-executors",
         type=int,
         default=0,
@@ -221,6 +228,8 @@ def main() -> None:
     )
     p.add_argument("--log-dir", type=Path, default=Path("out/bench_regions"))
     args = p.parse_args()
+    if args.disaggregated and not args.processes:
+        p.error("--disaggregated needs --processes")
     args.log_dir.mkdir(parents=True, exist_ok=True)
     load_at_start = os.getloadavg()[0]
     model = write_tiny_model(Path(tempfile.mkdtemp(prefix="bench-regions-")) / "llama")
@@ -244,9 +253,12 @@ def main() -> None:
         program = "region_processes" if args.processes else "region_mesh"
         urls: dict[str, str] = {}
         for region in REGIONS:
-            logs = ["--log-dir", str(args.log_dir)] if args.processes else []
+            flags = ["--log-dir", str(args.log_dir)] if args.processes else []
+            if args.disaggregated:
+                prefill, decode = args.disaggregated.split(",")
+                flags += ["--prefill-executors", prefill, "--decode-executors", decode]
             meshes[region] = Child(
-                [sys.executable, "-m", f"tools.bench.{program}", *logs, "--model", str(model),
+                [sys.executable, "-m", f"tools.bench.{program}", *flags, "--model", str(model),
                  "--nats-url", supercluster.clusters[region].url, "--region", region,
                  "--peer-regions", ",".join(r for r in REGIONS if r != region),
                  "--spill-queue-ms", str(args.spill_queue_ms),
