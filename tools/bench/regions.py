@@ -309,6 +309,22 @@ def main() -> None:
             supercluster.stop()
 
 
+def print_waits(sides: dict[str, Side]) -> None:
+    print(
+        "\nwhere eu-west's own clients' first token waits, p50 (mean) ms: gateway -> executor | "
+        "in the executor, the step in progress | its first step | -> the detokenizer | "
+        "-> the gateway | -> its handler | TTFT at the gateway"
+    )
+    for side in sides.values():
+        waits = [side.west_waits[p] for p in WAIT_PARTS]
+        print(
+            f"  {side.name}: "
+            + " | ".join(
+                f"{percentile(w, 0.5):.1f} ({statistics.fmean(w or [0]):.1f})" for w in waits
+            )
+        )
+
+
 def report(sides: dict[str, Side], args: argparse.Namespace, rtt_ms: float) -> None:
     slo = args.slo_ms / 1000
     print(
@@ -327,19 +343,8 @@ def report(sides: dict[str, Side], args: argparse.Namespace, rtt_ms: float) -> N
             f"{1000 * percentile(w, 0.5):.0f} / {1000 * percentile(w, 0.99):.0f} | "
             f"{side.spilled} / {side.spilled_back} | {side.failed} |"
         )
-    print(
-        "\nwhere eu-west's own clients' first token waits, p50 (mean) ms: gateway -> executor | "
-        "in the executor, the step in progress | its first step | -> the detokenizer | "
-        "-> the gateway | -> its handler | TTFT at the gateway"
-    )
-    for side in sides.values():
-        waits = [side.west_waits[p] for p in WAIT_PARTS]
-        print(
-            f"  {side.name}: "
-            + " | ".join(
-                f"{percentile(w, 0.5):.1f} ({statistics.fmean(w or [0]):.1f})" for w in waits
-            )
-        )
+    if not args.disaggregated:  # (a first token there comes from another executor)
+        print_waits(sides)
     spill, local = sides["spillover"], sides["local-only"]
     ratio = spill.goodput(slo) / max(local.goodput(slo), 1e-9)
     west = percentile(spill.ttft["eu-west"], 0.5) / percentile(local.ttft["eu-west"], 0.5) - 1
