@@ -69,8 +69,9 @@ def wait_times(mesh: MeshHarness) -> WaitTimes:
     return times
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(prog="python -m tools.bench.region_mesh")
+def region_parser(prog: str) -> argparse.ArgumentParser:
+    """The flags of a region's child (this one and ``region_processes.py``)."""
+    p = argparse.ArgumentParser(prog=prog)
     p.add_argument("--model", type=Path, required=True)
     p.add_argument("--nats-url", required=True)
     p.add_argument("--region", required=True)
@@ -78,9 +79,13 @@ def main() -> None:
     p.add_argument("--spill-queue-ms", type=float, default=300.0)
     p.add_argument("--max-num-seqs", type=int, default=4)
     p.add_argument("--step-ms", type=float, default=15.0)
-    p.add_argument("--executors", type=int, default=1)
+    p.add_argument("--executors", type=int, default=1, help="mixed ones")
     p.add_argument("--spill-reserve-executors", type=int, default=0)
-    args = p.parse_args()
+    return p
+
+
+def main() -> None:
+    args = region_parser("python -m tools.bench.region_mesh").parse_args()
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     peers = tuple(r for r in args.peer_regions.split(",") if r)
     mesh = start_region_mesh(

@@ -31,7 +31,7 @@ from common.nats_server import free_port
 from services.launcher.console import ServiceLogs
 from services.launcher.regions import RegionMesh
 from services.launcher.up import add_up
-from tools.bench.region_mesh import reply
+from tools.bench.region_mesh import region_parser, reply
 from tools.bench.region_service import BENCH_SERVICES, control_subject
 from tools.bench.wait_times import parts
 
@@ -98,18 +98,9 @@ async def serve_commands(mesh: BenchRegionMesh, nats_url: str) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(prog="python -m tools.bench.region_processes")
-    p.add_argument("--model", type=Path, required=True)
-    p.add_argument("--nats-url", required=True)
-    p.add_argument("--region", required=True)
-    p.add_argument("--peer-regions", default="", help="comma-separated")
-    p.add_argument("--spill-queue-ms", type=float, default=300.0)
-    p.add_argument("--max-num-seqs", type=int, default=4)
-    p.add_argument("--step-ms", type=float, default=15.0)
-    p.add_argument("--executors", type=int, default=1, help="mixed ones")
+    p = region_parser("python -m tools.bench.region_processes")
     p.add_argument("--prefill-executors", type=int, default=0)
     p.add_argument("--decode-executors", type=int, default=0)
-    p.add_argument("--spill-reserve-executors", type=int, default=0)
     p.add_argument("--log-dir", type=Path, default=Path("out/bench_regions"))
     args = p.parse_args()
     up = up_args(

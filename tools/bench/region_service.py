@@ -26,9 +26,12 @@ import statistics
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from common.runtime import Service, run, run_service, serve_until_shutdown
+
+if TYPE_CHECKING:  # (imported where used: the scheduler's process needs no torch)
+    from tools.bench.wait_times import WaitTimes
 
 BENCH_SERVICES = (
     "services.executor", "services.gateway", "services.scheduler", "services.detokenizer",
@@ -60,6 +63,15 @@ def answer_on(name: str, service: Any, svc: Service, handlers: Handlers) -> None
     service.start = start_then_answer
 
 
+def answer_local(name: str, service: Any, svc: Service, times: WaitTimes) -> None:
+    """``local``: the moments ``times`` stamped since the last ``local``."""
+
+    async def local() -> Any:
+        return times.take()
+
+    answer_on(name, service, svc, {"local": local})
+
+
 def executor(name: str, step_s: float) -> None:
     from services.executor.__main__ import build, drain_and_stop
     from services.executor.config import ExecutorConfig, parse_args
@@ -77,11 +89,7 @@ def executor(name: str, step_s: float) -> None:
         service.engine.step = paced  # type: ignore[method-assign]
         times = WaitTimes()
         times.watch_executor(service)
-
-        async def local() -> Any:
-            return times.take()
-
-        answer_on(name, service, service.svc, {"local": local})
+        answer_local(name, service, service.svc, times)
         return service
 
     run_service("executor", parse_args, build_paced, drain_and_stop)
@@ -98,11 +106,7 @@ def gateway(name: str, argv: list[str]) -> None:
         server = GatewayServer(config)
         times = WaitTimes()
         times.watch_gateway(server)
-
-        async def local() -> Any:
-            return times.take()
-
-        answer_on(name, server, server.mesh.service, {"local": local})
+        answer_local(name, server, server.mesh.service, times)
         await serve_until_shutdown(server.mesh.service, server.start, server.stop)
 
     run(main)
@@ -116,11 +120,7 @@ def detokenizer(name: str) -> None:
         service = DetokenizerService(config)
         times = WaitTimes()
         times.watch_detokenizer(service)
-
-        async def local() -> Any:
-            return times.take()
-
-        answer_on(name, service, service.svc, {"local": local})
+        answer_local(name, service, service.svc, times)
         return service
 
     run_service("detokenizer", parse_args, build)
