@@ -313,7 +313,10 @@ class ExecutorService:
         # ``self.load`` is fresh: the step loop reads it before each step and before it idles,
         # so a periodic beat sent meanwhile carried the ended sequences already.
         if self.last_heartbeat < asked_at:
-            await self.heartbeat()
+            try:
+                await self.heartbeat()
+            except Exception as exc:  # (a task of its own: nobody else would hear of it)
+                log.warning("executor: an early load report failed: %r", exc)
 
     async def heartbeat(self) -> None:
         if self.broken:
