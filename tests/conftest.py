@@ -16,7 +16,7 @@ from gpu.loader import load_model
 from gpu.runner import ModelRunner
 from gpu.sampling import SamplingParams
 from services.launcher.mesh import LocalMesh
-from services.launcher.up import add_up
+from services.launcher.up import parse_up_args
 from tests.mesh import openai_client
 from tests.models import hf_model, write_tiny_model
 
@@ -59,12 +59,10 @@ def tiny_llama(tiny_models: dict[str, Path]) -> Path:
 
 
 def up_args(model, **overrides) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    add_up(parser.add_subparsers())
-    argv = ["up", "--model", str(model), "--port", str(free_port()), "--served-model-name", "tiny"]
+    argv = ["--model", str(model), "--port", str(free_port()), "--served-model-name", "tiny"]
     for key, value in overrides.items():
         argv += [f"--{key.replace('_', '-')}", str(value)]
-    return parser.parse_args(argv)
+    return parse_up_args(argv)
 
 
 @pytest.fixture

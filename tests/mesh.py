@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import openai
-from prometheus_client import Counter
 
 from common.config import MeshConfig, NatsAuth
+from common.metrics import counter_total
 from common.nats_server import LocalNatsServer, free_port
 from common.runtime import Service
 from services.detokenizer.service import DetokenizerConfig, DetokenizerService
@@ -28,6 +28,7 @@ from services.prefix_index.service import PrefixIndexConfig, PrefixIndexService
 from services.scheduler.regions import RegionConfig
 from services.scheduler.service import SchedulerService, SchedulerServiceConfig
 from services.tokenizer.service import TokenizerConfig, TokenizerService
+from tools.bench.paced import slow_step
 from tools.bench.scrape import metric_sums
 
 
@@ -221,13 +222,7 @@ class MeshHarness:
         """Every executor's engine step takes ``step_s`` longer: streams last long enough to
         be cut, and an executor's capacity is known whatever the machine's speed."""
         for executor in self.executor_services:
-            step = executor.engine.step
-
-            def slow(step: Any = step) -> Any:
-                time.sleep(step_s)
-                return step()
-
-            executor.engine.step = slow  # type: ignore[method-assign]
+            slow_step(executor, step_s)
 
     def stop(self) -> None:
         async def close_all() -> None:
@@ -335,8 +330,3 @@ class RegionMeshes:
     def sees_peer(self, region: str) -> bool:
         """Whether this region's scheduler has a fresh load report from another region."""
         return bool(self.scheduler(region).spill.remotes(1))
-
-
-def counter_total(counter: Counter) -> float:
-    """A Prometheus counter's value summed over its labels."""
-    return sum(s.value for m in counter.collect() for s in m.samples if s.name.endswith("_total"))

@@ -15,13 +15,11 @@ from services.executor.config import ExecutorConfig
 from services.executor.service import build_engine
 from services.launcher.mesh import LocalMesh
 from services.launcher.regions import RegionMesh
-from services.launcher.up import add_up
+from services.launcher.up import parse_up_args
 
 
 def up(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    add_up(parser.add_subparsers())
-    return parser.parse_args(["up", "--nats-url", "nats://127.0.0.1:1", *argv])  # none started
+    return parse_up_args(["--nats-url", "nats://127.0.0.1:1", *argv])  # none started
 
 
 def executor_threads(mesh: LocalMesh, monkeypatch, name: str = "executor-0") -> str:

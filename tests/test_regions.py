@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import math
 
 import pytest
@@ -11,7 +10,7 @@ from common.config import MeshConfig
 from services.launcher.mesh import LocalMesh
 from services.launcher.nats_cluster import ClusterPlan, server_config
 from services.launcher.regions import RegionMesh
-from services.launcher.up import add_up
+from services.launcher.up import parse_up_args
 from services.scheduler.regions import QueueEstimate, RegionConfig, RegionLoad, choose_region
 
 HOME = "us-east"
@@ -105,10 +104,8 @@ def test_up_regions_with_one_executor_keeps_none_guest_free(monkeypatch, tmp_pat
     monkeypatch.setattr(
         LocalMesh, "spawn", lambda self, name, module, *flags: spawned.update({name: flags})
     )
-    parser = argparse.ArgumentParser()
-    add_up(parser.add_subparsers())
     for extra, reserve in (([], ["--spill-reserve-executors", "0"]), (["--executors", "2"], [])):
-        args = parser.parse_args(["up", "--regions", "us-east,eu-west", *extra])
+        args = parse_up_args(["--regions", "us-east,eu-west", *extra])
         mesh = RegionMesh(args, tmp_path, region="eu-west", peers=("us-east",))
         mesh.spawn("scheduler", "services.scheduler")
         assert spawned["eu-west-scheduler"] == (

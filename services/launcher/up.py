@@ -23,6 +23,13 @@ from services.launcher.supervisor import DeferredInterrupt, RestartPolicy
 from services.scheduler.router import POLICIES
 
 
+def parse_up_args(argv: list[str]) -> argparse.Namespace:
+    """``meshserve up ARGV``'s flags, defaults included (what ``LocalMesh`` takes)."""
+    parser = argparse.ArgumentParser()
+    add_up(parser.add_subparsers())
+    return parser.parse_args(["up", *argv])
+
+
 def add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("up", help="start nats-server and every service locally")
     p.add_argument("--model", default=None, help="HF folder or .gguf file (default: SmolLM2)")

@@ -21,7 +21,7 @@ import os
 from common.nats_server import free_port
 from gpu.gguf import resolve_model_path
 from services.launcher.mesh import LocalMesh
-from services.launcher.up import add_up
+from services.launcher.up import parse_up_args
 from tools.bench.mesh import Side, median_side, questions, run_mesh, warmup_questions
 
 SIDES = ("shared", "default")
@@ -36,10 +36,8 @@ class DefaultThreadsMesh(LocalMesh):
 
 
 def run_side(side: str, args: argparse.Namespace, round_: int) -> dict[int, Side]:
-    p = argparse.ArgumentParser()
-    add_up(p.add_subparsers())
-    up = p.parse_args(
-        ["up", "--model", str(args.folder), "--executors", str(args.executors),
+    up = parse_up_args(
+        ["--model", str(args.folder), "--executors", str(args.executors),
          "--port", str(free_port()), "--served-model-name", "bench"]
     )  # fmt: skip
     mesh = (LocalMesh if side == "shared" else DefaultThreadsMesh)(up, args.folder)

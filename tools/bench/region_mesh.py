@@ -27,36 +27,22 @@ Protocol, one JSON object per line: once the mesh serves, the child writes
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
-import statistics
 import sys
-import time
 from collections.abc import Mapping
 from pathlib import Path
 
 from services.detokenizer.service import DetokenizerService
 from services.gateway.app import GatewayServer
-from services.scheduler.service import SchedulerService
 from tests.mesh import MeshHarness, RegionMeshes, start_region_mesh
+from tools.bench.spill_switch import SpillSwitch
 from tools.bench.wait_times import WaitTimes, parts
 
 
 def reply(message: Mapping[str, object]) -> None:
     sys.stdout.write(json.dumps(message) + "\n")
     sys.stdout.flush()
-
-
-def rtt_ms(sched: SchedulerService, timeout: float = 20) -> float:
-    """The median round trip to the peers, once a load report has crossed the link."""
-    deadline = time.monotonic() + timeout
-    while not sched.spill.remotes(1):
-        if time.monotonic() > deadline:
-            raise TimeoutError("no load report crossed the gateway link")
-        time.sleep(0.1)
-    time.sleep(1.0)  # a few more polls: the first one pays for connection set-up
-    return statistics.median(p.rtt_ms for p in sched.spill.peers.values())
 
 
 def wait_times(mesh: MeshHarness) -> WaitTimes:
@@ -94,21 +80,18 @@ def main() -> None:
         spill_queue_ms=args.spill_queue_ms, spill_reserve_executors=args.spill_reserve_executors,
     )  # fmt: skip
     try:
-        regions = RegionMeshes({args.region: mesh})
-        sched = regions.scheduler(args.region)
-        spill_config = sched.spill.config
-        configs = {"on": spill_config, "off": dataclasses.replace(spill_config, peer_regions=())}
+        switch = SpillSwitch(RegionMeshes({args.region: mesh}).scheduler(args.region).spill)
         local = wait_times(mesh)
         reply({"base_url": mesh.base_url})
         for line in sys.stdin:
             command = line.split()
             if command[:1] == ["spill"] and command[1:] in (["on"], ["off"]):
-                sched.spill.config = configs[command[1]]  # read afresh on every decision
+                switch.set(command[1] == "on")
                 reply({})
             elif command == ["spilled"]:
-                reply({"spilled": int(regions.spilled(args.region))})
+                reply({"spilled": switch.spilled()})
             elif command == ["rtt"]:
-                reply({"rtt_ms": rtt_ms(sched)})
+                reply({"rtt_ms": mesh.call(switch.rtt_ms())})
             elif command == ["local"]:
                 reply(parts([local.take()]))
             elif command == ["stop"]:

@@ -17,7 +17,6 @@ by the operating system.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import sys
@@ -26,11 +25,12 @@ from pathlib import Path
 from typing import Any
 
 import nats
+import nats.errors
 
 from common.nats_server import free_port
 from services.launcher.console import ServiceLogs
 from services.launcher.regions import RegionMesh
-from services.launcher.up import add_up
+from services.launcher.up import parse_up_args
 from tools.bench.region_mesh import region_parser, reply
 from tools.bench.region_service import BENCH_SERVICES, control_subject
 from tools.bench.wait_times import parts
@@ -60,15 +60,11 @@ class BenchRegionMesh(RegionMesh):
         return super().popen(name)
 
 
-def up_args(argv: list[str]) -> argparse.Namespace:
-    """``meshserve up``'s flags, defaults included, as ``RegionMesh`` takes them."""
-    p = argparse.ArgumentParser()
-    add_up(p.add_subparsers())
-    return p.parse_args(["up", *argv])
-
-
 async def ask(nc: Any, name: str, command: str) -> Any:
-    msg = await nc.request(control_subject(name), command.encode(), timeout=30)
+    try:
+        msg = await nc.request(control_subject(name), command.encode(), timeout=30)
+    except nats.errors.Error as exc:
+        raise RuntimeError(f"{name} did not answer {command!r}: {exc!r}") from exc
     answer = json.loads(msg.data)
     if isinstance(answer, dict) and "error" in answer:
         raise RuntimeError(f"{name}: {answer['error']}")
@@ -103,7 +99,7 @@ def main() -> None:
     p.add_argument("--decode-executors", type=int, default=0)
     p.add_argument("--log-dir", type=Path, default=Path("out/bench_regions"))
     args = p.parse_args()
-    up = up_args(
+    up = parse_up_args(
         [
             "--model", str(args.model), "--nats-url", args.nats_url, "--port", str(free_port()),
             "--executors", str(args.executors), "--max-num-seqs", str(args.max_num_seqs),

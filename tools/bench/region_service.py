@@ -19,12 +19,8 @@ to the peers, ms).
 from __future__ import annotations
 
 import argparse
-import asyncio
-import dataclasses
 import json
-import statistics
 import sys
-import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -76,17 +72,12 @@ def executor(name: str, step_s: float) -> None:
     from services.executor.__main__ import build, drain_and_stop
     from services.executor.config import ExecutorConfig, parse_args
     from services.executor.service import ExecutorService
+    from tools.bench.paced import slow_step
     from tools.bench.wait_times import WaitTimes
 
     async def build_paced(config: ExecutorConfig) -> ExecutorService:
         service = await build(config)
-        step = service.engine.step
-
-        def paced() -> Any:
-            time.sleep(step_s)
-            return step()
-
-        service.engine.step = paced  # type: ignore[method-assign]
+        slow_step(service, step_s)
         times = WaitTimes()
         times.watch_executor(service)
         answer_local(name, service, service.svc, times)
@@ -128,41 +119,26 @@ def detokenizer(name: str) -> None:
 
 def scheduler(name: str) -> None:
     from services.scheduler.service import SchedulerService, SchedulerServiceConfig, parse_args
+    from tools.bench.spill_switch import SpillSwitch
 
     def build(config: SchedulerServiceConfig) -> SchedulerService:
         service = SchedulerService(config)
-        spill = service.spill
-        configs = {
-            "on": spill.config,
-            "off": dataclasses.replace(spill.config, peer_regions=()),
-        }
+        switch = SpillSwitch(service.spill)
 
-        def switch(side: str) -> Callable[[], Awaitable[Any]]:
+        def turn(on: bool) -> Callable[[], Awaitable[Any]]:
             async def set_config() -> Any:
-                spill.config = configs[side]  # read afresh on every decision
+                switch.set(on)
                 return {}
 
             return set_config
 
         async def spilled() -> Any:
-            total = sum(
-                s.value
-                for m in spill.spilled_total.collect()
-                for s in m.samples
-                if s.name.endswith("_total")
-            )
-            return {"spilled": int(total)}
+            return {"spilled": switch.spilled()}
 
         async def rtt() -> Any:
-            deadline = time.monotonic() + 20
-            while not spill.remotes(1):
-                if time.monotonic() > deadline:
-                    raise TimeoutError("no load report crossed the gateway link")
-                await asyncio.sleep(0.1)
-            await asyncio.sleep(1.0)  # a few more polls: the first one pays for set-up
-            return {"rtt_ms": statistics.median(p.rtt_ms for p in spill.peers.values())}
+            return {"rtt_ms": await switch.rtt_ms()}
 
-        handlers = {"spill on": switch("on"), "spill off": switch("off")}
+        handlers = {"spill on": turn(True), "spill off": turn(False)}
         answer_on(name, service, service.svc, {**handlers, "spilled": spilled, "rtt": rtt})
         return service
 

@@ -18,12 +18,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from common.wire.codec import decode_any
-from common.wire.gateway import ErrorEvent, TextDelta, TextDeltas
+from common.wire.gateway import TextDelta
 from services.detokenizer.service import DetokenizerService
 from services.executor.service import ExecutorService
 from services.gateway.app import GatewayServer
 from services.gateway.observe import RequestObserver
+from services.gateway.streams import RequestStream
 
 # (part, the moment it starts, the moment it ends)
 LEGS = (
@@ -70,24 +70,22 @@ class WaitTimes:
             observe(amount, exemplar)
 
         ttft.observe = observed  # type: ignore[method-assign]
-        seen = RequestObserver.delta  # (this process's gateway is the only one)
+        # The classes' methods below: this process's gateway is the only one.
+        seen = RequestObserver.delta
 
         def delta(observer: RequestObserver, index: int, delta: TextDelta) -> None:
             self.stamp(delta.request_id, "observed")  # the handler has the text
             seen(observer, index, delta)
 
         RequestObserver.delta = delta  # type: ignore[method-assign, assignment]
-        inbox = gateway.mesh.inbox
-        deliver = inbox.deliver
+        put = RequestStream.put  # each event the inbox routes to a request's stream
 
-        def delivered(payload: bytes) -> None:
-            message = decode_any(payload, TextDeltas, ErrorEvent)
-            if isinstance(message, TextDeltas):
-                for delta in message.deltas:
-                    self.stamp(delta.request_id, "at_gateway")
-            deliver(payload)
+        def routed(stream: RequestStream, event: Any) -> None:
+            if isinstance(event, TextDelta):
+                self.stamp(event.request_id, "at_gateway")
+            put(stream, event)
 
-        inbox.deliver = delivered  # type: ignore[method-assign]
+        RequestStream.put = routed  # type: ignore[method-assign, assignment]
 
     def watch_detokenizer(self, detok: DetokenizerService) -> None:
         """When the detokenizer turned to each stream's first tokens."""
