@@ -6,7 +6,7 @@ over stdin by ``tools.bench.regions --processes``:
         [--executors 1] [--prefill-executors 0 --decode-executors 0] \\
         [--spill-reserve-executors 0] [--log-dir DIR]
 
-The same protocol as ``region_mesh.py`` (one JSON line when the mesh serves, then one per
+The same protocol as ``region_mesh.py`` (one JSON line once every service answers, then one per
 command: ``spill on|off``, ``spilled``, ``rtt``, ``local``, ``stop``), answered by asking the
 services themselves (``region_service.py``: the scheduler, the gateway, each executor). What
 ``region_mesh.py`` runs in one interpreter (a whole region's services in one event loop, so
@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -71,6 +72,19 @@ async def ask(nc: Any, name: str, command: str) -> Any:
     return answer
 
 
+async def until_answered(nc: Any, names: list[str], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    for name in names:
+        while True:
+            try:
+                await nc.request(control_subject(name), b"ping", timeout=1)
+                break
+            except nats.errors.Error:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{name} did not come up within {timeout:.0f} s") from None
+                await asyncio.sleep(0.2)
+
+
 async def serve_commands(mesh: BenchRegionMesh, nats_url: str) -> None:
     nc = await nats.connect(nats_url.split(","))
     names = [name for name, _ in mesh.procs]
@@ -79,6 +93,10 @@ async def serve_commands(mesh: BenchRegionMesh, nats_url: str) -> None:
     watched = [n for n in names if any(part in n + "-" for part in stamping)]
     loop = asyncio.get_running_loop()
     try:
+        # Up when every bench-run service answers: the gateway is healthy before any executor
+        # (a region's gateway does not require one), and an executor loads its model first.
+        await until_answered(nc, [scheduler, *watched], timeout=180)
+        reply({"base_url": mesh.base_url + "/v1"})
         while line := await loop.run_in_executor(None, sys.stdin.readline):
             command = line.strip()
             if command in ("spill on", "spill off", "spilled", "rtt"):
@@ -126,7 +144,6 @@ def main() -> None:
     try:
         mesh.start()
         mesh.wait_ready(180)
-        reply({"base_url": mesh.base_url + "/v1"})
         asyncio.run(serve_commands(mesh, args.nats_url))
     finally:
         mesh.stop()
