@@ -36,9 +36,17 @@ if TYPE_CHECKING:
 # 503 codes whose request was lost in transit (the stage that answers them names the loss):
 # a gap in the tokens (detokenizer) or deltas (gateway), a start the detokenizer never saw
 # (executor, ``stream_lost``), a step the executor could not publish, a request no stage
-# holds any more (watchdog), and the gateway's own connection lost (one NATS server).
+# holds any more (watchdog), the gateway's own connection lost (one NATS server), and a
+# spilled request sent back by a region left without an executor for it (its scheduler).
 RESUMABLE = frozenset(
-    {"stream_gap", "stream_lost", "delivery_failed", "request_lost", "mesh_unavailable"}
+    {
+        "stream_gap",
+        "stream_lost",
+        "delivery_failed",
+        "request_lost",
+        "mesh_unavailable",
+        "region_unavailable",
+    }
 )
 
 

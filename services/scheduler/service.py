@@ -35,7 +35,7 @@ from common.wire.gateway import ErrorEvent
 from common.wire.prefix_index import IndexMatchReply, IndexMatchRequest
 from common.wire.presence import Presence
 from common.wire.scheduler import Heartbeat, RequestStatusQuery, RequestStatusReply
-from services.scheduler.guests import GuestPlacement
+from services.scheduler.guests import GuestPlacement, guest_pool
 from services.scheduler.inflight import Assignment, Inflight, Rank
 from services.scheduler.pairing import route
 from services.scheduler.regions import QueueEstimate, RegionConfig, RegionLoad
@@ -404,8 +404,44 @@ class SchedulerService:
                 ),
             )
         self.ended.prune()
+        await self.return_guests()
         await self.spill_queued()
         await self.dispatch()
+
+    async def return_guests(self) -> None:
+        """Send queued guests back to their region when no executor here may take one (every
+        executor lost, or no more live than ``--spill-reserve-executors``).
+
+        Else a guest would wait here for its deadline, while its home's watchdog, asking us,
+        hears that it is alive. Each gets a resumable 503 on its stream: its gateway (at home)
+        continues it from the tokens its client has, at home or in another region, as after
+        any loss in transit (``services/gateway/resume.py``); a guest that streamed nothing
+        is simply submitted again. Every stage here forgets it.
+        """
+        if not any(req.guest for _, req in self.queue):
+            return
+        if self.placement().guest_executors(self.router, guest_pool(self.router)):
+            return
+        guests = self.remove_queued({req.request_id for _, req in self.queue if req.guest})
+        for req in guests:
+            self.routes.dropped(req.request_id, "returned")
+            await self.svc.publish(
+                req.reply_to,
+                ErrorEvent(
+                    req.request_id,
+                    503,
+                    "The region serving this request has no executor for it; retry the request.",
+                    "server_error",
+                    "region_unavailable",
+                ),
+            )
+        ids = [req.request_id for req in guests]
+        self.ended.add_all(ids, True)
+        await self.svc.publish(
+            self.svc.subjects.abort, AbortRequests(ids, "returned to its region")
+        )
+        self.spill.returned_total.inc(len(guests))
+        log.warning("scheduler: no executor here may take a guest; returned %d", len(guests))
 
     def placement(self) -> GuestPlacement:
         return GuestPlacement(

@@ -82,6 +82,11 @@ class RegionSpill:
             "Requests another region's scheduler sent here.",
             registry=svc.registry,
         )
+        self.returned_total = Counter(
+            PREFIX + "scheduler_guests_returned",
+            "Guests sent back to their region because no executor here could take them.",
+            registry=svc.registry,
+        )
         self.rtt = Gauge(
             PREFIX + "scheduler_region_rtt_seconds",
             "Round trip to each peer region's scheduler (its last load report).",
