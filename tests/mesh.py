@@ -218,11 +218,12 @@ class MeshHarness:
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}/v1"
 
-    def slow_steps(self, step_s: float) -> None:
-        """Every executor's engine step takes ``step_s`` longer: streams last long enough to
-        be cut, and an executor's capacity is known whatever the machine's speed."""
+    def slow_steps(self, step_s: float, prefill_s_per_token: float = 0.0) -> None:
+        """Every executor's engine step takes ``step_s`` longer (and ``prefill_s_per_token``
+        per prompt token it computes, ``paced.py``): streams last long enough to be cut, and
+        an executor's capacity is known whatever the machine's speed."""
         for executor in self.executor_services:
-            slow_step(executor, step_s)
+            slow_step(executor, step_s, prefill_s_per_token)
 
     def stop(self) -> None:
         async def close_all() -> None:
@@ -284,6 +285,7 @@ def start_region_mesh(
     spill_queue_ms: float = 100.0,
     spill_reserve_executors: int = 0,
     users: dict[str, NatsAuth] | None = None,
+    prefill_s_per_token: float = 0.0,
 ) -> MeshHarness:
     """One region's whole mesh (the two-region tests and ``tools/bench/region_mesh.py``): its
     executors slowed to ``step_s`` a step, spilling to the other ``regions`` past
@@ -306,7 +308,7 @@ def start_region_mesh(
             )
         },
     ).start()
-    mesh.slow_steps(step_s)
+    mesh.slow_steps(step_s, prefill_s_per_token)
     return mesh
 
 

@@ -2,12 +2,13 @@
 
     python -m tools.bench.region_mesh --model DIR --nats-url URLS --region eu-west \\
         --peer-regions us-east [--spill-queue-ms 300] [--max-num-seqs 4] [--step-ms 15] \\
-        [--executors 1] [--spill-reserve-executors 0]
+        [--prefill-ms-per-token 0] [--executors 1] [--spill-reserve-executors 0]
 
 Two regions are two sets of machines: run in one interpreter, one region's Python work (and
 the load generator's) would take the GIL from the other's, and a local request in the quiet
 region would pay for the overloaded one's traffic. So each region's mesh (the tests' harness,
-``tests/mesh.py``, its executors slowed to ``--step-ms`` per step) lives in its own child.
+``tests/mesh.py``, its executors slowed to ``--step-ms`` per step and ``--prefill-ms-per-token``
+per prompt token, ``paced.py``) lives in its own child.
 
 Protocol, one JSON object per line: once the mesh serves, the child writes
 ``{"base_url": ...}``; then for each command read on stdin it writes one reply:
@@ -65,6 +66,7 @@ def region_parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--spill-queue-ms", type=float, default=300.0)
     p.add_argument("--max-num-seqs", type=int, default=4)
     p.add_argument("--step-ms", type=float, default=15.0)
+    p.add_argument("--prefill-ms-per-token", type=float, default=0.0)
     p.add_argument("--executors", type=int, default=1, help="mixed ones")
     p.add_argument("--spill-reserve-executors", type=int, default=0)
     return p
@@ -78,6 +80,7 @@ def main() -> None:
         args.model, args.region, (args.region, *peers), args.nats_url, args.step_ms / 1000,
         max_num_seqs=args.max_num_seqs, executors=args.executors,
         spill_queue_ms=args.spill_queue_ms, spill_reserve_executors=args.spill_reserve_executors,
+        prefill_s_per_token=args.prefill_ms_per_token / 1000,
     )  # fmt: skip
     try:
         switch = SpillSwitch(RegionMeshes({args.region: mesh}).scheduler(args.region).spill)

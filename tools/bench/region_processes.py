@@ -42,6 +42,7 @@ class BenchRegionMesh(RegionMesh):
     """``RegionMesh`` with its executors, gateway and scheduler run by ``region_service.py``."""
 
     step_ms: float = 15.0
+    prefill_ms_per_token: float = 0.0
     spill_reserve_executors: int = 0
 
     def spawn(self, name: str, module: str, *flags: str) -> None:
@@ -56,7 +57,8 @@ class BenchRegionMesh(RegionMesh):
         if cmd[at + 1] in BENCH_SERVICES:
             self.commands[name] = [
                 *cmd[:at], "-m", "tools.bench.region_service", cmd[at + 1],
-                "--bench-name", name, "--bench-step-ms", str(self.step_ms), *cmd[at + 2:],
+                "--bench-name", name, "--bench-step-ms", str(self.step_ms),
+                "--bench-prefill-ms-per-token", str(self.prefill_ms_per_token), *cmd[at + 2:],
             ]  # fmt: skip
         return super().popen(name)
 
@@ -137,6 +139,7 @@ def main() -> None:
         kv_replicas=2,
         spill_queue_ms=args.spill_queue_ms,
         step_ms=args.step_ms,
+        prefill_ms_per_token=args.prefill_ms_per_token,
         spill_reserve_executors=args.spill_reserve_executors,
     )
     # every region's executors share this machine's cores (--cpu-threads: their share)

@@ -2,10 +2,11 @@
 it, with what the regions bench (``region_processes.py``) needs of it:
 
     python -m tools.bench.region_service services.executor --bench-name NAME \\
-        [--bench-step-ms 15] EXECUTOR FLAGS...
+        [--bench-step-ms 15] [--bench-prefill-ms-per-token 0] EXECUTOR FLAGS...
 
-- ``services.executor``: each engine step takes ``--bench-step-ms`` longer (a device step;
-  see ``regions.py``), and it records where its region's own requests waited;
+- ``services.executor``: each engine step takes ``--bench-step-ms`` longer, and
+  ``--bench-prefill-ms-per-token`` more per prompt token it computes (device time; see
+  ``regions.py``), and it records where its region's own requests waited;
 - ``services.gateway``: it records the TTFT of each of its clients' requests;
 - ``services.detokenizer``: it records when it turned to each stream's first tokens;
 - ``services.scheduler``: its spilling can be switched on and off between rounds.
@@ -68,7 +69,7 @@ def answer_local(name: str, service: Any, svc: Service, times: WaitTimes) -> Non
     answer_on(name, service, svc, {"local": local})
 
 
-def executor(name: str, step_s: float) -> None:
+def executor(name: str, step_s: float, prefill_s_per_token: float) -> None:
     from services.executor.__main__ import build, drain_and_stop
     from services.executor.config import ExecutorConfig, parse_args
     from services.executor.service import ExecutorService
@@ -77,7 +78,7 @@ def executor(name: str, step_s: float) -> None:
 
     async def build_paced(config: ExecutorConfig) -> ExecutorService:
         service = await build(config)
-        slow_step(service, step_s)
+        slow_step(service, step_s, prefill_s_per_token)
         times = WaitTimes()
         times.watch_executor(service)
         answer_local(name, service, service.svc, times)
@@ -150,10 +151,11 @@ def main() -> None:
     p.add_argument("module", choices=BENCH_SERVICES)
     p.add_argument("--bench-name", required=True)
     p.add_argument("--bench-step-ms", type=float, default=15.0)
+    p.add_argument("--bench-prefill-ms-per-token", type=float, default=0.0)
     args, rest = p.parse_known_args()
     sys.argv = [f"{sys.argv[0]} {args.module}", *rest]  # what the service parses
     if args.module == "services.executor":
-        executor(args.bench_name, args.bench_step_ms / 1000)
+        executor(args.bench_name, args.bench_step_ms / 1000, args.bench_prefill_ms_per_token / 1000)
     elif args.module == "services.gateway":
         gateway(args.bench_name, rest)
     elif args.module == "services.detokenizer":

@@ -3,6 +3,7 @@
     python -m tools.bench.regions [--delay-ms 25] [--rounds 2] [--round-s 20]
                                   [--rate-east 18] [--rate-west 3] [--slo-ms 1000]
                                   [--executors 1] [--spill-reserve-executors 0]
+                                  [--prompt-tokens 0] [--prefill-ms-per-token 0]
 
 Two regions (us-east, eu-west) on this machine: per region a two-server NATS cluster with
 JetStream, joined by gateways whose every connection passes a TCP proxy that delays each byte
@@ -17,7 +18,10 @@ moment the quiet region's first tokens are read. Model: the tiny random Llama of
 tests; each executor runs at most ``--max-num-seqs`` sequences with a fixed ``--step-ms`` per
 step (the model's own time is a fraction of a millisecond, so the sleep stands for a device
 step; both regions share this machine's CPUs, and without it they would also share the
-compute they are meant to add).
+compute they are meant to add). By default a prompt is a short text (a few tokens) and a
+step costs the same whatever it computes; ``--prompt-tokens N`` sends prompts of N random
+token ids instead (no two share a cached page) and ``--prefill-ms-per-token`` adds that much
+device time per prompt token a step computes, as a device's prefill costs (``paced.py``).
 
 Load: open-loop Poisson arrivals, the same seeded schedule for both sides: us-east at
 ``--rate-east`` requests/s (above its capacity), eu-west at ``--rate-west`` (below). Every
@@ -84,16 +88,37 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def one(session: aiohttp.ClientSession, url: str, tokens: int, due: float) -> float | None:
+# Token ids a long prompt draws from: below the tiny model's vocabulary (512), above the ids
+# its tokenizer keeps for special tokens.
+PROMPT_IDS = range(16, 500)
+
+
+def prompt(prompt_tokens: int) -> str | list[int]:
+    """A prompt no other request shares a page of: a short text, or ``prompt_tokens`` ids."""
+    if not prompt_tokens:
+        return f"region bench {random.random()}"
+    return [random.choice(PROMPT_IDS) for _ in range(prompt_tokens)]
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What every request of a run asks for."""
+
+    output_tokens: int
+    prompt_tokens: int = 0  # 0: a short text
+
+
+async def one(session: aiohttp.ClientSession, url: str, shape: Shape, due: float) -> float | None:
     """TTFT from the scheduled arrival ``due`` (``time.monotonic``), or None if it failed."""
     await asyncio.sleep(max(0.0, due - time.monotonic()))
     body = {
-        "model": "tiny", "prompt": f"region bench {random.random()}", "max_tokens": tokens,
+        "model": "tiny", "prompt": prompt(shape.prompt_tokens), "max_tokens": shape.output_tokens,
         "stream": True, "ignore_eos": True, "temperature": 0,
     }  # fmt: skip
     ttft = None
     async with session.post(url, json=body) as resp:
         if resp.status != 200:
+            print(f"a request failed: {resp.status} {await resp.text()}", file=sys.stderr)
             return None
         async for line in resp.content:
             if ttft is None and line.startswith(b"data: {"):
@@ -102,7 +127,7 @@ async def one(session: aiohttp.ClientSession, url: str, tokens: int, due: float)
 
 
 async def region_round(
-    url: str, rate: float, tokens: int, round_s: float, seed: int, start: float
+    url: str, rate: float, shape: Shape, round_s: float, seed: int, start: float
 ) -> list[float | None]:
     """One region's clients for one round: Poisson arrivals at ``rate`` from ``start``
     (``time.monotonic``, the same clock in every process) for ``round_s``; each one's TTFT, or
@@ -116,21 +141,21 @@ async def region_round(
             break
         dues.append(t)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
-        return list(await asyncio.gather(*(one(session, url, tokens, due) for due in dues)))
+        return list(await asyncio.gather(*(one(session, url, shape, due) for due in dues)))
 
 
 def region_clients(
-    url: str, rate: float, tokens: int, round_s: float, seed: int, start: float
+    url: str, rate: float, shape: Shape, round_s: float, seed: int, start: float
 ) -> list[float | None]:
     """``region_round`` in a process of the load generator's pool."""
-    return asyncio.run(region_round(url, rate, tokens, round_s, seed, start))
+    return asyncio.run(region_round(url, rate, shape, round_s, seed, start))
 
 
 def run_round(
     clients: ProcessPoolExecutor,
     urls: dict[str, str],
     rates: dict[str, float],
-    tokens: int,
+    shape: Shape,
     round_s: float,
     seed: int,
 ) -> tuple[dict[str, list[float]], int]:
@@ -138,7 +163,7 @@ def run_round(
     start = time.monotonic() + 0.5
     futures = {
         region: clients.submit(
-            region_clients, urls[region] + "/completions", rates[region], tokens, round_s,
+            region_clients, urls[region] + "/completions", rates[region], shape, round_s,
             1000 * seed + i, start,
         )
         for i, region in enumerate(REGIONS)
@@ -203,6 +228,10 @@ def main() -> None:
     p.add_argument("--slo-ms", type=float, default=1000.0)
     p.add_argument("--spill-queue-ms", type=float, default=300.0)
     p.add_argument("--output-tokens", type=int, default=16)
+    p.add_argument("--prompt-tokens", type=int, default=0, help="0: a short text prompt")
+    p.add_argument(
+        "--prefill-ms-per-token", type=float, default=0.0, help="device time per prompt token"
+    )
     p.add_argument("--max-num-seqs", type=int, default=4)
     p.add_argument("--step-ms", type=float, default=15.0)
     p.add_argument("--executors", type=int, default=1, help="per region, both alike")
@@ -232,7 +261,12 @@ def main() -> None:
         p.error("--disaggregated needs --processes")
     args.log_dir.mkdir(parents=True, exist_ok=True)
     load_at_start = os.getloadavg()[0]
-    model = write_tiny_model(Path(tempfile.mkdtemp(prefix="bench-regions-")) / "llama")
+    # (the tiny model's 256 positions would refuse a long prompt with its output)
+    positions = max(256, args.prompt_tokens + args.output_tokens)
+    model = write_tiny_model(
+        Path(tempfile.mkdtemp(prefix="bench-regions-")) / "llama",
+        max_position_embeddings=positions,
+    )
     plans = [ClusterPlan.free(r, 2, gateways=True) for r in REGIONS]
     ports = [port for plan in plans for port in plan.gateway_ports]
     proxy = Child(
@@ -263,6 +297,7 @@ def main() -> None:
                  "--peer-regions", ",".join(r for r in REGIONS if r != region),
                  "--spill-queue-ms", str(args.spill_queue_ms),
                  "--max-num-seqs", str(args.max_num_seqs), "--step-ms", str(args.step_ms),
+                 "--prefill-ms-per-token", str(args.prefill_ms_per_token),
                  "--executors", str(args.executors),
                  "--spill-reserve-executors", str(args.spill_reserve_executors)],
                 args.log_dir / f"{region}.log",
@@ -276,7 +311,8 @@ def main() -> None:
         rates = {"us-east": args.rate_east, "eu-west": args.rate_west}
         # forked now: no thread of this process runs, and the workers need no imports of their own
         clients = ProcessPoolExecutor(len(REGIONS), mp_context=multiprocessing.get_context("fork"))
-        run_round(clients, urls, {r: 2.0 for r in REGIONS}, args.output_tokens, 3.0, seed=0)
+        shape = Shape(args.output_tokens, args.prompt_tokens)
+        run_round(clients, urls, {r: 2.0 for r in REGIONS}, shape, 3.0, seed=0)
         meshes["eu-west"].ask("local")
         sides = {"spillover": Side("spillover"), "local-only": Side("local-only")}
         for round_no in range(args.rounds):
@@ -286,7 +322,7 @@ def main() -> None:
                 before = east.ask("spilled")["spilled"]
                 before_back = meshes["eu-west"].ask("spilled")["spilled"]
                 ttft, failed = run_round(
-                    clients, urls, rates, args.output_tokens, args.round_s, seed=round_no + 1
+                    clients, urls, rates, shape, args.round_s, seed=round_no + 1
                 )
                 for region in REGIONS:
                     side.ttft[region] += ttft[region]
