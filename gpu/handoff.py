@@ -24,13 +24,20 @@ from gpu.sequence import SeqStatus
 
 
 def reserve(
-    engine: Engine, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    engine: Engine,
+    request_id: str,
+    prompt_token_ids: list[int],
+    params: SamplingParams,
+    guest: bool = False,
 ) -> list[int] | None:
     """Pages for this prompt's KV, in order (page ``i`` holds tokens ``i*page_size...``), or
     None when the pool or the batch has no room now. Raises like ``add_request`` on a bad
     request. The pages are fresh: nothing of the prompt is taken from the local cache (the
-    prefill side writes every page)."""
+    prefill side writes every page). ``guest`` as for ``add_request``: once admitted, the
+    sequence yields its slot to an own request like any guest (recomputed here, prompt and
+    all, when a slot frees)."""
     seq = engine.new_sequence(request_id, prompt_token_ids, params)
+    seq.guest = guest
     # Room for the first decode token too, so an admitted sequence never preempts at once.
     if not engine.pages.can_allocate(seq.table, len(prompt_token_ids) + 1):
         return None

@@ -126,3 +126,30 @@ def test_paired_extents_merge_runs_consecutive_on_both_sides():
         paired_extents(src, [4], dst, [40])
     with pytest.raises(ValueError, match="differ"):
         paired_extents(src, [1], KVLayout((0,), 10, 40), [1])
+
+
+def test_a_guest_admitted_through_a_handoff_yields_its_slot_and_is_recomputed(tiny_llama):
+    # A guest (spilled in from another region) whose prompt was prefilled elsewhere is
+    # preempted for an own request when the batch is full, like any guest, and recomputed
+    # here when the slot frees: its output is the uninterrupted one.
+    prompt, own_prompt = prompts_for(11, [13, 9])
+    params = SamplingParams(max_tokens=10, **GREEDY)
+    expected = make_engine(tiny_llama).generate([prompt], params)[0]
+    prefill, decode = make_engine(tiny_llama), make_engine(tiny_llama, max_seqs=1)
+    pages = handoff.reserve(decode, "g", prompt, params, guest=True)
+    assert pages is not None
+    prefill.add_request("g", prompt, params)
+    first = [t for out in prefill.step() for t in out.new_token_ids]
+    detached = handoff.detach_prefilled(prefill, "g")
+    assert detached is not None
+    copy_tensors(prefill, detached[0].pages, decode, pages)
+    assert handoff.admit_prefilled(decode, "g", first[0])
+    out = list(first) + [t for o in decode.step() for t in o.new_token_ids]
+    decode.add_request("own", own_prompt, SamplingParams(max_tokens=3, **GREEDY))
+    steps = [decode.step() for _ in range(3)]
+    assert [{o.request_id for o in step} for step in steps] == [{"own"}] * 3  # the guest waits
+    assert [s.request_id for s in decode.scheduler.waiting] == ["g"]
+    while decode.has_unfinished():
+        out += [t for o in decode.step() if o.request_id == "g" for t in o.new_token_ids]
+    assert out == expected
+    decode.pages.check_invariants([])

@@ -149,7 +149,9 @@ class DecodeSide:
         """Reserve pages for ``req``'s prompt and ask its prefill executor to fill them; False
         when there is no room (the caller computes it here). Raises on a bad request."""
         svc, rid = self.service, req.request_id
-        pages = handoff.reserve(svc.engine, rid, req.prompt_token_ids, sampling_params(req.params))
+        pages = handoff.reserve(
+            svc.engine, rid, req.prompt_token_ids, sampling_params(req.params), req.guest
+        )
         if pages is None:
             return False
         now = time.monotonic()
@@ -257,7 +259,11 @@ class DecodeSide:
             return
         try:
             svc.engine.add_request(
-                rid, req.prompt_token_ids, sampling_params(req.params), resume.streamed
+                rid,
+                req.prompt_token_ids,
+                sampling_params(req.params),
+                resume.streamed,
+                guest=req.guest,
             )
         except ValueError as exc:  # e.g. the stream already has max_tokens
             await svc.fail_request(rid, ErrorEvent(rid, 400, str(exc)))

@@ -104,9 +104,9 @@ class ExecutorService:
         self._grammar_cache: asyncio.Task[GrammarCache] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self.pending_aborts: set[str] = set()
-        # Requests in the engine as guests (spilled in from another region): preempted there
-        # for a request of this region's own (``gpu/scheduler.py``). A guest computed through a
-        # KV handoff is not one of them: its sequence is built by the decode side.
+        # Requests in the engine as guests (spilled in from another region), those reserved
+        # for a KV handoff included: preempted there for a request of this region's own
+        # (``gpu/scheduler.py``).
         self.guests: set[str] = set()
         # Requests that ended everywhere (the client left, a stop string): a submit that
         # arrives after its abort (they travel different paths) is dropped, not run for nobody.
@@ -436,13 +436,13 @@ class ExecutorService:
                         grammar=self.compiled.pop(req.request_id, None),
                         guest=req.guest,
                     )
-                    if req.guest:
-                        self.guests.add(req.request_id)
             except ValueError as exc:  # ModelError included: the request, not the executor
                 self.timelines.finished(req.request_id, "error")
                 await self.try_publish(req.reply_to, ErrorEvent(req.request_id, 400, str(exc)))
                 continue
             self.requests[req.request_id] = req
+            if req.guest:
+                self.guests.add(req.request_id)
         if self.decode_side is not None:
             await self.decode_side.apply()
 

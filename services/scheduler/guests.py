@@ -23,8 +23,8 @@ count), with no executor named in configuration.
 The pool is where a guest lives: the decode executors when the region runs disaggregated
 (the prefill side holds a guest only for its prompt), else the mixed and prefill ones.
 ``held`` counts the guests the scheduler dispatched to each executor that have not finished
-(``Inflight``), not the executor's heartbeat: a guest just sent counts at once, and one
-computed through a KV handoff, which the executor does not report as a guest, counts too.
+(``Inflight``), not the executor's heartbeat: a guest just sent counts at once, before the
+executor's next report.
 """
 
 from __future__ import annotations
