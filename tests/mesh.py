@@ -7,9 +7,10 @@ test starts in a second instead of five interpreters importing torch.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,7 @@ from common.runtime import Service
 from services.detokenizer.service import DetokenizerConfig, DetokenizerService
 from services.executor.config import ExecutorConfig
 from services.executor.service import ExecutorService, build_engine
+from services.launcher.nats_cluster import ClusterPlan, Supercluster
 from services.prefix_index.service import PrefixIndexConfig, PrefixIndexService
 from services.scheduler.regions import RegionConfig
 from services.scheduler.service import SchedulerService, SchedulerServiceConfig
@@ -310,6 +312,32 @@ def start_region_mesh(
     ).start()
     mesh.slow_steps(step_s, prefill_s_per_token)
     return mesh
+
+
+@contextlib.contextmanager
+def supercluster_meshes(
+    model: Path,
+    plans: list[ClusterPlan],
+    step_s: float,
+    gateway_urls: Mapping[str, list[str]] | None = None,
+) -> Iterator[tuple[Supercluster, dict[str, MeshHarness]]]:
+    """A supercluster of one cluster per plan (``gateway_urls``: as ``Supercluster.start``)
+    and a whole mesh per region on it (``start_region_mesh``); all stopped on exit."""
+    regions = tuple(plan.name for plan in plans)
+    meshes: dict[str, MeshHarness] = {}
+    supercluster: Supercluster | None = None
+    try:
+        supercluster = Supercluster.start(plans, gateway_urls)
+        supercluster.wait_jetstream()
+        for region in regions:
+            url = supercluster.clusters[region].url
+            meshes[region] = start_region_mesh(model, region, regions, url, step_s)
+        yield supercluster, meshes
+    finally:
+        for mesh in meshes.values():
+            mesh.stop()
+        if supercluster is not None:
+            supercluster.stop()
 
 
 @dataclass

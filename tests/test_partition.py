@@ -18,13 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from services.launcher.nats_cluster import ClusterPlan, Supercluster
+from services.launcher.nats_cluster import ClusterPlan
 from tests.mesh import (
-    MeshHarness,
     RegionMeshes,
     resumed,
-    start_region_mesh,
     stream_greedy,
+    supercluster_meshes,
     wait_for,
 )
 from tools.net.netns import Namespace, unavailable
@@ -55,20 +54,10 @@ def regions(tiny_llama: Path) -> Iterator[Partitionable]:
             command_prefix=namespace.command_prefix,
         ),
     ]  # fmt: skip
-    meshes: dict[str, MeshHarness] = {}
-    supercluster: Supercluster | None = None
     try:
-        supercluster = Supercluster.start(plans)
-        supercluster.wait_jetstream()
-        for region in REGIONS:
-            url = supercluster.clusters[region].url
-            meshes[region] = start_region_mesh(tiny_llama, region, REGIONS, url, STEP_S)
-        yield Partitionable(meshes, namespace)
+        with supercluster_meshes(tiny_llama, plans, STEP_S) as (_, meshes):
+            yield Partitionable(meshes, namespace)
     finally:
-        for mesh in meshes.values():
-            mesh.stop()
-        if supercluster is not None:
-            supercluster.stop()
         namespace.remove()  # after the servers inside it have exited
 
 

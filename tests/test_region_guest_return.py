@@ -18,12 +18,11 @@ import pytest
 from common.metrics import counter_total
 from services.launcher.nats_cluster import ClusterPlan, Supercluster
 from tests.mesh import (
-    MeshHarness,
     RegionMeshes,
     resumed,
     runtime_of,
-    start_region_mesh,
     stream_greedy,
+    supercluster_meshes,
     wait_for,
 )
 
@@ -38,18 +37,9 @@ class Regions(RegionMeshes):
 
 @pytest.fixture
 def regions(tiny_llama: Path) -> Iterator[Regions]:
-    supercluster = Supercluster.start([ClusterPlan.free(r, 2, gateways=True) for r in REGIONS])
-    meshes: dict[str, MeshHarness] = {}
-    try:
-        supercluster.wait_jetstream()
-        for region in REGIONS:
-            url = supercluster.clusters[region].url
-            meshes[region] = start_region_mesh(tiny_llama, region, REGIONS, url, STEP_S)
+    plans = [ClusterPlan.free(r, 2, gateways=True) for r in REGIONS]
+    with supercluster_meshes(tiny_llama, plans, STEP_S) as (supercluster, meshes):
         yield Regions(meshes, supercluster)
-    finally:
-        for mesh in meshes.values():
-            mesh.stop()
-        supercluster.stop()
 
 
 async def greedy(base_url: str) -> tuple[str, str | None]:

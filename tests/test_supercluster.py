@@ -18,13 +18,12 @@ import pytest
 
 from services.launcher.nats_cluster import ClusterPlan, Supercluster
 from tests.mesh import (
-    MeshHarness,
     RegionMeshes,
     openai_client,
     resumed,
     runtime_of,
-    start_region_mesh,
     stream_greedy,
+    supercluster_meshes,
     wait_for,
 )
 from tools.net.tcp_proxy import DelayProxy
@@ -43,23 +42,14 @@ class Regions(RegionMeshes):
 def regions(tiny_llama: Path) -> Iterator[Regions]:
     plans = [ClusterPlan.free(r, 2, gateways=True) for r in REGIONS]
     proxies = {p.name: [DelayProxy(port).start() for port in p.gateway_ports] for p in plans}
-    supercluster = Supercluster.start(
-        plans, {r: [proxy.address for proxy in ps] for r, ps in proxies.items()}
-    )
-    meshes: dict[str, MeshHarness] = {}
+    dial = {r: [proxy.address for proxy in ps] for r, ps in proxies.items()}
     try:
-        supercluster.wait_jetstream()
-        for region in REGIONS:
-            url = supercluster.clusters[region].url
-            meshes[region] = start_region_mesh(tiny_llama, region, REGIONS, url, STEP_S)
-        yield Regions(meshes, [p for ps in proxies.values() for p in ps], supercluster)
+        with supercluster_meshes(tiny_llama, plans, STEP_S, dial) as (supercluster, meshes):
+            yield Regions(meshes, [p for ps in proxies.values() for p in ps], supercluster)
     finally:
-        for mesh in meshes.values():
-            mesh.stop()
         for ps in proxies.values():
             for proxy in ps:
                 proxy.stop()
-        supercluster.stop()
 
 
 async def one(base_url: str, max_tokens: int = 12) -> tuple[float, str]:

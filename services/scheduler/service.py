@@ -22,6 +22,7 @@ import itertools
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from common.config import MeshConfig
@@ -391,22 +392,29 @@ class SchedulerService:
             await self.executor_lost(executor_id, incarnation)
         now = time.time()
         expired = {req.request_id for _, req in self.queue if req.deadline and req.deadline < now}
-        for req in self.remove_queued(expired):
-            self.routes.dropped(req.request_id, "timeout")
-            await self.svc.publish(
-                req.reply_to,
-                ErrorEvent(
-                    req.request_id,
-                    504,
-                    "request timed out waiting for an executor",
-                    "timeout_error",
-                    "queue_timeout",
-                ),
-            )
+        await self.fail_queued(
+            expired,
+            "timeout",
+            lambda rid: ErrorEvent(
+                rid, 504, "request timed out waiting for an executor", "timeout_error",
+                "queue_timeout",
+            ),
+        )  # fmt: skip
         self.ended.prune()
         await self.return_guests()
         await self.spill_queued()
         await self.dispatch()
+
+    async def fail_queued(
+        self, request_ids: set[str], reason: str, error: Callable[[str], ErrorEvent]
+    ) -> list[TokenizedRequest]:
+        """Take these requests out of the queue and send each ``error(its id)`` on its
+        stream; ``reason`` ends its route span. Returns them."""
+        removed = self.remove_queued(request_ids)
+        for req in removed:
+            self.routes.dropped(req.request_id, reason)
+            await self.svc.publish(req.reply_to, error(req.request_id))
+        return removed
 
     async def return_guests(self) -> None:
         """Send queued guests back to their region when no executor here may take one (every
@@ -422,19 +430,14 @@ class SchedulerService:
             return
         if self.placement().guest_executors(self.router, guest_pool(self.router)):
             return
-        guests = self.remove_queued({req.request_id for _, req in self.queue if req.guest})
-        for req in guests:
-            self.routes.dropped(req.request_id, "returned")
-            await self.svc.publish(
-                req.reply_to,
-                ErrorEvent(
-                    req.request_id,
-                    503,
-                    "The region serving this request has no executor for it; retry the request.",
-                    "server_error",
-                    "region_unavailable",
-                ),
-            )
+        guests = await self.fail_queued(
+            {req.request_id for _, req in self.queue if req.guest},
+            "returned",
+            lambda rid: ErrorEvent(
+                rid, 503, "The region serving this request has no executor for it; retry the "
+                "request.", "server_error", "region_unavailable",
+            ),
+        )  # fmt: skip
         ids = [req.request_id for req in guests]
         self.ended.add_all(ids, True)
         await self.svc.publish(
