@@ -202,3 +202,47 @@ async def test_the_kv_transfer_is_a_span_of_the_request_trace(tiny_llama):
     finally:
         mesh.stop()
         receiver.stop()
+
+
+async def test_a_guest_prefilled_through_a_handoff_is_a_guest_on_its_decode_executor(
+    tiny_llama, monkeypatch
+):
+    """In one process: a request spilled in from another region (here every submit is taken
+    as one) whose prompt is prefilled on the prefill executor runs on the decode executor as
+    a guest: its sequence yields its slot to an own request (``gpu/scheduler.py``) and the
+    executor's heartbeat counts it, once admitted."""
+    from services.scheduler.regions import RegionConfig
+    from services.scheduler.service import SchedulerService
+    from tests.mesh import MeshHarness, stream_greedy, wait_for
+
+    async def as_guest(self: SchedulerService, req) -> None:
+        await self.on_spilled(req)
+
+    monkeypatch.setattr(SchedulerService, "on_submit", as_guest)
+    regions = RegionConfig(spill_reserve_executors=0, spill_reserve_seqs=0)
+    mesh = MeshHarness(
+        tiny_llama, roles=("prefill", "decode"), scheduler_options={"regions": regions}
+    ).start()
+    mesh.slow_steps(0.02)  # 60 tokens: over a second on the decode executor
+    try:
+        decode = next(e for e in mesh.executor_services if e.config.role == "decode")
+        sched = next(s for s in mesh.services if isinstance(s, SchedulerService))
+        stream = asyncio.ensure_future(stream_greedy(mesh.base_url, PROMPTS[2], 60))
+
+        def admitted_guest() -> bool:
+            return any(rid in decode.engine.seqs for rid in decode.guests)
+
+        await wait_for(admitted_guest, 20, "the guest admitted on decode-0")
+        rid = next(iter(decode.guests))
+        assert decode.engine.seqs[rid].guest
+
+        def beat_guests() -> int:
+            return sched.router.executors["decode-0"].heartbeat.guests
+
+        await wait_for(lambda: beat_guests() == 1 or stream.done(), 5, "a heartbeat with it")
+        assert beat_guests() == 1
+        text, finish = await stream
+        assert text and finish == "length"
+        assert sched.inflight.guests_by_executor().get("decode-0", 0) == 0
+    finally:
+        mesh.stop()

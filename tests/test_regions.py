@@ -17,7 +17,10 @@ HOME = "us-east"
 
 
 def load(region: str = HOME, **kw: float) -> RegionLoad:
-    values = {"live_executors": 1, "queue_ms": 0.0, "rtt_ms": 0.0, "spare_seqs": 4, **kw}
+    values = {
+        "live_executors": 1, "queue_ms": 0.0, "rtt_ms": 0.0, "spare_seqs": 4,
+        "guest_executors": 1, **kw,
+    }  # fmt: skip
     return RegionLoad(
         region,
         int(values["live_executors"]),
@@ -25,6 +28,7 @@ def load(region: str = HOME, **kw: float) -> RegionLoad:
         values["rtt_ms"],
         int(values.get("uncached_tokens", 0)),
         int(values["spare_seqs"]),
+        int(values["guest_executors"]),
     )
 
 
@@ -64,6 +68,16 @@ def test_without_local_executors_everything_goes_to_a_live_region() -> None:
     # ... and with no live region anywhere it waits at home.
     assert choose_region(home, [load("eu-west", live_executors=0)], 100, 0.1).region == HOME
     assert math.isinf(choose_region(home, [], 100, 0.1).cost_ms)
+
+
+def test_without_local_executors_a_region_that_takes_no_guests_is_passed_over() -> None:
+    # eu-west is live but keeps every executor guest-free (--spill-reserve-executors): it
+    # would send a guest straight back (SchedulerService.return_guests), so it waits at home.
+    home = load(live_executors=0)
+    no_guests = load("eu-west", live_executors=1, guest_executors=0, spare_seqs=0)
+    assert choose_region(home, [no_guests], 100, 0.1).region == HOME
+    busy = load("ap-south", queue_ms=5000, spare_seqs=0)
+    assert choose_region(home, [no_guests, busy], 100, 0.1).region == "ap-south"
 
 
 def test_queue_estimate_from_dispatch_rate_and_oldest_wait() -> None:

@@ -7,7 +7,9 @@ from __future__ import annotations
 import pytest
 
 from common.config import MeshConfig
+from common.metrics import counter_total
 from common.wire.executor import AbortRequests, TokenizedRequest
+from common.wire.gateway import ErrorEvent
 from common.wire.scheduler import Heartbeat
 from common.wire.tokenizer import WireSamplingParams
 from services.scheduler.regions import RegionConfig
@@ -163,3 +165,43 @@ async def test_guests_keep_to_one_executor_of_two_and_our_own_requests_to_the_ot
     assert len(sched.queue) == 1  # guest-3 waits: a keeps its last slot, b takes no guests
     await sched.on_submit(request("local-0"))
     assert sent[-1] == "local-0" and sched.inflight.assignments["local-0"].executor_id == "b"
+
+
+async def test_guests_go_back_once_no_executor_may_take_one_for_a_heartbeat_timeout(
+    scheduler, monkeypatch
+):
+    # One live executor and --spill-reserve-executors 1: no executor here may take a guest.
+    clock = [1000.0]
+    monkeypatch.setattr("services.scheduler.service.time.monotonic", lambda: clock[0])
+    regions = RegionConfig(peer_regions=("us-east",), spill_reserve_executors=1)
+    sched, _ = scheduler(regions=regions)
+    published: list[object] = []
+
+    async def publish(subject: str, message: object) -> None:
+        published.append(message)
+
+    monkeypatch.setattr(sched.svc, "publish", publish)
+    await sched.on_spilled(request("g1"))
+    await sched.on_submit(request("own"))
+    await sched.return_guests()  # the first sweep that finds none: not yet (a restart?)
+    clock[0] += 1.9
+    await sched.return_guests()
+    assert sorted(r.request_id for _, r in sched.queue) == ["g1", "own"]
+    clock[0] += 0.2  # past the heartbeat timeout (2 s)
+    await sched.return_guests()
+    assert [r.request_id for _, r in sched.queue] == ["own"]  # own requests wait here
+    errors = [(m.request_id, m.status, m.code) for m in published if isinstance(m, ErrorEvent)]
+    assert errors == [("g1", 503, "region_unavailable")]  # resumable: its gateway continues it
+    aborts = [m.request_ids for m in published if isinstance(m, AbortRequests)]
+    assert aborts == [["g1"]]  # every stage here forgets it
+    assert counter_total(sched.spill.returned_total) == 1
+    assert sched.home_load().guest_executors == 0  # what the other regions are told
+
+    # A second executor: one of the two may take guests, and a guest stays however long.
+    sched.router.observe(full("b"))
+    await sched.on_spilled(request("g2"))
+    for _ in range(3):
+        clock[0] += 2.5
+        await sched.return_guests()
+    assert sorted(r.request_id for _, r in sched.queue) == ["g2", "own"]
+    assert sched.home_load().guest_executors == 1

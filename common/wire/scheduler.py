@@ -94,6 +94,9 @@ class RegionStatus(Message):
     live_executors: int
     queue_ms: float
     spare_seqs: int = 0  # slots free beyond its reserve for its own clients
+    # executors that may take a guest now (``services/scheduler/guests.py``); 0 from a sender
+    # that predates the field: it is then not counted on for guests
+    guest_executors: int = 0
 
     def __post_init__(self) -> None:
         require(
@@ -102,5 +105,6 @@ class RegionStatus(Message):
                 "region must be a non-empty subject-safe id": id_ok(self.region),
                 "live_executors must be >= 0": self.live_executors >= 0,
                 "queue_ms must be >= 0": self.queue_ms >= 0,
+                "guest_executors must be >= 0": self.guest_executors >= 0,
             },
         )

@@ -105,8 +105,8 @@ class ExecutorService:
         self._tasks: set[asyncio.Task[None]] = set()
         self.pending_aborts: set[str] = set()
         # Requests in the engine as guests (spilled in from another region), those reserved
-        # for a KV handoff included: preempted there for a request of this region's own
-        # (``gpu/scheduler.py``).
+        # for a KV handoff included: preempted there, once admitted, for a request of this
+        # region's own (``gpu/scheduler.py``).
         self.guests: set[str] = set()
         # Requests that ended everywhere (the client left, a stop string): a submit that
         # arrives after its abort (they travel different paths) is dropped, not run for nobody.
@@ -356,7 +356,8 @@ class ExecutorService:
                 incarnation=self.incarnation,
                 max_model_len=self.engine.max_seq_len,
                 role=self.config.role,
-                guests=len(self.guests),
+                # (as ``sequences``: a reservation for a KV handoff is in neither)
+                guests=sum(rid not in self.engine.reserved for rid in self.guests),
             ),
         )
 

@@ -21,7 +21,9 @@ itself. The scheduler adds that, with one rule (``choose_region``):
   report may be a poll old): a spilled-in request queues behind all of its own clients'
   requests and goes only to an executor that still has the reserve free after it
   (``SchedulerService.on_spilled``);
-- a home region with no live executor sends everything to the cheapest live region.
+- a home region with no live executor sends everything to the cheapest live region that has
+  an executor that may take a guest (a region without one sends guests back:
+  ``SchedulerService.return_guests``).
 
 A remote region's report older than ``stale_s`` is not counted on (the gateway link may be cut):
 the request then stays home, where it is served once local capacity frees up.
@@ -95,6 +97,7 @@ class RegionLoad:
     uncached_tokens: int = 0  # prompt tokens this request would prefill there
     # sequence slots free there beyond what it keeps for its own clients
     spare_seqs: int = 0
+    guest_executors: int = 0  # its executors that may take a guest now
 
 
 @dataclass(frozen=True)
@@ -121,11 +124,14 @@ def choose_region(
     if home.live_executors > 0 and home.queue_ms <= budget_ms:
         return Decision(home.region, "local", home_cost)
     # A region with live executors sends work only into another's spare slots: that one's own
-    # clients keep their latency (its reserve). With none live, any live region will do.
+    # clients keep their latency (its reserve). With none live, any region with an executor
+    # that may take a guest will do, busy or not (one without would send it straight back).
     live = [
         r
         for r in remotes
-        if r.live_executors > 0 and (home.live_executors == 0 or r.spare_seqs > 0)
+        if r.live_executors > 0
+        and r.guest_executors > 0
+        and (home.live_executors == 0 or r.spare_seqs > 0)
     ]
     if not live:
         return Decision(home.region, "no-better-region", home_cost)

@@ -132,6 +132,7 @@ class SchedulerService:
         self.routes = RouteTraces(self.svc.tracer, self.metrics)
         self.estimate = QueueEstimate()
         self.spill = RegionSpill(self.svc, config.regions, self.home_load)
+        self.guestless_since: float | None = None  # monotonic; see ``return_guests``
 
     async def start(self) -> None:
         await self.svc.connect()
@@ -417,8 +418,9 @@ class SchedulerService:
         return removed
 
     async def return_guests(self) -> None:
-        """Send queued guests back to their region when no executor here may take one (every
-        executor lost, or no more live than ``--spill-reserve-executors``).
+        """Send queued guests back to their region when no executor here has been able to
+        take one for a heartbeat timeout (every executor lost, or no more live than
+        ``--spill-reserve-executors``).
 
         Else a guest would wait here for its deadline, while its home's watchdog, asking us,
         hears that it is alive. Each gets a resumable 503 on its stream: its gateway (at home)
@@ -426,9 +428,18 @@ class SchedulerService:
         any loss in transit (``services/gateway/resume.py``); a guest that streamed nothing
         is simply submitted again. Every stage here forgets it.
         """
-        if not any(req.guest for _, req in self.queue):
-            return
         if self.placement().guest_executors(self.router, guest_pool(self.router)):
+            self.guestless_since = None
+            return
+        # Not at the first sweep that finds none: an executor restarting is out of the router
+        # while its old requests move (up to the detokenizer's answer), and a scheduler just
+        # started has heard no heartbeat yet.
+        now = time.monotonic()
+        if self.guestless_since is None:
+            self.guestless_since = now
+        if now - self.guestless_since < self.config.heartbeat_timeout_s:
+            return
+        if not any(req.guest for _, req in self.queue):
             return
         guests = await self.fail_queued(
             {req.request_id for _, req in self.queue if req.guest},
@@ -463,10 +474,18 @@ class SchedulerService:
         has_room = bool(self.router.candidates())
         queue_ms = self.estimate.queue_ms(own_queued, max(waits, default=0.0), has_room, now)
         # Only the slots a guest may take: on the guest executors, beyond each one's reserve.
+        placement = self.placement()
         spare = 0
         if not self.queue:
-            spare = self.placement().spare_seqs(self.router, self.config.regions.spill_reserve_seqs)
-        return RegionLoad(self.svc.mesh.region, len(live), queue_ms, spare_seqs=spare)
+            spare = placement.spare_seqs(self.router, self.config.regions.spill_reserve_seqs)
+        guest_executors = len(placement.guest_executors(self.router, guest_pool(self.router)))
+        return RegionLoad(
+            self.svc.mesh.region,
+            len(live),
+            queue_ms,
+            spare_seqs=spare,
+            guest_executors=guest_executors,
+        )
 
     async def spill_queued(self) -> None:
         """With no live executor here, queued requests go to another region as well (new ones

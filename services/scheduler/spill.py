@@ -111,7 +111,11 @@ class RegionSpill:
     async def on_status_query(self, ask: RegionStatusQuery) -> RegionStatus:
         load = self.home_load()
         return RegionStatus(
-            self.home, load.live_executors, min(load.queue_ms, MAX_QUEUE_MS), load.spare_seqs
+            self.home,
+            load.live_executors,
+            min(load.queue_ms, MAX_QUEUE_MS),
+            load.spare_seqs,
+            load.guest_executors,
         )
 
     async def poll(self) -> None:
@@ -144,6 +148,7 @@ class RegionSpill:
                 p.rtt_ms,
                 prompt_tokens,
                 p.status.spare_seqs,
+                p.status.guest_executors,
             )
             for r, p in self.peers.items()
             if now - p.at <= self.config.stale_s

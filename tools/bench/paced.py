@@ -16,7 +16,9 @@ def slow_step(executor: ExecutorService, step_s: float, prefill_s_per_token: flo
     """``executor``'s engine steps take ``step_s`` longer, and ``prefill_s_per_token`` more
     for each prompt token a step computes: a device's decode step costs about the same at any
     small batch, its prefill grows with the prompt (a chunk of more than one token is a prompt
-    chunk; a preempted sequence's recompute pays it again, as on a device)."""
+    chunk; a preempted sequence's recompute pays it again, as on a device; with speculative
+    decoding a verify chunk would count as one too, so the benches that pace prefill run
+    without it)."""
     engine = executor.engine
     step = engine.step
 
