@@ -374,6 +374,8 @@ class EngineSnapshot:
     forward_passes: int = 0  # steps that ran the target model (prefill chunks included)
     tensor_parallel_size: int = 1  # ranks the replica is split across
     collective_seconds: float = 0.0  # rank 0's time in tensor-parallel collectives
+    preempted_for_pages: int = 0  # sequences preempted (recomputed later): no KV page left
+    guests_yielded: int = 0  # guests preempted for a waiting request of the region's own
 
 
 class ExecutorMetrics:
@@ -424,6 +426,16 @@ class ExecutorMetrics:
             for position, value in enumerate(s.spec_accepted_per_pos):
                 per_pos.add_metric([executor_id, str(position)], value)
             yield per_pos
+            preemptions = CounterMetricFamily(
+                PREFIX + "num_preemptions",
+                "Sequences preempted and recomputed later, by why: no KV page left "
+                "(kv_cache_full), or a guest yielding its slot to a request of this region's "
+                "own clients (guest_yield).",
+                labels=[*labels, "reason"],
+            )
+            preemptions.add_metric([executor_id, "kv_cache_full"], s.preempted_for_pages)
+            preemptions.add_metric([executor_id, "guest_yield"], s.guests_yielded)
+            yield preemptions
 
         registry.register(CallbackCollector(read))
 

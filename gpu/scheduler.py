@@ -54,6 +54,9 @@ class Scheduler:
         self.pages = pages
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # Since start: sequences preempted for want of pages, and guests that yielded a slot.
+        self.num_preempted_for_pages = 0
+        self.num_guests_yielded = 0
 
     def add(self, seq: Sequence) -> None:
         self._wait(seq, first=False)
@@ -106,6 +109,8 @@ class Scheduler:
                 i += 1
                 continue
             break  # seq itself was preempted: nothing after it remains in running
+        self.num_preempted_for_pages += len(preempted)
+        self.num_guests_yielded += len(yielded)
         if not preempted:
             budget = self._admit(budget, scheduled)
         return SchedulerOutput(scheduled, yielded + preempted)

@@ -164,6 +164,7 @@ def test_preemption_takes_the_newest_sequence_which_resumes_later_from_its_cache
     step = core.step()  # a's 9th token needs a 3rd page: b, the newer, gives up its two
     assert step.preempted == ["b"] and step.order == [("a", 1)]
     assert b.status is SeqStatus.WAITING and b.num_preemptions == 1
+    assert (core.sched.num_preempted_for_pages, core.sched.num_guests_yielded) == (1, 0)
     assert b.num_computed == 0 and b.table.pages == []
     assert list(core.sched.waiting) == [b, c]  # back at the head of the queue
     assert core.sched.running == [a] and len(a.table.pages) == 3
@@ -346,6 +347,7 @@ def test_a_full_batch_preempts_its_newest_guest_for_an_own_request():
     assert step.preempted == ["g2"]
     assert step.order == [("own", 1), ("g1", 1), ("late", 4)]
     assert g2.num_computed == 0 and g2.table.pages == [] and g2.num_preemptions == 1
+    assert (core.sched.num_preempted_for_pages, core.sched.num_guests_yielded) == (0, 1)
     assert len(g2.output_token_ids) == 1  # its streamed token stays; it is recomputed
     assert list(core.sched.waiting) == [g2]
     core.check()

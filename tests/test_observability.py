@@ -268,6 +268,10 @@ async def test_metrics_count_every_request(mesh, client):
     assert ("meshserve:spec_decode_num_draft_tokens_total", (("executor_id", "executor-0"),)) in (
         after[ex]
     )
+    for why in ("kv_cache_full", "guest_yield"):  # both series, from the start
+        series = (("executor_id", "executor-0"), ("reason", why))
+        assert ("meshserve:num_preemptions_total", series) in after[ex], why
+    assert delta(ex, "meshserve:num_preemptions_total", reason="guest_yield") == 0  # no region
     assert total(after[ex], "meshserve:num_requests_waiting") == 0
     assert 0 <= total(after[ex], "meshserve:kv_cache_usage_perc", executor_id="executor-0") <= 1
 

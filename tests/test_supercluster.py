@@ -164,6 +164,7 @@ async def test_a_guest_yields_its_slot_to_the_regions_own_client(regions: Region
     results = await asyncio.gather(*overload)
     assert regions.spilled_in("eu-west") > spilled_in
     assert max(ttfts) < 0.4, ttfts  # a step or two (15 ms each), not the guest's 0.9 s
+    assert sum(e.engine_state().guests_yielded for e in west.executor_services) >= 1
     assert all(r == (expected, "length") for r in results), results
 
 

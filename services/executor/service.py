@@ -514,6 +514,8 @@ class ExecutorService:
             forward_passes=self.engine.num_forward_passes,
             tensor_parallel_size=1 if tp is None else tp.world,
             collective_seconds=0.0 if tp is None else tp.comm_ns / 1e9,
+            preempted_for_pages=sched.num_preempted_for_pages,
+            guests_yielded=sched.num_guests_yielded,
         )
 
     async def publish_outputs(self, outputs: list[StepOutput]) -> None:

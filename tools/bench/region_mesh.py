@@ -22,6 +22,8 @@ Protocol, one JSON object per line: once the mesh serves, the child writes
   ``{"to_executor_ms": [...], "queue_ms": [...], "first_step_ms": [...],
   "gateway_ttft_ms": [...]}`` (where the time a local client waits goes, with guests and
   without);
+- ``preemptions``: guests this region's executors preempted for its own clients' requests
+  so far -> ``{"guests_yielded": n}``;
 - ``stop`` (or end of input): the mesh stops and the child exits.
 """
 
@@ -97,6 +99,9 @@ def main() -> None:
                 reply({"rtt_ms": mesh.call(switch.rtt_ms())})
             elif command == ["local"]:
                 reply(parts([local.take()]))
+            elif command == ["preemptions"]:
+                yielded = sum(e.engine_state().guests_yielded for e in mesh.executor_services)
+                reply({"guests_yielded": yielded})
             elif command == ["stop"]:
                 break
             else:

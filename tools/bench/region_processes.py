@@ -91,7 +91,9 @@ async def serve_commands(mesh: BenchRegionMesh, nats_url: str) -> None:
     nc = await nats.connect(nats_url.split(","))
     names = [name for name, _ in mesh.procs]
     scheduler = next(n for n in names if n.endswith("-scheduler"))
-    stamping = ("-gateway", "-executor-", "-prefill-", "-decode-", "-detokenizer-")
+    kinds = ("-executor-", "-prefill-", "-decode-")
+    executors = [n for n in names if any(part in n + "-" for part in kinds)]
+    stamping = ("-gateway", "-detokenizer-", *kinds)
     watched = [n for n in names if any(part in n + "-" for part in stamping)]
     loop = asyncio.get_running_loop()
     try:
@@ -105,6 +107,9 @@ async def serve_commands(mesh: BenchRegionMesh, nats_url: str) -> None:
                 reply(await ask(nc, scheduler, command))
             elif command == "local":
                 reply(parts(list(await asyncio.gather(*(ask(nc, n, "local") for n in watched)))))
+            elif command == "preemptions":
+                counts = await asyncio.gather(*(ask(nc, n, command) for n in executors))
+                reply({"guests_yielded": sum(c["guests_yielded"] for c in counts)})
             elif command == "stop":
                 break
             else:

@@ -12,7 +12,8 @@ it, with what the regions bench (``region_processes.py``) needs of it:
 - ``services.scheduler``: its spilling can be switched on and off between rounds.
 
 Each answers on ``bench.control.<NAME>`` (request/reply, JSON): ``local`` (executor, gateway,
-detokenizer: the moments ``wait_times.py`` stamped since the last ``local``), ``spill on`` /
+detokenizer: the moments ``wait_times.py`` stamped since the last ``local``), ``preemptions``
+(executor: ``{"guests_yielded": n}`` since it started), ``spill on`` /
 ``spill off``, ``spilled`` (requests sent to another region so far), ``rtt`` (the round trip
 to the peers, ms).
 """
@@ -60,13 +61,15 @@ def answer_on(name: str, service: Any, svc: Service, handlers: Handlers) -> None
     service.start = start_then_answer
 
 
-def answer_local(name: str, service: Any, svc: Service, times: WaitTimes) -> None:
-    """``local``: the moments ``times`` stamped since the last ``local``."""
+def answer_local(
+    name: str, service: Any, svc: Service, times: WaitTimes, more: Handlers | None = None
+) -> None:
+    """``local``: the moments ``times`` stamped since the last ``local`` (and ``more``)."""
 
     async def local() -> Any:
         return times.take()
 
-    answer_on(name, service, svc, {"local": local})
+    answer_on(name, service, svc, {"local": local, **(more or {})})
 
 
 def executor(name: str, step_s: float, prefill_s_per_token: float) -> None:
@@ -81,7 +84,12 @@ def executor(name: str, step_s: float, prefill_s_per_token: float) -> None:
         slow_step(service, step_s, prefill_s_per_token)
         times = WaitTimes()
         times.watch_executor(service)
-        answer_local(name, service, service.svc, times)
+
+        async def preemptions() -> Any:
+            state = service.engine_state()
+            return {"guests_yielded": state.guests_yielded}
+
+        answer_local(name, service, service.svc, times, {"preemptions": preemptions})
         return service
 
     run_service("executor", parse_args, build_paced, drain_and_stop)

@@ -72,6 +72,7 @@ class Side:
     failed: int = 0
     spilled: int = 0  # us-east -> eu-west
     spilled_back: int = 0  # eu-west -> us-east (its own clients' requests sent away)
+    guests_yielded: int = 0  # guests eu-west's executors preempted for its own requests
     seconds: float = 0.0
     # where eu-west's own requests waited: part -> ms per request (region_mesh.py ``local``)
     west_waits: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
@@ -321,6 +322,7 @@ def main() -> None:
                 side = sides[name]
                 before = east.ask("spilled")["spilled"]
                 before_back = meshes["eu-west"].ask("spilled")["spilled"]
+                yielded_before = meshes["eu-west"].ask("preemptions")["guests_yielded"]
                 ttft, failed = run_round(
                     clients, urls, rates, shape, args.round_s, seed=round_no + 1
                 )
@@ -329,6 +331,8 @@ def main() -> None:
                 side.failed += failed
                 side.spilled += east.ask("spilled")["spilled"] - before
                 side.spilled_back += meshes["eu-west"].ask("spilled")["spilled"] - before_back
+                yielded = meshes["eu-west"].ask("preemptions")["guests_yielded"]
+                side.guests_yielded += yielded - yielded_before
                 side.seconds += args.round_s
                 for part, times in meshes["eu-west"].ask("local").items():
                     side.west_waits[part] += times
@@ -369,15 +373,15 @@ def report(sides: dict[str, Side], args: argparse.Namespace, rtt_ms: float) -> N
         f"{args.rounds} x {args.round_s:.0f} s per side\n"
     )
     print("| side | goodput req/s | us-east TTFT p50 / p99 ms | eu-west TTFT p50 / p99 ms "
-          "| spilled east -> west / west -> east | failed |")  # fmt: skip
-    print("|---|---|---|---|---|---|")
+          "| spilled east -> west / west -> east | guests preempted | failed |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
     for side in sides.values():
         e, w = side.ttft["us-east"], side.ttft["eu-west"]
         print(
             f"| {side.name} | {side.goodput(slo):.2f} | "
             f"{1000 * percentile(e, 0.5):.0f} / {1000 * percentile(e, 0.99):.0f} | "
             f"{1000 * percentile(w, 0.5):.0f} / {1000 * percentile(w, 0.99):.0f} | "
-            f"{side.spilled} / {side.spilled_back} | {side.failed} |"
+            f"{side.spilled} / {side.spilled_back} | {side.guests_yielded} | {side.failed} |"
         )
     if not args.disaggregated:  # (a first token there comes from another executor)
         print_waits(sides)
