@@ -439,18 +439,18 @@ class SchedulerService:
             self.guestless_since = now
         if now - self.guestless_since < self.config.heartbeat_timeout_s:
             return
-        if not any(req.guest for _, req in self.queue):
+        queued_guests = {req.request_id for _, req in self.queue if req.guest}
+        if not queued_guests:
             return
         guests = await self.fail_queued(
-            {req.request_id for _, req in self.queue if req.guest},
+            queued_guests,
             "returned",
             lambda rid: ErrorEvent(
                 rid, 503, "The region serving this request has no executor for it; retry the "
                 "request.", "server_error", "region_unavailable",
             ),
         )  # fmt: skip
-        ids = [req.request_id for req in guests]
-        self.ended.add_all(ids, True)
+        ids = [req.request_id for req in guests]  # (``on_abort`` here marks them ended too)
         await self.svc.publish(
             self.svc.subjects.abort, AbortRequests(ids, "returned to its region")
         )
