@@ -4,6 +4,8 @@ their request, and one id running once."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from common.config import MeshConfig
@@ -171,7 +173,8 @@ async def test_guests_go_back_once_no_executor_may_take_one_for_a_heartbeat_time
     scheduler, monkeypatch
 ):
     # One live executor and --spill-reserve-executors 1: no executor here may take a guest.
-    clock = [1000.0]
+    # (The clock starts at the real one's reading: the fixture's executor was seen by that.)
+    clock = [time.monotonic()]
     monkeypatch.setattr("services.scheduler.service.time.monotonic", lambda: clock[0])
     regions = RegionConfig(peer_regions=("us-east",), spill_reserve_executors=1)
     sched, _ = scheduler(regions=regions)
@@ -202,6 +205,8 @@ async def test_guests_go_back_once_no_executor_may_take_one_for_a_heartbeat_time
     await sched.on_spilled(request("g2"))
     for _ in range(3):
         clock[0] += 2.5
+        for executor in ("a", "b"):  # both live: they keep beating
+            sched.router.observe(full(executor))
         await sched.return_guests()
     assert sorted(r.request_id for _, r in sched.queue) == ["g2", "own"]
     assert sched.home_load().guest_executors == 1

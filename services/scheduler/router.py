@@ -145,7 +145,7 @@ class Router:
     def observe(self, hb: Heartbeat) -> None:
         state = self.executors.get(hb.executor_id)
         if state is None:
-            self.executors[hb.executor_id] = ExecutorState(hb)
+            self.executors[hb.executor_id] = ExecutorState(hb, last_seen=time.monotonic())
         else:
             state.heartbeat = hb
             state.last_seen = time.monotonic()
