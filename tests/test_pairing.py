@@ -128,12 +128,26 @@ def test_guests_go_only_to_the_guest_executors_and_leave_the_reserve_executor_al
     fresh = GuestPlacement({}, reserve_executors=1)
     r = least_load(seqs("m0", 3), seqs("m1", 1), seqs("m2", 0))
     assert fresh.guest_executors(r, ("mixed",)) == ["m1", "m2"]
-    # Full guest executors (1 slot each kept for our own clients, as the scheduler does):
-    # the guest waits (None) rather than take the reserve executor.
-    r = least_load(seqs("m0", 3), seqs("m1", 3), seqs("m2", 0))
-    assert route(r, guest(), {}, keep_free=1, placement=placement) is None
-    assert route(r, guest(), {}, keep_free=1) == Route("m2")
+    # Full guest executors: the guest waits (None) rather than take the reserve executor.
+    r = least_load(seqs("m0", 4), seqs("m1", 4), seqs("m2", 0))
+    assert route(r, guest(), {}, placement=placement) is None
+    assert route(r, guest(), {}) == Route("m2")
     assert placement.spare_seqs(r, reserve_seqs=1) == 0  # nothing to report to other regions
+
+
+def test_the_region_keeps_its_reserve_of_slots_once_on_the_executors_taking_no_guests():
+    # --spill-reserve-seqs 1: m2 (taking no guests) has 4 free slots, so the guest executors
+    # may fill theirs; only once m2 is full does each keep one free for our own clients.
+    placement = GuestPlacement({"m0": 1, "m1": 1}, reserve_executors=1)
+    r = least_load(seqs("m0", 3), seqs("m1", 3), seqs("m2", 0))
+    assert placement.keep_free(r, 1, ("mixed",)) == 0
+    assert placement.spare_seqs(r, reserve_seqs=1) == 2  # m0's and m1's last slots
+    assert route(r, guest(), {}, keep_free=0, placement=placement) in (Route("m0"), Route("m1"))
+    assert placement.keep_free(r, 6, ("mixed",)) == 2  # a reserve larger than m2's 4 slots
+    r = least_load(seqs("m0", 3), seqs("m1", 3), seqs("m2", 4))
+    assert placement.keep_free(r, 1, ("mixed",)) == 1
+    assert placement.spare_seqs(r, reserve_seqs=1) == 0
+    assert route(r, guest(), {}, keep_free=1, placement=placement) is None
 
 
 def test_a_region_with_no_more_executors_than_its_reserve_takes_no_guests():
@@ -162,4 +176,4 @@ def test_guest_executors_are_decode_executors_when_the_region_is_disaggregated()
     placement = GuestPlacement({"d0": 1}, reserve_executors=1)
     assert route(r, guest(), {}, placement=placement) == Route("d0", "p0")
     assert route(r, request(PROMPT), {}, placement=placement) == Route("d1", "p0")
-    assert placement.spare_seqs(r, reserve_seqs=1) == 2  # d0's 3 free slots, 1 kept
+    assert placement.spare_seqs(r, reserve_seqs=1) == 3  # d0's 3 free (d1's are the reserve)

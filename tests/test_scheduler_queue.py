@@ -155,16 +155,17 @@ async def test_guests_do_not_count_in_the_wait_our_own_clients_are_estimated(sch
 
 async def test_guests_keep_to_one_executor_of_two_and_our_own_requests_to_the_other(scheduler):
     # --spill-reserve-executors 1 (the default) of 2: guests go to one executor only, the
-    # region reports only that one's slots as spare, and its own requests go to the other.
+    # region reports only that one's slots as spare (b's free slots are the reserve of 1),
+    # and its own requests go to the other.
     sched, sent = scheduler(regions=RegionConfig(spill_reserve_seqs=1))
     await sched.on_heartbeat(Heartbeat("a", 0, 0, 100, 100, 16, 4, 0))
     await sched.on_heartbeat(Heartbeat("b", 0, 0, 100, 100, 16, 4, 0))
-    assert sched.home_load().spare_seqs == 3  # one executor's 4 slots, 1 kept (not 4 + 4 - 1)
-    for i in range(4):
+    assert sched.home_load().spare_seqs == 4  # one executor's 4 slots (not 4 + 4 - 1)
+    for i in range(5):
         await sched.on_spilled(request(f"guest-{i}"))
-    assert sent == ["guest-0 (guest)", "guest-1 (guest)", "guest-2 (guest)"]
+    assert sent == [f"guest-{i} (guest)" for i in range(4)]
     assert {a.executor_id for a in sched.inflight.assignments.values()} == {"a"}
-    assert len(sched.queue) == 1  # guest-3 waits: a keeps its last slot, b takes no guests
+    assert len(sched.queue) == 1  # guest-4 waits: a is full, b takes no guests
     await sched.on_submit(request("local-0"))
     assert sent[-1] == "local-0" and sched.inflight.assignments["local-0"].executor_id == "b"
 

@@ -83,10 +83,25 @@ class GuestPlacement:
         ]
         return preferred or candidates
 
+    def keep_free(self, router: Router, reserve_seqs: int, roles: Sequence[str]) -> int:
+        """Slots each guest executor of this pool keeps free for the region's own clients.
+
+        The region keeps ``reserve_seqs`` slots free in all (``--spill-reserve-seqs``), and
+        the free slots of its executors that take no guests count first: those are where its
+        own requests go. Counting the reserve again on every guest executor would leave a
+        slot of each idle while the guest-free ones stand ready (a quarter of what one
+        executor of 4 slots lends)."""
+        lending = set(self.guest_executors(router, roles))
+        reserved = sum(
+            router.executors[e].free_seqs for e in router.pool(roles) if e not in lending
+        )
+        return max(0, reserve_seqs - reserved)
+
     def spare_seqs(self, router: Router, reserve_seqs: int) -> int:
-        """Sequence slots guests may take now: on the guest executors, beyond the
-        ``reserve_seqs`` each keeps free (what a guest's dispatch requires)."""
+        """Sequence slots guests may take now: on the guest executors, beyond what each keeps
+        free (``keep_free``: what a guest's dispatch requires)."""
+        pool = guest_pool(router)
+        keep = self.keep_free(router, reserve_seqs, pool)
         return sum(
-            max(0, router.executors[e].free_seqs - reserve_seqs)
-            for e in self.guest_executors(router, guest_pool(router))
+            max(0, router.executors[e].free_seqs - keep) for e in self.guest_executors(router, pool)
         )

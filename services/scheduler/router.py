@@ -228,9 +228,11 @@ class Router:
     ) -> list[str]:
         """Live executors with room now (of these roles), in a stable order; never a refused
         one. ``keep_free`` > 0: only those with more than that many sequence slots free (a
-        request from another region must leave this region's reserve alone). Unless the
-        request is itself a ``guest``, the guests an executor holds do not take its room:
-        they yield their slots to it (``Heartbeat.guests``)."""
+        request from another region must leave this region's reserve alone). A ``guest``
+        needs a free slot (never the slack: it would wait in the executor's queue, where a
+        spare slot in another region may be); unless the request is itself a guest, the
+        guests an executor holds do not take its room: they yield their slots to it
+        (``Heartbeat.guests``)."""
         return sorted(
             e
             for e in self.alive()
@@ -238,7 +240,7 @@ class Router:
             and self.executors[e].has_room(
                 self.slack, 0 if guest else self.executors[e].heartbeat.guests
             )
-            and (keep_free == 0 or self.executors[e].free_seqs > keep_free)
+            and ((keep_free == 0 and not guest) or self.executors[e].free_seqs > keep_free)
             and (roles is None or self.executors[e].heartbeat.role in roles)
         )
 

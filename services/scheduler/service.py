@@ -248,14 +248,18 @@ class SchedulerService:
                 overlaps = await self.overlaps(req) if len(candidates) > 1 else {}
             if not self.queue or self.queue[0][1] is not req:
                 continue  # the queue changed (or the client left) while we asked the index
-            keep_free = self.config.regions.spill_reserve_seqs if req.guest else 0
+            placement = self.placement()
+            keep_free = 0
+            if req.guest:
+                reserve = self.config.regions.spill_reserve_seqs
+                keep_free = placement.keep_free(self.router, reserve, guest_pool(self.router))
             chosen = route(
                 self.router,
                 req,
                 overlaps,
                 keep_free,
                 self.config.disagg_min_prompt_tokens,
-                self.placement(),
+                placement,
             )
             if chosen is None:
                 return
