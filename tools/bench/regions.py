@@ -4,6 +4,7 @@
                                   [--rate-east 18] [--rate-west 3] [--slo-ms 1000]
                                   [--executors 1] [--spill-reserve-executors 0]
                                   [--prompt-tokens 0] [--prefill-ms-per-token 0]
+                                  [--processes] [--pin-regions]
 
 Two regions (us-east, eu-west) on this machine: per region a two-server NATS cluster with
 JetStream, joined by gateways whose every connection passes a TCP proxy that delays each byte
@@ -60,6 +61,7 @@ import aiohttp
 
 from services.launcher.nats_cluster import ClusterPlan, Supercluster
 from tests.models import write_tiny_model
+from tools.bench.cpu_pin import pin_process, pinned, region_cpus
 from tools.bench.wait_times import WAIT_PARTS
 
 REGIONS = ("us-east", "eu-west")
@@ -184,10 +186,15 @@ class Child:
     """A child process spoken to in lines: its first line of JSON when it is up, then one JSON
     reply per command (``region_mesh.py``'s protocol)."""
 
-    def __init__(self, cmd: list[str], log: Path) -> None:
+    def __init__(self, cmd: list[str], log: Path, cpus: set[int] | None = None) -> None:
         self.log = log.open("w")
         self.proc = subprocess.Popen(
-            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            preexec_fn=pinned(cpus),
         )
 
     def read(self) -> Any:
@@ -256,6 +263,12 @@ def main() -> None:
         help="each region's services a process each, as meshserve up runs them "
         "(region_processes.py), not one process per region (region_mesh.py)",
     )
+    p.add_argument(
+        "--pin-regions",
+        action="store_true",
+        help="each region's processes and NATS servers on cores of their own, as on separate "
+        "hosts (cpu_pin.py); the clients and the proxy run anywhere",
+    )
     p.add_argument("--log-dir", type=Path, default=Path("out/bench_regions"))
     args = p.parse_args()
     if args.disaggregated and not args.processes:
@@ -284,6 +297,12 @@ def main() -> None:
             plans, {plan.name: [next(addresses) for _ in plan.gateway_ports] for plan in plans}
         )
         supercluster.wait_jetstream()
+        cpus = {r: region_cpus(i, len(REGIONS)) if args.pin_regions else None
+                for i, r in enumerate(REGIONS)}  # fmt: skip
+        for region, region_cores in cpus.items():
+            for server in supercluster.clusters[region].servers:
+                if region_cores and server is not None:
+                    pin_process(server.process.pid, region_cores)
         meshes: dict[str, Child] = {}
         program = "region_processes" if args.processes else "region_mesh"
         urls: dict[str, str] = {}
@@ -302,6 +321,7 @@ def main() -> None:
                  "--executors", str(args.executors),
                  "--spill-reserve-executors", str(args.spill_reserve_executors)],
                 args.log_dir / f"{region}.log",
+                cpus[region],
             )  # fmt: skip
             children.append(meshes[region])
         for region in REGIONS:  # both start at once: each imports torch and builds its mesh
@@ -340,6 +360,8 @@ def main() -> None:
         report(sides, args, rtt)
         load_at_end = os.getloadavg()[0]
         print(f"load average: {load_at_start:.1f} at the start, {load_at_end:.1f} at the end")
+        if args.pin_regions:
+            print("cores: " + ", ".join(f"{r} {sorted(c or ())}" for r, c in cpus.items()))
     finally:
         if clients is not None:
             clients.shutdown(cancel_futures=True)
