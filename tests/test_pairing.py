@@ -135,19 +135,33 @@ def test_guests_go_only_to_the_guest_executors_and_leave_the_reserve_executor_al
     assert placement.spare_seqs(r, reserve_seqs=1) == 0  # nothing to report to other regions
 
 
-def test_the_region_keeps_its_reserve_of_slots_once_on_the_executors_taking_no_guests():
+def test_the_region_keeps_its_reserve_of_slots_once_counting_the_guest_free_executors_first():
     # --spill-reserve-seqs 1: m2 (taking no guests) has 4 free slots, so the guest executors
-    # may fill theirs; only once m2 is full does each keep one free for our own clients.
+    # may fill theirs; the region keeps 1 free in all, not 1 on each guest executor.
     placement = GuestPlacement({"m0": 1, "m1": 1}, reserve_executors=1)
     r = least_load(seqs("m0", 3), seqs("m1", 3), seqs("m2", 0))
-    assert placement.keep_free(r, 1, ("mixed",)) == 0
-    assert placement.spare_seqs(r, reserve_seqs=1) == 2  # m0's and m1's last slots
-    assert route(r, guest(), {}, keep_free=0, placement=placement) in (Route("m0"), Route("m1"))
-    assert placement.keep_free(r, 6, ("mixed",)) == 2  # a reserve larger than m2's 4 slots
-    r = least_load(seqs("m0", 3), seqs("m1", 3), seqs("m2", 4))
-    assert placement.keep_free(r, 1, ("mixed",)) == 1
-    assert placement.spare_seqs(r, reserve_seqs=1) == 0
-    assert route(r, guest(), {}, keep_free=1, placement=placement) is None
+    assert placement.guest_room(r, 1, ("mixed",)) == 2  # m0's and m1's last slots
+    assert placement.spare_seqs(r, reserve_seqs=1) == 2
+    assert route(r, guest(), {}, placement=placement) in (Route("m0"), Route("m1"))
+    assert placement.guest_room(r, 6, ("mixed",)) == 0  # 6 free in all: all kept
+    assert placement.guest_room(r, 5, ("mixed",)) == 1
+    r = least_load(seqs("m0", 3), seqs("m1", 3), seqs("m2", 4))  # m2 full: 2 free in all
+    assert placement.guest_room(r, 1, ("mixed",)) == 1
+    assert placement.guest_room(r, 2, ("mixed",)) == 0
+    # No executor kept guest-free: the reserve is the region's, wherever its free slots are.
+    spread = GuestPlacement({}, reserve_executors=0)
+    r = least_load(seqs("m0", 3), seqs("m1", 3))
+    assert spread.guest_room(r, 1, ("mixed",)) == 1  # (kept on each executor it would be 0)
+
+
+def test_a_guest_leaves_each_prefill_executor_the_reserve_in_a_disaggregated_region():
+    # d1 takes no guests and has free slots, so the decode side has room for the guest; the
+    # one prefill executor has a single free slot, which the region's reserve keeps.
+    r = least_load(seqs("p0", 3, "prefill"), seqs("d0", 1, "decode"), seqs("d1", 0, "decode"))
+    placement = GuestPlacement({"d0": 1}, reserve_executors=1)
+    assert route(r, guest(), {}, placement=placement, prefill_keep_free=1) is None
+    assert route(r, guest(), {}, placement=placement) == Route("d0", "p0")
+    assert route(r, request(PROMPT), {}, placement=placement) == Route("d1", "p0")
 
 
 def test_a_region_with_no_more_executors_than_its_reserve_takes_no_guests():

@@ -83,25 +83,18 @@ class GuestPlacement:
         ]
         return preferred or candidates
 
-    def keep_free(self, router: Router, reserve_seqs: int, roles: Sequence[str]) -> int:
-        """Slots each guest executor of this pool keeps free for the region's own clients.
-
-        The region keeps ``reserve_seqs`` slots free in all (``--spill-reserve-seqs``), and
-        the free slots of its executors that take no guests count first: those are where its
-        own requests go. Counting the reserve again on every guest executor would leave a
-        slot of each idle while the guest-free ones stand ready (a quarter of what one
-        executor of 4 slots lends)."""
-        lending = set(self.guest_executors(router, roles))
-        reserved = sum(
-            router.executors[e].free_seqs for e in router.pool(roles) if e not in lending
-        )
-        return max(0, reserve_seqs - reserved)
+    def guest_room(self, router: Router, reserve_seqs: int, roles: Sequence[str]) -> int:
+        """Sequence slots guests may take now: free ones on the guest executors of this pool,
+        as long as the pool keeps ``reserve_seqs`` slots free in all for the region's own
+        clients (``--spill-reserve-seqs``). The free slots of the executors taking no guests
+        count towards that reserve: they are where the region's own requests go first, so
+        keeping it again on a guest executor would leave a slot there idle (a quarter of
+        what an executor of 4 slots lends)."""
+        free = {e: router.executors[e].free_seqs for e in router.pool(roles)}
+        lendable = sum(free[e] for e in self.guest_executors(router, roles))
+        return max(0, min(lendable, sum(free.values()) - reserve_seqs))
 
     def spare_seqs(self, router: Router, reserve_seqs: int) -> int:
-        """Sequence slots guests may take now: on the guest executors, beyond what each keeps
-        free (``keep_free``: what a guest's dispatch requires)."""
-        pool = guest_pool(router)
-        keep = self.keep_free(router, reserve_seqs, pool)
-        return sum(
-            max(0, router.executors[e].free_seqs - keep) for e in self.guest_executors(router, pool)
-        )
+        """What this region reports to the others as its spare slots (``guest_room`` of the
+        pool guests live on)."""
+        return self.guest_room(router, reserve_seqs, guest_pool(router))

@@ -40,13 +40,16 @@ def route(
     keep_free: int = 0,
     min_prompt_tokens: int = 0,
     placement: GuestPlacement | None = None,
+    prefill_keep_free: int = 0,
 ) -> Route | None:
     """Where ``req`` goes now, or None to keep it queued (no executor of its pool has room).
     ``keep_free``: slots each chosen executor must still have free beyond this request (a
     request spilled in from another region leaves this region's reserve alone); the guests an
     executor holds do not count against a request of the region's own (they yield to it).
     ``min_prompt_tokens``: shorter uncached prompts are prefilled on the decode executor.
-    ``placement``: which executors guests may go to and own requests prefer (``guests.py``)."""
+    ``placement``: which executors guests may go to and own requests prefer (``guests.py``).
+    ``prefill_keep_free``: as ``keep_free``, on the prefill executor of a disaggregated route
+    (a guest leaves each one the region's reserve: its prompts queue nowhere else)."""
     live = router.live_roles()
     if "decode" not in live:
         among = pool_candidates(router, req, MIXED_POOL, keep_free, placement)
@@ -62,7 +65,8 @@ def route(
     cached = (overlaps or {}).get(decode, 0) * router.executors[decode].heartbeat.page_size
     if len(req.prompt_token_ids) - cached < min_prompt_tokens:
         return Route(decode)
-    prefill = router.pick(req, overlaps, router.candidates(("prefill",), keep_free, req.guest))
+    prefill_free = max(keep_free, prefill_keep_free)
+    prefill = router.pick(req, overlaps, router.candidates(("prefill",), prefill_free, req.guest))
     return Route(decode, prefill) if prefill else None
 
 

@@ -13,13 +13,13 @@ itself. The scheduler adds that, with one rule (``choose_region``):
 
   (home included, with rtt 0 and the prefix cache it holds), so a spill happens only when the
   other region, round trip and a cold prefill paid, still beats waiting at home;
-- only into another region's spare sequence slots (on its guest executors, beyond the
-  ``--spill-reserve-seqs`` each keeps for its own clients; at least
+- only into another region's spare sequence slots (free ones on its guest executors, while
+  it keeps ``--spill-reserve-seqs`` free in all for its own clients; at least
   ``--spill-reserve-executors`` of its executors take no guests at all: ``guests.py``), so
   spilled work never queues in front of that region's clients. The sender counts on the
   slots last reported; the receiver enforces the reserve itself (its
   report may be a poll old): a spilled-in request queues behind all of its own clients'
-  requests and goes only to an executor that still has the reserve free after it
+  requests and is dispatched only while the region still has the reserve free after it
   (``SchedulerService.on_spilled``);
 - a home region with no live executor sends everything to the cheapest live region that has
   an executor that may take a guest (a region without one sends guests back:

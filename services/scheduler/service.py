@@ -153,10 +153,11 @@ class SchedulerService:
         """A request another region's scheduler sent here: a guest, never sent on. The sender
         counted on our spare slots as last reported (up to a poll old), so this side keeps the
         reserve itself: a guest queues behind every request of our own clients and is
-        dispatched only to an executor that keeps ``--spill-reserve-seqs`` slots free after
-        it; and its executor preempts it for one of our clients' requests when its batch is
-        full (``TokenizedRequest.guest``); only to our guest executors, so at least
-        ``--spill-reserve-executors`` executors hold none (``guests.py``)."""
+        dispatched only while the region keeps ``--spill-reserve-seqs`` slots free after it
+        (``GuestPlacement.guest_room``), and only to our guest executors, so at least
+        ``--spill-reserve-executors`` executors hold none (``guests.py``); its executor
+        preempts it for one of our clients' requests when its batch is full
+        (``TokenizedRequest.guest``)."""
         self.spill.received()
         await self.admit(dataclasses.replace(req, guest=True), may_spill=False)
 
@@ -249,17 +250,18 @@ class SchedulerService:
             if not self.queue or self.queue[0][1] is not req:
                 continue  # the queue changed (or the client left) while we asked the index
             placement = self.placement()
-            keep_free = 0
-            if req.guest:
-                reserve = self.config.regions.spill_reserve_seqs
-                keep_free = placement.keep_free(self.router, reserve, guest_pool(self.router))
+            reserve = self.config.regions.spill_reserve_seqs if req.guest else 0
+            if req.guest and not placement.guest_room(
+                self.router, reserve, guest_pool(self.router)
+            ):
+                return  # the region's reserve (guests queue behind all of its own requests)
             chosen = route(
                 self.router,
                 req,
                 overlaps,
-                keep_free,
-                self.config.disagg_min_prompt_tokens,
-                placement,
+                min_prompt_tokens=self.config.disagg_min_prompt_tokens,
+                placement=placement,
+                prefill_keep_free=reserve,
             )
             if chosen is None:
                 return
@@ -477,7 +479,7 @@ class SchedulerService:
         own_queued = len(own)
         has_room = bool(self.router.candidates())
         queue_ms = self.estimate.queue_ms(own_queued, max(waits, default=0.0), has_room, now)
-        # Only the slots a guest may take: on the guest executors, beyond each one's reserve.
+        # Only the slots a guest may take: on the guest executors, beyond the region's reserve.
         placement = self.placement()
         spare = 0
         if not self.queue:
