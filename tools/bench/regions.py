@@ -23,6 +23,8 @@ compute they are meant to add). By default a prompt is a short text (a few token
 step costs the same whatever it computes; ``--prompt-tokens N`` sends prompts of N random
 token ids instead (no two share a cached page) and ``--prefill-ms-per-token`` adds that much
 device time per prompt token a step computes, as a device's prefill costs (``paced.py``).
+``--pin-regions`` puts each region's processes and NATS servers on cores of their own, as on
+two hosts (``cpu_pin.py``).
 
 Load: open-loop Poisson arrivals, the same seeded schedule for both sides: us-east at
 ``--rate-east`` requests/s (above its capacity), eu-west at ``--rate-west`` (below). Every
