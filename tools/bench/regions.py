@@ -299,12 +299,12 @@ def main() -> None:
             plans, {plan.name: [next(addresses) for _ in plan.gateway_ports] for plan in plans}
         )
         supercluster.wait_jetstream()
-        cpus = {r: region_cpus(i, len(REGIONS)) if args.pin_regions else None
-                for i, r in enumerate(REGIONS)}  # fmt: skip
+        cpus: dict[str, set[int]] = {}
+        if args.pin_regions:
+            cpus = {r: region_cpus(i, len(REGIONS)) for i, r in enumerate(REGIONS)}
         for region, region_cores in cpus.items():
-            for server in supercluster.clusters[region].servers:
-                if region_cores and server is not None:
-                    pin_process(server.process.pid, region_cores)
+            for server in filter(None, supercluster.clusters[region].servers):
+                pin_process(server.process.pid, region_cores)
         meshes: dict[str, Child] = {}
         program = "region_processes" if args.processes else "region_mesh"
         urls: dict[str, str] = {}
@@ -323,7 +323,7 @@ def main() -> None:
                  "--executors", str(args.executors),
                  "--spill-reserve-executors", str(args.spill_reserve_executors)],
                 args.log_dir / f"{region}.log",
-                cpus[region],
+                cpus.get(region),
             )  # fmt: skip
             children.append(meshes[region])
         for region in REGIONS:  # both start at once: each imports torch and builds its mesh
@@ -362,8 +362,8 @@ def main() -> None:
         report(sides, args, rtt)
         load_at_end = os.getloadavg()[0]
         print(f"load average: {load_at_start:.1f} at the start, {load_at_end:.1f} at the end")
-        if args.pin_regions:
-            print("cores: " + ", ".join(f"{r} {sorted(c or ())}" for r, c in cpus.items()))
+        if cpus:
+            print("cores: " + ", ".join(f"{r} {sorted(c)}" for r, c in cpus.items()))
     finally:
         if clients is not None:
             clients.shutdown(cancel_futures=True)
