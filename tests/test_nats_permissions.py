@@ -18,10 +18,13 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
 import time
+import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +44,7 @@ from common.nats_permissions import (
     region_config,
     server_config,
 )
-from common.nats_server import LocalNatsServer
+from common.nats_server import LocalNatsServer, free_port
 from common.page_hash import page_hashes
 from common.runtime import Service
 from common.subjects import Subjects
@@ -137,10 +140,40 @@ def test_a_plain_user_name_scopes_the_reply_inbox():
 # -- on a real nats-server with the generated users ------------------------------------------
 
 
+@dataclass
+class Monitored:
+    """The module's nats-server and its monitoring port: a message that does not arrive is
+    reported with the server's view of each connection (user, subscriptions, messages in and
+    out), which says whether it was published, subscribed to, or lost on the way."""
+
+    nats: LocalNatsServer
+    monitor_port: int
+
+    @property
+    def url(self) -> str:
+        return self.nats.url
+
+    def connections(self) -> str:
+        url = f"http://127.0.0.1:{self.monitor_port}/connz?subs=1&auth=1"
+        try:
+            with urllib.request.urlopen(url, timeout=5) as response:
+                conns = json.load(response)["connections"] or []
+        except OSError as exc:
+            return f"(no monitoring answer: {exc})"
+        return "\n".join(
+            f"  {c.get('authorized_user')}: in {c['in_msgs']} out {c['out_msgs']} "
+            f"subs {c.get('subscriptions_list', [])}"
+            for c in conns
+        )
+
+
 @pytest.fixture(scope="module")
-def server() -> Iterator[LocalNatsServer]:
-    nats_server = LocalNatsServer.start(config=server_config(S, PASSWORDS))
-    yield nats_server
+def server() -> Iterator[Monitored]:
+    monitor_port = free_port()
+    nats_server = LocalNatsServer.start(
+        config=server_config(S, PASSWORDS), extra_args=["-m", str(monitor_port)]
+    )
+    yield Monitored(nats_server, monitor_port)
     nats_server.stop()
 
 
@@ -175,7 +208,7 @@ def denied(action: str, subject: str) -> str:
 
 
 @pytest.fixture
-async def login(server: LocalNatsServer) -> AsyncIterator[Callable[[str], Awaitable[Login]]]:
+async def login(server: Monitored) -> AsyncIterator[Callable[[str], Awaitable[Login]]]:
     made: list[Client] = []
 
     async def connect(role: str) -> Login:
@@ -204,17 +237,23 @@ class Received:
         self.messages.append(msg.data)
 
 
-async def settle(*expected: Received) -> None:
+async def settle(server: Monitored, *expected: Received) -> None:
     """Until each of ``expected`` has received a message (the server forwards asynchronously,
     and a loaded machine can take a while), then a moment more for anything that must NOT
     arrive to have had its chance."""
-    async with asyncio.timeout(10):
-        while not all(r.messages for r in expected):
-            await asyncio.sleep(0.02)
+    deadline = time.monotonic() + 10
+    while not all(r.messages for r in expected):
+        if time.monotonic() > deadline:
+            waiting = [i for i, r in enumerate(expected) if not r.messages]
+            raise AssertionError(
+                f"after 10 s, receivers {waiting} of {len(expected)} have nothing; "
+                f"the server's connections:\n{server.connections()}"
+            )
+        await asyncio.sleep(0.02)
     await asyncio.sleep(0.2)
 
 
-async def test_the_tokenizer_cannot_forge_an_executor_heartbeat(login):
+async def test_the_tokenizer_cannot_forge_an_executor_heartbeat(server, login):
     scheduler, tokenizer, executor = (
         await login("scheduler"),
         await login("tokenizer"),
@@ -228,12 +267,12 @@ async def test_the_tokenizer_cannot_forge_an_executor_heartbeat(login):
     assert await tokenizer.violations(1) == [denied("publish", S.executor_heartbeat)]
     await executor.nc.publish(S.executor_heartbeat, b"real")
     await executor.nc.flush()
-    await settle(beats)
+    await settle(server, beats)
     assert beats.messages == [b"real"]
     assert await scheduler.violations() == [] and await executor.violations() == []
 
 
-async def test_the_tokenizer_cannot_read_other_traffic(login):
+async def test_the_tokenizer_cannot_read_other_traffic(server, login):
     tokenizer, gateway, detokenizer = (
         await login("tokenizer"),
         await login("gateway"),
@@ -252,11 +291,11 @@ async def test_the_tokenizer_cannot_read_other_traffic(login):
     await gateway.nc.flush()
     await detokenizer.nc.publish(inbox, b"the answer")
     await detokenizer.nc.flush()
-    await settle(owner)
+    await settle(server, owner)
     assert owner.messages == [b"the answer"] and spied.messages == []
 
 
-async def test_a_service_announces_only_itself(login):
+async def test_a_service_announces_only_itself(server, login):
     gateway, tokenizer = await login("gateway"), await login("tokenizer")
     seen, probes = Received(), Received()
     await gateway.nc.subscribe(S.presence_all, cb=seen.cb)
@@ -272,11 +311,11 @@ async def test_a_service_announces_only_itself(login):
         denied("publish", S.presence("scheduler")),
         denied("publish", S.presence_probe),
     ]
-    await settle(seen, probes)
+    await settle(server, seen, probes)
     assert seen.messages == [b"me"] and probes.messages == [b"who is there?"]
 
 
-async def test_the_tokenizer_can_do_its_job(login):
+async def test_the_tokenizer_can_do_its_job(server, login):
     gateway, tokenizer, scheduler = (
         await login("gateway"),
         await login("tokenizer"),
@@ -295,7 +334,7 @@ async def test_the_tokenizer_can_do_its_job(login):
     await tokenizer.nc.publish(inbox, b"error reply")  # a request it cannot tokenize
     for login_ in (gateway, tokenizer):
         await login_.nc.flush()
-    await settle(encode, submitted, replies)
+    await settle(server, encode, submitted, replies)
     assert (encode.messages, submitted.messages, replies.messages) == (
         [b"prompt"],
         [b"tokens"],
@@ -305,7 +344,7 @@ async def test_the_tokenizer_can_do_its_job(login):
         assert await login_.violations() == []
 
 
-async def test_requests_reply_to_the_asker_s_own_inbox_only(login):
+async def test_requests_reply_to_the_asker_s_own_inbox_only(server, login):
     scheduler, index = await login("scheduler"), await login("prefix-index")
     executor, speculator = await login("executor"), await login("speculator")
     tokenizer = await login("tokenizer")
