@@ -237,17 +237,18 @@ class Received:
         self.messages.append(msg.data)
 
 
-async def settle(server: Monitored, *expected: Received) -> None:
+async def settle(*expected: Received, server: Monitored | None = None) -> None:
     """Until each of ``expected`` has received a message (the server forwards asynchronously,
     and a loaded machine can take a while), then a moment more for anything that must NOT
-    arrive to have had its chance."""
+    arrive to have had its chance. A ``server`` with a monitoring port is asked, on a timeout,
+    what it saw of each connection."""
     deadline = time.monotonic() + 10
     while not all(r.messages for r in expected):
         if time.monotonic() > deadline:
             waiting = [i for i, r in enumerate(expected) if not r.messages]
+            seen = f"; the server's connections:\n{server.connections()}" if server else ""
             raise AssertionError(
-                f"after 10 s, receivers {waiting} of {len(expected)} have nothing; "
-                f"the server's connections:\n{server.connections()}"
+                f"after 10 s, receivers {waiting} of {len(expected)} have nothing{seen}"
             )
         await asyncio.sleep(0.02)
     await asyncio.sleep(0.2)
@@ -267,7 +268,7 @@ async def test_the_tokenizer_cannot_forge_an_executor_heartbeat(server, login):
     assert await tokenizer.violations(1) == [denied("publish", S.executor_heartbeat)]
     await executor.nc.publish(S.executor_heartbeat, b"real")
     await executor.nc.flush()
-    await settle(server, beats)
+    await settle(beats, server=server)
     assert beats.messages == [b"real"]
     assert await scheduler.violations() == [] and await executor.violations() == []
 
@@ -291,7 +292,7 @@ async def test_the_tokenizer_cannot_read_other_traffic(server, login):
     await gateway.nc.flush()
     await detokenizer.nc.publish(inbox, b"the answer")
     await detokenizer.nc.flush()
-    await settle(server, owner)
+    await settle(owner, server=server)
     assert owner.messages == [b"the answer"] and spied.messages == []
 
 
@@ -311,7 +312,7 @@ async def test_a_service_announces_only_itself(server, login):
         denied("publish", S.presence("scheduler")),
         denied("publish", S.presence_probe),
     ]
-    await settle(server, seen, probes)
+    await settle(seen, probes, server=server)
     assert seen.messages == [b"me"] and probes.messages == [b"who is there?"]
 
 
@@ -334,7 +335,7 @@ async def test_the_tokenizer_can_do_its_job(server, login):
     await tokenizer.nc.publish(inbox, b"error reply")  # a request it cannot tokenize
     for login_ in (gateway, tokenizer):
         await login_.nc.flush()
-    await settle(server, encode, submitted, replies)
+    await settle(encode, submitted, replies, server=server)
     assert (encode.messages, submitted.messages, replies.messages) == (
         [b"prompt"],
         [b"tokens"],
