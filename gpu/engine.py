@@ -30,6 +30,7 @@ from gpu.sampling import Sampler, SamplerInput, SamplingParams, make_generator, 
 from gpu.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from gpu.sequence import FinishReason, SeqStatus, Sequence
 from gpu.spec_decode import DraftLength, DraftRequest, Proposal, Proposer, SpecStats, verify
+from gpu.transfers import move, to_device
 from gpu.warmup import WarmupReport, warm_up
 
 
@@ -337,21 +338,22 @@ class Engine:
         inp = self._sampler_input(seqs)
         constrained = [(i, s.grammar) for i, s in enumerate(seqs) if s.grammar is not None]
         if constrained:
-            from gpu.grammar import allocate_bitmask, to_device
+            from gpu.grammar import allocate_bitmask
 
             bitmask = allocate_bitmask(len(seqs), logits.shape[1])
             for i, state in constrained:
                 state.next_mask(bitmask, i)
-            inp.token_bitmask = to_device(bitmask, logits.device)
+            inp.token_bitmask = move(bitmask, logits.device)
             inp.masked_rows = [i for i, _ in constrained]
         sampled = self.sampler(logits[rows] if len(rows) < logits.shape[0] else logits, inp)
-        token_ids = sampled.token_ids.tolist()
+        host = sampled.to_host()  # the step's one wait for the device
+        token_ids = host.token_ids
         outputs = []
         for i, seq in enumerate(seqs):
             logprobs = None
-            if seq.params.logprobs is not None and sampled.logprobs is not None:
-                top = sampled.top_logprobs[i] if sampled.top_logprobs else []
-                logprobs = [TokenLogprob(token_ids[i], float(sampled.logprobs[i]), top)]
+            if seq.params.logprobs is not None and host.logprobs is not None:
+                top = host.top_logprobs[i] if host.top_logprobs else []
+                logprobs = [TokenLogprob(token_ids[i], host.logprobs[i], top)]
             outputs.append(self._emit(seq, [token_ids[i]], logprobs))
         return outputs
 
@@ -399,15 +401,14 @@ class Engine:
         flat = [t for i in want for t in token_ids[i]]
         params = [seqs[i].params for i in want for _ in token_ids[i]]
         lp = self.sampler.logprobs(
-            processed[rows], torch.tensor(flat, device=processed.device), params
-        )
+            processed[rows], to_device(flat, torch.int64, processed.device), params
+        ).to_host()
         assert lp.logprobs is not None and lp.top_logprobs is not None
-        values = lp.logprobs.tolist()
         k = 0
         for i in want:
             entries = []
             for t in token_ids[i]:
-                entries.append(TokenLogprob(t, float(values[k]), lp.top_logprobs[k]))
+                entries.append(TokenLogprob(t, lp.logprobs[k], lp.top_logprobs[k]))
                 k += 1
             out[i] = entries
         return out
@@ -425,7 +426,7 @@ class Engine:
         where it was (the emitted tokens advance it in ``_emit``)."""
         if all(s.grammar is None for s in seqs):
             return
-        from gpu.grammar import allocate_bitmask, to_device
+        from gpu.grammar import allocate_bitmask
 
         bitmask = allocate_bitmask(sum(len(d) + 1 for d in drafts), vocab)
         start = 0
@@ -434,7 +435,7 @@ class Engine:
                 seq.grammar.draft_masks(draft.token_ids, bitmask, start)
                 inp.masked_rows.extend(range(start, start + len(draft) + 1))
             start += len(draft) + 1
-        inp.token_bitmask = to_device(bitmask, device)
+        inp.token_bitmask = move(bitmask, device)
 
     @staticmethod
     def _sampler_input(seqs: list[Sequence]) -> SamplerInput:

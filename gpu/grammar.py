@@ -60,12 +60,9 @@ class GrammarState:
 
 
 def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
-    """All tokens allowed, on the CPU (xgrammar fills it there); ``to_device`` moves it."""
+    """All tokens allowed, on the CPU (xgrammar fills it there); ``gpu.transfers.move`` moves
+    it to the logits' device."""
     return xgr.allocate_token_bitmask(rows, vocab_size)
-
-
-def to_device(bitmask: torch.Tensor, device: torch.device) -> torch.Tensor:
-    return bitmask if device.type == "cpu" else bitmask.to(device, non_blocking=True)
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:

@@ -57,6 +57,11 @@ so that top-N alternatives keep finite, comparable values. For rows that asked
 (``logprobs=N``) the output holds the sampled token's logprob and the top-N ``(token, logprob)``
 pairs sorted by descending logprob; rows that did not ask hold NaN and ``[]``.
 
+Waits for the device: none inside a call on CUDA. Parameter and index tensors are staged
+through pinned memory (``gpu.transfers``), whatever is sized by the data (penalty indices, the
+top-p ladder's subsets) is built on the host or replaced by one full sort, and every result
+stays on the device until :meth:`SamplerOutput.to_host` reads them all back with one wait.
+
 Copies: the caller's logits are never written. At most one full fp32 working copy is made
 (none at all for an fp32, all-greedy, penalty-free batch); sampled rows additionally need a
 ``probs`` and a noise tensor of their own size, and rows asking for logprobs a log_softmax.
@@ -70,6 +75,8 @@ from dataclasses import dataclass, field
 from itertools import chain
 
 import torch
+
+from gpu.transfers import move, to_device, to_host
 
 # Temperatures below this are treated as greedy (vLLM's _SAMPLING_EPS): dividing by a
 # vanishing temperature only approximates argmax, badly, in fp32.
@@ -213,15 +220,54 @@ class SamplerInput:
 
 
 @dataclass
+class TopLogprobs:
+    """The top-N logprobs of the rows that asked, still on the device: ``ids`` and ``values``
+    ``[len(rows), N]`` (N the most any row asked, descending), row ``j`` of them for logits row
+    ``rows[j]``, which keeps the first ``counts[j]``."""
+
+    rows: list[int]
+    counts: list[int]
+    ids: torch.Tensor
+    values: torch.Tensor
+
+
+@dataclass
+class SampledOnHost:
+    """A :class:`SamplerOutput` as Python values: ``logprobs`` per row (NaN where a row did not
+    ask) and ``top_logprobs`` per row (``[]`` where it did not), each None when no row asked."""
+
+    token_ids: list[int]
+    logprobs: list[float] | None
+    top_logprobs: list[list[tuple[int, float]]] | None
+
+
+@dataclass
 class SamplerOutput:
     """``token_ids``: int64 ``[B]``. ``logprobs``: float32 ``[B]``, the sampled token's logprob
     (see the module docstring for which distribution), NaN on rows that did not ask; None when
-    no row asked. ``top_logprobs``: per row the top-N ``(token, logprob)`` pairs, descending,
-    ``[]`` for rows that did not ask; None when no row asked."""
+    no row asked. ``top``: the top-N pairs of the rows that asked for N > 0, else None. All on
+    the logits' device: :meth:`to_host` reads them back with one wait for it."""
 
     token_ids: torch.Tensor
     logprobs: torch.Tensor | None
-    top_logprobs: list[list[tuple[int, float]]] | None
+    top: TopLogprobs | None = None
+
+    def to_host(self) -> SampledOnHost:
+        tensors = [self.token_ids]
+        if self.logprobs is not None:
+            tensors.append(self.logprobs)
+        if self.top is not None:
+            tensors += [self.top.ids, self.top.values]
+        host = to_host(*tensors)
+        logprobs = host[1] if self.logprobs is not None else None
+        top: list[list[tuple[int, float]]] | None = None
+        if self.logprobs is not None:
+            top = [[] for _ in host[0]]
+        if self.top is not None and top is not None:
+            ids, values = host[-2], host[-1]
+            for j, (row, n) in enumerate(zip(self.top.rows, self.top.counts, strict=True)):
+                top[row] = list(zip(ids[j][:n], values[j][:n], strict=True))
+        return SampledOnHost(host[0], logprobs, top)
 
 
 def _flat_token_index(
@@ -229,19 +275,19 @@ def _flat_token_index(
     seqs: Sequence[Iterable[int]],
     lengths: Sequence[int],
     vocab: int,
-    device: torch.device,
 ) -> torch.Tensor | None:
     """Flat indices ``row * V + token`` into a contiguous ``[B, V]`` tensor for every token of
     ``seqs[j]`` (``lengths[j]`` of them) in row ``rows[j]``: one concatenated index tensor for
-    the whole batch, no padding. Ids outside ``[0, V)`` (a tokenizer larger than the LM head)
-    are dropped, as Hugging Face does. None when there is no token.
+    the whole batch, no padding, on the host. Ids outside ``[0, V)`` (a tokenizer larger than
+    the LM head) are dropped, as Hugging Face does. None when there is no token.
     """
     if sum(lengths) == 0:
         return None
-    tokens = torch.tensor(list(chain.from_iterable(seqs)), dtype=torch.int64, device=device)
+    # Built on the host, where the ids are: dropping the invalid ones has a data-dependent
+    # size, which on a device would wait for it.
+    tokens = torch.tensor(list(chain.from_iterable(seqs)), dtype=torch.int64)
     owner = torch.repeat_interleave(
-        torch.tensor(rows, dtype=torch.int64, device=device),
-        torch.tensor(lengths, dtype=torch.int64, device=device),
+        torch.tensor(rows, dtype=torch.int64), torch.tensor(lengths, dtype=torch.int64)
     )
     valid = (tokens >= 0) & (tokens < vocab)
     if not bool(valid.all()):
@@ -279,11 +325,11 @@ def apply_penalties(
             [chain(prompt_token_ids[i], output_token_ids[i]) for i in rep_rows],
             [len(prompt_token_ids[i]) + len(output_token_ids[i]) for i in rep_rows],
             vocab,
-            device,
         )
         if idx is not None:
+            idx = move(idx, device)
             rep_all = [p.repetition_penalty for p in params]
-            rep = torch.tensor(rep_all, dtype=torch.float32, device=device)[idx // vocab]
+            rep = to_device(rep_all, torch.float32, device)[idx // vocab]
             vals = flat_logits[idx]
             flat_logits[idx] = torch.where(vals < 0, vals * rep, vals / rep)
 
@@ -296,14 +342,14 @@ def apply_penalties(
             [output_token_ids[i] for i in fp_rows],
             [len(output_token_ids[i]) for i in fp_rows],
             vocab,
-            device,
         )
         if idx is not None:
-            uniq, counts = torch.unique(idx, return_counts=True)
+            uniq, counts = torch.unique(idx, return_counts=True)  # on the host: sized by data
+            uniq, counts = move(uniq, device), move(counts, device)
             row = uniq // vocab
             f32 = torch.float32
-            freq = torch.tensor([p.frequency_penalty for p in params], dtype=f32, device=device)
-            pres = torch.tensor([p.presence_penalty for p in params], dtype=f32, device=device)
+            freq = to_device([p.frequency_penalty for p in params], f32, device)
+            pres = to_device([p.presence_penalty for p in params], f32, device)
             freq, pres = freq[row], pres[row]
             flat_logits[uniq] = flat_logits[uniq] - counts.to(torch.float32) * freq - pres
     return logits
@@ -325,9 +371,7 @@ def apply_logit_bias(
     if flat:
         device = logits.device
         logits.view(-1).index_add_(
-            0,
-            torch.tensor(flat, dtype=torch.int64, device=device),
-            torch.tensor(values, dtype=torch.float32, device=device),
+            0, to_device(flat, torch.int64, device), to_device(values, torch.float32, device)
         )
 
 
@@ -338,15 +382,42 @@ def apply_logit_bias(
 TOP_P_CANDIDATES = (256, 4096)
 
 
-def _top_p_cutoffs(masked: torch.Tensor, probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def _top_p_rung(
+    sub: torch.Tensor, sub_probs: torch.Tensor, top_p: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One rung of the ladder over rows ``sub``: ``(cutoff, done, mass, p_k)``, the cutoff each
+    row would get from its top ``k`` candidates, whether those candidates settle it, their mass
+    and the probability of the k-th (``k`` = the vocabulary: one full sort, which settles all)."""
+    vocab = sub.shape[1]
+    if k < vocab:
+        vals, ids = sub.topk(k, dim=-1)
+    else:
+        vals, ids = sub.sort(dim=-1, descending=True)
+    cand = sub_probs.gather(1, ids)
+    p_k = cand[:, -1].clone()
+    cum = cand.cumsum_(dim=-1)
+    below = (cum < top_p.unsqueeze(1)).sum(dim=-1)  # tokens before the crossing one
+    n_alive = (vals > -math.inf).sum(dim=-1)
+    done = (below < k) | (n_alive < k) | (k == vocab)
+    n_keep = torch.minimum(below + 1, n_alive).clamp_(min=1)
+    cut = vals.gather(1, (n_keep - 1).unsqueeze(1)).squeeze(1)
+    return cut, done, cum[:, -1], p_k
+
+
+def _top_p_cutoffs(
+    masked: torch.Tensor, probs: torch.Tensor, top_p: torch.Tensor, ladder: bool = True
+) -> torch.Tensor:
     """Logit cutoff of top-p per row: the logit of the last token of the smallest prefix (in
     descending order) whose probability mass reaches ``top_p``.
 
     ``masked``: logits with top-k losers at -inf; ``probs``: their softmax (the renormalised
     top-k distribution). Every token whose inclusive cumulative mass is below ``top_p`` is kept,
-    plus the one that crosses it.
+    plus the one that crosses it. Without ``ladder``, one full sort of every row: the same
+    cutoffs, and no step whose size depends on the data (which a device would be waited for).
     """
     rows, vocab = masked.shape
+    if not ladder:
+        return _top_p_rung(masked, probs, top_p, vocab)[0]
     device = masked.device
     out = torch.empty(rows, dtype=torch.float32, device=device)
     todo = torch.arange(rows, device=device)
@@ -364,20 +435,10 @@ def _top_p_cutoffs(masked: torch.Tensor, probs: torch.Tensor, top_p: torch.Tenso
                 continue
         full = act.numel() == rows
         sub = masked if full else masked.index_select(0, act)
-        if k < vocab:
-            vals, ids = sub.topk(k, dim=-1)
-        else:
-            vals, ids = sub.sort(dim=-1, descending=True)
-        cand = (probs if full else probs.index_select(0, act)).gather(1, ids)
-        p_k = cand[:, -1].clone()
-        cum = cand.cumsum_(dim=-1)
-        below = (cum < top_p[act].unsqueeze(1)).sum(dim=-1)  # tokens before the crossing one
-        n_alive = (vals > -math.inf).sum(dim=-1)
-        done = (below < k) | (n_alive < k) | (k == vocab)
-        n_keep = torch.minimum(below + 1, n_alive).clamp_(min=1)
-        cut = vals.gather(1, (n_keep - 1).unsqueeze(1)).squeeze(1)
+        sub_probs = probs if full else probs.index_select(0, act)
+        cut, done, mass[act], p_last[act] = _top_p_rung(sub, sub_probs, top_p[act], k)
         out[act[done]] = cut[done]
-        mass[act], p_last[act], seen[act] = cum[:, -1], p_k, float(k)
+        seen[act] = float(k)
         remaining = torch.ones(rows, dtype=torch.bool, device=device)
         remaining[act[done]] = False
         todo = todo[remaining[todo]]
@@ -405,12 +466,12 @@ def _filter_cutoffs(
     cutoff = torch.full((n,), -math.inf, dtype=torch.float32, device=device)
 
     def subset(rows: list[int], t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        idx = torch.tensor(rows, dtype=torch.int64, device=device)
+        idx = to_device(rows, torch.int64, device)
         return idx, (t if len(rows) == n else t.index_select(0, idx))
 
     if k_rows:  # top-k: the k-th largest value (its ties survive too), no full sort
         idx, sub = subset(k_rows, xs)
-        k = torch.tensor([top_k[i] for i in k_rows], dtype=torch.int64, device=device)
+        k = to_device([top_k[i] for i in k_rows], torch.int64, device)
         top_vals = sub.topk(max(top_k[i] for i in k_rows), dim=-1).values
         cutoff[idx] = top_vals.gather(1, (k - 1).unsqueeze(1)).squeeze(1)
 
@@ -421,11 +482,13 @@ def _filter_cutoffs(
             sub_probs = torch.softmax(sub, dim=-1)
         else:
             sub_probs = probs if len(p_rows) == n else probs.index_select(0, idx)
-        top_p = torch.tensor([params[i].top_p for i in p_rows], dtype=torch.float32, device=device)
-        cutoff[idx] = _top_p_cutoffs(sub, sub_probs, top_p)  # >= the top-k cutoff
+        top_p = to_device([params[i].top_p for i in p_rows], torch.float32, device)
+        # The candidate ladder sizes its subsets by the data: on a device, one full sort.
+        ladder = device.type == "cpu"
+        cutoff[idx] = _top_p_cutoffs(sub, sub_probs, top_p, ladder)  # >= the top-k cutoff
 
     if use_min_p:  # p >= min_p * p_max  <=>  x >= x_max + log(min_p)
-        log_min_p = torch.tensor(min_ps, dtype=torch.float32, device=device).log_()
+        log_min_p = to_device(min_ps, torch.float32, device).log_()
         cutoff = torch.maximum(cutoff, xs.amax(dim=-1) + log_min_p)
     return cutoff
 
@@ -452,7 +515,7 @@ class Sampler:
                 )
         device = logits.device
         if batch == 0:
-            return SamplerOutput(torch.empty(0, dtype=torch.int64, device=device), None, None)
+            return SamplerOutput(torch.empty(0, dtype=torch.int64, device=device), None)
 
         greedy_rows = [i for i, p in enumerate(params) if p.is_greedy]
         sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
@@ -468,7 +531,7 @@ class Sampler:
             # exact and monotone, so no cast either). max(dim)'s indices are argmax's (the
             # first maximum, NaN counting as one) at a third of its time on CPU: 61 -> 20 us
             # for one row of SmolLM2's 49,152 logits.
-            return SamplerOutput(logits.max(dim=-1).indices, None, None)
+            return SamplerOutput(logits.max(dim=-1).indices, None)
 
         work = self._processed(logits, inp, copy=False)  # 1-2: penalties, temperature
 
@@ -477,12 +540,12 @@ class Sampler:
         if len(greedy_rows) == batch:
             token_ids = work.argmax(dim=-1)
         elif greedy_rows:
-            g_idx = torch.tensor(greedy_rows, dtype=torch.int64, device=device)
+            g_idx = to_device(greedy_rows, torch.int64, device)
             token_ids[g_idx] = work.index_select(0, g_idx).argmax(dim=-1)
 
         # 4-5. filter and sample the rest.
         if sampled_rows:
-            s_idx = torch.tensor(sampled_rows, dtype=torch.int64, device=device)
+            s_idx = to_device(sampled_rows, torch.int64, device)
             xs = work if len(sampled_rows) == batch else work.index_select(0, s_idx)
             s_params = [params[i] for i in sampled_rows]
             probs = torch.softmax(xs, dim=-1)
@@ -522,7 +585,7 @@ class Sampler:
         # Temperature (greedy rows divide by 1, which is exact).
         temps = [1.0 if p.is_greedy else float(p.temperature) for p in params]
         if any(t != 1.0 for t in temps):
-            t = torch.tensor(temps, dtype=torch.float32, device=logits.device).unsqueeze(1)
+            t = to_device(temps, torch.float32, logits.device).unsqueeze(1)
             work = work.div_(t) if owned else work / t
         return work
 
@@ -552,7 +615,7 @@ class Sampler:
             probs.div_(probs.sum(dim=-1, keepdim=True))
         greedy = [i for i, p in enumerate(params) if p.is_greedy]
         if greedy:
-            idx = torch.tensor(greedy, dtype=torch.int64, device=logits.device)
+            idx = to_device(greedy, torch.int64, logits.device)
             top = processed.index_select(0, idx).argmax(dim=-1, keepdim=True)
             one_hot = torch.zeros(
                 (len(greedy), probs.shape[1]), dtype=probs.dtype, device=probs.device
@@ -604,20 +667,18 @@ class Sampler:
         """Logprobs under ``log_softmax(processed)`` for the rows that asked."""
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         if not lp_rows:
-            return SamplerOutput(token_ids, None, None)
+            return SamplerOutput(token_ids, None)
         device = processed.device
         batch = processed.shape[0]
-        idx = torch.tensor(lp_rows, dtype=torch.int64, device=device)
+        idx = to_device(lp_rows, torch.int64, device)
         sub = processed if len(lp_rows) == batch else processed.index_select(0, idx)
         sub = torch.log_softmax(sub, dim=-1)
         chosen = sub.gather(1, token_ids[idx].unsqueeze(1)).squeeze(1)
         logprobs = torch.full((batch,), math.nan, dtype=torch.float32, device=device)
         logprobs[idx] = chosen
-        top: list[list[tuple[int, float]]] = [[] for _ in range(batch)]
         n_max = max(params[i].logprobs or 0 for i in lp_rows)
-        if n_max > 0:
-            vals, ids = sub.topk(min(n_max, sub.shape[1]), dim=-1)
-            for j, (row_ids, row_vals) in enumerate(zip(ids.tolist(), vals.tolist(), strict=True)):
-                n = params[lp_rows[j]].logprobs or 0
-                top[lp_rows[j]] = list(zip(row_ids[:n], row_vals[:n], strict=True))
-        return SamplerOutput(token_ids, logprobs, top)
+        if n_max == 0:
+            return SamplerOutput(token_ids, logprobs)
+        vals, ids = sub.topk(min(n_max, sub.shape[1]), dim=-1)
+        counts = [params[i].logprobs or 0 for i in lp_rows]
+        return SamplerOutput(token_ids, logprobs, TopLogprobs(lp_rows, counts, ids, vals))

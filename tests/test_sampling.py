@@ -168,6 +168,10 @@ def test_top_p_candidate_ladder_matches_full_sort(monkeypatch: pytest.MonkeyPatc
     ]
     probs = torch.softmax(logits, -1)
     cut = sampling._filter_cutoffs(logits, probs, params)
+    # the device's path, one full sort with no data-sized step, cuts where the ladder does
+    top_p = torch.tensor([p.top_p for p in params])
+    laddered = sampling._top_p_cutoffs(logits, probs, top_p)
+    assert torch.equal(sampling._top_p_cutoffs(logits, probs, top_p, ladder=False), laddered)
     monkeypatch.setattr(sampling, "TOP_P_CANDIDATES", ())
     full_sort = sampling._filter_cutoffs(logits, probs, params)
     assert cut is not None and full_sort is not None
@@ -185,7 +189,8 @@ def test_greedy_is_argmax_and_mixed_batch() -> None:
     greedy = SamplingParams(temperature=0.0)
     out = Sampler()(logits, inp_for([greedy] * 6))
     assert torch.equal(out.token_ids, logits.argmax(-1))
-    assert out.logprobs is None and out.top_logprobs is None
+    assert out.logprobs is None and out.top is None
+    assert out.to_host().logprobs is None and out.to_host().top_logprobs is None
     out_bf16 = Sampler()(logits.bfloat16(), inp_for([greedy] * 6))
     assert torch.equal(out_bf16.token_ids, logits.bfloat16().float().argmax(-1))
     # Ties go to the first maximum, and a NaN row to its first NaN, as argmax decides them.
@@ -340,8 +345,9 @@ def test_penalties_order_and_greedy_rows() -> None:
     out = Sampler()(logits, inp_for([p], prompts=[[2]], outputs=[[0, 0]]))
     expected = torch.tensor([[3.0 / 2 - 2 * 0.5 - 0.25, 2.9, -1.0 * 2, 0.5]])
     assert out.token_ids.tolist() == [1]
-    assert out.top_logprobs is not None
-    got = dict(out.top_logprobs[0])
+    host = out.to_host()
+    assert host.token_ids == [1] and host.top_logprobs is not None
+    got = dict(host.top_logprobs[0])
     ref = torch.log_softmax(expected, -1)[0]
     for tok in range(4):
         assert got[tok] == pytest.approx(float(ref[tok]), abs=1e-6)
@@ -379,17 +385,21 @@ def test_logprobs_sampled_token_and_top_n() -> None:
         SamplingParams(temperature=1.0, min_p=0.05, logprobs=1),
     ]
     out: SamplerOutput = Sampler()(logits, inp_for(params))
-    assert out.logprobs is not None and out.top_logprobs is not None
+    host = out.to_host()
+    assert out.logprobs is not None and host.logprobs is not None
+    assert host.top_logprobs is not None
     assert out.logprobs.dtype == torch.float32 and out.logprobs.shape == (5,)
+    assert host.token_ids == out.token_ids.tolist()
     for i, p in enumerate(params):
         if p.logprobs is None:
-            assert math.isnan(float(out.logprobs[i])) and out.top_logprobs[i] == []
+            assert math.isnan(host.logprobs[i]) and host.top_logprobs[i] == []
             continue
+        assert host.logprobs[i] == float(out.logprobs[i])
         temp = 1.0 if p.is_greedy else p.temperature
         ref = torch.log_softmax(logits[i] / temp, -1)
         tok = int(out.token_ids[i])
         assert float(out.logprobs[i]) == pytest.approx(float(ref[tok]), abs=1e-5)
-        top = out.top_logprobs[i]
+        top = host.top_logprobs[i]
         assert len(top) == p.logprobs
         vals = [v for _, v in top]
         assert vals == sorted(vals, reverse=True)
@@ -399,7 +409,7 @@ def test_logprobs_sampled_token_and_top_n() -> None:
             np.testing.assert_allclose(vals, ref_vals.numpy(), atol=1e-5)
     # No row asks -> None.
     out = Sampler()(logits, inp_for([SamplingParams()] * 5))
-    assert out.logprobs is None and out.top_logprobs is None
+    assert out.logprobs is None and out.top is None
 
 
 @pytest.mark.parametrize(

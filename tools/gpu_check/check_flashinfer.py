@@ -759,7 +759,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model", default="default", help='"default" (SmolLM2), "synthetic", a folder or .gguf'
     )
-    p.add_argument("--sections", default="kernels,model,timing,graphs")
+    p.add_argument("--sections", default="kernels,model,timing,sampling,graphs")
     p.add_argument("--head-configs", default="9/3,32/8", help="q/kv head pairs")
     p.add_argument("--head-dims", default="64")
     p.add_argument("--kernel-tol", type=float, default=KERNEL_TOL)
@@ -916,6 +916,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         except Exception as exc:
             report.error("timing", exc)
 
+    if "sampling" in sections:
+        try:
+            from tools.gpu_check.sampler_waits import sampling_section
+
+            vocab = 49152  # SmolLM2's
+            report.section("sampling", sampling_section(device, [1, 8, 64], vocab, args.iters))
+        except Exception as exc:
+            report.error("sampling", exc)
+
     if "graphs" in sections:
         del gpu_model  # the 8B-class model needs the memory
         torch.cuda.empty_cache()
@@ -939,12 +948,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             report.error("graphs", exc)
 
     shutil.rmtree(workdir, ignore_errors=True)
-    wanted = {"kernels", "model", "timing", "graphs"} & sections
+    wanted = {"kernels", "model", "timing", "sampling", "graphs"} & sections
     results = report.data["sections"]
     ok = not report.data["errors"] and all(results.get(s, {}).get("ok") for s in wanted)
     report.set("ok", ok)
     print("\n## Summary\n", flush=True)
-    for name in ("kernels", "model", "timing", "graphs"):
+    for name in ("kernels", "model", "timing", "sampling", "graphs"):
         if name in results:
             body = results[name].get("table") or f"error: {results[name].get('error')}"
             print(f"### {name}\n\n{body}\n", flush=True)
