@@ -18,6 +18,7 @@ from gpu.page_manager import PageManager, PageTable
 from gpu.runner import ModelRunner
 from gpu.sampling import Sampler, SamplerInput
 from gpu.spec_decode import DraftRequest, Proposal
+from gpu.transfers import to_host
 
 
 class NgramProposer:
@@ -230,19 +231,20 @@ class DraftModelProposer:
             generators=[None] * len(reqs),
         )
         processed, probs = self.sampler.distributions(logits, inp)
-        tokens = processed.argmax(dim=-1).tolist()
         if probs is None:
+            (tokens,) = to_host(processed.argmax(dim=-1))
             return [int(t) for t in tokens]
+        # Every row is drawn on the device and read back with one wait; greedy rows keep
+        # their argmax and ignore their draw.
         top = probs.topk(min(self.top_n, probs.shape[1]), dim=-1)
+        q = top.values / top.values.sum(dim=-1, keepdim=True)
+        picks = torch.multinomial(q, 1, generator=self.sampler.generator).squeeze(1)
+        tokens, ids, values, picked = to_host(processed.argmax(dim=-1), top.indices, q, picks)
         for row, i in enumerate(active):
             if requests[i].params.is_greedy:
                 continue
-            p = top.values[row]
-            p = p[p > 0]
-            ids = top.indices[row, : p.numel()]
-            p = p / p.sum()
-            pick = int(torch.multinomial(p, 1, generator=self.sampler.generator).item())
-            tokens[row] = int(ids[pick])
-            q_ids[i].append(ids.tolist())
-            q_probs[i].append(p.tolist())
+            tokens[row] = ids[row][picked[row]]
+            kept = [j for j, v in enumerate(values[row]) if v > 0]  # q's support only
+            q_ids[i].append([ids[row][j] for j in kept])
+            q_probs[i].append([values[row][j] for j in kept])
         return [int(t) for t in tokens]

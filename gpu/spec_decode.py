@@ -32,6 +32,7 @@ from typing import Protocol
 import torch
 
 from gpu.sampling import Sampler, SamplerInput, SamplingParams
+from gpu.transfers import to_device, to_host
 
 
 @dataclass(frozen=True)
@@ -202,15 +203,22 @@ def verify(
             row_inp.output_token_ids.append(inp.output_token_ids[i] + draft.token_ids[:j])
             row_inp.generators.append(inp.generators[i])
     processed, probs = sampler.distributions(logits, row_inp)
-    argmax = processed.argmax(dim=-1).tolist()
+    # Everything is decided on the device first and read back with one wait (gpu/transfers).
+    sampled = [i for i in range(len(drafts)) if not (inp.params[i].is_greedy or probs is None)]
+    draws: list[torch.Tensor] = []
+    for i in sampled:
+        assert probs is not None
+        gen = inp.generators[i] or sampler.generator
+        draws.extend(_draw_sampled(drafts[i], probs[starts[i] : starts[i] + rows[i]], gen))
+    argmax, *drawn = to_host(processed.argmax(dim=-1), *draws)
+    outcome = {i: (drawn[2 * n], drawn[2 * n + 1]) for n, i in enumerate(sampled)}
     tokens, accepted = [], []
     for i, draft in enumerate(drafts):
         r0 = starts[i]
-        if inp.params[i].is_greedy or probs is None:
-            out = _verify_greedy(draft.token_ids, argmax[r0 : r0 + rows[i]])
+        if i in outcome:
+            out = _resolve_sampled(draft.token_ids, *outcome[i])
         else:
-            gen = inp.generators[i] or sampler.generator
-            out = _verify_sampled(draft, probs[r0 : r0 + rows[i]], gen)
+            out = _verify_greedy(draft.token_ids, argmax[r0 : r0 + rows[i]])
         tokens.append(out)
         accepted.append(len(out) - 1)
     return Verification(tokens, accepted, processed, starts)
@@ -223,42 +231,54 @@ def _verify_greedy(draft: list[int], argmax: list[int]) -> list[int]:
     return [*draft, argmax[len(draft)]]
 
 
-def _verify_sampled(
+def _draw_sampled(
     draft: Proposal, probs: torch.Tensor, generator: torch.Generator | None
-) -> list[int]:
-    """Rejection sampling for one sequence; ``probs`` ``[k + 1, V]``."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rejection sampling for one sequence, on the device; ``probs`` ``[k + 1, V]``.
+
+    Returns whether each draft token is rejected (``[k]``) and, for every position ``j``, a
+    token drawn from where the sequence goes on if ``j`` is the first rejection (the residual
+    ``max(p - q, 0)``) or, at ``j = k``, from ``p`` (the bonus). Only the draw at the first
+    rejection is used; drawing at every position keeps the host from choosing the row, which
+    would wait for the device.
+    """
     k = len(draft)
     device = probs.device
-    ids = torch.tensor(draft.token_ids, dtype=torch.int64, device=device)
+    ids = to_device(draft.token_ids, torch.int64, device)
     p_x = probs[:k].gather(1, ids.unsqueeze(1)).squeeze(1)
-    q_x = torch.ones(k, dtype=probs.dtype, device=device)
-    if draft.q_ids is not None and draft.q_probs is not None:
-        q_x = torch.tensor(
+    if draft.q_ids is None or draft.q_probs is None:
+        q_x = torch.ones(k, dtype=probs.dtype, device=device)  # one fixed token: q = 1 there
+        q = torch.zeros_like(probs[:k]).scatter_(1, ids.unsqueeze(1), 1.0)
+    else:
+        q_x = to_device(
             [
                 sum(q for t, q in zip(qi, qp, strict=True) if t == tok)
                 for tok, qi, qp in zip(draft.token_ids, draft.q_ids, draft.q_probs, strict=True)
             ],
-            dtype=probs.dtype,
-            device=device,
+            probs.dtype,
+            device,
+        )
+        rows = [j for j, qi in enumerate(draft.q_ids) for _ in qi]
+        flat_ids = [t for qi in draft.q_ids for t in qi]
+        flat_probs = [v for qp in draft.q_probs for v in qp]
+        q = torch.zeros_like(probs[:k]).index_put_(
+            (to_device(rows, torch.int64, device), to_device(flat_ids, torch.int64, device)),
+            to_device(flat_probs, probs.dtype, device),
+            accumulate=True,
         )
     u = torch.rand(k, generator=generator, device=device, dtype=probs.dtype)
     # accept iff u < p/q, written without the division (p = 0 always rejects)
-    rejected = (u * q_x >= p_x).tolist()
-    n = rejected.index(True) if True in rejected else k
-    if n == k:
-        dist = probs[k]
-    else:
-        dist = probs[n].clone()
-        if draft.q_ids is None or draft.q_probs is None:
-            dist[draft.token_ids[n]] = 0.0
-        else:
-            q = torch.zeros_like(dist).index_put_(
-                (torch.tensor(draft.q_ids[n], dtype=torch.int64, device=device),),
-                torch.tensor(draft.q_probs[n], dtype=dist.dtype, device=device),
-                accumulate=True,
-            )
-            dist = (dist - q).clamp_(min=0.0)
-        if not bool(dist.sum() > 0):  # p <= q everywhere: only when p == q, so p itself
-            dist = probs[n]
-    token = int(torch.multinomial(dist, 1, generator=generator).item())
-    return [*draft.token_ids[:n], token]
+    rejected = u * q_x >= p_x
+    residual = (probs[:k] - q).clamp_(min=0.0)
+    # p <= q everywhere happens only when p == q: then p itself
+    empty = residual.sum(dim=-1, keepdim=True) <= 0
+    residual = torch.where(empty, probs[:k], residual)
+    dists = torch.cat([residual, probs[k:]])
+    return rejected, torch.multinomial(dists, 1, generator=generator).squeeze(1)
+
+
+def _resolve_sampled(draft: list[int], rejected: list[bool], draws: list[int]) -> list[int]:
+    """The tokens :func:`_draw_sampled`'s outcome appends: the drafts before the first
+    rejection, then the draw there (or the bonus draw when none is rejected)."""
+    n = rejected.index(True) if True in rejected else len(draft)
+    return [*draft[:n], draws[n]]
