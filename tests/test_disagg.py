@@ -122,17 +122,21 @@ async def test_short_prompts_stay_on_the_decode_executor(process_mesh, offline, 
         await wait_idle(mesh, ["prefill-0", "decode-0"])
 
 
-async def test_killed_prefill_executor_ends_every_request(process_mesh):
+async def test_killed_prefill_executor_ends_every_request(process_mesh, offline):
     """Requests in flight through the prefill executor when it is killed: each ends with the
     text of an uninterrupted run (the decode executor computes the prompt itself) and no page
     stays reserved there."""
-    mesh = start_pair(process_mesh, kv_transfer_timeout=5)
+    # 64 tokens a step: the prompts take the prefill executor several steps, so it is seen
+    # busy. The reference comes from the engine in this process: a first round through the
+    # mesh would leave every prompt cached on both executors, and the prefill executor would
+    # then compute one token of each, too briefly to be seen busy.
+    mesh = start_pair(process_mesh, kv_transfer_timeout=5, max_num_batched_tokens=64)
     base = mesh.base_url + "/v1"
     body = {"max_tokens": 24, "ignore_eos": True, "temperature": 0}
     prompts = [f"request {i} says " + "words " * (20 + 7 * i) for i in range(12)]
+    greedy = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0)
+    reference = [("ok", offline(p, greedy)[0]) for p in prompts]
     async with aiohttp.ClientSession() as session:
-        reference = await asyncio.gather(*(stream_outcome(session, base, p, body) for p in prompts))
-        assert all(kind == "ok" for kind, _ in reference), reference
         tasks = [asyncio.create_task(stream_outcome(session, base, p, body)) for p in prompts]
         await until_busy(mesh, "prefill-0")  # it holds prompts reserved on the decode side
         os.kill(pid_of(mesh, "prefill-0"), signal.SIGKILL)
@@ -154,10 +158,12 @@ async def test_killed_decode_executor_ends_every_request(process_mesh):
         reference = await asyncio.gather(*(stream_outcome(session, base, p, body) for p in prompts))
         assert all(kind == "ok" for kind, _ in reference), reference
         tasks = [asyncio.create_task(stream_outcome(session, base, p, body)) for p in prompts]
-        await asyncio.sleep(1.0)
+        await until_busy(mesh, "decode-0")  # a tiny model's 120 tokens take well under 1 s
         os.kill(pid_of(mesh, "decode-0"), signal.SIGKILL)
         outcomes = await asyncio.gather(*tasks)
         assert outcomes == reference
+        migrated = metric(mesh, "scheduler", "meshserve:scheduler_requests_migrated_total")
+        assert migrated >= 1  # the kill came mid-stream, not after the streams had ended
         await wait_idle(mesh, ["prefill-0"])
 
 
