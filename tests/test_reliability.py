@@ -18,9 +18,9 @@ import aiohttp
 import pytest
 
 from common.config import NatsAuth
-from common.nats_server import LocalNatsServer
+from common.nats_server import LocalNatsServer, free_port_range
 from services.launcher.mesh import LocalMesh
-from tests.mesh import MeshHarness
+from tests.mesh import MeshHarness, metric_value
 
 LONG = {"max_tokens": 240, "ignore_eos": True}
 
@@ -59,7 +59,9 @@ async def stream_outcome(session, base_url, prompt, body=None, timeout=90):
 async def test_kill_9_executor_mid_stream_migrates_every_request(process_mesh):
     """16 streaming clients on two executors; one is killed mid-stream. Every request moves to
     the survivor and its client receives exactly the text of an uninterrupted run."""
-    mesh = process_mesh(executors=2, max_num_seqs=4, kv_cache_tokens=4096)
+    mesh = process_mesh(
+        executors=2, max_num_seqs=4, kv_cache_tokens=4096, metrics_port=free_port_range(8)
+    )
     base = mesh.base_url + "/v1"
     body = {"max_tokens": 160, "ignore_eos": True, "temperature": 0}
     prompts = [f"request {i} says" for i in range(16)]
@@ -67,12 +69,21 @@ async def test_kill_9_executor_mid_stream_migrates_every_request(process_mesh):
         reference = await asyncio.gather(*(stream_outcome(session, base, p, body) for p in prompts))
         assert all(kind == "ok" for kind, _ in reference), reference
         tasks = [asyncio.create_task(stream_outcome(session, base, p, body)) for p in prompts]
-        await asyncio.sleep(1.0)  # streams are flowing on both executors
+        # until both executors hold streams: a tiny model's 160 tokens can end inside a
+        # second, so a fixed sleep may kill an idle executor
+        for name in ("executor-0", "executor-1"):
+            deadline = time.monotonic() + 30
+            while metric_value(mesh.metrics_urls[name], "meshserve:num_requests_running") == 0:
+                assert time.monotonic() < deadline, f"{name} never ran a request"
+                await asyncio.sleep(0.01)
         os.kill(pid_of(mesh, "executor-0"), signal.SIGKILL)
         outcomes = await asyncio.gather(*tasks)
         assert [kind for kind, _ in outcomes] == ["ok"] * 16, outcomes
         for (_, want), (_, got), prompt in zip(reference, outcomes, prompts):
             assert got == want, prompt
+        # the kill came while executor-0 held streams, not after they had ended
+        scheduler = mesh.metrics_urls["scheduler"]
+        assert metric_value(scheduler, "meshserve:scheduler_requests_migrated_total") >= 1
         # the mesh keeps serving on the surviving executor
         again = await asyncio.gather(
             *(stream_outcome(session, base, f"after {i}", {"max_tokens": 5}) for i in range(4))
