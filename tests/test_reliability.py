@@ -56,6 +56,16 @@ async def stream_outcome(session, base_url, prompt, body=None, timeout=90):
         return "error", type(exc).__name__
 
 
+async def until_running(mesh: LocalMesh, *executors: str, timeout: float = 30) -> None:
+    """Until each executor holds streams: a tiny model's streams can end inside a second, so
+    a fixed sleep before a kill may kill an idle executor."""
+    for name in executors:
+        deadline = time.monotonic() + timeout
+        while metric_value(mesh.metrics_urls[name], "meshserve:num_requests_running") == 0:
+            assert time.monotonic() < deadline, f"{name} never ran a request"
+            await asyncio.sleep(0.01)
+
+
 async def test_kill_9_executor_mid_stream_migrates_every_request(process_mesh):
     """16 streaming clients on two executors; one is killed mid-stream. Every request moves to
     the survivor and its client receives exactly the text of an uninterrupted run."""
@@ -69,13 +79,7 @@ async def test_kill_9_executor_mid_stream_migrates_every_request(process_mesh):
         reference = await asyncio.gather(*(stream_outcome(session, base, p, body) for p in prompts))
         assert all(kind == "ok" for kind, _ in reference), reference
         tasks = [asyncio.create_task(stream_outcome(session, base, p, body)) for p in prompts]
-        # until both executors hold streams: a tiny model's 160 tokens can end inside a
-        # second, so a fixed sleep may kill an idle executor
-        for name in ("executor-0", "executor-1"):
-            deadline = time.monotonic() + 30
-            while metric_value(mesh.metrics_urls[name], "meshserve:num_requests_running") == 0:
-                assert time.monotonic() < deadline, f"{name} never ran a request"
-                await asyncio.sleep(0.01)
+        await until_running(mesh, "executor-0", "executor-1")
         os.kill(pid_of(mesh, "executor-0"), signal.SIGKILL)
         outcomes = await asyncio.gather(*tasks)
         assert [kind for kind, _ in outcomes] == ["ok"] * 16, outcomes
@@ -93,14 +97,16 @@ async def test_kill_9_executor_mid_stream_migrates_every_request(process_mesh):
 
 async def test_kill_9_without_migration_fails_streams_clearly(process_mesh, monkeypatch):
     monkeypatch.setenv("MESHSERVE_MIGRATION_LIMIT", "0")  # the scheduler process reads it
-    mesh = process_mesh(executors=2, max_num_seqs=3, kv_cache_tokens=2048)
+    mesh = process_mesh(
+        executors=2, max_num_seqs=3, kv_cache_tokens=2048, metrics_port=free_port_range(8)
+    )
     base = mesh.base_url + "/v1"
     async with aiohttp.ClientSession() as session:
         tasks = [
             asyncio.create_task(stream_outcome(session, base, f"request {i}", LONG))
             for i in range(8)
         ]
-        await asyncio.sleep(0.5)
+        await until_running(mesh, "executor-0")
         os.kill(pid_of(mesh, "executor-0"), signal.SIGKILL)
         outcomes = await asyncio.gather(*tasks)
         kinds = Counter(kind for kind, _ in outcomes)
