@@ -259,15 +259,14 @@ class SamplerOutput:
         if self.top is not None:
             tensors += [self.top.ids, self.top.values]
         host = to_host(*tensors)
-        logprobs = host[1] if self.logprobs is not None else None
-        top: list[list[tuple[int, float]]] | None = None
-        if self.logprobs is not None:
-            top = [[] for _ in host[0]]
-        if self.top is not None and top is not None:
+        if self.logprobs is None:  # no row asked, so there is no top-N either
+            return SampledOnHost(host[0], None, None)
+        top: list[list[tuple[int, float]]] = [[] for _ in host[0]]
+        if self.top is not None:
             ids, values = host[-2], host[-1]
             for j, (row, n) in enumerate(zip(self.top.rows, self.top.counts, strict=True)):
                 top[row] = list(zip(ids[j][:n], values[j][:n], strict=True))
-        return SampledOnHost(host[0], logprobs, top)
+        return SampledOnHost(host[0], host[1], top)
 
 
 def _flat_token_index(

@@ -211,7 +211,7 @@ def verify(
         gen = inp.generators[i] or sampler.generator
         draws.extend(_draw_sampled(drafts[i], probs[starts[i] : starts[i] + rows[i]], gen))
     argmax, *drawn = to_host(processed.argmax(dim=-1), *draws)
-    outcome = {i: (drawn[2 * n], drawn[2 * n + 1]) for n, i in enumerate(sampled)}
+    outcome = dict(zip(sampled, zip(drawn[::2], drawn[1::2], strict=True), strict=True))
     tokens, accepted = [], []
     for i, draft in enumerate(drafts):
         r0 = starts[i]

@@ -22,8 +22,6 @@ def to_device(
     values: Sequence[int] | Sequence[float], dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
     """A 1-D tensor of ``values`` on ``device``, its copy queued without a host wait on CUDA."""
-    if device.type != "cuda":
-        return torch.tensor(values, dtype=dtype, device=device)
     return move(torch.tensor(values, dtype=dtype), device)
 
 

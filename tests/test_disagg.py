@@ -15,7 +15,7 @@ from common.nats_server import free_port_range
 from gpu.sampling import SamplingParams
 from services.launcher.mesh import LocalMesh
 from tests.mesh import metric_value
-from tests.test_reliability import pid_of, stream_outcome
+from tests.test_reliability import pid_of, stream_outcome, until_running
 
 PROMPTS = ["Hello world", "The quick brown fox jumps over", "Serving language models " * 6]
 
@@ -55,13 +55,6 @@ async def complete(session, base: str, prompt: str, **body) -> str:
         data = await resp.json()
         assert resp.status == 200, data
         return str(data["choices"][0]["text"])
-
-
-async def until_busy(mesh: LocalMesh, executor: str, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while metric(mesh, executor, "meshserve:num_requests_running") == 0:
-        assert time.monotonic() < deadline, f"{executor} never ran a request"
-        await asyncio.sleep(0.01)
 
 
 async def wait_idle(mesh: LocalMesh, executors: list[str], timeout: float = 20) -> None:
@@ -138,7 +131,7 @@ async def test_killed_prefill_executor_ends_every_request(process_mesh, offline)
     reference = [("ok", offline(p, greedy)[0]) for p in prompts]
     async with aiohttp.ClientSession() as session:
         tasks = [asyncio.create_task(stream_outcome(session, base, p, body)) for p in prompts]
-        await until_busy(mesh, "prefill-0")  # it holds prompts reserved on the decode side
+        await until_running(mesh, "prefill-0")  # it holds prompts reserved on the decode side
         os.kill(pid_of(mesh, "prefill-0"), signal.SIGKILL)
         outcomes = await asyncio.gather(*tasks)
         assert outcomes == reference
@@ -158,7 +151,7 @@ async def test_killed_decode_executor_ends_every_request(process_mesh):
         reference = await asyncio.gather(*(stream_outcome(session, base, p, body) for p in prompts))
         assert all(kind == "ok" for kind, _ in reference), reference
         tasks = [asyncio.create_task(stream_outcome(session, base, p, body)) for p in prompts]
-        await until_busy(mesh, "decode-0")  # a tiny model's 120 tokens take well under 1 s
+        await until_running(mesh, "decode-0")
         os.kill(pid_of(mesh, "decode-0"), signal.SIGKILL)
         outcomes = await asyncio.gather(*tasks)
         assert outcomes == reference
