@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from gpu.attention import rope_append
 from gpu.attention.flashinfer_backend import DEFAULT_WORKSPACE_BYTES, KV_LAYOUT, load_flashinfer
 from gpu.attention.metadata import BatchMetadata
 from gpu.graph_batches import (
@@ -51,12 +52,21 @@ WARMUP_RUNS = 2
 
 class GraphDecodeAttention:
     """The attention backend inside one bucket's graph: the metadata is already in its fixed
-    buffers, so ``plan`` does nothing; ``attend`` appends and runs the planned wrapper."""
+    buffers, so ``plan`` does nothing; ``attend`` appends (rotating q and k on the way, with a
+    ``rope_cache``: ``FlashInferPagedAttention``'s option) and runs the planned wrapper."""
 
-    def __init__(self, fi: Any, wrapper: Any, views: dict[str, torch.Tensor]) -> None:
+    def __init__(
+        self,
+        fi: Any,
+        wrapper: Any,
+        views: dict[str, torch.Tensor],
+        rope_cache: torch.Tensor | None = None,
+    ) -> None:
         self._fi = fi
         self.wrapper = wrapper
         self.views = views
+        self.rope_cache = rope_cache
+        self.rotates_qk = rope_cache is not None
 
     def plan(self, meta: BatchMetadata) -> None:
         return None
@@ -64,13 +74,19 @@ class GraphDecodeAttention:
     def attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor
     ) -> torch.Tensor:
-        if k.dtype != kv_cache.dtype:  # an fp8 cache: keys and values stored in e4m3
-            k, v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)
         views = self.views
-        self._fi.append_paged_kv_cache(
-            k, v, views["batch_indices"], views["positions"], kv_cache, views["kv_indices"],
-            views["kv_indptr"], views["kv_last_page_len"], kv_layout=KV_LAYOUT,
-        )  # fmt: skip
+        if self.rope_cache is not None:
+            rope_append.rope_append_(
+                q, k, v, views["positions"], self.rope_cache, kv_cache, views["batch_indices"],
+                views["kv_indptr"], views["kv_indices"],
+            )  # fmt: skip
+        else:
+            if k.dtype != kv_cache.dtype:  # an fp8 cache: keys and values stored in e4m3
+                k, v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)
+            self._fi.append_paged_kv_cache(
+                k, v, views["batch_indices"], views["positions"], kv_cache, views["kv_indices"],
+                views["kv_indptr"], views["kv_last_page_len"], kv_layout=KV_LAYOUT,
+            )  # fmt: skip
         out: torch.Tensor = self.wrapper.run(q.contiguous(), kv_cache)
         return out
 
@@ -95,6 +111,7 @@ class DecodeGraphs:
         max_seq_len: int,
         decode_tensor_cores: bool,
         flashinfer_module: Any | None = None,
+        rope_cache: torch.Tensor | None = None,
     ) -> None:
         if model.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA model, this one is on {model.device}")
@@ -107,6 +124,7 @@ class DecodeGraphs:
         self.page_size = kv.spec.page_size
         self.buckets = graph_buckets(max_num_seqs)
         self.decode_tensor_cores = decode_tensor_cores
+        self.rope_cache = rope_cache
         self.layouts = {
             b: StagingLayout.for_bucket(b, max_seq_len, self.page_size) for b in self.buckets
         }
@@ -158,7 +176,7 @@ class DecodeGraphs:
             paged_kv_last_page_len_buffer=views["kv_last_page_len"],
             backend="fa2",
         )
-        backend = GraphDecodeAttention(self._fi, wrapper, views)
+        backend = GraphDecodeAttention(self._fi, wrapper, views, self.rope_cache)
         # Captured on a batch of padding rows only: every write lands on the pad page.
         self._stage(layout, self._padding_step(bucket), backend)
         meta = self._fixed_meta(layout, views)

@@ -124,7 +124,8 @@ class DecoderLayer(nn.Module):
         t, d, ops = hidden.shape[0], self.head_dim, self.ops
         x = ops.add_rms_norm(hidden, delta, self.input_norm, self.eps)
         qkv = self.qkv_proj(x)
-        ops.rope_(qkv, self.num_heads + self.num_kv_heads, d, rope)
+        if not backend.rotates_qk:  # else fused into the backend's KV append
+            ops.rope_(qkv, self.num_heads + self.num_kv_heads, d, rope)
         q, k, v = torch.split_with_sizes(qkv.view(t, -1, d), self.head_split, dim=1)
         attn = backend.attend(q, k, v, kv_cache)
         attn_out = self.o_proj(attn.reshape(t, self.q_size))

@@ -31,6 +31,7 @@ def build_runner(
     progress: bool = True,
     shared_memory: bool = True,
     cuda_graphs: bool = False,
+    fused_rope_append: bool = False,
 ) -> ModelRunner:
     """The runner for ``folder``; ``tensor_parallel_size`` > 1 starts that many ranks (one
     device each: ``cuda:0..N-1`` from ``device``'s index, or the CPU's cores shared: each
@@ -38,13 +39,13 @@ def build_runner(
     all-reduces go through shared memory unless ``shared_memory`` is False: Gloo). Raises
     ``ModelError`` for a model whose heads cannot be split so, before any rank starts.
     ``cuda_graphs``: decode steps from CUDA graphs once captured (one CUDA device only: a
-    split replica decodes eagerly)."""
+    split replica decodes eagerly). ``fused_rope_append``: ``ModelRunner``'s option."""
     if tensor_parallel_size == 1:
         model = load_model(folder, device=device, quantization=quantization, progress=progress)
         kv_dtype = kv_cache_dtype(kv_cache, model.dtype)
         return ModelRunner(
             model, num_pages=num_pages, page_size=page_size, kv_dtype=kv_dtype,
-            cuda_graphs=cuda_graphs,
+            cuda_graphs=cuda_graphs, fused_rope_append=fused_rope_append,
         )  # fmt: skip
     check_tensor_parallel(ModelConfig.from_folder(Path(folder)), tensor_parallel_size)
     # The ranks share this process's threads: N processes of all of them would oversubscribe

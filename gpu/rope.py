@@ -30,6 +30,17 @@ def inverse_frequencies(config: ModelConfig) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+def cos_sin_cache(config: ModelConfig) -> torch.Tensor:
+    """FlashInfer's float32 rotary table ``[max_pos, D]``: each position's cos of the D/2
+    frequencies, then their sin (what ``gpu.ops.FlashInferOps`` and the fused rotary + KV
+    append kernel read)."""
+    freqs = torch.outer(
+        torch.arange(config.max_position_embeddings, dtype=torch.float32),
+        inverse_frequencies(config).to(torch.float32),
+    )
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+
+
 class RotaryEmbedding:
     """Precomputed cos/sin tables; ``cos_sin`` is called once per step, ``apply`` per layer."""
 
@@ -40,12 +51,11 @@ class RotaryEmbedding:
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos = emb.cos().to(device=device, dtype=dtype)
         self.sin = emb.sin().to(device=device, dtype=dtype)
-        # FlashInfer's rotary kernel (gpu.ops.FlashInferOps) reads float32 [max_pos, D]: each
-        # position's cos of the D/2 frequencies, then their sin. CUDA only: elsewhere it
-        # would be one more table of the context's length.
+        # CUDA only (FlashInfer's kernels read it): elsewhere one more table of the context's
+        # length.
         self.cos_sin_cache: torch.Tensor | None = None
         if torch.device(device).type == "cuda":
-            self.cos_sin_cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(device)
+            self.cos_sin_cache = cos_sin_cache(config).to(device)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``[T, 1, D]`` tables for the step's token positions (broadcast over heads)."""

@@ -6,10 +6,12 @@ tokens, validates them, builds the metadata once, and returns logits.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import torch
 
+from gpu.attention import rope_append
 from gpu.attention.backend import AttentionBackend
 from gpu.attention.flashinfer_backend import FlashInferPagedAttention
 from gpu.attention.metadata import BatchMetadata, SeqChunk, build_batch_metadata
@@ -23,15 +25,22 @@ from gpu.parallel.launch import RankGroup
 from gpu.parallel.step import pack_step
 from gpu.quant import FP8
 
+log = logging.getLogger(__name__)
+
 
 def make_backend(
-    config: ModelConfig, device: torch.device, kernels: CpuKernels | None = None
+    config: ModelConfig,
+    device: torch.device,
+    kernels: CpuKernels | None = None,
+    rope_cache: torch.Tensor | None = None,
 ) -> AttentionBackend:
-    """FlashInfer on CUDA; plain torch elsewhere (with the fused decode kernel if given)."""
+    """FlashInfer on CUDA (rotating q and k in its KV append with ``rope_cache``); plain torch
+    elsewhere (with the fused decode kernel if given)."""
     if device.type == "cuda":
         return FlashInferPagedAttention(
-            config.num_attention_heads, config.num_key_value_heads, config.head_dim, device
-        )
+            config.num_attention_heads, config.num_key_value_heads, config.head_dim, device,
+            rope_cache=rope_cache,
+        )  # fmt: skip
     return TorchPagedAttention(
         config.num_attention_heads, config.num_key_value_heads, config.head_dim, kernels
     )
@@ -47,12 +56,15 @@ class ModelRunner:
         kv_dtype: torch.dtype | None = None,
         peers: RankGroup | None = None,
         cuda_graphs: bool = False,
+        fused_rope_append: bool = False,
     ) -> None:
         """``peers``: the other ranks of a tensor-parallel replica (``model`` is rank 0's
         shard): each step is broadcast to them before it runs here. ``cuda_graphs``: decode
         steps replay CUDA graphs (``gpu/graph_runner.py``) once ``capture_graphs`` has run;
         only on one CUDA device with the FlashInfer backend, ignored elsewhere (the pool
-        then gets one pad page more for the graphs' padding rows)."""
+        then gets one pad page more for the graphs' padding rows). ``fused_rope_append``: on
+        CUDA with fp16/bf16 pages and Triton, one kernel rotates q and k and appends k and v
+        (``gpu/attention/rope_append.py``), eager and in the graphs; ignored off CUDA."""
         self.model = model
         self.config = model.config
         self.device = model.device
@@ -69,7 +81,14 @@ class ModelRunner:
             backend = TorchPagedAttention(
                 local.num_attention_heads, local.num_key_value_heads, local.head_dim
             )
-        self.backend = backend or make_backend(local, self.device, kernels)
+        rope_cache = None
+        if fused_rope_append and backend is None and self.device.type == "cuda":
+            rope_cache = model.rope.cos_sin_cache
+            if spec.dtype not in rope_append.DTYPES or not rope_append.available():
+                log.warning("fused rotary + KV append needs Triton and fp16/bf16 pages "
+                            "(%s here): rotating separately", spec.dtype)  # fmt: skip
+                rope_cache = None
+        self.backend = backend or make_backend(local, self.device, kernels, rope_cache)
         self.cuda_graphs = (
             cuda_graphs
             and self.device.type == "cuda"
@@ -89,6 +108,7 @@ class ModelRunner:
             self.model, self.kv, pad_page=spec.num_pages, max_num_seqs=max_num_seqs,
             max_seq_len=min(self.max_model_len, spec.num_tokens),
             decode_tensor_cores=self.backend.decode_tensor_cores,
+            rope_cache=self.backend.rope_cache,
         )  # fmt: skip
         seconds = graphs.capture()
         self.graphs = graphs

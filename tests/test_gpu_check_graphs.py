@@ -45,3 +45,47 @@ def test_section_times_eager_and_reports_graphs_skipped_off_cuda():
     assert [r["skipped"] for r in graphs] == ["needs CUDA and the FlashInfer backend"] * 2
     assert result["ok"] and result["target_met"] is None
     assert "HBM fraction" in result["table"] and "measured bandwidth" in result["table"]
+
+
+def test_every_graphs_mode_is_skipped_off_cuda_and_the_best_one_is_judged():
+    model = dg.random_model(SHAPE, torch.device("cpu"), torch.float32)
+    result = dg.graphs_section(model, [1], context=20, iters=1, bandwidth=1e9)
+    graph_modes = [m.name for m in dg.MODES if m.graphs]
+    assert len(graph_modes) == 3
+    skipped = {r["mode"] for r in result["results"] if "skipped" in r}
+    assert skipped == set(graph_modes)
+    assert result["best_graphs_mode"] is None and result["profiles"] == {}
+    # the fused mode asks the runner for the fused append, which off CUDA it ignores
+    fused = dg.mode_runner(model, dg.MODES[2], 4)
+    assert dg.MODES[2].fused_rope_append and not fused.backend.rotates_qk
+
+
+def test_kernels_are_grouped_by_kind_per_step():
+    from tools.gpu_check import kernel_profile as kp
+
+    names = {
+        "void flashinfer::BatchPrefillWithPagedKVCacheKernel<KernelTraits>": "attention",
+        "void flashinfer::PersistentVariableLengthMergeStatesKernel<8u>": "attention",
+        "void flashinfer::AppendPagedKVCacheDecodeKernel<128u>": "kv append",
+        "void flashinfer::BatchQKApplyRotaryPosIdsCosSinCacheKernel<true>": "rotary",
+        "rope_append_kernel": "rotary + kv append",
+        "void flashinfer::norm::FusedAddRMSNormKernel<8u, __nv_bfloat16>": "norm",
+        "void flashinfer::activation::act_and_mul_kernel<__nv_bfloat16, &silu>": "activation",
+        "nvjet_tst_64x8_64x16_4x1_v_bz_splitK_TNT": "matmul",
+        "void gemv2T_kernel_val<int, int, __nv_bfloat16, __nv_bfloat16, float>": "matmul",
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64": "matmul",
+        "Memcpy HtoD (Pinned -> Device)": "copy",
+        "void at::native::(anonymous namespace)::indexSelectSmallIndex<c10::BFloat16>": "other",
+    }
+    assert {n: kp.kernel_kind(n) for n in names} == names
+    kernels = [kp.KernelTime(n, 10.0) for n in names] * 2  # two steps
+    kernels += [kp.KernelTime("nvjet_tst_64x8_64x16_4x1_v_bz_splitK_TNT", 30.0)] * 2
+    out = kp.breakdown(kernels, steps=2, step_ms=0.2, matmul_bytes=60_000_000)
+    assert out["kinds"]["matmul"] == {"kernels_per_step": 4.0, "us_per_step": 60.0}
+    assert out["kinds"]["attention"] == {"kernels_per_step": 2.0, "us_per_step": 20.0}
+    assert out["kernels_per_step"] == 13.0 and out["covered_us"] == 150.0
+    assert out["uncovered_us"] == 50.0  # 200 us a step, 150 of it in kernels
+    assert out["matmul_gb_per_s"] == 1000.0  # 60 MB in 60 us
+    assert out["top_kernels"][0]["us_per_step"] == 40.0
+    table = kp.breakdown_table({"graphs": out})
+    assert "not covered by a kernel" in table and "60.0 us (4.0)" in table

@@ -16,7 +16,12 @@ class AttentionBackend(Protocol):
     ``[num_pages, 2, page_size, num_kv_heads, head_dim]`` tensor), then returns causal attention
     of ``q`` over each sequence's whole paged KV. Shapes: q ``[T, Hq, D]``, k/v ``[T, Hkv, D]``,
     result ``[T, Hq, D]``.
+
+    ``rotates_qk``: the backend applies the rotary embedding to q and k itself, fused with the
+    append (``gpu/attention/rope_append.py``), so the layer passes them unrotated.
     """
+
+    rotates_qk: bool
 
     def plan(self, meta: BatchMetadata) -> None: ...
 

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from gpu.attention import rope_append
 from gpu.attention.metadata import BatchMetadata
 
 INSTALL_HINT = "pip install meshserve[cuda]"
@@ -73,12 +74,16 @@ class FlashInferPagedAttention:
         prefill_backend: str = "fa2",
         workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
         flashinfer_module: Any | None = None,
+        rope_cache: torch.Tensor | None = None,
     ) -> None:
         """``dtype`` is what the first plan assumes for q and the KV cache; a step whose tensors
         differ is re-planned once. ``decode_tensor_cores=None`` picks by GQA group size.
         ``prefill_backend`` is FlashInfer's: "fa2" (default: one JIT module serves prefill and
         tensor-core decode), "fa3" (Hopper) or "auto". ``flashinfer_module`` replaces the
         ``flashinfer`` import (the CPU tests pass a stand-in, and then any device is accepted).
+        ``rope_cache`` (FlashInfer's float32 cos/sin table, ``gpu.rope.cos_sin_cache``): q and
+        k arrive unrotated and one Triton kernel rotates them and appends k and v
+        (``gpu/attention/rope_append.py``; fp16/bf16 pages only).
         """
         if num_q_heads < 1 or num_kv_heads < 1 or num_q_heads % num_kv_heads:
             raise ValueError(
@@ -98,6 +103,8 @@ class FlashInferPagedAttention:
             device = torch.device("cuda", torch.cuda.current_device())
         self._fi = fi
         self.device = device
+        self.rope_cache = rope_cache
+        self.rotates_qk = rope_cache is not None
         self.num_q_heads = num_q_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -220,19 +227,18 @@ class FlashInferPagedAttention:
             # The first step of a float16 model: plan again with the real dtypes, once.
             self._q_dtype, self._kv_dtype = q.dtype, kv_cache.dtype
             self._plan_kernels()
-        if k.dtype != kv_cache.dtype:
-            k, v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)
-        self._fi.append_paged_kv_cache(
-            k,
-            v,
-            self._batch_indices,
-            self._positions,
-            kv_cache,
-            self._kv_indices,
-            self._kv_indptr,
-            self._last_page_len,
-            kv_layout=KV_LAYOUT,
-        )
+        if self.rope_cache is not None:
+            rope_append.rope_append_(
+                q, k, v, self._positions, self.rope_cache, kv_cache, self._batch_indices,
+                self._kv_indptr, self._kv_indices,
+            )  # fmt: skip
+        else:
+            if k.dtype != kv_cache.dtype:
+                k, v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)
+            self._fi.append_paged_kv_cache(
+                k, v, self._batch_indices, self._positions, kv_cache, self._kv_indices,
+                self._kv_indptr, self._last_page_len, kv_layout=KV_LAYOUT,
+            )  # fmt: skip
         if q.stride(-1) != 1:
             q = q.contiguous()
         out: torch.Tensor = self._active.run(q, kv_cache)

@@ -38,6 +38,8 @@ class _Group:
 
 
 class TorchPagedAttention:
+    rotates_qk = False  # the layer rotates q and k (gpu.ops)
+
     def __init__(
         self,
         num_q_heads: int,

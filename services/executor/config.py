@@ -48,6 +48,11 @@ class ExecutorConfig:
         "on CUDA with FlashInfer only)",
         flag="--no-cuda-graphs",
     )
+    fused_rope_append: bool = setting(
+        False,
+        "rotate q and k inside the KV append, one Triton kernel per layer (CUDA, fp16/bf16 "
+        "pages); off until timed on a GPU (tools/gpu_check)",
+    )
     kv_cache_dtype: str = setting(
         "auto", "KV cache dtype; auto: the model's", choices=KV_CACHE_DTYPES
     )

@@ -658,6 +658,7 @@ def build_engine(config: ExecutorConfig) -> Engine:
         tensor_parallel_size=config.tensor_parallel_size,
         timeout_s=config.tensor_parallel_timeout_s,
         cuda_graphs=config.cuda_graphs,
+        fused_rope_append=config.fused_rope_append,
     )
     engine_config = EngineConfig(
         max_num_batched_tokens=config.max_num_batched_tokens,

@@ -6,10 +6,14 @@ reading them once: ``weights_read_ms = weight bytes / measured bandwidth``. The 
 a Llama-3-8B-shaped model with random bf16 weights directly on the GPU (no checkpoint is
 written; 16 GB), measures the bandwidth with a device-to-device copy, and times decode steps
 (``check_flashinfer.time_decode_step``: whole ``ModelRunner.forward`` calls, host overhead
-included) at each batch size, once eager and once replayed from the graphs the runner captures
-(``gpu/graph_runner.py``). Per row: ms/step, tokens/s, the bytes a step reads (weights + the
-batch's KV), the fraction of the measured bandwidth that is, and ms/step over the weights' read
-time. The issue's target: graphs at batch 1 within 1.3x of the weights' read time.
+included) at each batch size, eager and replayed from the graphs the runner captures
+(``gpu/graph_runner.py``), the graphs also with the fused rotary + KV append
+(``gpu/attention/rope_append.py``) and with the decode wrapper the heuristic did not pick
+(:data:`MODES`, one after the other in one run). Per row: ms/step, tokens/s, the bytes a step
+reads (weights + the batch's KV), the fraction of the measured bandwidth that is, and ms/step
+over the weights' read time. The issue's target: graphs at batch 1 within 1.3x of the weights'
+read time (the best graphs mode is judged). The profiled modes' batch-1 kernels are grouped
+by kind (``kernel_profile.py``): where the time over the weights' read goes.
 
 On the CPU (the tests) the same code times a small model eagerly and reports the graph rows
 as skipped.
@@ -21,6 +25,7 @@ import statistics
 import time
 import traceback
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,6 +34,7 @@ from gpu.config import ModelConfig
 from gpu.linear import Linear
 from gpu.model import CausalLM, Weight, expected_shapes
 from gpu.runner import ModelRunner
+from tools.gpu_check.kernel_profile import breakdown, breakdown_table, profile_steps
 
 PAGE_SIZE = 16
 TARGET_RATIO = 1.3  # graphs, batch 1: ms/step at most this times the weights' read time
@@ -111,53 +117,100 @@ def measure_bandwidth(device: torch.device, gib: float = 2.0, repeats: int = 5) 
     return float(statistics.median(samples))
 
 
+@dataclass(frozen=True)
+class Mode:
+    """One way of running the decode steps: graphs or not, and the runner's options."""
+
+    name: str
+    graphs: bool
+    fused_rope_append: bool = False
+    other_decode_kernel: bool = False  # the decode wrapper decode_uses_tensor_cores did not pick
+    profiled: bool = False  # the batch-1 step's kernels by kind (kernel_profile.py)
+
+
+MODES = (
+    Mode("eager", graphs=False, profiled=True),
+    Mode("cuda graphs", graphs=True, profiled=True),
+    Mode("cuda graphs, fused rope+append", graphs=True, fused_rope_append=True, profiled=True),
+    Mode("cuda graphs, other decode kernel", graphs=True, other_decode_kernel=True),
+)
+
+
+def mode_runner(model: CausalLM, mode: Mode, pages: int) -> ModelRunner:
+    backend = None
+    if mode.other_decode_kernel and model.device.type == "cuda":
+        from gpu.attention.flashinfer_backend import (
+            FlashInferPagedAttention,
+            decode_uses_tensor_cores,
+        )
+
+        c = model.local_config
+        heads = (c.num_attention_heads, c.num_key_value_heads, c.head_dim)
+        backend = FlashInferPagedAttention(
+            *heads, model.device, decode_tensor_cores=not decode_uses_tensor_cores(*heads[:2])
+        )
+    return ModelRunner(
+        model, pages, PAGE_SIZE, backend=backend, cuda_graphs=mode.graphs,
+        fused_rope_append=mode.fused_rope_append,
+    )  # fmt: skip
+
+
 def graphs_section(
     model: CausalLM,
     batches: Sequence[int],
     context: int,
     iters: int,
     bandwidth: float,
+    modes: Sequence[Mode] = MODES,
 ) -> dict[str, Any]:
-    """Decode timings eager and from CUDA graphs per batch, with bandwidth fractions."""
+    """Decode timings per mode (eager, graphs and the graphs' variants) and batch, with
+    bandwidth fractions, and where a mode is ``profiled`` (on CUDA) its batch-1 kernels."""
     from tools.gpu_check.check_flashinfer import markdown_table, time_decode_step
 
     pages = max(batches) * -(-context // PAGE_SIZE) + 1
     weights = weight_bytes(model)
     weights_ms = weights / bandwidth * 1000
     results: list[dict[str, Any]] = []
-    modes: list[tuple[str, bool]] = [("eager", False), ("cuda graphs", True)]
-    for mode, graphs in modes:
-        runner = ModelRunner(model, pages, PAGE_SIZE, cuda_graphs=graphs)
+    profiles: dict[str, dict[str, Any]] = {}
+    for mode in modes:
+        runner = mode_runner(model, mode, pages)
         capture_s = None
-        if graphs:
+        if mode.graphs:
             if not runner.cuda_graphs:
                 for batch in batches:
                     reason = "needs CUDA and the FlashInfer backend"
-                    results.append({"mode": mode, "batch": batch, "skipped": reason})
+                    results.append({"mode": mode.name, "batch": batch, "skipped": reason})
                 continue
             try:
                 capture_s = runner.capture_graphs(max(batches))
             except Exception as exc:
                 traceback.print_exc()
-                results += [{"mode": mode, "batch": b, "error": repr(exc)} for b in batches]
+                results += [{"mode": mode.name, "batch": b, "error": repr(exc)} for b in batches]
                 continue
         for batch in batches:
             try:
                 r = time_decode_step(runner, batch, context, iters)
             except Exception as exc:
                 traceback.print_exc()
-                results.append({"mode": mode, "batch": batch, "error": repr(exc)})
+                results.append({"mode": mode.name, "batch": batch, "error": repr(exc)})
                 continue
             step_bytes = weights + kv_bytes(runner, batch, context)
             seconds = r["ms_per_step"] / 1000
             r |= {
-                "mode": mode,
+                "mode": mode.name,
                 "capture_s": capture_s,
+                "rotates_in_append": runner.backend.rotates_qk,
                 "bytes_per_step": step_bytes,
                 "bandwidth_fraction": step_bytes / seconds / bandwidth,
                 "vs_weights_read": r["ms_per_step"] / weights_ms,
             }
             results.append(r)
+            if mode.profiled and batch == 1 and model.device.type == "cuda":
+                try:
+                    profiles[mode.name] = profile_decode(runner, context, r["ms_per_step"], weights)
+                except Exception as exc:
+                    traceback.print_exc()
+                    profiles[mode.name] = {"error": repr(exc)}
         del runner
     rows = [
         [r["mode"], r["batch"], r.get("ms_per_step", float("nan")),
@@ -166,22 +219,41 @@ def graphs_section(
         for r in results
     ]  # fmt: skip
     headers = ["mode", "batch", "ms/step", "tokens/s", "HBM fraction", "x weights read", "note"]
-    target = next(
-        (r for r in results if r["mode"] == "cuda graphs" and r["batch"] == 1 and "error" not in r),
-        None,
+    timed = [r for r in results if r["batch"] == 1 and "ms_per_step" in r]
+    graphed = [r for r in timed if r["mode"] != "eager"]
+    best = min(graphed, key=lambda r: r["ms_per_step"], default=None)
+    table = markdown_table(headers, rows) + (
+        f"\n\nweights {weights / 1e9:.2f} GB, measured bandwidth {bandwidth / 1e9:.0f} GB/s, "
+        f"weights read {weights_ms:.2f} ms; context {context} tokens per sequence"
     )
+    good = {m: p for m, p in profiles.items() if "error" not in p}
+    if good:
+        table += "\n\nbatch 1, kernels by kind:\n\n" + breakdown_table(good)
     return {
         "results": results,
+        "profiles": profiles,
         "weight_bytes": weights,
         "bandwidth_bytes_per_s": bandwidth,
         "weights_read_ms": weights_ms,
         "context": context,
         "target_ratio": TARGET_RATIO,
-        "target_met": None
-        if target is None or "skipped" in target
-        else target["vs_weights_read"] <= TARGET_RATIO,
+        "best_graphs_mode": None if best is None else best["mode"],
+        "target_met": None if best is None else best["vs_weights_read"] <= TARGET_RATIO,
         "ok": all("error" not in r for r in results),
-        "table": markdown_table(headers, rows)
-        + f"\n\nweights {weights / 1e9:.2f} GB, measured bandwidth {bandwidth / 1e9:.0f} GB/s, "
-        f"weights read {weights_ms:.2f} ms; context {context} tokens per sequence",
+        "table": table,
     }
+
+
+def profile_decode(
+    runner: ModelRunner, context: int, step_ms: float, weights: int, steps: int = 20
+) -> dict[str, Any]:
+    """The kernels of ``steps`` batch-1 decode steps of ``runner``, by kind (the matmuls'
+    GB/s over the weights' bytes)."""
+    from gpu.attention.metadata import SeqChunk, build_batch_metadata
+
+    pages = -(-context // PAGE_SIZE)
+    meta = build_batch_metadata([SeqChunk(tuple(range(pages)), context - 1, 1)], PAGE_SIZE)
+    ids = torch.tensor([5])
+    runner.forward(ids, meta)
+    kernels = profile_steps(lambda: runner.forward(ids, meta), steps)
+    return breakdown(kernels, steps, step_ms, matmul_bytes=weights)
