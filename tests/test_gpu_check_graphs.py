@@ -51,7 +51,7 @@ def test_every_graphs_mode_is_skipped_off_cuda_and_the_best_one_is_judged():
     model = dg.random_model(SHAPE, torch.device("cpu"), torch.float32)
     result = dg.graphs_section(model, [1], context=20, iters=1, bandwidth=1e9)
     graph_modes = [m.name for m in dg.MODES if m.graphs]
-    assert len(graph_modes) == 3
+    assert len(graph_modes) == 4
     skipped = {r["mode"] for r in result["results"] if "skipped" in r}
     assert skipped == set(graph_modes)
     assert result["best_graphs_mode"] is None and result["profiles"] == {}

@@ -1,6 +1,6 @@
 """Check the FlashInfer attention backend on a CUDA host, and time decode steps.
 
-Three sections, each independent (one failing does not stop the others):
+Five sections, each independent (one failing does not stop the others):
 
 - kernels: FlashInferPagedAttention (bf16) against TorchPagedAttention (fp32, same device) on
   random paged batches that mix prompt chunks and decodes, pure-decode batches (tensor-core and
@@ -9,14 +9,18 @@ Three sections, each independent (one failing does not stop the others):
 - model: a whole model on CUDA in bf16 with FlashInfer against the same model on the CPU in fp32
   with the torch backend: every generated position's logits (teacher-forced on the CPU's greedy
   tokens, so one early flip does not derail the rest) and greedy agreement. The same CUDA model
-  with the torch backend in bf16 runs alongside as the bf16 baseline. Batches are staggered and
-  chunked, so steps mix prefill chunks and decodes before ending in pure decode.
+  with the torch backend in bf16 runs alongside as the bf16 baseline, and FlashInfer's fast paths
+  (``FAST_PATH_RUNNERS``: CUDA graphs, the fused rotary + KV append, both) must meet the same
+  bound. Batches are staggered and chunked, so steps mix prefill chunks and decodes before ending
+  in pure decode.
 - timing: one decode step (every sequence at ~512 tokens of context) at batch 1/8/64 for each
   attention backend, timed with CUDA events around whole ``ModelRunner.forward`` calls
   (plan + all layers + lm_head, host overhead included).
 - graphs: the same decode timing on a Llama-3-8B-shaped model with random bf16 weights, eager
-  and replayed from CUDA graphs, as a fraction of the measured HBM bandwidth
-  (``decode_graphs.py``).
+  and replayed from CUDA graphs (also with the fused rotary + KV append, the other decode
+  wrapper, cuBLASLt), as a fraction of the measured HBM bandwidth, and batch 1's kernels by
+  kind (``decode_graphs.py``, ``kernel_profile.py``).
+- sampling: a mixed batch sampled with no host wait inside the sampler (``sampler_waits.py``).
 
 The default model is SmolLM2-135M (``gpu.gguf.resolve_model_path(None)``); where it is not
 installed (an offline GPU host) a random model of SmolLM2's exact shape stands in, which checks

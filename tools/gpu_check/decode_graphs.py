@@ -24,7 +24,8 @@ from __future__ import annotations
 import statistics
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -125,6 +126,7 @@ class Mode:
     graphs: bool
     fused_rope_append: bool = False
     other_decode_kernel: bool = False  # the decode wrapper decode_uses_tensor_cores did not pick
+    blas: str | None = None  # torch.backends.cuda.preferred_blas_library while it runs
     profiled: bool = False  # the batch-1 step's kernels by kind (kernel_profile.py)
 
 
@@ -133,6 +135,7 @@ MODES = (
     Mode("cuda graphs", graphs=True, profiled=True),
     Mode("cuda graphs, fused rope+append", graphs=True, fused_rope_append=True, profiled=True),
     Mode("cuda graphs, other decode kernel", graphs=True, other_decode_kernel=True),
+    Mode("cuda graphs, cublasLt", graphs=True, blas="cublaslt", profiled=True),
 )
 
 
@@ -165,7 +168,7 @@ def graphs_section(
 ) -> dict[str, Any]:
     """Decode timings per mode (eager, graphs and the graphs' variants) and batch, with
     bandwidth fractions, and where a mode is ``profiled`` (on CUDA) its batch-1 kernels."""
-    from tools.gpu_check.check_flashinfer import markdown_table, time_decode_step
+    from tools.gpu_check.check_flashinfer import markdown_table
 
     pages = max(batches) * -(-context // PAGE_SIZE) + 1
     weights = weight_bytes(model)
@@ -173,45 +176,16 @@ def graphs_section(
     results: list[dict[str, Any]] = []
     profiles: dict[str, dict[str, Any]] = {}
     for mode in modes:
-        runner = mode_runner(model, mode, pages)
-        capture_s = None
-        if mode.graphs:
-            if not runner.cuda_graphs:
-                for batch in batches:
-                    reason = "needs CUDA and the FlashInfer backend"
-                    results.append({"mode": mode.name, "batch": batch, "skipped": reason})
-                continue
-            try:
-                capture_s = runner.capture_graphs(max(batches))
-            except Exception as exc:
-                traceback.print_exc()
-                results += [{"mode": mode.name, "batch": b, "error": repr(exc)} for b in batches]
-                continue
-        for batch in batches:
-            try:
-                r = time_decode_step(runner, batch, context, iters)
-            except Exception as exc:
-                traceback.print_exc()
-                results.append({"mode": mode.name, "batch": batch, "error": repr(exc)})
-                continue
-            step_bytes = weights + kv_bytes(runner, batch, context)
-            seconds = r["ms_per_step"] / 1000
+        with blas_library(mode.blas if model.device.type == "cuda" else None):
+            results += time_mode(model, mode, pages, batches, context, iters, profiles, weights)
+    for r in results:
+        if "ms_per_step" in r:
+            step_bytes = weights + r.pop("kv_bytes")
             r |= {
-                "mode": mode.name,
-                "capture_s": capture_s,
-                "rotates_in_append": runner.backend.rotates_qk,
                 "bytes_per_step": step_bytes,
-                "bandwidth_fraction": step_bytes / seconds / bandwidth,
+                "bandwidth_fraction": step_bytes / (r["ms_per_step"] / 1000) / bandwidth,
                 "vs_weights_read": r["ms_per_step"] / weights_ms,
             }
-            results.append(r)
-            if mode.profiled and batch == 1 and model.device.type == "cuda":
-                try:
-                    profiles[mode.name] = profile_decode(runner, context, r["ms_per_step"], weights)
-                except Exception as exc:
-                    traceback.print_exc()
-                    profiles[mode.name] = {"error": repr(exc)}
-        del runner
     rows = [
         [r["mode"], r["batch"], r.get("ms_per_step", float("nan")),
          r.get("tokens_per_s", float("nan")), r.get("bandwidth_fraction", float("nan")),
@@ -220,7 +194,8 @@ def graphs_section(
     ]  # fmt: skip
     headers = ["mode", "batch", "ms/step", "tokens/s", "HBM fraction", "x weights read", "note"]
     timed = [r for r in results if r["batch"] == 1 and "ms_per_step" in r]
-    graphed = [r for r in timed if r["mode"] != "eager"]
+    graph_modes = {m.name for m in modes if m.graphs}
+    graphed = [r for r in timed if r["mode"] in graph_modes]
     best = min(graphed, key=lambda r: r["ms_per_step"], default=None)
     table = markdown_table(headers, rows) + (
         f"\n\nweights {weights / 1e9:.2f} GB, measured bandwidth {bandwidth / 1e9:.0f} GB/s, "
@@ -242,6 +217,69 @@ def graphs_section(
         "ok": all("error" not in r for r in results),
         "table": table,
     }
+
+
+@contextmanager
+def blas_library(name: str | None) -> Iterator[None]:
+    """``torch.backends.cuda.preferred_blas_library(name)`` inside, the previous one after."""
+    if name is None:
+        yield
+        return
+    previous = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library(name)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.preferred_blas_library(previous)
+
+
+def time_mode(
+    model: CausalLM,
+    mode: Mode,
+    pages: int,
+    batches: Sequence[int],
+    context: int,
+    iters: int,
+    profiles: dict[str, dict[str, Any]],
+    weights: int,
+) -> list[dict[str, Any]]:
+    """``mode``'s rows (``kv_bytes``: the batch's KV a step reads); its profile into
+    ``profiles``."""
+    from tools.gpu_check.check_flashinfer import time_decode_step
+
+    results: list[dict[str, Any]] = []
+    runner = mode_runner(model, mode, pages)
+    capture_s = None
+    if mode.graphs:
+        if not runner.cuda_graphs:
+            reason = "needs CUDA and the FlashInfer backend"
+            return [{"mode": mode.name, "batch": b, "skipped": reason} for b in batches]
+        try:
+            capture_s = runner.capture_graphs(max(batches))
+        except Exception as exc:
+            traceback.print_exc()
+            return [{"mode": mode.name, "batch": b, "error": repr(exc)} for b in batches]
+    for batch in batches:
+        try:
+            r = time_decode_step(runner, batch, context, iters)
+        except Exception as exc:
+            traceback.print_exc()
+            results.append({"mode": mode.name, "batch": batch, "error": repr(exc)})
+            continue
+        r |= {
+            "mode": mode.name,
+            "capture_s": capture_s,
+            "rotates_in_append": runner.backend.rotates_qk,
+            "kv_bytes": kv_bytes(runner, batch, context),
+        }
+        results.append(r)
+        if mode.profiled and batch == 1 and model.device.type == "cuda":
+            try:
+                profiles[mode.name] = profile_decode(runner, context, r["ms_per_step"], weights)
+            except Exception as exc:
+                traceback.print_exc()
+                profiles[mode.name] = {"error": repr(exc)}
+    return results
 
 
 def profile_decode(
