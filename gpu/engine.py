@@ -1,7 +1,9 @@
 """The continuous-batching engine: add requests any time, abort any time, ``step()`` until done.
 
 One step reads top to bottom: (propose) -> schedule -> build the batch -> forward -> sample or
-verify -> postprocess. No NATS here; the executor service drives ``step()`` off its event loop.
+verify -> postprocess. With ``overlap_steps`` the next step is queued before the last one's
+tokens are read (``gpu/overlap.py``). No NATS here; the executor service drives ``step()`` off
+its event loop.
 
 Speculative decoding (``num_speculative_tokens`` > 0): before a step, every sequence that will
 decode gets a draft of up to k tokens (``draft_requests`` -> a proposer -> ``set_drafts``). An
@@ -16,6 +18,7 @@ are released.
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,14 +27,25 @@ import torch
 
 from gpu.attention.metadata import SeqChunk
 from gpu.config import ModelError
+from gpu.overlap import OverlappedSteps, overlap_blocker
 from gpu.page_manager import KVEvent, PageManager
 from gpu.runner import ModelRunner
-from gpu.sampling import Sampler, SamplerInput, SamplingParams, make_generator, skip_draws
+from gpu.sampling import (
+    SampledOnHost,
+    Sampler,
+    SamplerInput,
+    SamplerOutput,
+    SamplingParams,
+    make_generator,
+    skip_draws,
+)
 from gpu.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from gpu.sequence import FinishReason, SeqStatus, Sequence
 from gpu.spec_decode import DraftLength, DraftRequest, Proposal, Proposer, SpecStats, verify
 from gpu.transfers import move, to_device
 from gpu.warmup import WarmupReport, warm_up
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -41,6 +55,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_speculative_tokens: int = 0  # k: draft tokens verified per decode step (0: off)
     adaptive_speculation: bool = True  # per-sequence k falls when drafts are rejected
+    # Queue each step before reading the last one's tokens (gpu/overlap.py): a step() then
+    # returns the tokens of the step before it.
+    overlap_steps: bool = False
 
     def __post_init__(self) -> None:
         if self.num_speculative_tokens < 0:
@@ -102,6 +119,13 @@ class Engine:
         self.num_forward_passes = 0  # target forward passes (a step that ran the model)
         self._draft_limits: dict[str, int] = {}  # the last draft_requests' k per sequence
         self._offline_ids = itertools.count()
+        self.overlap: OverlappedSteps | None = None
+        if self.config.overlap_steps:
+            blocker = overlap_blocker(self.config.num_speculative_tokens, runner.peers is not None)
+            if blocker is None:
+                self.overlap = OverlappedSteps(self)
+            else:
+                log.warning("engine: steps run one after the other: %s", blocker)
 
     @property
     def max_seq_len(self) -> int:
@@ -269,6 +293,8 @@ class Engine:
 
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
+        if self.overlap is not None:
+            return self.overlap.step()
         if self.proposer is not None:
             requests = self.draft_requests()
             if requests:
@@ -334,7 +360,14 @@ class Engine:
         if not plain:
             return []
         seqs = [s for s, _ in plain]
-        rows = [r for _, r in plain]
+        sampled = self._launch_sample(seqs, [r for _, r in plain], logits)
+        return self._emit_sampled(list(enumerate(seqs)), sampled.to_host())  # the step's wait
+
+    def _launch_sample(
+        self, seqs: list[Sequence], rows: list[int], logits: torch.Tensor
+    ) -> SamplerOutput:
+        """Queue the sampling of ``seqs`` from their ``rows`` of ``logits`` (grammar masks
+        included); nothing is read back."""
         inp = self._sampler_input(seqs)
         constrained = [(i, s.grammar) for i, s in enumerate(seqs) if s.grammar is not None]
         if constrained:
@@ -345,16 +378,20 @@ class Engine:
                 state.next_mask(bitmask, i)
             inp.token_bitmask = move(bitmask, logits.device)
             inp.masked_rows = [i for i, _ in constrained]
-        sampled = self.sampler(logits[rows] if len(rows) < logits.shape[0] else logits, inp)
-        host = sampled.to_host()  # the step's one wait for the device
-        token_ids = host.token_ids
+        return self.sampler(logits[rows] if len(rows) < logits.shape[0] else logits, inp)
+
+    def _emit_sampled(
+        self, rows: list[tuple[int, Sequence]], host: SampledOnHost
+    ) -> list[StepOutput]:
+        """Each ``(row, sequence)``'s token (and logprobs) of a sampling read back."""
         outputs = []
-        for i, seq in enumerate(seqs):
+        for i, seq in rows:
             logprobs = None
+            token = host.token_ids[i]
             if seq.params.logprobs is not None and host.logprobs is not None:
                 top = host.top_logprobs[i] if host.top_logprobs else []
-                logprobs = [TokenLogprob(token_ids[i], host.logprobs[i], top)]
-            outputs.append(self._emit(seq, [token_ids[i]], logprobs))
+                logprobs = [TokenLogprob(token, host.logprobs[i], top)]
+            outputs.append(self._emit(seq, [token], logprobs))
         return outputs
 
     def _verify(self, spec: list[tuple[Sequence, int]], logits: torch.Tensor) -> list[StepOutput]:

@@ -14,8 +14,8 @@ memory, one copy moves it (``fill_staging`` says how much), ``plan`` runs on the
 same host views (FlashInfer's plan copies indptr/last_page_len into the buffers again: a few
 hundred bytes, and its split-KV schedule needs them on the host anyway), then the graph replays.
 All buckets share one staging buffer, one float workspace and one memory pool: graphs never run
-at the same time. The pinned buffer is rewritten only after the previous step's logits were
-read back (the sampler syncs on them), so no copy still in flight reads it.
+at the same time. The pinned buffer is rewritten only once an event recorded behind the
+previous step's copies has passed, so no copy still in flight reads it.
 
 Mixed and prefill steps, batches above the largest bucket, speculative verification (several
 logits rows per sequence) and tensor-parallel replicas run eagerly. ``flashinfer`` and CUDA are
@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -43,6 +43,9 @@ from gpu.graph_batches import (
 )
 from gpu.kv_cache import KVCache
 from gpu.model import CausalLM
+
+if TYPE_CHECKING:
+    from gpu.runner import TokenFeed
 
 log = logging.getLogger(__name__)
 # Eager runs on a side stream before a capture: cuBLAS picks its kernels and allocates its
@@ -136,6 +139,7 @@ class DecodeGraphs:
         self.workspace = torch.zeros(DEFAULT_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.captured: dict[int, _Captured] = {}
         self.pool: Any = None
+        self._staged: Any = None  # torch.cuda.Event after the last step's copies
         cfg = model.local_config
         self._heads = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
 
@@ -237,11 +241,20 @@ class DecodeGraphs:
             return None
         return bucket
 
-    def run(self, bucket: int, input_ids: torch.Tensor, meta: BatchMetadata) -> torch.Tensor:
-        """Logits ``[num_seqs, vocab]`` of a decode step (host tensors) from ``bucket``'s
-        graph; the returned tensor is the graph's and is overwritten by the next replay."""
+    def run(
+        self,
+        bucket: int,
+        input_ids: torch.Tensor,
+        meta: BatchMetadata,
+        feed: TokenFeed | None = None,
+    ) -> torch.Tensor:
+        """Logits ``[num_seqs, vocab]`` of a decode step (host tensors; ``feed``: the tokens
+        still on the device) from ``bucket``'s graph; the returned tensor is the graph's and is
+        overwritten by the next replay."""
         captured = self.captured[bucket]
         self._stage(captured.layout, (input_ids, meta), captured.backend)
+        if feed is not None:
+            feed.apply(self.staging[captured.layout.input_ids])
         captured.graph.replay()
         return captured.logits[: meta.num_seqs]
 
@@ -251,7 +264,11 @@ class DecodeGraphs:
         step: tuple[torch.Tensor, BatchMetadata],
         backend: GraphDecodeAttention,
     ) -> None:
-        """The step into pinned memory, one copy to the device, then FlashInfer's plan."""
+        """The step into pinned memory, one copy to the device, then FlashInfer's plan. The
+        pinned memory (ours and the plan's) is rewritten only once the device has taken the
+        last step's copies: the overlapped step loop stages a step while the last one runs."""
+        if self._staged is not None:
+            self._staged.synchronize()
         input_ids, meta = step
         used = fill_staging(self.host, layout, input_ids, meta, self.pad_page)
         self.staging[:used].copy_(self.host[:used], non_blocking=True)
@@ -265,3 +282,5 @@ class DecodeGraphs:
             pos_encoding_mode="NONE", q_data_type=self.model.dtype,
             kv_data_type=self.kv.spec.dtype, non_blocking=True,
         )  # fmt: skip
+        self._staged = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        self._staged.record()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -24,6 +25,7 @@ from gpu.model import CausalLM
 from gpu.parallel.launch import RankGroup
 from gpu.parallel.step import pack_step
 from gpu.quant import FP8
+from gpu.transfers import to_device
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +46,23 @@ def make_backend(
     return TorchPagedAttention(
         config.num_attention_heads, config.num_key_value_heads, config.head_dim, kernels
     )
+
+
+@dataclass(frozen=True)
+class TokenFeed:
+    """Input tokens still on the device (the overlapped step loop, ``gpu/overlap.py``): the
+    token at flat input position ``positions[i]`` is ``source[rows[i]]``, the previous step's
+    sampled tokens; the host's copy of the step holds ``INFLIGHT_TOKEN`` there."""
+
+    source: torch.Tensor
+    positions: list[int]
+    rows: list[int]
+
+    def apply(self, input_ids: torch.Tensor) -> None:
+        """Write the fed tokens into ``input_ids`` (queued on the device: no host wait)."""
+        positions = to_device(self.positions, torch.int64, input_ids.device)
+        rows = to_device(self.rows, torch.int64, self.source.device)
+        input_ids[positions] = self.source[rows].to(input_ids.device, input_ids.dtype)
 
 
 class ModelRunner:
@@ -148,11 +167,13 @@ class ModelRunner:
         new_tokens: Sequence[Sequence[int]],
         all_logits: bool = False,
         num_logits: Sequence[int] | None = None,
+        feed: TokenFeed | None = None,
     ) -> torch.Tensor:
         """Run one forward pass; logits of each sequence's last new token ``[B, V]``, or of
         every new token ``[T, V]`` when ``all_logits`` (tests), or of each sequence's last
         ``num_logits[b]`` new tokens, concatenated in batch order (speculative verification:
-        the last real token and the drafts after it; the lm_head runs on those rows only)."""
+        the last real token and the drafts after it; the lm_head runs on those rows only).
+        ``feed``: the tokens ``new_tokens`` holds as ``INFLIGHT_TOKEN``, on the device."""
         flat: list[int] = []
         for chunk, tokens in zip(chunks, new_tokens, strict=True):
             if len(tokens) != chunk.num_new:
@@ -163,12 +184,18 @@ class ModelRunner:
                     f"{self.max_model_len}"
                 )
             flat.extend(tokens)
+        if feed is not None:
+            if self.peers is not None:
+                raise ValueError("a tensor-parallel step sends its tokens: none may be in flight")
+            for position in feed.positions:
+                flat[position] = 0  # (checked on the device's side: the sampler drew it)
         self.check_token_ids(flat)
         meta = build_batch_metadata(chunks, self.page_size)
         indices = None
         if num_logits is not None and not all_logits:
             indices = _trailing_indices(chunks, num_logits)
-        return self.forward(torch.tensor(flat, dtype=torch.int64), meta, all_logits, indices)
+        input_ids = torch.tensor(flat, dtype=torch.int64)
+        return self.forward(input_ids, meta, all_logits, indices, feed)
 
     @torch.inference_mode()
     def forward(
@@ -177,9 +204,10 @@ class ModelRunner:
         meta: BatchMetadata,
         all_logits: bool = False,
         logits_indices: torch.Tensor | None = None,
+        feed: TokenFeed | None = None,
     ) -> torch.Tensor:
         if self.peers is None:
-            return self._forward(input_ids, meta, all_logits, logits_indices)
+            return self._forward(input_ids, meta, all_logits, logits_indices, feed)
         self.peers.send_step(pack_step(input_ids, meta, all_logits, logits_indices))
         try:
             return self._forward(input_ids, meta, all_logits, logits_indices)
@@ -193,16 +221,19 @@ class ModelRunner:
         meta: BatchMetadata,
         all_logits: bool,
         logits_indices: torch.Tensor | None,
+        feed: TokenFeed | None = None,
     ) -> torch.Tensor:
         if self.graphs is not None and not all_logits:  # (never with peers: no TP graphs)
             bucket = self.graphs.bucket(meta, logits_indices)
             if bucket is not None:
-                return self.graphs.run(bucket, input_ids, meta)
+                return self.graphs.run(bucket, input_ids, meta, feed)
         if self.device.type != "cpu":
             meta = meta.to(self.device)
             input_ids = input_ids.to(self.device, non_blocking=True)
             if logits_indices is not None:
                 logits_indices = logits_indices.to(self.device, non_blocking=True)
+        if feed is not None:
+            feed.apply(input_ids)
         self.backend.plan(meta)
         indices = None if all_logits else meta.logits_indices
         if logits_indices is not None:

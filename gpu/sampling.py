@@ -76,7 +76,7 @@ from itertools import chain
 
 import torch
 
-from gpu.transfers import move, to_device, to_host
+from gpu.transfers import HostCopy, move, to_device
 
 # Temperatures below this are treated as greedy (vLLM's _SAMPLING_EPS): dividing by a
 # vanishing temperature only approximates argmax, badly, in fp32.
@@ -253,13 +253,29 @@ class SamplerOutput:
     top: TopLogprobs | None = None
 
     def to_host(self) -> SampledOnHost:
+        return self.start_to_host().wait()
+
+    def start_to_host(self) -> PendingSample:
+        """The read-back queued now, waited for later (the overlapped step loop)."""
         tensors = [self.token_ids]
         if self.logprobs is not None:
             tensors.append(self.logprobs)
         if self.top is not None:
             tensors += [self.top.ids, self.top.values]
-        host = to_host(*tensors)
-        if self.logprobs is None:  # no row asked, so there is no top-N either
+        return PendingSample(HostCopy(*tensors), self.logprobs is not None, self.top)
+
+
+@dataclass
+class PendingSample:
+    """A :class:`SamplerOutput` on its way to the host: :meth:`wait` for it."""
+
+    copy: HostCopy
+    has_logprobs: bool
+    top: TopLogprobs | None
+
+    def wait(self) -> SampledOnHost:
+        host = self.copy.wait()
+        if not self.has_logprobs:  # no row asked, so there is no top-N either
             return SampledOnHost(host[0], None, None)
         top: list[list[tuple[int, float]]] = [[] for _ in host[0]]
         if self.top is not None:

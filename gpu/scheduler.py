@@ -96,6 +96,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.num_pending == 0:  # its in-flight token ends it (gpu/overlap.py): nothing to run
+                i += 1
+                continue
             num_new = min(seq.num_pending, budget)
             while not self.pages.allocate(seq.table, seq.num_computed + num_new):
                 victim = self.running.pop()

@@ -17,6 +17,11 @@ if TYPE_CHECKING:  # xgrammar (~0.9 s to import) loads with the first constraine
     from gpu.grammar import GrammarState
 
 
+# Stands for a token the device has sampled and the host not yet read (the overlapped step
+# loop, ``gpu/overlap.py``): the runner feeds it from the device.
+INFLIGHT_TOKEN = -1
+
+
 class SeqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -55,6 +60,9 @@ class Sequence:
     # Spilled in from another region: a full batch preempts it for a sequence of this
     # region's own clients (``Scheduler._yield_guests``).
     guest: bool = False
+    # 1 while the token sampled last step is still on the device (counted in ``num_tokens``,
+    # not in ``output_token_ids``: ``token_ids_at`` gives INFLIGHT_TOKEN for it).
+    num_inflight: int = 0
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -62,7 +70,7 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_inflight
 
     @property
     def num_draft(self) -> int:
@@ -74,8 +82,11 @@ class Sequence:
         return self.num_tokens + self.num_draft - self.num_computed
 
     def token_ids_at(self, start: int, n: int) -> list[int]:
-        """``n`` tokens of prompt + output + draft from position ``start``."""
-        tokens = self.all_token_ids[start : start + n]
+        """``n`` tokens of prompt + output (+ the in-flight one) + draft from ``start``."""
+        known = self.all_token_ids
+        tokens = known[start : start + n]
+        if len(tokens) < n and self.num_inflight and start + n > len(known):
+            tokens.append(INFLIGHT_TOKEN)
         if len(tokens) < n and self.draft is not None:
             offset = max(0, start - self.num_tokens)
             tokens += self.draft.token_ids[offset : offset + n - len(tokens)]

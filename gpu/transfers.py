@@ -32,14 +32,33 @@ def move(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
+class HostCopy:
+    """Tensors' copies to the host, queued now; :meth:`wait` waits for those copies alone (an
+    event recorded behind them), not for what the stream runs after them: the overlapped step
+    loop queues the next forward pass first and then reads the previous step's tokens."""
+
+    def __init__(self, *tensors: torch.Tensor) -> None:
+        self._values: list[Any] | None = None
+        self._event: Any = None
+        if not any(t.device.type == "cuda" for t in tensors):
+            self._values = [t.tolist() for t in tensors]
+            return
+        self._staged = []
+        for t in tensors:
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.device.type == "cuda")
+            self._staged.append(host.copy_(t, non_blocking=True))
+        device = next(t.device for t in tensors if t.device.type == "cuda")
+        self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        self._event.record(torch.cuda.current_stream(device))
+
+    def wait(self) -> list[Any]:
+        """Each tensor's values as Python lists (``Tensor.tolist``)."""
+        if self._values is None:
+            self._event.synchronize()
+            self._values = [h.tolist() for h in self._staged]
+        return self._values
+
+
 def to_host(*tensors: torch.Tensor) -> list[Any]:
     """Each tensor's values as Python lists (``Tensor.tolist``), after one wait for the device."""
-    if not any(t.device.type == "cuda" for t in tensors):
-        return [t.tolist() for t in tensors]
-    staged = []
-    for t in tensors:
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.device.type == "cuda")
-        staged.append(host.copy_(t, non_blocking=True))
-    for device in {t.device for t in tensors if t.device.type == "cuda"}:
-        torch.cuda.current_stream(device).synchronize()
-    return [h.tolist() for h in staged]
+    return HostCopy(*tensors).wait()

@@ -121,6 +121,7 @@ class MeshHarness:
     kv_replicas: int = 1
     required_stages: tuple[str, ...] | None = None  # the gateway's; None: its default
     gateway_options: dict[str, Any] = field(default_factory=dict)  # more GatewayConfig fields
+    executor_options: dict[str, Any] = field(default_factory=dict)  # more ExecutorConfig fields
     loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.new_event_loop)
     thread: threading.Thread | None = None
     services: list[Any] = field(default_factory=list)
@@ -176,6 +177,7 @@ class MeshHarness:
                 speculator=self.speculator,
                 num_speculative_tokens=self.num_speculative_tokens,
                 tensor_parallel_size=self.tensor_parallel[i] if self.tensor_parallel else 1,
+                **self.executor_options,
             )
             ex = ExecutorService(config, build_engine(config))
             self.executor_services.append(ex)

@@ -89,3 +89,15 @@ def test_kernels_are_grouped_by_kind_per_step():
     assert out["top_kernels"][0]["us_per_step"] == 40.0
     table = kp.breakdown_table({"graphs": out})
     assert "not covered by a kernel" in table and "60.0 us (4.0)" in table
+
+
+def test_overlap_section_compares_plain_and_overlapped_engine_steps(tiny_llama):
+    from gpu.loader import load_model
+    from tools.gpu_check.engine_overlap import overlap_section
+
+    result = overlap_section(load_model(tiny_llama, progress=False), 4, 8, 6, rounds=1)
+    assert result["ok"] and result["same_tokens"]
+    assert result["results"]["overlapped"]["overlapping"]
+    assert not result["results"]["plain"]["overlapping"]
+    assert all(r["tokens_per_s"] > 0 and r["ms_per_step"] > 0 for r in result["results"].values())
+    assert "overlapped / plain" in result["table"]

@@ -97,6 +97,7 @@ SERVICES: dict[str, list[Row]] = {
         ("--speculator-timeout", "MESHSERVE_SPECULATOR_TIMEOUT", "0.5"),
         ("--quantization", "MESHSERVE_QUANTIZATION", "int8"),
         ("--no-cuda-graphs", "MESHSERVE_NO_CUDA_GRAPHS", None),
+        ("--overlap-steps", "MESHSERVE_OVERLAP_STEPS", "on"),
         ("--fused-rope-append", "MESHSERVE_FUSED_ROPE_APPEND", None),
         ("--kv-cache-dtype", "MESHSERVE_KV_CACHE_DTYPE", "fp8"),
         ("--engine-nice", "MESHSERVE_ENGINE_NICE", "0"),

@@ -44,10 +44,9 @@ def parts(tiny_llama):
     return tok, model, compiled
 
 
-def make_engine(model, tok, k: int = 0) -> Engine:
-    return Engine(
-        ModelRunner(model, 128, 16), EngineConfig(num_speculative_tokens=k), tok.eos_token_ids
-    )
+def make_engine(model, tok, k: int = 0, overlap: bool = False) -> Engine:
+    config = EngineConfig(num_speculative_tokens=k, overlap_steps=overlap)
+    return Engine(ModelRunner(model, 128, 16), config, tok.eos_token_ids)
 
 
 def valid(tok, ids: list[int]) -> Any:
@@ -83,6 +82,22 @@ def test_constrained_output_validates_and_the_unconstrained_neighbour_is_untouch
     valid(tok, outs["json"][:-1])  # the last token is the end of sequence the grammar asked for
     assert outs["json"][-1] in tok.eos_token_ids
     assert outs["free"] == free  # same batch, no grammar: exactly what it samples alone
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_overlapped_steps_follow_the_grammar_as_plain_steps_do(parts, temperature):
+    """The next step's mask is built once the last token is read back: the same document."""
+    tok, model, compiled = parts
+    prompt = tok.encode_user_turn("Describe the sky as JSON.")
+    params = SamplingParams(temperature=temperature, seed=3, max_tokens=120)
+    outs = []
+    for overlap in (False, True):
+        engine = make_engine(model, tok, overlap=overlap)
+        engine.add_request("json", prompt, params, grammar=compiled)
+        outs.append(run(engine, "json"))
+        assert engine.pages.num_free == engine.pages.num_pages
+    assert outs[1] == outs[0]
+    valid(tok, outs[1][:-1])
 
 
 def test_logit_bias_bans_and_forces(parts):

@@ -126,6 +126,7 @@ class FlashInferPagedAttention:
         self._q_dtype = dtype
         self._kv_dtype = dtype
         self._active: Any = None
+        self._planned: Any = None  # torch.cuda.Event behind the last plan's copies
         self._decode_only = False
         self._page_size = 0
         self._num_tokens = 0
@@ -147,6 +148,11 @@ class FlashInferPagedAttention:
         return self._decode_only
 
     def plan(self, meta: BatchMetadata) -> None:
+        # FlashInfer's plan writes its schedule into a pinned buffer and queues its copy: the
+        # next plan waits until the device has taken the last one (the overlapped step loop
+        # plans a step while the last one runs).
+        if self._planned is not None:
+            self._planned.synchronize()
         ps = meta.page_size
         if sum(meta.q_lens) != meta.num_tokens or len(meta.kv_lens) != meta.num_seqs:
             raise ValueError("batch metadata is inconsistent: q_lens/kv_lens vs positions")
@@ -174,6 +180,9 @@ class FlashInferPagedAttention:
         self._num_tokens = meta.num_tokens
         self._decode_only = meta.is_decode_only
         self._plan_kernels()
+        if self.device.type == "cuda":
+            self._planned = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            self._planned.record()
 
     def _plan_kernels(self) -> None:
         dtypes = {"q_data_type": self._q_dtype, "kv_data_type": self._kv_dtype}

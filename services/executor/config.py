@@ -48,6 +48,13 @@ class ExecutorConfig:
         "on CUDA with FlashInfer only)",
         flag="--no-cuda-graphs",
     )
+    overlap_steps: str = setting(
+        "auto",
+        "queue each engine step before reading the last one's tokens (gpu/overlap.py); auto: "
+        "on CUDA devices (a CPU runs each op as it is issued: nothing to overlap); never for "
+        "a prefill-role executor, or where drafts are verified",
+        choices=("auto", "on", "off"),
+    )
     fused_rope_append: bool = setting(
         False,
         "rotate q and k inside the KV append, one Triton kernel per layer (CUDA, fp16/bf16 "

@@ -641,6 +641,14 @@ def _lower_priority(nice: int) -> None:
         log.warning("executor: could not lower the engine thread's priority: %s", exc)
 
 
+def overlaps_steps(config: ExecutorConfig) -> bool:
+    """``--overlap-steps`` resolved: auto overlaps on CUDA; a prefill executor hands each
+    sequence off at its first token, so a step queued ahead would only be wasted there."""
+    if config.overlap_steps == "off" or config.role == "prefill":
+        return False
+    return config.overlap_steps == "on" or torch.device(config.device).type == "cuda"
+
+
 def build_engine(config: ExecutorConfig) -> Engine:
     if config.tensor_parallel_size > 1 and config.role != "mixed":
         # KV handoff registers one pool with NIXL; a split replica has one per rank.
@@ -665,6 +673,7 @@ def build_engine(config: ExecutorConfig) -> Engine:
         max_num_seqs=config.max_num_seqs,
         enable_prefix_caching=config.enable_prefix_caching,
         num_speculative_tokens=config.num_speculative_tokens,
+        overlap_steps=overlaps_steps(config),
     )
     from common.tokenizer import Tokenizer
 

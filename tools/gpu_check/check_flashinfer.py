@@ -1,6 +1,6 @@
 """Check the FlashInfer attention backend on a CUDA host, and time decode steps.
 
-Five sections, each independent (one failing does not stop the others):
+Six sections, each independent (one failing does not stop the others):
 
 - kernels: FlashInferPagedAttention (bf16) against TorchPagedAttention (fp32, same device) on
   random paged batches that mix prompt chunks and decodes, pure-decode batches (tensor-core and
@@ -20,6 +20,9 @@ Five sections, each independent (one failing does not stop the others):
   and replayed from CUDA graphs (also with the fused rotary + KV append, the other decode
   wrapper, cuBLASLt), as a fraction of the measured HBM bandwidth, and batch 1's kernels by
   kind (``decode_graphs.py``, ``kernel_profile.py``).
+- overlap: whole engine steps one after another against overlapped (``gpu/overlap.py``) on the
+  same requests: tokens/s and whether both produced the same tokens (``engine_overlap.py``);
+  the graphs section runs it on the 8B shape too.
 - sampling: a mixed batch sampled with no host wait inside the sampler (``sampler_waits.py``).
 
 The default model is SmolLM2-135M (``gpu.gguf.resolve_model_path(None)``); where it is not
@@ -774,7 +777,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model", default="default", help='"default" (SmolLM2), "synthetic", a folder or .gguf'
     )
-    p.add_argument("--sections", default="kernels,model,timing,sampling,graphs")
+    p.add_argument("--sections", default="kernels,model,timing,overlap,sampling,graphs")
     p.add_argument("--head-configs", default="9/3,32/8", help="q/kv head pairs")
     p.add_argument("--head-dims", default="64")
     p.add_argument("--kernel-tol", type=float, default=KERNEL_TOL)
@@ -941,6 +944,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         except Exception as exc:
             report.error("timing", exc)
 
+    if gpu_model is not None and "overlap" in sections:
+        try:
+            from tools.gpu_check.engine_overlap import overlap_section
+
+            report.section("overlap", overlap_section(gpu_model, 32, 64, 64))
+        except Exception as exc:
+            report.error("overlap", exc)
+
     if "sampling" in sections:
         try:
             from tools.gpu_check.sampler_waits import sampling_section
@@ -967,18 +978,28 @@ def main(argv: Sequence[str] | None = None) -> int:
                 big, parse_ints(args.batches), args.context, args.iters, bandwidth
             )
             result["model"] = "Llama-3-8B shape, random bf16 weights"
+            if "overlap" in sections:
+                from tools.gpu_check.engine_overlap import overlap_section
+
+                try:
+                    result["overlap"] = overlap_section(big, 64, 64, 64)
+                    result["table"] += "\n\nengine steps (batch 64):\n\n"
+                    result["table"] += result["overlap"]["table"]
+                except Exception as exc:
+                    traceback.print_exc()
+                    result["overlap"] = {"error": repr(exc)}
             report.section("graphs", result)
             del big
         except Exception as exc:
             report.error("graphs", exc)
 
     shutil.rmtree(workdir, ignore_errors=True)
-    wanted = {"kernels", "model", "timing", "sampling", "graphs"} & sections
+    wanted = {"kernels", "model", "timing", "overlap", "sampling", "graphs"} & sections
     results = report.data["sections"]
     ok = not report.data["errors"] and all(results.get(s, {}).get("ok") for s in wanted)
     report.set("ok", ok)
     print("\n## Summary\n", flush=True)
-    for name in ("kernels", "model", "timing", "sampling", "graphs"):
+    for name in ("kernels", "model", "timing", "overlap", "sampling", "graphs"):
         if name in results:
             body = results[name].get("table") or f"error: {results[name].get('error')}"
             print(f"### {name}\n\n{body}\n", flush=True)
