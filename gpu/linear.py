@@ -400,17 +400,25 @@ class Fp8Linear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
         xq, x_scale = quantize_fp8_rows(x2)
-        # Row-wise scaling on CUDA produces bf16; on CPU fp32 is allowed (and exact).
-        out_dtype = torch.float32 if x2.device.type == "cpu" else torch.bfloat16
+        # Row-wise scaling on CUDA produces bf16; on CPU fp32 is allowed (and exact). The bias
+        # is added in the GEMM's epilogue where it has the output's dtype.
+        cuda = x2.device.type == "cuda"
+        out_dtype = torch.bfloat16 if cuda else torch.float32
+        bias = self.bias
+        fused_bias = bias if bias is not None and bias.dtype == out_dtype else None
         if self.scaled_mm:
+            # Hopper's fast accumulation (CUTLASS's row-wise kernel): fp32 partial sums promoted
+            # less often; what vLLM's fp8 GEMMs use.
             y = torch._scaled_mm(
-                xq, self.qweight.t(), scale_a=x_scale, scale_b=self.scale, out_dtype=out_dtype
-            )
+                xq, self.qweight.t(), scale_a=x_scale, scale_b=self.scale, bias=fused_bias,
+                out_dtype=out_dtype, use_fast_accum=cuda,
+            )  # fmt: skip
         else:
             y = (xq.to(torch.float32) @ self.qweight.to(torch.float32).t()) * x_scale * self.scale
+            fused_bias = None
         y = y.to(x.dtype)
-        if self.bias is not None:
-            y = y + self.bias
+        if bias is not None and fused_bias is None:
+            y = y + bias
         return y.view(*x.shape[:-1], self.out_features)
 
     def dequantized_weight(self) -> torch.Tensor:
