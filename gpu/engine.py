@@ -224,6 +224,20 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self.seqs)
 
+    @property
+    def num_inflight_tokens(self) -> int:
+        """Tokens sampled on the device and not read yet (overlapped steps; load reports)."""
+        return 0 if self.overlap is None else self.overlap.num_inflight_tokens
+
+    def settle_device(self) -> None:
+        """Wait until the device has run every step queued so far. Pages freed meanwhile may
+        be written by a step still running: one handed to a writer outside the stream (a KV
+        transfer into reserved pages) must wait for it."""
+        if self.runner.device.type == "cuda":
+            stream = torch.cuda.current_stream(self.runner.device)
+            if not stream.query():
+                stream.synchronize()
+
     def warm_up(self) -> WarmupReport:
         """Build every kernel the steps use and run one step of each kind (``gpu.warmup``);
         only before the first request: it borrows pages a request would need."""
@@ -378,7 +392,15 @@ class Engine:
                 state.next_mask(bitmask, i)
             inp.token_bitmask = move(bitmask, logits.device)
             inp.masked_rows = [i for i, _ in constrained]
-        return self.sampler(logits[rows] if len(rows) < logits.shape[0] else logits, inp)
+        return self.sampler(self._rows_of(logits, rows), inp)
+
+    @staticmethod
+    def _rows_of(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """``logits[rows]`` without a host wait (a list index is a pageable copy, which waits
+        for the stream on CUDA: for the next step's forward pass, when steps overlap)."""
+        if rows == list(range(logits.shape[0])):
+            return logits
+        return logits.index_select(0, to_device(rows, torch.int64, logits.device))
 
     def _emit_sampled(
         self, rows: list[tuple[int, Sequence]], host: SampledOnHost
@@ -402,7 +424,7 @@ class Engine:
         rows = [r + j for (s, r), d in zip(spec, drafts, strict=True) for j in range(len(d) + 1)]
         inp = self._sampler_input(seqs)
         self._draft_masks(seqs, drafts, inp, logits.shape[1], logits.device)
-        result = verify(self.sampler, logits[rows], drafts, inp)
+        result = verify(self.sampler, self._rows_of(logits, rows), drafts, inp)
         logprobs = self._spec_logprobs(seqs, result.token_ids, result.processed, result.row_starts)
         outputs = []
         for i, seq in enumerate(seqs):

@@ -38,6 +38,9 @@ def reserve(
     all, when a slot frees)."""
     seq = engine.new_sequence(request_id, prompt_token_ids, params)
     seq.guest = guest
+    # The pages may have been freed while a step still writes to them (a step runs on after
+    # its call returns); the prefill side's writes do not queue behind it on the stream.
+    engine.settle_device()
     # Room for the first decode token too, so an admitted sequence never preempts at once.
     if not engine.pages.can_allocate(seq.table, len(prompt_token_ids) + 1):
         return None

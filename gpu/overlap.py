@@ -21,10 +21,13 @@ the device idles all that while. Overlapped (``EngineConfig.overlap_steps``), on
    the last token, and its copy to the host is queued.
 
 So a call returns the tokens of the step before it, and a sequence ended by a stop token costs
-one wasted row. The device runs the steps in order on one stream, so a page freed or
-committed while a step still writes to it is read by later steps only after that write.
-Off where drafts are verified (they are proposed from known tokens) and for a
-tensor-parallel replica (its step is sent to the other ranks with its tokens).
+one wasted row; until its token is read it also keeps its pages, its slot and its share of the
+budget through the next schedule (a waiting request is admitted one step later). The device
+runs the steps in order on one stream, so a page freed or committed while a step still writes
+to it is read by later steps only after that write; a writer outside the stream (a KV
+transfer into reserved pages) waits for the device first (``Engine.settle_device``). Off where
+drafts are verified (they are proposed from known tokens) and for a tensor-parallel replica
+(its step is sent to the other ranks with its tokens).
 """
 
 from __future__ import annotations
@@ -89,17 +92,22 @@ class OverlappedSteps:
                 if self._alive(seq) and not self._ends_by_length(seq):
                     seq.num_inflight = 1
                     feeding[seq.request_id] = row
-        plan = engine.scheduler.schedule()
-        launched = self._launch(plan, prev, feeding) if plan.scheduled else None
-        outputs = self._finish(prev) if prev is not None else []
+        try:
+            plan = engine.scheduler.schedule()
+            launched = self._launch(plan, prev, feeding) if plan.scheduled else None
+            outputs = self._finish(prev) if prev is not None else []
+        except BaseException:
+            # The step in flight is lost with the error: no token of it is left counted.
+            for seq in prev.samplers if prev is not None else []:
+                seq.num_inflight = 0
+            raise
         if launched is not None:
             self.inflight = self._sample(launched)
         return outputs
 
-    def drain(self) -> list[StepOutput]:
-        """The tokens of the step in flight, if any (nothing new is launched)."""
-        prev, self.inflight = self.inflight, None
-        return self._finish(prev) if prev is not None else []
+    @property
+    def num_inflight_tokens(self) -> int:
+        return 0 if self.inflight is None else len(self.inflight.samplers)
 
     def _alive(self, seq: Sequence) -> bool:
         return self.engine.seqs.get(seq.request_id) is seq
@@ -151,7 +159,7 @@ class OverlappedSteps:
             if self._alive(seq):  # (not aborted meanwhile)
                 seq.num_inflight = 0
                 rows.append((row, seq))
-        engine.num_steps += 1
+        engine.num_steps += bool(rows)
         return engine._emit_sampled(rows, host)
 
     def _sample(self, launched: _Launched) -> _InFlight | None:

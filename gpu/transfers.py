@@ -39,7 +39,7 @@ class HostCopy:
 
     def __init__(self, *tensors: torch.Tensor) -> None:
         self._values: list[Any] | None = None
-        self._event: Any = None
+        self._events: list[Any] = []
         if not any(t.device.type == "cuda" for t in tensors):
             self._values = [t.tolist() for t in tensors]
             return
@@ -47,14 +47,17 @@ class HostCopy:
         for t in tensors:
             host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.device.type == "cuda")
             self._staged.append(host.copy_(t, non_blocking=True))
-        device = next(t.device for t in tensors if t.device.type == "cuda")
-        self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        self._event.record(torch.cuda.current_stream(device))
+        self._events = []
+        for device in {t.device for t in tensors if t.device.type == "cuda"}:
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(torch.cuda.current_stream(device))
+            self._events.append(event)
 
     def wait(self) -> list[Any]:
         """Each tensor's values as Python lists (``Tensor.tolist``)."""
         if self._values is None:
-            self._event.synchronize()
+            for event in self._events:
+                event.synchronize()
             self._values = [h.tolist() for h in self._staged]
         return self._values
 

@@ -268,6 +268,7 @@ class ExecutorService:
         pending = sum(self.to_compute(s) for s in sched.waiting) + sum(
             s.num_pending for s in sched.running
         )
+        pending += self.engine.num_inflight_tokens  # (overlapped steps: sampled, not yet read)
         self.load = (len(sched.running), len(sched.waiting), self.engine.pages.num_free, pending)
 
     def cached_prefix_tokens(self, req: TokenizedRequest) -> int:
