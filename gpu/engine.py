@@ -30,15 +30,8 @@ from gpu.config import ModelError
 from gpu.overlap import OverlappedSteps, overlap_blocker
 from gpu.page_manager import KVEvent, PageManager
 from gpu.runner import ModelRunner
-from gpu.sampling import (
-    SampledOnHost,
-    Sampler,
-    SamplerInput,
-    SamplerOutput,
-    SamplingParams,
-    make_generator,
-    skip_draws,
-)
+from gpu.sampling import SampledOnHost, Sampler, SamplerInput, SamplerOutput
+from gpu.sampling_params import SamplingParams, make_generator, skip_draws
 from gpu.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from gpu.sequence import FinishReason, SeqStatus, Sequence
 from gpu.spec_decode import DraftLength, DraftRequest, Proposal, Proposer, SpecStats, verify

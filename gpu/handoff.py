@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from gpu.engine import Engine
 from gpu.page_manager import PageTable
-from gpu.sampling import SamplingParams, skip_draws
+from gpu.sampling_params import SamplingParams, skip_draws
 from gpu.sequence import SeqStatus
 
 

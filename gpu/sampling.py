@@ -1,5 +1,9 @@
 """Batched token sampling for the continuous-batching step loop.
 
+Its pieces: ``gpu.sampling_params`` (a request's parameters), ``gpu.logits_filters`` (the
+penalties, the logit bias and the top-k / top-p / min-p cutoffs), this module (the sampler,
+its inputs and outputs).
+
 One :class:`Sampler` call per engine step samples the next token of every sequence in the
 batch. The work is vectorised over the vocabulary and, wherever possible, over the batch; the
 only Python loops over rows build small index/parameter tensors or draw the noise of rows that
@@ -35,8 +39,9 @@ Pipeline (all math in fp32, the order vLLM and Hugging Face use):
    top-k does), which also makes the kept set a function of the values only, never of the
    order a sort happens to give to ties. Top-k uses ``torch.topk`` with the largest k of the
    batch, never a full sort. Top-p takes the cumulative mass over the row's top 256, then top
-   4096, candidates (``TOP_P_CANDIDATES``) and sorts the full row only when the nucleus is
-   wider: the same cutoff as one full descending sort, at a fraction of the cost on CPU.
+   4096, candidates (``gpu.logits_filters.TOP_P_CANDIDATES``) and sorts the full row only when
+   the nucleus is wider: the same cutoff as one full descending sort, at a fraction of the cost
+   on CPU.
 
 5. **Sampling** with the exponential race (the trick vLLM uses): the token is
    ``argmax(probs / q)`` with ``q ~ Exponential(1)`` i.i.d. per vocabulary entry (drawn as
@@ -70,135 +75,14 @@ Copies: the caller's logits are never written. At most one full fp32 working cop
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from itertools import chain
 
 import torch
 
-from gpu.transfers import HostCopy, move, to_device
-
-# Temperatures below this are treated as greedy (vLLM's _SAMPLING_EPS): dividing by a
-# vanishing temperature only approximates argmax, badly, in fp32.
-GREEDY_EPS = 1e-5
-MAX_LOGPROBS = 20
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_real(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """Per-request sampling parameters, validated on construction (OpenAI ranges).
-
-    Invalid values raise ``ValueError`` whose message starts with the field name.
-    ``stop_token_ids``, ``ignore_eos`` and ``max_tokens`` are carried for the engine; the sampler
-    itself does not use them. A request from the mesh arrives as
-    ``common.wire.tokenizer.WireSamplingParams`` with the same field names; ``services.sampling``
-    converts it.
-    """
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    max_tokens: int = 16
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    logprobs: int | None = None
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100])
-
-    def __post_init__(self) -> None:
-        def real_in(name: str, lo: float, hi: float, lo_open: bool = False) -> None:
-            value = getattr(self, name)
-            if not _is_real(value):
-                raise ValueError(f"{name} must be a number, got {value!r}")
-            ok = (lo < value if lo_open else lo <= value) and value <= hi
-            if not ok:  # also rejects NaN
-                lo_b = "(" if lo_open else "["
-                raise ValueError(f"{name} must be in {lo_b}{lo}, {hi}], got {value!r}")
-
-        real_in("temperature", 0.0, 2.0)
-        real_in("top_p", 0.0, 1.0, lo_open=True)
-        if not _is_int(self.top_k) or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 or 0 (disabled) or >= 1, got {self.top_k!r}")
-        real_in("min_p", 0.0, 1.0)
-        real_in("presence_penalty", -2.0, 2.0)
-        real_in("frequency_penalty", -2.0, 2.0)
-        real_in("repetition_penalty", 0.0, math.inf, lo_open=True)
-        if not math.isfinite(self.repetition_penalty):
-            raise ValueError(
-                f"repetition_penalty must be finite and > 0, got {self.repetition_penalty!r}"
-            )
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        stop = tuple(self.stop_token_ids)
-        if not all(_is_int(t) and t >= 0 for t in stop):
-            raise ValueError(
-                f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}"
-            )
-        object.__setattr__(self, "stop_token_ids", stop)  # accept a list, store a tuple
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
-        if self.logprobs is not None and (
-            not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
-        ):
-            raise ValueError(
-                f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"
-            )
-        bias = tuple((pair[0], pair[1]) for pair in self.logit_bias)
-        if not all(_is_int(t) and t >= 0 and _is_real(b) and -100.0 <= b <= 100.0 for t, b in bias):
-            raise ValueError(
-                f"logit_bias must be (token id >= 0, bias in [-100, 100]) pairs, got "
-                f"{self.logit_bias!r}"
-            )
-        object.__setattr__(self, "logit_bias", bias)
-
-    @property
-    def is_greedy(self) -> bool:
-        """Temperature 0 (below ``GREEDY_EPS``): the argmax of the penalised logits."""
-        return self.temperature < GREEDY_EPS
-
-    @property
-    def has_penalties(self) -> bool:
-        return (
-            self.repetition_penalty != 1.0
-            or self.presence_penalty != 0.0
-            or self.frequency_penalty != 0.0
-        )
-
-
-def make_generator(
-    params: SamplingParams, device: torch.device | str = "cpu"
-) -> torch.Generator | None:
-    """The generator a seeded request owns (the engine keeps it across steps), else None.
-
-    It must live on the device of the logits (a CUDA generator for CUDA logits).
-    """
-    if params.seed is None:
-        return None
-    gen = torch.Generator(device=device)
-    gen.manual_seed(params.seed)
-    return gen
-
-
-def skip_draws(generator: torch.Generator, steps: int, vocab_size: int) -> None:
-    """Advance a seeded request's generator past ``steps`` sampling steps, as if it had sampled
-    them here: one fp32 ``[vocab]`` uniform draw per step, as ``Sampler._noise`` takes."""
-    scratch = torch.empty(vocab_size, dtype=torch.float32, device=generator.device)
-    for _ in range(steps):
-        scratch.uniform_(generator=generator)
+from gpu.logits_filters import apply_logit_bias, apply_penalties, filter_cutoffs
+from gpu.sampling_params import SamplingParams
+from gpu.transfers import HostCopy, to_device
 
 
 @dataclass
@@ -285,229 +169,6 @@ class PendingSample:
         return SampledOnHost(host[0], host[1], top)
 
 
-def _flat_token_index(
-    rows: Sequence[int],
-    seqs: Sequence[Iterable[int]],
-    lengths: Sequence[int],
-    vocab: int,
-) -> torch.Tensor | None:
-    """Flat indices ``row * V + token`` into a contiguous ``[B, V]`` tensor for every token of
-    ``seqs[j]`` (``lengths[j]`` of them) in row ``rows[j]``: one concatenated index tensor for
-    the whole batch, no padding, on the host. Ids outside ``[0, V)`` (a tokenizer larger than
-    the LM head) are dropped, as Hugging Face does. None when there is no token.
-    """
-    if sum(lengths) == 0:
-        return None
-    # Built on the host, where the ids are: dropping the invalid ones has a data-dependent
-    # size, which on a device would wait for it.
-    tokens = torch.tensor(list(chain.from_iterable(seqs)), dtype=torch.int64)
-    owner = torch.repeat_interleave(
-        torch.tensor(rows, dtype=torch.int64), torch.tensor(lengths, dtype=torch.int64)
-    )
-    valid = (tokens >= 0) & (tokens < vocab)
-    if not bool(valid.all()):
-        tokens, owner = tokens[valid], owner[valid]
-    return owner * vocab + tokens
-
-
-def apply_penalties(
-    logits: torch.Tensor,
-    params: Sequence[SamplingParams],
-    prompt_token_ids: Sequence[Sequence[int]],
-    output_token_ids: Sequence[Sequence[int]],
-) -> torch.Tensor:
-    """Repetition, then frequency and presence penalties, in place on contiguous fp32 ``logits``
-    ``[B, V]`` (row ``i`` described by ``params[i]`` and its token lists). Returns ``logits``.
-
-    Only rows that set a penalty are touched, and only at the token ids they have seen: the
-    work is O(tokens), not O(B * V). Gather/scatter on flat ``row * V + token`` indices:
-
-    - repetition (Hugging Face ``RepetitionPenaltyLogitsProcessor`` / vLLM) over prompt +
-      output: ``x < 0 -> x * p`` else ``x / p``; repeated ids all write the same value;
-    - frequency and presence (OpenAI) over output ids, one update per distinct id from
-      ``torch.unique`` counts: ``x - count * frequency_penalty - presence_penalty``.
-    """
-    if logits.dtype != torch.float32 or logits.dim() != 2 or not logits.is_contiguous():
-        raise ValueError("apply_penalties needs contiguous fp32 logits [batch, vocab]")
-    vocab = logits.shape[1]
-    device = logits.device
-    flat_logits = logits.view(-1)
-
-    rep_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
-    if rep_rows:
-        idx = _flat_token_index(
-            rep_rows,
-            [chain(prompt_token_ids[i], output_token_ids[i]) for i in rep_rows],
-            [len(prompt_token_ids[i]) + len(output_token_ids[i]) for i in rep_rows],
-            vocab,
-        )
-        if idx is not None:
-            idx = move(idx, device)
-            rep_all = [p.repetition_penalty for p in params]
-            rep = to_device(rep_all, torch.float32, device)[idx // vocab]
-            vals = flat_logits[idx]
-            flat_logits[idx] = torch.where(vals < 0, vals * rep, vals / rep)
-
-    fp_rows = [
-        i for i, p in enumerate(params) if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
-    ]
-    if fp_rows:
-        idx = _flat_token_index(
-            fp_rows,
-            [output_token_ids[i] for i in fp_rows],
-            [len(output_token_ids[i]) for i in fp_rows],
-            vocab,
-        )
-        if idx is not None:
-            uniq, counts = torch.unique(idx, return_counts=True)  # on the host: sized by data
-            uniq, counts = move(uniq, device), move(counts, device)
-            row = uniq // vocab
-            f32 = torch.float32
-            freq = to_device([p.frequency_penalty for p in params], f32, device)
-            pres = to_device([p.presence_penalty for p in params], f32, device)
-            freq, pres = freq[row], pres[row]
-            flat_logits[uniq] = flat_logits[uniq] - counts.to(torch.float32) * freq - pres
-    return logits
-
-
-def apply_logit_bias(
-    logits: torch.Tensor, params: Sequence[SamplingParams], rows: Sequence[int]
-) -> None:
-    """Add each row's ``logit_bias`` in place on contiguous fp32 ``logits`` (ids past the LM
-    head are dropped, as for penalties): one scatter-add over the listed entries."""
-    vocab = logits.shape[1]
-    flat: list[int] = []
-    values: list[float] = []
-    for i in rows:
-        for token, bias in params[i].logit_bias:
-            if token < vocab:
-                flat.append(i * vocab + token)
-                values.append(bias)
-    if flat:
-        device = logits.device
-        logits.view(-1).index_add_(
-            0, to_device(flat, torch.int64, device), to_device(values, torch.float32, device)
-        )
-
-
-# Top-p looks for its cutoff among the top-K candidates of a row, K taken from this ladder
-# (a full sort only for rows whose nucleus is wider than the last rung). The ladder is fixed,
-# so which rung resolves a row depends on that row alone, never on the rest of the batch.
-# On CPU a full sort of [32, 49152] costs ~100x a topk of 256.
-TOP_P_CANDIDATES = (256, 4096)
-
-
-def _top_p_rung(
-    sub: torch.Tensor, sub_probs: torch.Tensor, top_p: torch.Tensor, k: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One rung of the ladder over rows ``sub``: ``(cutoff, done, mass, p_k)``, the cutoff each
-    row would get from its top ``k`` candidates, whether those candidates settle it, their mass
-    and the probability of the k-th (``k`` = the vocabulary: one full sort, which settles all)."""
-    vocab = sub.shape[1]
-    if k < vocab:
-        vals, ids = sub.topk(k, dim=-1)
-    else:
-        vals, ids = sub.sort(dim=-1, descending=True)
-    cand = sub_probs.gather(1, ids)
-    p_k = cand[:, -1].clone()
-    cum = cand.cumsum_(dim=-1)
-    below = (cum < top_p.unsqueeze(1)).sum(dim=-1)  # tokens before the crossing one
-    n_alive = (vals > -math.inf).sum(dim=-1)
-    done = (below < k) | (n_alive < k) | (k == vocab)
-    n_keep = torch.minimum(below + 1, n_alive).clamp_(min=1)
-    cut = vals.gather(1, (n_keep - 1).unsqueeze(1)).squeeze(1)
-    return cut, done, cum[:, -1], p_k
-
-
-def _top_p_cutoffs(
-    masked: torch.Tensor, probs: torch.Tensor, top_p: torch.Tensor, ladder: bool = True
-) -> torch.Tensor:
-    """Logit cutoff of top-p per row: the logit of the last token of the smallest prefix (in
-    descending order) whose probability mass reaches ``top_p``.
-
-    ``masked``: logits with top-k losers at -inf; ``probs``: their softmax (the renormalised
-    top-k distribution). Every token whose inclusive cumulative mass is below ``top_p`` is kept,
-    plus the one that crosses it. Without ``ladder``, one full sort of every row: the same
-    cutoffs, and no step whose size depends on the data (which a device would be waited for).
-    """
-    rows, vocab = masked.shape
-    if not ladder:
-        return _top_p_rung(masked, probs, top_p, vocab)[0]
-    device = masked.device
-    out = torch.empty(rows, dtype=torch.float32, device=device)
-    todo = torch.arange(rows, device=device)
-    # After a rung of k candidates failed: mass of the top k and probability of the k-th. The
-    # top k' (k' > k) then hold at most mass + (k' - k) * p_k, so rungs that cannot reach top_p
-    # are skipped (a pure shortcut: every rung that resolves a row gives the same cutoff).
-    mass = torch.zeros(rows, dtype=torch.float32, device=device)
-    p_last = torch.ones(rows, dtype=torch.float32, device=device)
-    seen = torch.zeros(rows, dtype=torch.float32, device=device)
-    for k in (*(c for c in TOP_P_CANDIDATES if c < vocab), vocab):
-        act = todo
-        if k < vocab:
-            act = todo[mass[todo] + (k - seen[todo]) * p_last[todo] >= top_p[todo]]
-            if act.numel() == 0:
-                continue
-        full = act.numel() == rows
-        sub = masked if full else masked.index_select(0, act)
-        sub_probs = probs if full else probs.index_select(0, act)
-        cut, done, mass[act], p_last[act] = _top_p_rung(sub, sub_probs, top_p[act], k)
-        out[act[done]] = cut[done]
-        seen[act] = float(k)
-        remaining = torch.ones(rows, dtype=torch.bool, device=device)
-        remaining[act[done]] = False
-        todo = todo[remaining[todo]]
-        if todo.numel() == 0:
-            break
-    return out
-
-
-def _filter_cutoffs(
-    xs: torch.Tensor, probs: torch.Tensor, params: Sequence[SamplingParams]
-) -> torch.Tensor | None:
-    """Per-row logit cutoff of top-k / top-p / min-p for sampled rows ``xs`` ``[S, V]``
-    (``probs`` is their softmax). A token survives iff ``logit >= cutoff``. None when no row
-    filters anything.
-    """
-    n, vocab = xs.shape
-    device = xs.device
-    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-    k_rows = [i for i in range(n) if top_k[i] < vocab]
-    p_rows = [i for i, p in enumerate(params) if p.top_p < 1.0]
-    min_ps = [p.min_p for p in params]
-    use_min_p = any(m > 0.0 for m in min_ps)
-    if not k_rows and not p_rows and not use_min_p:
-        return None
-    cutoff = torch.full((n,), -math.inf, dtype=torch.float32, device=device)
-
-    def subset(rows: list[int], t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        idx = to_device(rows, torch.int64, device)
-        return idx, (t if len(rows) == n else t.index_select(0, idx))
-
-    if k_rows:  # top-k: the k-th largest value (its ties survive too), no full sort
-        idx, sub = subset(k_rows, xs)
-        k = to_device([top_k[i] for i in k_rows], torch.int64, device)
-        top_vals = sub.topk(max(top_k[i] for i in k_rows), dim=-1).values
-        cutoff[idx] = top_vals.gather(1, (k - 1).unsqueeze(1)).squeeze(1)
-
-    if p_rows:  # top-p over the renormalised top-k distribution
-        idx, sub = subset(p_rows, xs)
-        if any(top_k[i] < vocab for i in p_rows):
-            sub = sub.masked_fill(sub < cutoff[idx].unsqueeze(1), -math.inf)
-            sub_probs = torch.softmax(sub, dim=-1)
-        else:
-            sub_probs = probs if len(p_rows) == n else probs.index_select(0, idx)
-        top_p = to_device([params[i].top_p for i in p_rows], torch.float32, device)
-        # The candidate ladder sizes its subsets by the data: on a device, one full sort.
-        ladder = device.type == "cpu"
-        cutoff[idx] = _top_p_cutoffs(sub, sub_probs, top_p, ladder)  # >= the top-k cutoff
-
-    if use_min_p:  # p >= min_p * p_max  <=>  x >= x_max + log(min_p)
-        log_min_p = to_device(min_ps, torch.float32, device).log_()
-        cutoff = torch.maximum(cutoff, xs.amax(dim=-1) + log_min_p)
-    return cutoff
-
-
 class Sampler:
     """Samples one token per row of ``logits`` ``[B, V]``; see the module docstring.
 
@@ -564,7 +225,7 @@ class Sampler:
             xs = work if len(sampled_rows) == batch else work.index_select(0, s_idx)
             s_params = [params[i] for i in sampled_rows]
             probs = torch.softmax(xs, dim=-1)
-            cutoff = _filter_cutoffs(xs, probs, s_params)
+            cutoff = filter_cutoffs(xs, probs, s_params)
             if cutoff is not None:
                 probs.masked_fill_(xs < cutoff.unsqueeze(1), 0.0)
             probs.div_(self._noise(probs, [inp.generators[i] for i in sampled_rows], s_params))
@@ -624,7 +285,7 @@ class Sampler:
         if all(p.is_greedy for p in params):
             return processed, None
         probs = torch.softmax(processed, dim=-1)
-        cutoff = _filter_cutoffs(processed, probs, params)
+        cutoff = filter_cutoffs(processed, probs, params)
         if cutoff is not None:
             probs.masked_fill_(processed < cutoff.unsqueeze(1), 0.0)
             probs.div_(probs.sum(dim=-1, keepdim=True))

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from gpu.page_manager import PageTable
-from gpu.sampling import SamplingParams
+from gpu.sampling_params import SamplingParams
 from gpu.spec_decode import DraftLength, Proposal
 
 if TYPE_CHECKING:  # xgrammar (~0.9 s to import) loads with the first constrained request

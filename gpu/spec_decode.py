@@ -31,7 +31,8 @@ from typing import Protocol
 
 import torch
 
-from gpu.sampling import Sampler, SamplerInput, SamplingParams
+from gpu.sampling import Sampler, SamplerInput
+from gpu.sampling_params import SamplingParams
 from gpu.transfers import to_device, to_host
 
 

@@ -27,7 +27,8 @@ import torch
 from gpu.attention.metadata import SeqChunk
 from gpu.page_manager import PageManager, PageTable
 from gpu.runner import ModelRunner
-from gpu.sampling import Sampler, SamplerInput, SamplingParams, make_generator
+from gpu.sampling import Sampler, SamplerInput
+from gpu.sampling_params import SamplingParams, make_generator
 
 # Pages of the warm-up prompt (and one token more: the append crosses a page boundary); small
 # enough for any pool and step budget that can serve a request at all.

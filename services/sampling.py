@@ -1,7 +1,7 @@
 """The one conversion from a request's sampling settings on the wire to the engine's.
 
 ``common.wire.tokenizer.WireSamplingParams`` (validated by the gateway, carried by every hop) and
-``gpu.sampling.SamplingParams`` (what the engine and the sampler read) share their fields by
+``gpu.sampling_params.SamplingParams`` (what the engine and the sampler read) share their fields by
 name. ``sampling_params`` copies every field the engine type has, so a field the wire adds is
 carried as soon as the engine type has it too, and cannot be forgotten by a hand-written copy
 (one used to drop ``stop_token_ids`` and ``logprobs`` on the speculator's path). The wire's
@@ -18,7 +18,7 @@ import dataclasses
 from typing import Any
 
 from common.wire.tokenizer import WireSamplingParams
-from gpu.sampling import SamplingParams
+from gpu.sampling_params import SamplingParams
 
 # The engine's fields, in its order: exactly what is copied from the wire.
 CARRIED: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(SamplingParams))

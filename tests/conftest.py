@@ -14,7 +14,7 @@ from common.tokenizer import Tokenizer
 from gpu.engine import Engine, EngineConfig
 from gpu.loader import load_model
 from gpu.runner import ModelRunner
-from gpu.sampling import SamplingParams
+from gpu.sampling_params import SamplingParams
 from services.launcher.mesh import LocalMesh
 from services.launcher.up import parse_up_args
 from tests.mesh import openai_client

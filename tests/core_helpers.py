@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from common.page_hash import page_hashes
 from gpu.page_manager import KVEvent, PageManager, PageTable
-from gpu.sampling import SamplingParams
+from gpu.sampling_params import SamplingParams
 from gpu.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from gpu.sequence import FinishReason, SeqStatus, Sequence
 

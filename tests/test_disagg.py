@@ -12,7 +12,7 @@ import time
 import aiohttp
 
 from common.nats_server import free_port_range
-from gpu.sampling import SamplingParams
+from gpu.sampling_params import SamplingParams
 from services.launcher.mesh import LocalMesh
 from tests.mesh import metric_value
 from tests.test_reliability import pid_of, stream_outcome, until_running

@@ -12,7 +12,7 @@ from gpu.engine import Engine, EngineConfig
 from gpu.loader import load_model
 from gpu.proposers import DraftModelProposer
 from gpu.runner import ModelRunner
-from gpu.sampling import SamplingParams
+from gpu.sampling_params import SamplingParams
 from services.launcher.cli import main as cli_main
 from tests.models import write_tiny_model
 from tools.distill.chat_prompts import distill_prompts

@@ -12,7 +12,7 @@ from gpu.config import ModelError
 from gpu.engine import Engine, EngineConfig
 from gpu.loader import load_model
 from gpu.runner import ModelRunner
-from gpu.sampling import SamplingParams
+from gpu.sampling_params import SamplingParams
 from gpu.sequence import FinishReason
 from tests.models import hf_model
 

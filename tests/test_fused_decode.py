@@ -12,7 +12,7 @@ from gpu.attention.metadata import SeqChunk
 from gpu.engine import Engine, EngineConfig
 from gpu.loader import load_model
 from gpu.runner import ModelRunner
-from gpu.sampling import SamplingParams
+from gpu.sampling_params import SamplingParams
 
 KERNELS = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(

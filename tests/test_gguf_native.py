@@ -21,7 +21,7 @@ from gpu.linear import BlockLinear, DenseLinear
 from gpu.loader import load_model
 from gpu.quant import BlockWeight
 from gpu.runner import ModelRunner
-from gpu.sampling import SamplingParams
+from gpu.sampling_params import SamplingParams
 from tests.models import write_tiny_model
 from tests.test_gguf import write_gguf
 from tests.test_tokenizer import train_byte_level_bpe

@@ -10,7 +10,7 @@ import pytest
 from common.kv_layout import KVLayout, paired_extents
 from gpu import handoff
 from gpu.engine import Engine
-from gpu.sampling import SamplingParams
+from gpu.sampling_params import SamplingParams
 from tests.test_engine import GREEDY, hf_greedy, make_engine, oracle, prompts_for  # noqa: F401
 
 

@@ -23,7 +23,7 @@ from common.wire.executor import AbortRequests, TokenizedRequest
 from common.wire.gateway import ErrorEvent, TextDelta, TextDeltas
 from common.wire.scheduler import Heartbeat
 from common.wire.tokenizer import WireSamplingParams
-from gpu.sampling import SamplingParams
+from gpu.sampling_params import SamplingParams
 from services.detokenizer.service import DetokenizerConfig, DetokenizerService
 from services.scheduler.service import SchedulerService, SchedulerServiceConfig
 from tests.test_engine import make_engine, prompts_for, run_until_done

@@ -23,7 +23,7 @@ from gpu.engine import Engine, EngineConfig, StepOutput
 from gpu.loader import load_model
 from gpu.model import CausalLM
 from gpu.runner import ModelRunner, TokenFeed
-from gpu.sampling import SamplingParams
+from gpu.sampling_params import SamplingParams
 from gpu.sequence import INFLIGHT_TOKEN
 
 EOS = 2

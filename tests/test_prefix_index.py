@@ -16,7 +16,7 @@ from common.wire.prefix_index import KVEventBatch
 from gpu.engine import Engine, EngineConfig
 from gpu.loader import load_model
 from gpu.runner import ModelRunner
-from gpu.sampling import SamplingParams
+from gpu.sampling_params import SamplingParams
 from services.executor.kv_events import batch_events
 from services.prefix_index.radix import RadixTree
 from services.prefix_index.service import PrefixIndexConfig, PrefixIndexService

@@ -19,7 +19,7 @@ from gpu.ops import KernelOps, TorchOps
 from gpu.quant import FP8, fake_quantize_blocks, quantize_int8
 from gpu.rope import RotaryEmbedding
 from gpu.runner import ModelRunner
-from gpu.sampling import SamplingParams
+from gpu.sampling_params import SamplingParams
 
 KERNELS = cpu_kernels.load()
 

@@ -1,4 +1,5 @@
-"""Tests for gpu/sampling.py: distributions (chi-squared), greedy, seeds, penalties, logprobs."""
+"""Tests for gpu/sampling.py (and its logits_filters, sampling_params): distributions (chi-squared),
+greedy, seeds, penalties, logprobs."""
 
 from __future__ import annotations
 
@@ -10,14 +11,9 @@ import torch
 from scipy.stats import chisquare
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
-from gpu.sampling import (
-    Sampler,
-    SamplerInput,
-    SamplerOutput,
-    SamplingParams,
-    apply_penalties,
-    make_generator,
-)
+from gpu.logits_filters import apply_penalties
+from gpu.sampling import Sampler, SamplerInput, SamplerOutput
+from gpu.sampling_params import SamplingParams, make_generator
 
 
 @pytest.fixture(autouse=True)
@@ -150,7 +146,7 @@ def test_filtered_tokens_never_sampled_large_vocab() -> None:
 def test_top_p_candidate_ladder_matches_full_sort(monkeypatch: pytest.MonkeyPatch) -> None:
     # Rows resolved by each rung (top 256, top 4096, full sort) give the cutoff one full sort
     # gives, and keep the tokens a float64 reference keeps.
-    from gpu import sampling
+    from gpu import logits_filters as filters
 
     torch.manual_seed(8)
     vocab = 6000
@@ -167,13 +163,13 @@ def test_top_p_candidate_ladder_matches_full_sort(monkeypatch: pytest.MonkeyPatc
         SamplingParams(top_p=0.999, min_p=0.2),
     ]
     probs = torch.softmax(logits, -1)
-    cut = sampling._filter_cutoffs(logits, probs, params)
+    cut = filters.filter_cutoffs(logits, probs, params)
     # the device's path, one full sort with no data-sized step, cuts where the ladder does
     top_p = torch.tensor([p.top_p for p in params])
-    laddered = sampling._top_p_cutoffs(logits, probs, top_p)
-    assert torch.equal(sampling._top_p_cutoffs(logits, probs, top_p, ladder=False), laddered)
-    monkeypatch.setattr(sampling, "TOP_P_CANDIDATES", ())
-    full_sort = sampling._filter_cutoffs(logits, probs, params)
+    laddered = filters.top_p_cutoffs(logits, probs, top_p)
+    assert torch.equal(filters.top_p_cutoffs(logits, probs, top_p, ladder=False), laddered)
+    monkeypatch.setattr(filters, "TOP_P_CANDIDATES", ())
+    full_sort = filters.filter_cutoffs(logits, probs, params)
     assert cut is not None and full_sort is not None
     assert torch.equal(cut, full_sort)
     kept = (logits >= cut.unsqueeze(1)).sum(-1).tolist()

@@ -8,7 +8,7 @@ import pytest
 
 from common.wire.speculator import DraftSeq
 from common.wire.tokenizer import WireSamplingParams
-from gpu.sampling import SamplingParams
+from gpu.sampling_params import SamplingParams
 from services import sampling
 from services.sampling import sampling_params
 from services.speculator.wire import draft_request

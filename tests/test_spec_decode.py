@@ -13,7 +13,8 @@ from gpu.engine import Engine, EngineConfig, TokenLogprob
 from gpu.loader import load_model
 from gpu.proposers import DraftModelProposer, NgramProposer
 from gpu.runner import ModelRunner
-from gpu.sampling import Sampler, SamplerInput, SamplingParams
+from gpu.sampling import Sampler, SamplerInput
+from gpu.sampling_params import SamplingParams
 from gpu.sequence import FinishReason
 from gpu.spec_decode import DraftLength, DraftRequest, Proposal, verify
 from tests.models import hf_model, write_tiny_model

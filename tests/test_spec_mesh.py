@@ -9,7 +9,7 @@ from common.tokenizer import Tokenizer
 from gpu.engine import Engine, EngineConfig
 from gpu.loader import load_model
 from gpu.runner import ModelRunner
-from gpu.sampling import SamplingParams
+from gpu.sampling_params import SamplingParams
 from tests.mesh import MeshHarness, openai_client
 
 PROMPTS = ["Hello world", "The quick brown fox", "Serving language models fast"]

@@ -15,7 +15,7 @@ from common.wire.tokenizer import ResponseFormat
 from gpu.engine import Engine, EngineConfig
 from gpu.loader import load_model
 from gpu.runner import ModelRunner
-from gpu.sampling import SamplingParams
+from gpu.sampling_params import SamplingParams
 from gpu.spec_decode import Proposal
 from services.executor.grammars import tokenizer_info
 from services.tokenizer.grammars import grammar_for

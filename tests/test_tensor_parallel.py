@@ -24,7 +24,7 @@ from gpu.parallel.group import ParallelGroupLost
 from gpu.parallel.shard import Shard, shard_config
 from gpu.replica import build_runner
 from gpu.runner import ModelRunner
-from gpu.sampling import SamplingParams
+from gpu.sampling_params import SamplingParams
 from tests.mesh import MeshHarness
 from tests.models import hf_model, write_tiny_model
 from tests.test_disagg import PROMPTS, complete

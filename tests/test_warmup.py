@@ -16,7 +16,7 @@ from gpu.engine import Engine, EngineConfig
 from gpu.loader import load_model
 from gpu.page_manager import PageTable
 from gpu.runner import ModelRunner
-from gpu.sampling import SamplingParams
+from gpu.sampling_params import SamplingParams
 from gpu.warmup import warmup_prompt_tokens
 from tests.mesh import tiny_executor
 

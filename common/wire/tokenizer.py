@@ -19,7 +19,7 @@ MAX_CHOICES = 1024
 @dataclass(frozen=True)
 class WireSamplingParams(Message):
     """The request's sampling and stopping settings as validated by the gateway: the wire form
-    of the engine's ``gpu.sampling.SamplingParams``.
+    of the engine's ``gpu.sampling_params.SamplingParams``.
 
     Every field but ``DETOKENIZER_ONLY`` is also a field of ``SamplingParams`` under the same
     name, and ``services.sampling`` converts by name: add a field to both.

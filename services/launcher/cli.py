@@ -33,7 +33,7 @@ def run_generate(args: argparse.Namespace) -> int:
     from gpu.engine import Engine
     from gpu.gguf import resolve_model_path
     from gpu.replica import build_runner
-    from gpu.sampling import SamplingParams
+    from gpu.sampling_params import SamplingParams
 
     folder = resolve_model_path(args.model)
     tokenizer = Tokenizer.from_folder(folder)

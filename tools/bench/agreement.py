@@ -21,7 +21,7 @@ from gpu.engine import Engine, EngineConfig
 from gpu.gguf import resolve_model_path
 from gpu.loader import load_model
 from gpu.runner import ModelRunner
-from gpu.sampling import SamplingParams
+from gpu.sampling_params import SamplingParams
 from tools.distill.chat_prompts import held_out_prompts
 
 TEMPERATURES = (1.0, 0.7)

@@ -25,7 +25,7 @@ from gpu.engine import Engine, EngineConfig
 from gpu.gguf import resolve_model_path
 from gpu.loader import load_model
 from gpu.runner import ModelRunner
-from gpu.sampling import SamplingParams
+from gpu.sampling_params import SamplingParams
 
 QUESTIONS = [
     "What is the capital of France?",

@@ -44,7 +44,7 @@ def rss_mb() -> float:
 def measure_here(fmt: str, model: str | None) -> Memory:
     """Build the executor's engine in this process and measure it."""
     from common.config import MeshConfig
-    from gpu.sampling import SamplingParams
+    from gpu.sampling_params import SamplingParams
     from services.executor.config import ExecutorConfig
     from services.executor.service import build_engine
 

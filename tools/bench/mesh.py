@@ -36,7 +36,7 @@ from common.tokenizer import Tokenizer
 from gpu.engine import Engine, EngineConfig
 from gpu.gguf import resolve_model_path
 from gpu.replica import build_runner
-from gpu.sampling import SamplingParams
+from gpu.sampling_params import SamplingParams
 from loadtest.client import Endpoint, RequestResult, send_request
 from loadtest.runner import new_session
 from loadtest.workloads import RequestSpec

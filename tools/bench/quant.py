@@ -58,7 +58,7 @@ from gpu.quant import (
     quantize_q8_0,
 )
 from gpu.runner import ModelRunner
-from gpu.sampling import SamplingParams
+from gpu.sampling_params import SamplingParams
 from tools.bench.engine import QUESTIONS, chat_prompts, run_decode_only, run_engine
 from tools.bench.memory import measure as measure_memory
 from tools.bench.memory import table as memory_table

@@ -32,7 +32,7 @@ from gpu.gguf import resolve_model_path
 from gpu.loader import load_model
 from gpu.proposers import DraftModelProposer, NgramProposer
 from gpu.runner import ModelRunner
-from gpu.sampling import SamplingParams
+from gpu.sampling_params import SamplingParams
 from gpu.spec_decode import Proposer
 from tools.distill.chat_prompts import held_out_prompts
 

@@ -34,7 +34,7 @@ from gpu.engine import Engine, EngineConfig
 from gpu.gguf import resolve_model_path
 from gpu.loader import load_model
 from gpu.runner import ModelRunner
-from gpu.sampling import SamplingParams
+from gpu.sampling_params import SamplingParams
 from services.executor.grammars import GrammarCache, tokenizer_info
 from services.tokenizer.grammars import grammar_for
 from tools.bench.engine import chat_prompts

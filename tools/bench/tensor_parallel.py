@@ -38,7 +38,7 @@ import torch
 from gpu.engine import Engine, EngineConfig
 from gpu.replica import build_runner
 from gpu.runner import ModelRunner
-from gpu.sampling import SamplingParams
+from gpu.sampling_params import SamplingParams
 
 SHAPE: dict[str, Any] = dict(
     vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,

@@ -44,7 +44,7 @@ from common.tokenizer import Tokenizer
 from gpu.engine import Engine, EngineConfig
 from gpu.loader import load_model
 from gpu.runner import ModelRunner
-from gpu.sampling import SamplingParams
+from gpu.sampling_params import SamplingParams
 from tools.distill.chat_prompts import distill_prompts
 from tools.distill.teacher_questions import teacher_questions
 

@@ -76,8 +76,8 @@ def teacher_questions(
     path: Path, count: int, engine: Any, tokenizer: Any, batch: int, seed: int
 ) -> list[str]:
     """``count`` questions written by the teacher behind ``engine``; resumes from ``path``."""
-    # gpu.sampling imports torch; the prompt and filter half of this module is plain text.
-    from gpu.sampling import SamplingParams
+    # gpu.sampling_params imports torch; the prompt and filter half of this module is plain text.
+    from gpu.sampling_params import SamplingParams
     from gpu.sequence import FinishReason
 
     state: dict[str, Any] = {"attempts": 0, "questions": []}

@@ -23,7 +23,7 @@ import torch
 from gpu.engine import Engine, EngineConfig
 from gpu.model import CausalLM
 from gpu.runner import ModelRunner
-from gpu.sampling import SamplingParams
+from gpu.sampling_params import SamplingParams
 
 PAGE_SIZE = 16
 

@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from gpu.sampling import SampledOnHost, Sampler, SamplerInput, SamplingParams, make_generator
+from gpu.sampling import SampledOnHost, Sampler, SamplerInput
+from gpu.sampling_params import SamplingParams, make_generator
 
 ROW_KINDS: tuple[SamplingParams, ...] = (
     SamplingParams(temperature=0.0),
