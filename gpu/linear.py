@@ -175,9 +175,16 @@ class DenseLinear(Linear):
         self.register_buffer("weight", stored)
         self.register_buffer("bias", bias)
         self._prepared: PackedLinear | None = None
+        # Steps of at most this many rows take the Triton matrix-vector kernel (CUDA, fp16/bf16;
+        # ``CausalLM.use_triton_gemv``); 0: cuBLAS for every step.
+        self.triton_rows = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.layout == "nk":
+            if 0 < x.shape[0] <= self.triton_rows and x.dim() == 2:
+                from gpu.triton_gemv import gemv
+
+                return gemv(x, self.weight, self.bias)
             return F.linear(x, self.weight, self.bias)
         x2 = x.reshape(-1, self.in_features)
         prepared = self.packed()

@@ -238,6 +238,24 @@ class CausalLM(nn.Module):
                 self._fused = self.kernels.fused_decoder(shape, [w for w in layers if w], hook)
         return self._fused
 
+    def use_triton_gemv(self, rows: int) -> int:
+        """Steps of at most ``rows`` tokens run their dense fp16/bf16 CUDA linears through
+        ``gpu.triton_gemv`` instead of cuBLAS (0: none do); returns how many linears switched.
+        For the GPU check to compare (off unless called)."""
+        from gpu.linear import DenseLinear
+        from gpu.triton_gemv import DTYPES, MAX_ROWS
+
+        if rows > MAX_ROWS:
+            raise ValueError(f"the Triton matrix-vector kernel takes at most {MAX_ROWS} rows")
+        switched = 0
+        for module in self.modules():
+            if not isinstance(module, DenseLinear) or module.layout != "nk":
+                continue
+            if module.weight.dtype in DTYPES:
+                module.triton_rows = rows
+                switched += 1
+        return switched
+
     @property
     def device(self) -> torch.device:
         return self.norm.device

@@ -51,13 +51,16 @@ def test_every_graphs_mode_is_skipped_off_cuda_and_the_best_one_is_judged():
     model = dg.random_model(SHAPE, torch.device("cpu"), torch.float32)
     result = dg.graphs_section(model, [1], context=20, iters=1, bandwidth=1e9)
     graph_modes = [m.name for m in dg.MODES if m.graphs]
-    assert len(graph_modes) == 4
+    assert len(graph_modes) == 6
     skipped = {r["mode"] for r in result["results"] if "skipped" in r}
     assert skipped == set(graph_modes)
     assert result["best_graphs_mode"] is None and result["profiles"] == {}
     # the fused mode asks the runner for the fused append, which off CUDA it ignores
     fused = dg.mode_runner(model, dg.MODES[2], 4)
     assert dg.MODES[2].fused_rope_append and not fused.backend.rotates_qk
+    # the matmul table covers the linears in cuBLAS's layout: none off CUDA
+    matmuls = result["matmuls"]
+    assert matmuls["ok"] and {(r["n"], r["k"]) for r in matmuls["results"]} == set()  # CPU: kn
 
 
 def test_kernels_are_grouped_by_kind_per_step():

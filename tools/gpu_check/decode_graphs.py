@@ -35,6 +35,7 @@ from gpu.config import ModelConfig
 from gpu.linear import Linear
 from gpu.model import CausalLM, Weight, expected_shapes
 from gpu.runner import ModelRunner
+from tools.gpu_check.gemv_bench import gemv_section
 from tools.gpu_check.kernel_profile import breakdown, breakdown_table, profile_steps
 
 PAGE_SIZE = 16
@@ -127,6 +128,9 @@ class Mode:
     fused_rope_append: bool = False
     other_decode_kernel: bool = False  # the decode wrapper decode_uses_tensor_cores did not pick
     blas: str | None = None  # torch.backends.cuda.preferred_blas_library while it runs
+    triton_gemv: bool = (
+        False  # steps of <= 8 rows: the Triton matrix-vector kernel (gpu/triton_gemv.py)
+    )
     profiled: bool = False  # the batch-1 step's kernels by kind (kernel_profile.py)
 
 
@@ -136,6 +140,13 @@ MODES = (
     Mode("cuda graphs, fused rope+append", graphs=True, fused_rope_append=True, profiled=True),
     Mode("cuda graphs, other decode kernel", graphs=True, other_decode_kernel=True),
     Mode("cuda graphs, cublasLt", graphs=True, blas="cublaslt", profiled=True),
+    Mode("cuda graphs, triton gemv", graphs=True, triton_gemv=True, profiled=True),
+    Mode(
+        "cuda graphs, triton gemv + fused rope+append",
+        graphs=True,
+        triton_gemv=True,
+        fused_rope_append=True,
+    ),
 )
 
 
@@ -176,7 +187,8 @@ def graphs_section(
     results: list[dict[str, Any]] = []
     profiles: dict[str, dict[str, Any]] = {}
     for mode in modes:
-        with blas_library(mode.blas if model.device.type == "cuda" else None):
+        cuda = model.device.type == "cuda"
+        with blas_library(mode.blas if cuda else None), triton_gemv(model, mode.triton_gemv):
             results += time_mode(model, mode, pages, batches, context, iters, profiles, weights)
     for r in results:
         if "ms_per_step" in r:
@@ -204,6 +216,8 @@ def graphs_section(
     good = {m: p for m, p in profiles.items() if "error" not in p}
     if good:
         table += "\n\nbatch 1, kernels by kind:\n\n" + breakdown_table(good)
+    matmuls = gemv_section(model)
+    table += "\n\nper-shape matmuls (weights rotated over the layers):\n\n" + matmuls["table"]
     return {
         "results": results,
         "profiles": profiles,
@@ -214,9 +228,25 @@ def graphs_section(
         "target_ratio": TARGET_RATIO,
         "best_graphs_mode": None if best is None else best["mode"],
         "target_met": None if best is None else best["vs_weights_read"] <= TARGET_RATIO,
-        "ok": all("error" not in r for r in results),
+        "matmuls": matmuls,
+        "ok": all("error" not in r for r in results) and matmuls["ok"],
         "table": table,
     }
+
+
+@contextmanager
+def triton_gemv(model: CausalLM, on: bool) -> Iterator[None]:
+    """``model.use_triton_gemv`` for steps of up to 8 rows inside (CUDA), cuBLAS after."""
+    if not on or model.device.type != "cuda":
+        yield
+        return
+    from gpu.triton_gemv import MAX_ROWS
+
+    model.use_triton_gemv(MAX_ROWS)
+    try:
+        yield
+    finally:
+        model.use_triton_gemv(0)
 
 
 @contextmanager

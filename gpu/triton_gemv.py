@@ -1,0 +1,97 @@
+"""A matrix-vector kernel for decode steps of a few rows (Triton; CUDA, fp16/bf16 weights).
+
+At batch 1 a decode step is the weights' read: every linear streams its ``[N, K]`` weight once
+for one or a few activation rows. ``gemv`` gives each program ``BLOCK_N`` output columns and
+walks K in ``BLOCK_K`` slices, all ``M`` rows at once (``M <= MAX_ROWS``), accumulating in fp32;
+the weight is read once whatever ``M`` is. Its block shapes are tuned on the device at first
+use per (N, K, rows) (``triton.autotune``; the executor's warm-up and the graphs' capture
+runs make that first use). Whether it beats cuBLAS on a given GPU is for the GPU check's
+graphs section to say (``CausalLM.use_triton_gemv``, off by default).
+
+The CPU tests run it under Triton's interpreter (``TRITON_INTERPRET=1``) with one fixed
+configuration; Triton is imported only when the kernel first runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import torch
+
+MAX_ROWS = 8
+DTYPES = (torch.float16, torch.bfloat16)
+
+
+@functools.cache
+def _kernel() -> Any:
+    import triton
+    import triton.language as tl
+
+    @triton.jit  # type: ignore[untyped-decorator]
+    def gemv_kernel(  # type: ignore[no-untyped-def]
+        x_ptr, w_ptr, b_ptr, y_ptr, stride_x, stride_w, stride_y,
+        M, N, K: tl.constexpr, HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows = tl.arange(0, BLOCK_M)
+        col_ok = cols < N
+        row_ok = rows < M
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < K
+            w = tl.load(
+                w_ptr + cols[:, None].to(tl.int64) * stride_w + ks[None, :],
+                mask=col_ok[:, None] & k_ok[None, :],
+                other=0.0,
+            ).to(tl.float32)
+            x = tl.load(
+                x_ptr + rows[:, None] * stride_x + ks[None, :],
+                mask=row_ok[:, None] & k_ok[None, :],
+                other=0.0,
+            ).to(tl.float32)
+            acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        out = y_ptr + rows[:, None] * stride_y + cols[None, :]
+        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return gemv_kernel, {"BLOCK_N": 8, "BLOCK_K": 32}
+    configs = [
+        triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
+        for n, k, w, s in (
+            (8, 256, 4, 3), (16, 256, 4, 3), (16, 512, 8, 3), (32, 256, 8, 4),
+            (8, 512, 4, 4), (32, 128, 4, 4), (64, 128, 8, 3),
+        )
+    ]  # fmt: skip
+    return triton.autotune(configs, key=["N", "K", "BLOCK_M"])(gemv_kernel), {}
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for ``x`` ``[M, K]`` with ``M <= MAX_ROWS``."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if not 0 < m <= MAX_ROWS or weight.shape[1] != k:
+        raise ValueError(
+            f"gemv takes 1..{MAX_ROWS} rows of {weight.shape[1]}, got {tuple(x.shape)}"
+        )
+    if weight.dtype not in DTYPES or x.dtype != weight.dtype:
+        raise ValueError(f"gemv runs fp16/bf16, got x {x.dtype} and weight {weight.dtype}")
+    if x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError("gemv needs rows with unit stride")
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    kernel, fixed = _kernel()
+    block_m = 1 << (m - 1).bit_length()
+
+    def grid(meta: dict[str, int]) -> tuple[int]:
+        return (-(-n // meta["BLOCK_N"]),)
+
+    kernel[grid](
+        x, weight, bias if bias is not None else y, y, x.stride(0), weight.stride(0), y.stride(0),
+        m, n, K=k, HAS_BIAS=bias is not None, BLOCK_M=block_m, **fixed,
+    )  # fmt: skip
+    return y

@@ -1,0 +1,89 @@
+"""The graphs section's per-shape matmul table: each distinct linear of the model at a few rows,
+cuBLAS (``F.linear``) against the Triton matrix-vector kernel (``gpu/triton_gemv.py``).
+
+A decode step at batch 1 is the weights' read, so what matters is the bandwidth each matmul
+reaches: per (N, K) shape and row count, the median time of both over ``iters`` calls, each
+call on the next layer's weight of that shape (the weights rotate so none is served from the
+L2 cache), the GB/s that is over the weight's bytes, and the Triton result's error against
+cuBLAS's (relative to the largest output). On the CPU it reports the shapes and skips the rest.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from gpu.linear import DenseLinear
+from gpu.model import CausalLM
+
+# bf16 outputs: one rounding of the fp32 sum is 2^-8 relative; the two sum in different orders.
+REL_ERR_TOL = 2e-2
+
+
+def weights_by_shape(model: CausalLM) -> dict[tuple[int, int], list[torch.Tensor]]:
+    """The dense ``[N, K]`` weights of the model's linears, grouped by shape."""
+    shapes: dict[tuple[int, int], list[torch.Tensor]] = {}
+    for module in model.modules():
+        if isinstance(module, DenseLinear) and module.layout == "nk":
+            n, k = module.weight.shape
+            shapes.setdefault((int(n), int(k)), []).append(module.weight)
+    return shapes
+
+
+def _median_us(fn: Any, weights: list[torch.Tensor], iters: int) -> float:
+    event: Any = torch.cuda.Event  # untyped in torch's stubs
+    samples = []
+    for i in range(iters):
+        w = weights[i % len(weights)]
+        start, end = event(enable_timing=True), event(enable_timing=True)
+        start.record()
+        fn(w)
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1000)
+    return float(statistics.median(samples))
+
+
+def time_shape(weights: list[torch.Tensor], m: int, iters: int = 40) -> dict[str, float]:
+    """cuBLAS and the Triton kernel on ``m`` random rows against weights of one shape."""
+    from gpu.triton_gemv import gemv
+
+    x = torch.randn((m, weights[0].shape[1]), device=weights[0].device, dtype=weights[0].dtype)
+    ref = F.linear(x, weights[0]).float()
+    err = (gemv(x, weights[0]).float() - ref).abs().max() / ref.abs().max()
+    row = {"rel_err": float(err)}
+    nbytes = weights[0].numel() * weights[0].element_size()
+    for name, fn in (("cublas", F.linear), ("triton", gemv)):
+        for w in weights[:3]:
+            fn(x, w)  # warm: autotuning, handles
+        us = _median_us(lambda w, fn=fn: fn(x, w), weights, iters)
+        row[f"{name}_us"] = us
+        row[f"{name}_gb_s"] = nbytes / us / 1e3
+    return row
+
+
+def gemv_section(model: CausalLM, rows: tuple[int, ...] = (1, 8)) -> dict[str, Any]:
+    from tools.gpu_check.check_flashinfer import markdown_table
+
+    shapes = weights_by_shape(model)
+    results: list[dict[str, Any]] = []
+    cuda = model.device.type == "cuda"
+    for (n, k), weights in shapes.items():
+        for m in rows:
+            row: dict[str, Any] = {"n": n, "k": k, "rows": m, "layers": len(weights)}
+            if not cuda:
+                results.append(row | {"skipped": "needs CUDA"})
+                continue
+            row |= time_shape(weights, m)
+            results.append(row)
+    table_rows = [
+        [r["n"], r["k"], r["rows"], r.get("cublas_us", "-"), r.get("cublas_gb_s", "-"),
+         r.get("triton_us", "-"), r.get("triton_gb_s", "-"), r.get("rel_err", r.get("skipped"))]
+        for r in results
+    ]  # fmt: skip
+    headers = ["N", "K", "rows", "cuBLAS us", "cuBLAS GB/s", "Triton us", "Triton GB/s", "err"]
+    ok = all(r.get("rel_err", 0.0) <= REL_ERR_TOL for r in results)
+    return {"results": results, "ok": ok, "table": markdown_table(headers, table_rows)}
