@@ -101,21 +101,45 @@ def quantize_fp8(
     return q.contiguous(), scale
 
 
+def fused_row_quantization(x: torch.Tensor) -> bool:
+    """Whether ``x``'s rows are quantized by one Triton kernel (``gpu.triton_quant``: CUDA, where
+    Triton imports) rather than by ~7 torch ones; the codes and scales are the same."""
+    if x.device.type != "cuda" or x.dim() != 2 or x.stride(1) != 1:
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def quantize_int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Activations ``[M, K]`` -> (int8 ``[M, K]``, fp32 scales ``[M, 1]``), symmetric, one scale
     ``amax / 127`` per row (round to nearest even), so a row's codes depend on that row only."""
-    amax = x.abs().amax(dim=1, keepdim=True).to(torch.float32)
-    scale = torch.clamp(amax, min=1e-12) / INT8_MAX
-    q = torch.round(x.to(torch.float32) / scale).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
-    return q, scale
+    if fused_row_quantization(x):
+        from gpu.triton_quant import quantize_rows
+
+        return quantize_rows(x, fp8=False)
+    return torch_quantize_rows(x, fp8=False)
 
 
 def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Activations ``[M, K]`` -> (e4m3 ``[M, K]``, fp32 scales ``[M, 1]``), one scale per row."""
+    if fused_row_quantization(x):
+        from gpu.triton_quant import quantize_rows
+
+        return quantize_rows(x, fp8=True)
+    return torch_quantize_rows(x, fp8=True)
+
+
+def torch_quantize_rows(x: torch.Tensor, fp8: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two above in torch kernels (the reference the Triton kernel is held to)."""
     amax = x.abs().amax(dim=1, keepdim=True).to(torch.float32)
-    scale = torch.clamp(amax, min=1e-12) / FP8_MAX
-    q = (x.to(torch.float32) / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
-    return q, scale
+    scale = torch.clamp(amax, min=1e-12) / (FP8_MAX if fp8 else INT8_MAX)
+    v = x.to(torch.float32) / scale
+    if fp8:
+        return v.clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
+    return torch.round(v).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8), scale
 
 
 def fp8_matmul_supported(device: torch.device) -> bool:

@@ -1,6 +1,6 @@
 """Check the FlashInfer attention backend on a CUDA host, and time decode steps.
 
-Six sections, each independent (one failing does not stop the others):
+Seven sections, each independent (one failing does not stop the others):
 
 - kernels: FlashInferPagedAttention (bf16) against TorchPagedAttention (fp32, same device) on
   random paged batches that mix prompt chunks and decodes, pure-decode batches (tensor-core and
@@ -23,6 +23,8 @@ Six sections, each independent (one failing does not stop the others):
 - overlap: whole engine steps one after another against overlapped (``gpu/overlap.py``) on the
   same requests: tokens/s and whether both produced the same tokens (``engine_overlap.py``);
   the graphs section runs it on the 8B shape too.
+- quant: activation rows quantized to fp8 / int8 by one Triton kernel against the torch kernels
+  it replaces: the same bytes, and the time of each (``row_quant.py``).
 - sampling: a mixed batch sampled with no host wait inside the sampler (``sampler_waits.py``).
 
 The default model is SmolLM2-135M (``gpu.gguf.resolve_model_path(None)``); where it is not
@@ -777,7 +779,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model", default="default", help='"default" (SmolLM2), "synthetic", a folder or .gguf'
     )
-    p.add_argument("--sections", default="kernels,model,timing,overlap,sampling,graphs")
+    p.add_argument("--sections", default="kernels,model,timing,overlap,quant,sampling,graphs")
     p.add_argument("--head-configs", default="9/3,32/8", help="q/kv head pairs")
     p.add_argument("--head-dims", default="64")
     p.add_argument("--kernel-tol", type=float, default=KERNEL_TOL)
@@ -952,6 +954,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         except Exception as exc:
             report.error("overlap", exc)
 
+    if "quant" in sections:
+        try:
+            from tools.gpu_check.row_quant import quant_section
+
+            report.section("quant", quant_section(device))
+        except Exception as exc:
+            report.error("quant", exc)
+
     if "sampling" in sections:
         try:
             from tools.gpu_check.sampler_waits import sampling_section
@@ -994,12 +1004,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             report.error("graphs", exc)
 
     shutil.rmtree(workdir, ignore_errors=True)
-    wanted = {"kernels", "model", "timing", "overlap", "sampling", "graphs"} & sections
+    wanted = {"kernels", "model", "timing", "overlap", "quant", "sampling", "graphs"} & sections
     results = report.data["sections"]
     ok = not report.data["errors"] and all(results.get(s, {}).get("ok") for s in wanted)
     report.set("ok", ok)
     print("\n## Summary\n", flush=True)
-    for name in ("kernels", "model", "timing", "overlap", "sampling", "graphs"):
+    for name in ("kernels", "model", "timing", "overlap", "quant", "sampling", "graphs"):
         if name in results:
             body = results[name].get("table") or f"error: {results[name].get('error')}"
             print(f"### {name}\n\n{body}\n", flush=True)
