@@ -140,6 +140,7 @@ class DecodeGraphs:
         self.captured: dict[int, _Captured] = {}
         self.pool: Any = None
         self._staged: Any = None  # torch.cuda.Event after the last step's copies
+        self.replays = 0  # steps run from a graph (the GPU check requires some)
         cfg = model.local_config
         self._heads = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
 
@@ -256,6 +257,7 @@ class DecodeGraphs:
         if feed is not None:
             feed.apply(self.staging[captured.layout.input_ids])
         captured.graph.replay()
+        self.replays += 1
         return captured.logits[: meta.num_seqs]
 
     def _stage(

@@ -61,14 +61,29 @@ def _kernel() -> Any:
 
     if os.environ.get("TRITON_INTERPRET") == "1":
         return gemv_kernel, {"BLOCK_N": 8, "BLOCK_K": 32}
+    # No tl.dot, so no software pipelining: one stage. The product tile is held in registers
+    # (BLOCK_M * BLOCK_N * BLOCK_K fp32 over the program's threads): tiles past 64 a thread
+    # spill or leave one program per SM, and are pruned for the batch's BLOCK_M.
     configs = [
-        triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
-        for n, k, w, s in (
-            (8, 256, 4, 3), (16, 256, 4, 3), (16, 512, 8, 3), (32, 256, 8, 4),
-            (8, 512, 4, 4), (32, 128, 4, 4), (64, 128, 8, 3),
+        triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=1)
+        for n, k, w in (
+            (4, 128, 2), (4, 256, 4), (8, 128, 4), (8, 128, 8), (16, 128, 8), (8, 256, 4),
+            (16, 256, 4), (16, 256, 8), (32, 128, 4), (32, 256, 8), (8, 512, 4), (16, 512, 8),
         )
     ]  # fmt: skip
-    return triton.autotune(configs, key=["N", "K", "BLOCK_M"])(gemv_kernel), {}
+    return triton.autotune(
+        configs, key=["N", "K", "BLOCK_M"], prune_configs_by={"early_config_prune": _fits}
+    )(gemv_kernel), {}
+
+
+def _fits(configs: list[Any], named_args: dict[str, Any], **kwargs: Any) -> list[Any]:
+    """The configs whose product tile stays within 64 fp32 values a thread for this BLOCK_M."""
+    block_m = int(kwargs.get("BLOCK_M", named_args.get("BLOCK_M", 1)))
+    fits = [
+        c for c in configs
+        if block_m * c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"] <= 64 * 32 * c.num_warps
+    ]  # fmt: skip
+    return fits or configs[:1]
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -104,3 +104,9 @@ def test_overlap_section_compares_plain_and_overlapped_engine_steps(tiny_llama):
     assert not result["results"]["plain"]["overlapping"]
     assert all(r["tokens_per_s"] > 0 and r["ms_per_step"] > 0 for r in result["results"].values())
     assert "overlapped / plain" in result["table"]
+
+
+def test_the_check_s_row_limit_is_the_kernel_s():
+    from gpu.triton_gemv import MAX_ROWS
+
+    assert dg.TRITON_ROWS == MAX_ROWS

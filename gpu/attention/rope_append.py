@@ -122,6 +122,7 @@ def rope_append_(
         positions, cos_sin_cache, kv_cache, batch_indices, kv_indptr, kv_indices,
         s[0], s[1], s[2], s[3],
         NUM_Q=num_q, HALF=d // 2, PAGE_SIZE=page_size,
+        num_warps=1,  # a head of 32-64 values a program
     )  # fmt: skip
 
 

@@ -912,6 +912,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 args.logits_tol,
                 also_checked=[name for name, _, _ in FAST_PATH_RUNNERS],
             )
+            for name, graphs, _ in FAST_PATH_RUNNERS:  # a graph runner that never replayed
+                captured = runners[name].graphs
+                replays = 0 if captured is None else captured.replays
+                result[name]["graph_replays"] = replays
+                if graphs and not replays:
+                    result[name]["ok"] = result["ok"] = False
             result["prompt_kind"] = prompt_kind
             result["prompt_lengths"] = [len(p) for p in prompts]
             report.section("model", result)
@@ -985,8 +991,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             bandwidth = measure_bandwidth(device)
             big = random_model(LLAMA3_8B_CONFIG, device, torch.bfloat16, args.seed)
             result = graphs_section(
-                big, parse_ints(args.batches), args.context, args.iters, bandwidth
-            )
+                big, parse_ints(args.batches), args.context, args.iters, bandwidth,
+                progress=lambda partial: report.section("graphs", partial),
+            )  # fmt: skip
             result["model"] = "Llama-3-8B shape, random bf16 weights"
             if "overlap" in sections:
                 from tools.gpu_check.engine_overlap import overlap_section

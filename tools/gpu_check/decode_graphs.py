@@ -24,7 +24,7 @@ from __future__ import annotations
 import statistics
 import time
 import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +39,7 @@ from tools.gpu_check.gemv_bench import gemv_section
 from tools.gpu_check.kernel_profile import breakdown, breakdown_table, profile_steps
 
 PAGE_SIZE = 16
+TRITON_ROWS = 8  # gpu.triton_gemv.MAX_ROWS (imported there only on CUDA)
 TARGET_RATIO = 1.3  # graphs, batch 1: ms/step at most this times the weights' read time
 # Meta-Llama-3-8B's config.json shape (weights random): 8.0e9 parameters, 16 GB in bf16.
 LLAMA3_8B_CONFIG: dict[str, Any] = {
@@ -176,9 +177,11 @@ def graphs_section(
     iters: int,
     bandwidth: float,
     modes: Sequence[Mode] = MODES,
+    progress: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """Decode timings per mode (eager, graphs and the graphs' variants) and batch, with
-    bandwidth fractions, and where a mode is ``profiled`` (on CUDA) its batch-1 kernels."""
+    bandwidth fractions, and where a mode is ``profiled`` (on CUDA) its batch-1 kernels.
+    ``progress`` gets the rows so far after each mode (a run cut short keeps them)."""
     from tools.gpu_check.check_flashinfer import markdown_table
 
     pages = max(batches) * -(-context // PAGE_SIZE) + 1
@@ -190,6 +193,8 @@ def graphs_section(
         cuda = model.device.type == "cuda"
         with blas_library(mode.blas if cuda else None), triton_gemv(model, mode.triton_gemv):
             results += time_mode(model, mode, pages, batches, context, iters, profiles, weights)
+        if progress is not None:
+            progress({"partial": True, "results": list(results), "profiles": dict(profiles)})
     for r in results:
         if "ms_per_step" in r:
             step_bytes = weights + r.pop("kv_bytes")
@@ -201,7 +206,8 @@ def graphs_section(
     rows = [
         [r["mode"], r["batch"], r.get("ms_per_step", float("nan")),
          r.get("tokens_per_s", float("nan")), r.get("bandwidth_fraction", float("nan")),
-         r.get("vs_weights_read", float("nan")), r.get("error", r.get("skipped", ""))]
+         r.get("vs_weights_read", float("nan")),
+         r.get("error", r.get("skipped", r.get("note", "")))]
         for r in results
     ]  # fmt: skip
     headers = ["mode", "batch", "ms/step", "tokens/s", "HBM fraction", "x weights read", "note"]
@@ -302,6 +308,8 @@ def time_mode(
             "rotates_in_append": runner.backend.rotates_qk,
             "kv_bytes": kv_bytes(runner, batch, context),
         }
+        if mode.triton_gemv and batch > TRITON_ROWS:
+            r["note"] = f"cuBLAS: more than {TRITON_ROWS} rows"
         results.append(r)
         if mode.profiled and batch == 1 and model.device.type == "cuda":
             try:
@@ -324,4 +332,6 @@ def profile_decode(
     ids = torch.tensor([5])
     runner.forward(ids, meta)
     kernels = profile_steps(lambda: runner.forward(ids, meta), steps)
+    if not kernels:  # CUPTI saw nothing: a table of zeros would read as all launch gaps
+        raise RuntimeError("the profiler recorded no kernel")
     return breakdown(kernels, steps, step_ms, matmul_bytes=weights)

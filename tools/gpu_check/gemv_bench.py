@@ -2,10 +2,11 @@
 cuBLAS (``F.linear``) against the Triton matrix-vector kernel (``gpu/triton_gemv.py``).
 
 A decode step at batch 1 is the weights' read, so what matters is the bandwidth each matmul
-reaches: per (N, K) shape and row count, the median time of both over ``iters`` calls, each
-call on the next layer's weight of that shape (the weights rotate so none is served from the
-L2 cache), the GB/s that is over the weight's bytes, and the Triton result's error against
-cuBLAS's (relative to the largest output). On the CPU it reports the shapes and skips the rest.
+reaches: per (N, K) shape and row count, both timed as a decode step runs them, from a CUDA
+graph (one call on each layer's weight of that shape, so none is served from the L2 cache;
+median of 10 replays over the calls), the GB/s that is over the weight's bytes, and the
+Triton result's error against cuBLAS's (relative to the largest output). On the CPU it reports
+the shapes and skips the rest.
 """
 
 from __future__ import annotations
@@ -33,21 +34,32 @@ def weights_by_shape(model: CausalLM) -> dict[tuple[int, int], list[torch.Tensor
     return shapes
 
 
-def _median_us(fn: Any, weights: list[torch.Tensor], iters: int) -> float:
+def _graph_us(fn: Any, x: torch.Tensor, weights: list[torch.Tensor], replays: int) -> float:
+    """Microseconds a call: the calls over every weight of the shape captured in one CUDA
+    graph (as a decode step replays them: no host launch cost in the number), replayed."""
+    stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for w in weights:
+            fn(x, w)  # warm: autotuning, cuBLAS's handles and workspace, outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for w in weights:
+            fn(x, w)
     event: Any = torch.cuda.Event  # untyped in torch's stubs
     samples = []
-    for i in range(iters):
-        w = weights[i % len(weights)]
+    for _ in range(replays):
         start, end = event(enable_timing=True), event(enable_timing=True)
         start.record()
-        fn(w)
+        graph.replay()
         end.record()
         end.synchronize()
-        samples.append(start.elapsed_time(end) * 1000)
+        samples.append(start.elapsed_time(end) * 1000 / len(weights))
     return float(statistics.median(samples))
 
 
-def time_shape(weights: list[torch.Tensor], m: int, iters: int = 40) -> dict[str, float]:
+def time_shape(weights: list[torch.Tensor], m: int, replays: int = 10) -> dict[str, float]:
     """cuBLAS and the Triton kernel on ``m`` random rows against weights of one shape."""
     from gpu.triton_gemv import gemv
 
@@ -57,9 +69,7 @@ def time_shape(weights: list[torch.Tensor], m: int, iters: int = 40) -> dict[str
     row = {"rel_err": float(err)}
     nbytes = weights[0].numel() * weights[0].element_size()
     for name, fn in (("cublas", F.linear), ("triton", gemv)):
-        for w in weights[:3]:
-            fn(x, w)  # warm: autotuning, handles
-        us = _median_us(lambda w, fn=fn: fn(x, w), weights, iters)
+        us = _graph_us(fn, x, weights, replays)
         row[f"{name}_us"] = us
         row[f"{name}_gb_s"] = nbytes / us / 1e3
     return row
