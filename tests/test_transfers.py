@@ -65,6 +65,9 @@ def test_sampling_section_on_cpu_says_the_wait_check_needs_cuda() -> None:
     assert all(r["host_waits"] == "not checked (needs CUDA)" for r in result["results"])
     assert all(r["ms_per_call"] > 0 and r["problems"] == [] for r in result["results"])
     assert "| batch |" in result["table"]
+    verification = result["verification"]  # the drafts verified, their waits counted on CUDA
+    assert verification["tokens_ok"] and verification["waits"] is None
+    assert "speculative verification: host waits not counted (needs CUDA)" in result["table"]
 
 
 @pytest.mark.skipif(

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from functools import partial
 from typing import Any
 
 import torch
@@ -76,13 +77,20 @@ def overlap_section(
             "samples_s": seconds[name],
             "overlapping": engines[name].overlap is not None,
         }
+    from tools.gpu_check.sync_count import count_syncs
+
+    for name, engine in engines.items():  # host waits in whole runs (an event's do not count)
+        _, waits = count_syncs(partial(engine.generate, prompts, params), model.device)
+        results[name]["host_waits"] = None if waits is None else len(waits)
+        results[name]["first_host_wait"] = waits[0] if waits else None
     same = outputs["plain"] == outputs["overlapped"]
     speedup = results["plain"]["seconds"] / results["overlapped"]["seconds"]
     from tools.gpu_check.check_flashinfer import markdown_table
 
-    rows = [[name, round(r["tokens_per_s"], 1), round(r["ms_per_step"], 3)]
+    rows = [[name, round(r["tokens_per_s"], 1), round(r["ms_per_step"], 3), r["host_waits"]]
             for name, r in results.items()]  # fmt: skip
-    table = markdown_table(["engine steps", "tokens/s", "ms/step"], rows) + (
+    headers = ["engine steps", "tokens/s", "ms/step", "host waits in a run"]
+    table = markdown_table(headers, rows) + (
         f"\n\nbatch {batch}, {prompt_tokens} prompt + {new_tokens} new tokens each, greedy; "
         f"graphs {graphs}; overlapped / plain {speedup:.3f}x; same tokens: {same}"
     )

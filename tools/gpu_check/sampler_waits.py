@@ -124,9 +124,11 @@ def sampling_section(
                 "ms_per_call": round(ms, 3),
             }
         )
+    verification = verify_waits(device, vocab)
     ok = all(not r["problems"] for r in results) and all(
         r["host_waits"] in ("none", "not checked (needs CUDA)") for r in results
     )
+    ok = ok and verification["ok"]
     from tools.gpu_check.check_flashinfer import markdown_table
 
     headers = ["batch", "vocab", "host waits in the sampler", "rows checked", "ms per call"]
@@ -138,5 +140,37 @@ def sampling_section(
         "ok": ok,
         "device": str(device),
         "results": results,
-        "table": markdown_table(headers, rows),
+        "verification": verification,
+        "table": markdown_table(headers, rows)
+        + f"\n\nspeculative verification: {verification['line']}",
     }
+
+
+def verify_waits(device: torch.device, vocab: int, seed: int = 0) -> dict[str, Any]:
+    """Speculative verification (``gpu.spec_decode.verify``) of four sequences' 3-token drafts
+    (greedy, sampled, seeded, with penalties) counted for host waits: it decides every row on
+    the device and reads back once, through an event (``HostCopy``), which does not count."""
+    from gpu.spec_decode import Proposal, verify
+    from tools.gpu_check.sync_count import count_syncs
+
+    rng = torch.Generator().manual_seed(seed)
+    kinds = [ROW_KINDS[0], ROW_KINDS[2], ROW_KINDS[3], ROW_KINDS[5]]
+    drafts = [Proposal(torch.randint(0, vocab, (3,), generator=rng).tolist()) for _ in kinds]
+    logits = (torch.randn(4 * 4, vocab, generator=rng) * 3.0).to(device)
+    inp = SamplerInput(
+        list(kinds),
+        [torch.randint(0, vocab, (16,), generator=rng).tolist() for _ in kinds],
+        [torch.randint(0, vocab, (4,), generator=rng).tolist() for _ in kinds],
+        [make_generator(p, device) for p in kinds],
+    )
+    sampler = Sampler()
+    verify(sampler, logits, drafts, inp)  # warm
+    result, waits = count_syncs(lambda: verify(sampler, logits, drafts, inp), device)
+    shapes_ok = all(
+        len(t) == a + 1 for t, a in zip(result.token_ids, result.num_accepted, strict=True)
+    )
+    if waits is None:
+        line = "host waits not counted (needs CUDA)"
+    else:
+        line = f"{len(waits)} host waits" + (f" (first: {waits[0]})" if waits else "")
+    return {"waits": waits, "tokens_ok": shapes_ok, "ok": shapes_ok and not waits, "line": line}
