@@ -4,7 +4,7 @@ sampler, its results read back with one.
 The batch mixes every path a serving step takes (greedy, temperature, top-k, top-p, min-p,
 penalties, logit bias, seeded rows, logprobs with top-N). On CUDA the sampler runs under
 ``torch.cuda.set_sync_debug_mode("error")``, which raises at any operation that waits for the
-device (``.item()``, ``.tolist()``, a boolean-mask index, a pageable copy), so the section
+device (``.item()``, ``.tolist()``, a boolean-mask index, a blocking copy), so the section
 reports the first such operation or none. The results are then checked against the CPU: greedy
 rows equal the argmax, every sampled token is one its row's filters keep, and the logprobs
 equal a float64 log-softmax of the same logits. On the CPU the same rows are checked and timed;

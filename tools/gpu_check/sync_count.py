@@ -1,8 +1,10 @@
 """Host waits counted around a piece of the step: torch's sync debug mode set to "warn" makes
-every operation that waits for a CUDA stream (``.item()``, ``.tolist()``, a pageable copy, a
-boolean-mask index, a stream synchronize) warn; the warnings are recorded and returned. Waiting
-on an event (``gpu.transfers.HostCopy``: the one read-back a step needs) does not warn, so an
-overlapped step's count should be 0. On the CPU nothing is counted."""
+the operations torch itself makes wait for a CUDA stream (``.item()``, ``.tolist()``, a
+boolean-mask index, a blocking copy) warn; the warnings are recorded and returned. It does not
+see every wait: an event's (``gpu.transfers.HostCopy``, the one read-back a step needs, on
+purpose), ``torch.cuda.synchronize()``, a "non-blocking" copy from pageable memory (the driver
+makes it wait) or a wait inside another library's extension. So the count is a lower bound;
+an overlapped step's should be 0. On the CPU nothing is counted."""
 
 from __future__ import annotations
 
