@@ -25,7 +25,7 @@ from gpu.model import CausalLM
 from gpu.parallel.launch import RankGroup
 from gpu.parallel.step import pack_step
 from gpu.quant import FP8
-from gpu.transfers import to_device
+from gpu.transfers import move, to_device
 
 log = logging.getLogger(__name__)
 
@@ -227,11 +227,11 @@ class ModelRunner:
             bucket = self.graphs.bucket(meta, logits_indices)
             if bucket is not None:
                 return self.graphs.run(bucket, input_ids, meta, feed)
-        if self.device.type != "cpu":
+        if self.device.type != "cpu":  # (through pinned memory: no copy waits for the stream)
             meta = meta.to(self.device)
-            input_ids = input_ids.to(self.device, non_blocking=True)
+            input_ids = move(input_ids, self.device)
             if logits_indices is not None:
-                logits_indices = logits_indices.to(self.device, non_blocking=True)
+                logits_indices = move(logits_indices, self.device)
         if feed is not None:
             feed.apply(input_ids)
         self.backend.plan(meta)

@@ -164,9 +164,12 @@ class FlashInferPagedAttention:
             qo_indptr.append(qo_indptr[-1] + q_len)
             kv_indptr.append(kv_indptr[-1] + pages)
             last_page_len.append(kv_len - (pages - 1) * ps)
-        self._qo_indptr_host = torch.tensor(qo_indptr, dtype=torch.int32)
-        self._kv_indptr_host = torch.tensor(kv_indptr, dtype=torch.int32)
-        self._last_page_len_host = torch.tensor(last_page_len, dtype=torch.int32)
+        # Pinned on CUDA: the plan copies them to the device, and a copy from pageable memory
+        # may wait for the stream (a step still running, when steps overlap).
+        pin = self.device.type == "cuda"
+        self._qo_indptr_host = torch.tensor(qo_indptr, dtype=torch.int32, pin_memory=pin)
+        self._kv_indptr_host = torch.tensor(kv_indptr, dtype=torch.int32, pin_memory=pin)
+        self._last_page_len_host = torch.tensor(last_page_len, dtype=torch.int32, pin_memory=pin)
 
         def on_device(t: torch.Tensor) -> torch.Tensor:
             return t.to(self.device, torch.int32, non_blocking=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -63,8 +64,13 @@ class BatchMetadata:
         return all(q == 1 for q in self.q_lens)
 
     def to(self, device: torch.device | str) -> BatchMetadata:
-        moved = {
-            f.name: getattr(self, f.name).to(device, non_blocking=True)
+        """On ``device``; to CUDA through pinned memory, so no copy waits for the stream (a
+        copy from pageable memory may: the overlapped step loop queues a step behind another)."""
+        from gpu.transfers import move
+
+        device = torch.device(device)
+        moved: dict[str, Any] = {
+            f.name: move(getattr(self, f.name), device)
             for f in dataclasses.fields(self)
             if isinstance(getattr(self, f.name), torch.Tensor)
         }
