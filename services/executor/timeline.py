@@ -2,6 +2,7 @@
 
     executor.queue    received -> the start of the step that first scheduled it
     executor.prefill  that step's start -> the end of the step that sampled its first token
+                      (overlapped steps: of the call that read it back, the one after)
     executor.decode   first token -> finish (stop, length, abort, timeout)
 
 Spans are started and ended with explicit timestamps taken around ``engine.step()``; nothing
