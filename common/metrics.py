@@ -376,6 +376,8 @@ class EngineSnapshot:
     collective_seconds: float = 0.0  # rank 0's time in tensor-parallel collectives
     preempted_for_pages: int = 0  # sequences preempted (recomputed later): no KV page left
     guests_yielded: int = 0  # guests preempted for a waiting request of the region's own
+    overlapped_steps: bool = False  # the engine queues each step before reading the last
+    overlap_dropped_rows: int = 0  # rows a step ran for a sequence the last token had ended
 
 
 class ExecutorMetrics:
@@ -395,6 +397,9 @@ class ExecutorMetrics:
                 ("kv_cache_usage_perc", "Fraction of KV pages in use (0..1).", s.kv_cache_usage),
                 ("tensor_parallel_size", "Ranks (devices) the model replica is split across.",
                  s.tensor_parallel_size),
+                ("engine_overlapped_steps",
+                 "1 where the engine queues each step before reading the last one's tokens.",
+                 int(s.overlapped_steps)),
             )  # fmt: skip
             for name, doc, value in gauges:
                 gauge = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
@@ -410,6 +415,9 @@ class ExecutorMetrics:
                  "Tokens the verifying steps emitted (after stop and length cuts).",
                  s.spec_emitted_tokens),
                 ("engine_forward_passes", "Steps that ran the target model.", s.forward_passes),
+                ("engine_overlap_dropped_rows",
+                 "Rows an overlapped step ran for a sequence the step before had ended (a stop "
+                 "token): the overlap's cost.", s.overlap_dropped_rows),
                 ("tensor_parallel_collective_seconds",
                  "Time rank 0 spent in tensor-parallel collectives (waits for the other ranks "
                  "included): what the split costs.", s.collective_seconds),

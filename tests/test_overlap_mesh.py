@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -83,3 +84,18 @@ async def test_a_disconnect_mid_stream_frees_every_page(mesh: MeshHarness) -> No
         await asyncio.sleep(0.05)
     assert not engine.has_unfinished()
     assert engine.pages.num_free == engine.pages.num_pages
+
+
+def test_the_executor_reports_its_overlap(mesh: MeshHarness) -> None:
+    from prometheus_client import CollectorRegistry
+
+    from common.metrics import ExecutorMetrics
+
+    service = mesh.executor_services[0]
+    state = service.engine_state()
+    assert state.overlapped_steps and state.overlap_dropped_rows >= 0
+    registry = CollectorRegistry()
+    ExecutorMetrics(registry, "executor-0", lambda: replace(state, overlap_dropped_rows=3))
+    labels = {"executor_id": "executor-0"}
+    assert registry.get_sample_value("meshserve:engine_overlapped_steps", labels) == 1
+    assert registry.get_sample_value("meshserve:engine_overlap_dropped_rows_total", labels) == 3

@@ -501,6 +501,7 @@ class ExecutorService:
         """Read at scrape time, possibly mid-step: only atomic reads (lengths and ints)."""
         pages, sched, spec = self.engine.pages, self.engine.scheduler, self.engine.spec
         tp = self.engine.runner.model.tp
+        overlap = self.engine.overlap
         return EngineSnapshot(
             running=len(sched.running),
             waiting=len(sched.waiting) + len(self.pending_adds),
@@ -513,6 +514,8 @@ class ExecutorService:
             spec_accepted_per_pos=tuple(spec.accepted_at),
             spec_emitted_tokens=spec.num_emitted_tokens,
             forward_passes=self.engine.num_forward_passes,
+            overlapped_steps=overlap is not None,
+            overlap_dropped_rows=0 if overlap is None else overlap.dropped_rows,
             tensor_parallel_size=1 if tp is None else tp.world,
             collective_seconds=0.0 if tp is None else tp.comm_ns / 1e9,
             preempted_for_pages=sched.num_preempted_for_pages,
