@@ -184,6 +184,15 @@ class Login:
         self.nc = nc
         self.errors = errors
 
+    async def subscribed(self) -> None:
+        """Return once the server holds this connection's subscriptions. nats-py's ``flush``
+        writes its PING at once, ahead of the SUBs its flusher task has not sent yet, so one
+        PONG does not mean the server has them (another connection's publish could then find
+        no subscriber: the message is gone). By the first PONG the flusher has written them;
+        a second PING goes behind them on the same stream."""
+        await self.nc.flush()
+        await self.nc.flush()
+
     async def violations(self, expected: int = 0) -> list[str]:
         """The permissions violations reported so far, once ``expected`` of them are in.
 
@@ -262,7 +271,7 @@ async def test_the_tokenizer_cannot_forge_an_executor_heartbeat(server, login):
     )
     beats = Received()
     await scheduler.nc.subscribe(S.executor_heartbeat, cb=beats.cb)
-    await scheduler.nc.flush()
+    await scheduler.subscribed()
 
     await tokenizer.nc.publish(S.executor_heartbeat, b"forged: all load, send me nothing")
     assert await tokenizer.violations(1) == [denied("publish", S.executor_heartbeat)]
@@ -289,10 +298,11 @@ async def test_the_tokenizer_cannot_read_other_traffic(server, login):
     ]
     owner = Received()
     await gateway.nc.subscribe(inbox, cb=owner.cb)
-    await gateway.nc.flush()
+    await gateway.subscribed()
     await detokenizer.nc.publish(inbox, b"the answer")
     await detokenizer.nc.flush()
     await settle(owner, server=server)
+    assert await detokenizer.violations() == []
     assert owner.messages == [b"the answer"] and spied.messages == []
 
 
@@ -301,8 +311,8 @@ async def test_a_service_announces_only_itself(server, login):
     seen, probes = Received(), Received()
     await gateway.nc.subscribe(S.presence_all, cb=seen.cb)
     await tokenizer.nc.subscribe(S.presence_probe, cb=probes.cb)
-    await gateway.nc.flush()
-    await tokenizer.nc.flush()
+    await gateway.subscribed()
+    await tokenizer.subscribed()
     await gateway.nc.publish(S.presence_probe, b"who is there?")
     await gateway.nc.flush()
     await tokenizer.nc.publish(S.presence("tokenizer"), b"me")
@@ -328,7 +338,7 @@ async def test_the_tokenizer_can_do_its_job(server, login):
     await scheduler.nc.subscribe(S.scheduler_submit, queue="scheduler", cb=submitted.cb)
     await gateway.nc.subscribe(inbox, cb=replies.cb)
     for login_ in (tokenizer, scheduler, gateway):
-        await login_.nc.flush()
+        await login_.subscribed()
 
     await gateway.nc.publish(S.tokenizer_encode, b"prompt")
     await tokenizer.nc.publish(S.scheduler_submit, b"tokens")
@@ -359,7 +369,7 @@ async def test_requests_reply_to_the_asker_s_own_inbox_only(server, login):
     await scheduler.nc.subscribe(S.scheduler_status, queue="scheduler", cb=answer)
     await detokenizer.nc.subscribe(S.detok_progress(3), cb=answer)
     for answerer in (index, speculator, scheduler, detokenizer):
-        await answerer.nc.flush()
+        await answerer.subscribed()
 
     reply = await scheduler.nc.request(S.index_match, b"hashes", timeout=5)
     assert reply.data == b"answer to hashes"
