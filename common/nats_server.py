@@ -10,15 +10,26 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+# Ports free_port handed out lately: until a server binds one, the kernel may hand the same
+# free port to the next draw (two clusters planned in turn could then share a port).
+_HANDED_OUT: deque[int] = deque(maxlen=512)
+
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free loopback port, not one this process was handed in its last 512 draws."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.append(port)
+            return port
+    raise RuntimeError("no free loopback port that was not handed out already")
 
 
 def free_port_range(count: int, low: int = 20000, high: int = 32000) -> int:

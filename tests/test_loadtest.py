@@ -159,7 +159,9 @@ async def test_timings_and_throughput_match_injected(fake):
     result, s = await run(server, load)
     assert s["completed"] == 24 and s["failed"] == 0 and s["errors"] == {}
     assert 45 <= s["ttft_ms"]["p50"] <= 110
-    assert 45 <= s["ttft_ms"]["mean"] <= 120
+    # The mean takes the stragglers of a loaded 2-core machine (127.7 ms once in CI); a first
+    # token timed at the wrong event (the end: ~240 ms) would still be far above 200.
+    assert 45 <= s["ttft_ms"]["mean"] <= 200
     assert 8 <= s["tpot_ms"]["mean"] <= 15
     assert 8 <= s["tpot_ms"]["p50"] <= 15
     assert 8 <= s["itl_ms"]["mean"] <= 15
