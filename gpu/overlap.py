@@ -150,10 +150,7 @@ class OverlappedSteps:
         """Read ``prev``'s tokens back, commit its full pages and emit the tokens."""
         engine = self.engine
         host = prev.pending.wait()
-        for seq in prev.scheduled:
-            if self._alive(seq) and seq.status is SeqStatus.RUNNING:
-                known = min(seq.num_computed, len(seq.all_token_ids))
-                engine.pages.commit_full_pages(seq.table, seq.all_token_ids, known)
+        self._commit(prev.scheduled)
         rows = []
         for row, seq in enumerate(prev.samplers):
             if self._alive(seq):  # (not aborted meanwhile)
@@ -162,15 +159,19 @@ class OverlappedSteps:
         engine.num_steps += bool(rows)
         return engine._emit_sampled(rows, host)
 
+    def _commit(self, seqs: list[Sequence]) -> None:
+        """The full pages of known tokens of ``seqs`` still running, into the prefix cache."""
+        for seq in seqs:
+            if self._alive(seq) and seq.status is SeqStatus.RUNNING:
+                known = min(seq.num_computed, len(seq.all_token_ids))
+                self.engine.pages.commit_full_pages(seq.table, seq.all_token_ids, known)
+
     def _sample(self, launched: _Launched) -> _InFlight | None:
         engine = self.engine
         samplers = [(s, r) for s, r in launched.samplers if self._alive(s)]
         self.dropped_rows += len(launched.samplers) - len(samplers)
         if not samplers:
-            for seq in launched.scheduled:  # prompt chunks only: their pages commit now
-                if self._alive(seq) and seq.status is SeqStatus.RUNNING:
-                    known = min(seq.num_computed, len(seq.all_token_ids))
-                    engine.pages.commit_full_pages(seq.table, seq.all_token_ids, known)
+            self._commit(launched.scheduled)  # prompt chunks only: their pages commit now
             return None
         seqs = [s for s, _ in samplers]
         sampled = engine._launch_sample(seqs, [r for _, r in samplers], launched.logits)

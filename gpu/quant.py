@@ -106,11 +106,9 @@ def fused_row_quantization(x: torch.Tensor) -> bool:
     Triton imports) rather than by ~7 torch ones; the codes and scales are the same."""
     if x.device.type != "cuda" or x.dim() != 2 or x.stride(1) != 1:
         return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    from gpu.attention.rope_append import available
+
+    return available()
 
 
 def quantize_int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,8 +26,10 @@ import torch
 DTYPES = (torch.float16, torch.bfloat16)
 
 
+@functools.cache
 def available() -> bool:
-    """Whether Triton imports here (the kernel also needs CUDA tensors, or the interpreter)."""
+    """Whether Triton imports here (the kernels also need CUDA tensors, or the interpreter);
+    asked once a process (the quantized linears ask it on every call)."""
     try:
         import triton  # noqa: F401
     except ImportError:
