@@ -53,6 +53,16 @@ def _bindable(port: int) -> bool:
     return True
 
 
+def _tail(log: Path, lines: int = 5) -> str:
+    """The log's errors (its fatal and error lines), else its last lines."""
+    try:
+        text = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return "(no log)"
+    errors = [line for line in text if "[FTL]" in line or "[ERR]" in line]
+    return "\n".join((errors or text)[-lines:]).strip() or "(empty log)"
+
+
 def nats_server_binary() -> str:
     beside_python = Path(sys.executable).parent / "nats-server"
     if beside_python.is_file():
@@ -105,21 +115,29 @@ class LocalNatsServer:
         cmd += list(extra_args)  # e.g. --user/--pass, --tls...
         # Its own session: Ctrl-C in a terminal signals the whole foreground group, and the
         # server must outlive the services' drains; whoever started it stops it (``stop``).
-        proc = subprocess.Popen(
-            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-        )
+        # Its log goes to a file in the temporary folder, so a server that fails to start says
+        # why (a port taken, a config it rejects) in the error rather than nowhere.
+        log = store / "nats-server.log"
+        with log.open("wb") as log_file:
+            proc = subprocess.Popen(
+                cmd, stdout=subprocess.DEVNULL, stderr=log_file, start_new_session=True
+            )
         server = cls(port, proc, store, host)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                raise RuntimeError(f"nats-server exited with code {proc.returncode}")
-            try:
-                with socket.create_connection((host, port), timeout=0.2):
-                    return server
-            except OSError:
-                time.sleep(0.05)
+                tail = _tail(log)
+                shutil.rmtree(store, ignore_errors=True)
+                raise RuntimeError(f"nats-server exited with code {proc.returncode}: {tail}")
+            # Ready when this process says so: a connect alone could reach whatever else holds
+            # the port (the server then exits on the taken address, and the caller would talk
+            # to a stranger).
+            if b"Server is ready" in log.read_bytes():
+                return server
+            time.sleep(0.02)
+        tail = _tail(log)
         server.stop()
-        raise RuntimeError("nats-server did not start listening within 10 s")
+        raise RuntimeError(f"nats-server was not ready within 10 s: {tail}")
 
     def stop(self) -> None:
         if self.process.poll() is None:
