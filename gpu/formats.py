@@ -8,6 +8,9 @@ from gpu.config import ModelError
 # auto: a GGUF model in its own blocks on CPU (where the kernels run), anything else unquantized.
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "gguf", "fp8")
 KV_CACHE_DTYPES = ("auto", "fp8")
+# Decode steps of up to 8 tokens on CUDA: off; matmuls (the linears through Triton's
+# matrix-vector kernel, gpu/triton_gemv.py); layers (their norms, SiLU and residual adds too).
+TRITON_GEMV_MODES = ("off", "matmuls", "layers")
 
 
 def check_quantization(quantization: str) -> str:

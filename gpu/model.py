@@ -29,7 +29,7 @@ from gpu.attention.torch_backend import TorchPagedAttention
 from gpu.config import ModelConfig, ModelError
 from gpu.cpu_kernels import CpuKernels, FusedDecoder
 from gpu.cpu_kernels.decoder import DecoderShape, LayerWeights, ReduceFailed
-from gpu.linear import Linear, make_linear
+from gpu.linear import DenseLinear, Linear, make_linear
 from gpu.ops import RopeStep, TorchOps, make_ops
 from gpu.parallel.group import TensorParallel
 from gpu.parallel.shard import shard_config, shard_weights
@@ -137,6 +137,31 @@ class DecoderLayer(nn.Module):
             self.tp.all_reduce_(out)
         return out
 
+    def forward_few_rows(
+        self,
+        hidden: torch.Tensor,
+        rope: RopeStep,
+        backend: AttentionBackend,
+        kv_cache: torch.Tensor,
+    ) -> None:
+        """The layer for a step of a few tokens (``CausalLM.use_triton_gemv(rows,
+        fuse_layers=True)``): each norm, the SiLU and both residual adds are done inside the
+        matmuls (``gpu.triton_gemv.gemv``), so the layer launches its four matmuls, the
+        rotary and the attention; ``hidden`` is the whole residual stream, updated in place."""
+        from gpu.triton_gemv import gemv
+
+        t, d, eps = hidden.shape[0], self.head_dim, self.eps
+        qkv_proj, o_proj = cast(DenseLinear, self.qkv_proj), cast(DenseLinear, self.o_proj)
+        gate_up, down = cast(DenseLinear, self.gate_up_proj), cast(DenseLinear, self.down_proj)
+        qkv = gemv(hidden, qkv_proj.weight, qkv_proj.bias, norm=self.input_norm, eps=eps)
+        if not backend.rotates_qk:
+            self.ops.rope_(qkv, self.num_heads + self.num_kv_heads, d, rope)
+        q, k, v = torch.split_with_sizes(qkv.view(t, -1, d), self.head_split, dim=1)
+        attn = backend.attend(q, k, v, kv_cache)
+        gemv(attn.reshape(t, self.q_size), o_proj.weight, o_proj.bias, add_to=hidden)
+        mlp_in = gemv(hidden, gate_up.weight, gate_up.bias, norm=self.post_attn_norm, eps=eps)
+        gemv(mlp_in, down.weight, down.bias, silu=True, add_to=hidden)
+
     def fused_weights(self) -> LayerWeights | None:
         """This layer for ``FusedDecoder``, where every linear has a CPU kernel."""
         linears = [self.qkv_proj.packed(), self.o_proj.packed()]
@@ -164,6 +189,8 @@ class CausalLM(nn.Module):
     """
 
     fuse_decode = True
+    # Steps of at most this many tokens run ``DecoderLayer.forward_few_rows`` (0: none).
+    few_row_layers = 0
 
     def __init__(
         self,
@@ -238,11 +265,12 @@ class CausalLM(nn.Module):
                 self._fused = self.kernels.fused_decoder(shape, [w for w in layers if w], hook)
         return self._fused
 
-    def use_triton_gemv(self, rows: int) -> int:
+    def use_triton_gemv(self, rows: int, fuse_layers: bool = False) -> int:
         """Steps of at most ``rows`` tokens run their dense fp16/bf16 CUDA linears through
         ``gpu.triton_gemv`` instead of cuBLAS (0: none do); returns how many linears switched.
-        For the GPU check to compare (off unless called)."""
-        from gpu.linear import DenseLinear
+        ``fuse_layers``: such steps also fold the norms, the SiLU and the residual adds into
+        those matmuls (``DecoderLayer.forward_few_rows``); every linear must switch. For the
+        GPU check to compare (off unless called)."""
         from gpu.triton_gemv import DTYPES, MAX_ROWS
 
         if rows > MAX_ROWS:
@@ -254,6 +282,15 @@ class CausalLM(nn.Module):
             if module.weight.dtype in DTYPES:
                 module.triton_rows = rows
                 switched += 1
+        self.few_row_layers = 0
+        if fuse_layers and rows:
+            if switched != 4 * len(self.layers) + 1 or self.tp is not None:
+                self.use_triton_gemv(0)
+                raise ValueError(
+                    "fused few-row layers need every linear dense fp16/bf16 in CUDA's layout, "
+                    f"on one device ({switched} of {4 * len(self.layers) + 1} linears are)"
+                )
+            self.few_row_layers = rows
         return switched
 
     @property
@@ -294,6 +331,8 @@ class CausalLM(nn.Module):
         """
         hidden = self.embed(input_ids)
         rope = self.ops.rope_step(self.rope, meta.positions)
+        if 0 < hidden.shape[0] <= self.few_row_layers:
+            return self._forward_few_rows(hidden, rope, backend, kv_layers, logits_indices)
         decodes = backend.decode_only() if isinstance(backend, TorchPagedAttention) else None
         fused = self.fused_decoder() if decodes is not None and self.fuse_decode else None
         delta: torch.Tensor | None = None
@@ -315,6 +354,24 @@ class CausalLM(nn.Module):
             gathered = self.tp.gather_vocab(logits, self.config.vocab_size)
             return logits[:, :0] if gathered is None else gathered  # ranks > 0: no logits
         return logits
+
+    def _forward_few_rows(
+        self,
+        hidden: torch.Tensor,
+        rope: RopeStep,
+        backend: AttentionBackend,
+        kv_layers: list[torch.Tensor],
+        logits_indices: torch.Tensor | None,
+    ) -> torch.Tensor:
+        from gpu.triton_gemv import gemv
+
+        for layer, kv_cache in zip(self.layers, kv_layers, strict=True):
+            cast(DecoderLayer, layer).forward_few_rows(hidden, rope, backend, kv_cache)
+        if logits_indices is not None:
+            hidden = hidden[logits_indices]
+        head = cast(DenseLinear, self.lm_head)
+        eps = self.config.rms_norm_eps
+        return gemv(hidden, head.weight, head.bias, norm=self.norm, eps=eps).float()
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -7,16 +7,20 @@ while this process (rank 0) loads its own.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
 
 from gpu.config import ModelConfig
+from gpu.formats import TRITON_GEMV_MODES
 from gpu.loader import load_model
 from gpu.parallel.launch import RankGroup, RankSpec
 from gpu.parallel.shard import check_tensor_parallel
 from gpu.quant import kv_cache_dtype
 from gpu.runner import ModelRunner
+
+log = logging.getLogger(__name__)
 
 
 def build_runner(
@@ -32,6 +36,7 @@ def build_runner(
     shared_memory: bool = True,
     cuda_graphs: bool = False,
     fused_rope_append: bool = False,
+    triton_gemv: str = "off",
 ) -> ModelRunner:
     """The runner for ``folder``; ``tensor_parallel_size`` > 1 starts that many ranks (one
     device each: ``cuda:0..N-1`` from ``device``'s index, or the CPU's cores shared: each
@@ -39,9 +44,20 @@ def build_runner(
     all-reduces go through shared memory unless ``shared_memory`` is False: Gloo). Raises
     ``ModelError`` for a model whose heads cannot be split so, before any rank starts.
     ``cuda_graphs``: decode steps from CUDA graphs once captured (one CUDA device only: a
-    split replica decodes eagerly). ``fused_rope_append``: ``ModelRunner``'s option."""
+    split replica decodes eagerly). ``fused_rope_append``: ``ModelRunner``'s option.
+    ``triton_gemv`` (``TRITON_GEMV_MODES``): steps of a few tokens through
+    ``gpu.triton_gemv`` (``CausalLM.use_triton_gemv``; CUDA on one device only)."""
+    if triton_gemv not in TRITON_GEMV_MODES:
+        raise ValueError(f"triton_gemv is one of {', '.join(TRITON_GEMV_MODES)}, not {triton_gemv}")
+    if triton_gemv != "off" and (torch.device(device).type != "cuda" or tensor_parallel_size > 1):
+        log.warning("--triton-gemv %s runs on one CUDA device only: ignored", triton_gemv)
+        triton_gemv = "off"
     if tensor_parallel_size == 1:
         model = load_model(folder, device=device, quantization=quantization, progress=progress)
+        if triton_gemv != "off":
+            from gpu.triton_gemv import MAX_ROWS
+
+            model.use_triton_gemv(MAX_ROWS, fuse_layers=triton_gemv == "layers")
         kv_dtype = kv_cache_dtype(kv_cache, model.dtype)
         return ModelRunner(
             model, num_pages=num_pages, page_size=page_size, kv_dtype=kv_dtype,

@@ -6,7 +6,16 @@ walks K in ``BLOCK_K`` slices, all ``M`` rows at once (``M <= MAX_ROWS``), accum
 the weight is read once whatever ``M`` is. Its block shapes are tuned on the device at first
 use per (N, K, rows) (``triton.autotune``; the executor's warm-up and the graphs' capture
 runs make that first use). Whether it beats cuBLAS on a given GPU is for the GPU check's
-graphs section to say (``CausalLM.use_triton_gemv``, off by default).
+graphs section to say (``CausalLM.use_triton_gemv``, ``--triton-gemv``, off by default).
+
+What a decoder layer does between its matmuls can ride in them, since every program reads
+the whole input row anyway: an RMSNorm before (its scale is one number a row, applied to the
+sums at the end; the norm's weight scales the input on the way), SiLU(gate) * up before the
+down projection, and the residual add after (each program adds into its own columns). A
+layer of a few rows then launches its four matmuls, the rotary, the KV append and the
+attention (``DecoderLayer.forward_few_rows``): the two norm kernels and the SiLU kernel are
+gone, 96 kernels a step on an 8B model, whose cost at batch 1 is their launch and tail
+latency, not their bytes.
 
 The CPU tests run it under Triton's interpreter (``TRITON_INTERPRET=1``) with one fixed
 configuration; Triton is imported only when the kernel first runs.
@@ -31,15 +40,17 @@ def _kernel() -> Any:
 
     @triton.jit  # type: ignore[untyped-decorator]
     def gemv_kernel(  # type: ignore[no-untyped-def]
-        x_ptr, w_ptr, b_ptr, y_ptr, stride_x, stride_w, stride_y,
-        M, N, K: tl.constexpr, HAS_BIAS: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        x_ptr, w_ptr, b_ptr, norm_ptr, y_ptr, stride_x, stride_w, stride_y, M, N, eps,
+        K: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, SILU: tl.constexpr,
+        ADD_TO_Y: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rows = tl.arange(0, BLOCK_M)
         col_ok = cols < N
         row_ok = rows < M
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        sum_sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             k_ok = ks < K
@@ -48,16 +59,25 @@ def _kernel() -> Any:
                 mask=col_ok[:, None] & k_ok[None, :],
                 other=0.0,
             ).to(tl.float32)
-            x = tl.load(
-                x_ptr + rows[:, None] * stride_x + ks[None, :],
-                mask=row_ok[:, None] & k_ok[None, :],
-                other=0.0,
-            ).to(tl.float32)
+            x_at = x_ptr + rows[:, None] * stride_x + ks[None, :]
+            x_ok = row_ok[:, None] & k_ok[None, :]
+            x = tl.load(x_at, mask=x_ok, other=0.0).to(tl.float32)
+            if SILU:  # x holds [gate | up]: the input is SiLU(gate) * up
+                up = tl.load(x_at + K, mask=x_ok, other=0.0).to(tl.float32)
+                x = x * tl.sigmoid(x) * up
+            if NORM:  # RMSNorm's scale is one number a row: it multiplies the sums at the end
+                sum_sq += tl.sum(x * x, axis=1)
+                x = x * tl.load(norm_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
             acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+        if NORM:
+            acc = acc * tl.rsqrt(sum_sq / K + eps)[:, None]
         if HAS_BIAS:
             acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         out = y_ptr + rows[:, None] * stride_y + cols[None, :]
-        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+        out_ok = row_ok[:, None] & col_ok[None, :]
+        if ADD_TO_Y:  # the residual stream: each program adds into its own columns only
+            acc += tl.load(out, mask=out_ok, other=0.0).to(tl.float32)
+        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=out_ok)
 
     if os.environ.get("TRITON_INTERPRET") == "1":
         return gemv_kernel, {"BLOCK_N": 8, "BLOCK_K": 32}
@@ -71,9 +91,13 @@ def _kernel() -> Any:
             (16, 256, 4), (16, 256, 8), (32, 128, 4), (32, 256, 8), (8, 512, 4), (16, 512, 8),
         )
     ]  # fmt: skip
+    # Keyed on the shape alone: the fused variants (norm, SiLU, residual) stream the same weight
+    # and take the plain kernel's tuning. Tuning runs the kernel several times: a residual it
+    # adds into is put back after each run.
     return triton.autotune(
-        configs, key=["N", "K", "BLOCK_M"], prune_configs_by={"early_config_prune": _fits}
-    )(gemv_kernel), {}
+        configs, key=["N", "K", "BLOCK_M"], prune_configs_by={"early_config_prune": _fits},
+        restore_value=["y_ptr"],
+    )(gemv_kernel), {}  # fmt: skip
 
 
 def _fits(configs: list[Any], named_args: dict[str, Any], **kwargs: Any) -> list[Any]:
@@ -86,19 +110,46 @@ def _fits(configs: list[Any], named_args: dict[str, Any], **kwargs: Any) -> list
     return fits or configs[:1]
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for ``x`` ``[M, K]`` with ``M <= MAX_ROWS``."""
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    norm: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    silu: bool = False,
+    add_to: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for ``x`` ``[M, K]`` with ``M <= MAX_ROWS``, with what a
+    decoder layer puts around its matmuls done on the way (``gpu.model``'s few-row layers):
+
+    - ``norm``: ``x`` is RMS-normalised with this ``[K]`` weight first (``F.rms_norm``);
+    - ``silu``: ``x`` is ``[M, 2K]``, gate then up, and the input is ``SiLU(gate) * up``;
+    - ``add_to``: the result is added into this ``[M, N]`` tensor (the residual stream), which
+      is returned.
+
+    The fused inputs are computed in fp32 and never rounded to ``x``'s dtype."""
     m, k = x.shape
+    if silu:
+        k //= 2
     n = weight.shape[0]
-    if not 0 < m <= MAX_ROWS or weight.shape[1] != k:
-        raise ValueError(
-            f"gemv takes 1..{MAX_ROWS} rows of {weight.shape[1]}, got {tuple(x.shape)}"
-        )
+    if not 0 < m <= MAX_ROWS or weight.shape[1] != k or (silu and x.shape[1] != 2 * k):
+        wide = f"2 x {weight.shape[1]}" if silu else f"{weight.shape[1]}"
+        raise ValueError(f"gemv takes 1..{MAX_ROWS} rows of {wide}, got {tuple(x.shape)}")
     if weight.dtype not in DTYPES or x.dtype != weight.dtype:
         raise ValueError(f"gemv runs fp16/bf16, got x {x.dtype} and weight {weight.dtype}")
     if x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError("gemv needs rows with unit stride")
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if norm is not None and (norm.shape != (k,) or not norm.is_contiguous()):
+        raise ValueError(f"gemv's norm weight must be a contiguous [{k}], got {list(norm.shape)}")
+    if add_to is not None and (
+        add_to.shape != (m, n) or add_to.stride(1) != 1 or add_to.dtype != x.dtype
+    ):
+        raise ValueError(
+            f"gemv adds into a [{m}, {n}] {x.dtype} tensor with unit-stride rows, got "
+            f"{list(add_to.shape)} {add_to.dtype}"
+        )
+    y = add_to if add_to is not None else torch.empty((m, n), dtype=x.dtype, device=x.device)
     kernel, fixed = _kernel()
     block_m = 1 << (m - 1).bit_length()
 
@@ -106,7 +157,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         return (-(-n // meta["BLOCK_N"]),)
 
     kernel[grid](
-        x, weight, bias if bias is not None else y, y, x.stride(0), weight.stride(0), y.stride(0),
-        m, n, K=k, HAS_BIAS=bias is not None, BLOCK_M=block_m, **fixed,
+        x, weight, bias if bias is not None else y, norm if norm is not None else y, y,
+        x.stride(0), weight.stride(0), y.stride(0), m, n, eps, K=k, HAS_BIAS=bias is not None,
+        NORM=norm is not None, SILU=silu, ADD_TO_Y=add_to is not None, BLOCK_M=block_m, **fixed,
     )  # fmt: skip
     return y

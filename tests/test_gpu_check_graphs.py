@@ -51,7 +51,9 @@ def test_every_graphs_mode_is_skipped_off_cuda_and_the_best_one_is_judged():
     model = dg.random_model(SHAPE, torch.device("cpu"), torch.float32)
     result = dg.graphs_section(model, [1], context=20, iters=1, bandwidth=1e9)
     graph_modes = [m.name for m in dg.MODES if m.graphs]
-    assert len(graph_modes) == 6
+    assert len(graph_modes) == 8
+    few_row = [m for m in dg.MODES if m.few_row_layers]
+    assert few_row and all(m.triton_gemv and m.graphs for m in few_row)
     skipped = {r["mode"] for r in result["results"] if "skipped" in r}
     assert skipped == set(graph_modes)
     assert result["best_graphs_mode"] is None and result["profiles"] == {}
@@ -61,6 +63,30 @@ def test_every_graphs_mode_is_skipped_off_cuda_and_the_best_one_is_judged():
     # the matmul table covers the linears in cuBLAS's layout: none off CUDA
     matmuls = result["matmuls"]
     assert matmuls["ok"] and {(r["n"], r["k"]) for r in matmuls["results"]} == set()  # CPU: kn
+
+
+def test_modes_are_held_to_the_first_mode_s_logits():
+    """Every mode's runner gets the same KV pool and one fixed step whose logits are compared
+    with the first mode's; a mode that computes something else is an error row."""
+    model = dg.random_model(SHAPE, torch.device("cpu"), torch.float32)
+    result = dg.graphs_section(model, [1, 2], context=20, iters=1, bandwidth=1e9)
+    eager = [r for r in result["results"] if r["mode"] == "eager"]
+    assert [r["logits_rel_err"] for r in eager] == [0.0, 0.0]  # the reference itself
+    runner = dg.mode_runner(model, dg.MODES[0], 8)
+    dg.fill_kv(runner)
+    first = dg.step_logits(runner, 2, 20)
+    dg.step_logits(runner, 1, 20)  # other steps in between do not change it
+    assert torch.equal(dg.step_logits(runner, 2, 20), first)
+    other = dg.mode_runner(model, dg.MODES[0], 8)
+    dg.fill_kv(other)
+    references = {2: first}
+    assert dg.held_to(references, 2, dg.step_logits(other, 2, 20)) == {"logits_rel_err": 0.0}
+    dg.fill_kv(other, seed=1)  # another context: other logits
+    row = dg.held_to(references, 2, dg.step_logits(other, 2, 20))
+    assert row["logits_rel_err"] > dg.LOGITS_TOL and "differ from the first mode's" in row["error"]
+    row = dg.held_to(references, 2, torch.full_like(first, float("nan")))
+    assert "error" in row
+    assert "logits vs first" in result["table"]
 
 
 def test_kernels_are_grouped_by_kind_per_step():

@@ -99,6 +99,7 @@ SERVICES: dict[str, list[Row]] = {
         ("--no-cuda-graphs", "MESHSERVE_NO_CUDA_GRAPHS", None),
         ("--overlap-steps", "MESHSERVE_OVERLAP_STEPS", "on"),
         ("--fused-rope-append", "MESHSERVE_FUSED_ROPE_APPEND", None),
+        ("--triton-gemv", "MESHSERVE_TRITON_GEMV", "layers"),
         ("--kv-cache-dtype", "MESHSERVE_KV_CACHE_DTYPE", "fp8"),
         ("--engine-nice", "MESHSERVE_ENGINE_NICE", "0"),
         ("--cpu-threads", "MESHSERVE_CPU_THREADS", "2"),

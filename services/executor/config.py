@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from common.config import MeshConfig, device_setting, model_setting, page_size_setting
 from common.settings import parse, setting
 from common.wire.executor import ROLES
-from gpu.formats import KV_CACHE_DTYPES, QUANTIZATIONS
+from gpu.formats import KV_CACHE_DTYPES, QUANTIZATIONS, TRITON_GEMV_MODES
 
 SPECULATORS = ("off", "ngram", "remote")
 
@@ -59,6 +59,14 @@ class ExecutorConfig:
         False,
         "rotate q and k inside the KV append, one Triton kernel per layer (CUDA, fp16/bf16 "
         "pages); off until timed on a GPU (tools/gpu_check)",
+    )
+    triton_gemv: str = setting(
+        "off",
+        "decode steps of up to 8 tokens on CUDA (dense fp16/bf16 weights): matmuls: the "
+        "linears through a Triton matrix-vector kernel (gpu/triton_gemv.py); layers: also the "
+        "norms, SiLU and residual adds inside those matmuls; off until timed on a GPU "
+        "(tools/gpu_check)",
+        choices=TRITON_GEMV_MODES,
     )
     kv_cache_dtype: str = setting(
         "auto", "KV cache dtype; auto: the model's", choices=KV_CACHE_DTYPES
@@ -114,6 +122,8 @@ class ExecutorConfig:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}")
+        if self.triton_gemv not in TRITON_GEMV_MODES:
+            raise ValueError(f"triton_gemv must be one of {', '.join(TRITON_GEMV_MODES)}")
         if self.speculator not in SPECULATORS:
             raise ValueError(f"speculator must be one of {', '.join(SPECULATORS)}")
         if self.speculator == "off":

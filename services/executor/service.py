@@ -671,6 +671,7 @@ def build_engine(config: ExecutorConfig) -> Engine:
         timeout_s=config.tensor_parallel_timeout_s,
         cuda_graphs=config.cuda_graphs,
         fused_rope_append=config.fused_rope_append,
+        triton_gemv=config.triton_gemv,
     )
     engine_config = EngineConfig(
         max_num_batched_tokens=config.max_num_batched_tokens,

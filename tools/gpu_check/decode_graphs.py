@@ -132,6 +132,9 @@ class Mode:
     triton_gemv: bool = (
         False  # steps of <= 8 rows: the Triton matrix-vector kernel (gpu/triton_gemv.py)
     )
+    # with triton_gemv: the norms, SiLU and residual adds inside those matmuls
+    # (DecoderLayer.forward_few_rows)
+    few_row_layers: bool = False
     profiled: bool = False  # the batch-1 step's kernels by kind (kernel_profile.py)
 
 
@@ -148,7 +151,25 @@ MODES = (
         triton_gemv=True,
         fused_rope_append=True,
     ),
+    Mode(
+        "cuda graphs, triton few-row layers",
+        graphs=True,
+        triton_gemv=True,
+        few_row_layers=True,
+        profiled=True,
+    ),
+    Mode(
+        "cuda graphs, triton few-row layers + fused rope+append",
+        graphs=True,
+        triton_gemv=True,
+        few_row_layers=True,
+        fused_rope_append=True,
+        profiled=True,
+    ),
 )
+# A mode's logits may differ from the first mode's (eager) by bf16 rounding over 32 layers;
+# a step computed wrongly (a norm, an add, a page missed) differs by about the logits' size.
+LOGITS_TOL = 0.1
 
 
 def mode_runner(model: CausalLM, mode: Mode, pages: int) -> ModelRunner:
@@ -189,10 +210,14 @@ def graphs_section(
     weights_ms = weights / bandwidth * 1000
     results: list[dict[str, Any]] = []
     profiles: dict[str, dict[str, Any]] = {}
+    references: dict[int, torch.Tensor] = {}  # per batch, the first mode's logits
     for mode in modes:
         cuda = model.device.type == "cuda"
-        with blas_library(mode.blas if cuda else None), triton_gemv(model, mode.triton_gemv):
-            results += time_mode(model, mode, pages, batches, context, iters, profiles, weights)
+        gemv = triton_gemv(model, mode.triton_gemv, mode.few_row_layers)
+        with blas_library(mode.blas if cuda else None), gemv:
+            results += time_mode(
+                model, mode, pages, batches, context, iters, profiles, weights, references
+            )
         if progress is not None:
             progress({"partial": True, "results": list(results), "profiles": dict(profiles)})
     for r in results:
@@ -206,12 +231,13 @@ def graphs_section(
     rows = [
         [r["mode"], r["batch"], r.get("ms_per_step", float("nan")),
          r.get("tokens_per_s", float("nan")), r.get("bandwidth_fraction", float("nan")),
-         r.get("vs_weights_read", float("nan")),
+         r.get("vs_weights_read", float("nan")), r.get("logits_rel_err", float("nan")),
          r.get("error", r.get("skipped", r.get("note", "")))]
         for r in results
     ]  # fmt: skip
-    headers = ["mode", "batch", "ms/step", "tokens/s", "HBM fraction", "x weights read", "note"]
-    timed = [r for r in results if r["batch"] == 1 and "ms_per_step" in r]
+    headers = ["mode", "batch", "ms/step", "tokens/s", "HBM fraction", "x weights read"]
+    headers += ["logits vs first", "note"]
+    timed = [r for r in results if r["batch"] == 1 and "ms_per_step" in r and "error" not in r]
     graph_modes = {m.name for m in modes if m.graphs}
     graphed = [r for r in timed if r["mode"] in graph_modes]
     best = min(graphed, key=lambda r: r["ms_per_step"], default=None)
@@ -231,6 +257,7 @@ def graphs_section(
         "bandwidth_bytes_per_s": bandwidth,
         "weights_read_ms": weights_ms,
         "context": context,
+        "logits_tol": LOGITS_TOL,
         "target_ratio": TARGET_RATIO,
         "best_graphs_mode": None if best is None else best["mode"],
         "target_met": None if best is None else best["vs_weights_read"] <= TARGET_RATIO,
@@ -241,14 +268,15 @@ def graphs_section(
 
 
 @contextmanager
-def triton_gemv(model: CausalLM, on: bool) -> Iterator[None]:
-    """``model.use_triton_gemv`` for steps of up to 8 rows inside (CUDA), cuBLAS after."""
+def triton_gemv(model: CausalLM, on: bool, fuse_layers: bool = False) -> Iterator[None]:
+    """``model.use_triton_gemv`` for steps of up to 8 rows inside (CUDA; ``fuse_layers``: the
+    few-row layers too), cuBLAS after."""
     if not on or model.device.type != "cuda":
         yield
         return
     from gpu.triton_gemv import MAX_ROWS
 
-    model.use_triton_gemv(MAX_ROWS)
+    model.use_triton_gemv(MAX_ROWS, fuse_layers=fuse_layers)
     try:
         yield
     finally:
@@ -278,13 +306,16 @@ def time_mode(
     iters: int,
     profiles: dict[str, dict[str, Any]],
     weights: int,
+    references: dict[int, torch.Tensor] | None = None,
 ) -> list[dict[str, Any]]:
     """``mode``'s rows (``kv_bytes``: the batch's KV a step reads); its profile into
-    ``profiles``."""
+    ``profiles``. Each batch's step logits are held to ``references`` (the first mode's,
+    which it records): ``logits_rel_err``, and an ``error`` past ``LOGITS_TOL``."""
     from tools.gpu_check.check_flashinfer import time_decode_step
 
     results: list[dict[str, Any]] = []
     runner = mode_runner(model, mode, pages)
+    fill_kv(runner)
     capture_s = None
     if mode.graphs:
         if not runner.cuda_graphs:
@@ -308,6 +339,8 @@ def time_mode(
             "rotates_in_append": runner.backend.rotates_qk,
             "kv_bytes": kv_bytes(runner, batch, context),
         }
+        if references is not None:
+            r |= held_to(references, batch, step_logits(runner, batch, context))
         if mode.triton_gemv and batch > TRITON_ROWS:
             r["note"] = f"cuBLAS: more than {TRITON_ROWS} rows"
         results.append(r)
@@ -318,6 +351,42 @@ def time_mode(
                 traceback.print_exc()
                 profiles[mode.name] = {"error": repr(exc)}
     return results
+
+
+def fill_kv(runner: ModelRunner, seed: int = 0) -> None:
+    """The KV pool filled with the same values in every mode's runner, so their steps over it
+    can be compared."""
+    gen = torch.Generator(device=runner.device).manual_seed(seed)
+    for layer in runner.kv.layers:
+        layer.normal_(0.0, 1.0, generator=gen)
+
+
+def step_logits(runner: ModelRunner, batch: int, context: int) -> torch.Tensor:
+    """The logits (float32, on the CPU) of one decode step of ``batch`` sequences of
+    ``context`` tokens over the timed pages, with fixed token ids (the step rewrites only its
+    own slot, so what ran before does not change them)."""
+    from gpu.attention.metadata import SeqChunk, build_batch_metadata
+
+    pages = -(-context // PAGE_SIZE)
+    chunks = [
+        SeqChunk(tuple(range(b * pages, (b + 1) * pages)), context - 1, 1) for b in range(batch)
+    ]
+    ids = (torch.arange(batch) * 7919 + 11) % runner.config.vocab_size
+    logits = runner.forward(ids, build_batch_metadata(chunks, PAGE_SIZE))
+    return logits.float().cpu()
+
+
+def held_to(
+    references: dict[int, torch.Tensor], batch: int, logits: torch.Tensor
+) -> dict[str, Any]:
+    """The row's ``logits_rel_err`` against the batch's reference (this one becomes it where
+    there is none yet), with an ``error`` past ``LOGITS_TOL``."""
+    reference = references.setdefault(batch, logits)
+    err = float((logits - reference).abs().max() / reference.abs().max().clamp_min(1e-30))
+    row: dict[str, Any] = {"logits_rel_err": err}
+    if not err <= LOGITS_TOL:  # (NaN too)
+        row["error"] = f"logits differ from the first mode's: rel max {err:.3g}"
+    return row
 
 
 def profile_decode(
