@@ -90,7 +90,12 @@ class GraphDecodeAttention:
                 k, v, views["batch_indices"], views["positions"], kv_cache, views["kv_indices"],
                 views["kv_indptr"], views["kv_last_page_len"], kv_layout=KV_LAYOUT,
             )  # fmt: skip
-        out: torch.Tensor = self.wrapper.run(q.contiguous(), kv_cache)
+        # q stays a view of the qkv rows, as in the eager backend: FlashInfer's decode kernels
+        # (both wrappers) read its token and head strides, so a copy would be one more
+        # kernel a layer.
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        out: torch.Tensor = self.wrapper.run(q, kv_cache)
         return out
 
 
