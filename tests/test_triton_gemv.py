@@ -137,8 +137,8 @@ def cuda_layout(model: CausalLM) -> CausalLM:
 
 
 def run_steps(model: CausalLM) -> list[torch.Tensor]:
-    """Logits of a 12-token and a 5-token prompt (one step of 17 rows), then four decode
-    steps of both (2 rows each), the tokens fixed."""
+    """Logits of a 12-token and a 5-token prompt (one step of 17 rows), four decode steps of
+    both (2 rows each), then a third sequence's 6-token prompt alone (6 rows: a prefill)."""
     runner = ModelRunner(model, num_pages=8, page_size=16)
     prompts = [[7, 3, 99, 250, 14, 8, 61, 5, 42, 300, 11, 2], [90, 4, 17, 33, 480]]
     pages = [(0, 1), (2, 3)]
@@ -149,6 +149,7 @@ def run_steps(model: CausalLM) -> list[torch.Tensor]:
         tokens = [[(31 * step + 7 * b) % 500 + 3] for b in range(2)]
         chunks = [SeqChunk(pages[b], lengths[b] + step, 1) for b in range(2)]
         logits.append(runner.execute(chunks, tokens))
+    logits.append(runner.execute([SeqChunk((4,), 0, 6)], [[5, 77, 123, 9, 400, 31]]))
     return logits
 
 
@@ -178,11 +179,11 @@ def test_few_row_layers_match_the_unfused_model(
     monkeypatch.setattr(triton_gemv, "gemv", counted)
     fused = run_steps(model)
     # The 17-row prompt step: unfused layers, its 2 logits rows through the plain kernel. Then
-    # four decode steps of 2 layers: qkv and gate_up normed, o and down added into the
-    # residual (down after SiLU), and the normed head.
+    # four decode steps and the 6-row prompt, each of 2 layers: qkv and gate_up normed, o and
+    # down added into the residual (down after SiLU), and the normed head.
     per_layer = [(True, False, False), (False, False, True), (True, False, False)]
     per_layer.append((False, True, True))
-    assert calls == [(False, False, False)] + (per_layer * 2 + [(True, False, False)]) * 4
+    assert calls == [(False, False, False)] + (per_layer * 2 + [(True, False, False)]) * 5
     for ref, plain, few in zip(reference[1:], unfused[1:], fused[1:], strict=True):
         scale = float(ref.abs().max())
         plain_err = float((plain - ref).abs().max()) / scale
