@@ -25,7 +25,10 @@ from gpu.attention.metadata import SeqChunk, build_batch_metadata
 from gpu.attention.torch_backend import TorchPagedAttention
 from gpu.loader import load_model
 from gpu.runner import ModelRunner, make_backend
-from tools.gpu_check import check_flashinfer as chk
+from tools.gpu_check import check_model, common
+from tools.gpu_check import decode_timing as dt
+from tools.gpu_check import kernel_cases as kc
+from tools.gpu_check import model_agreement as ma
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -186,13 +189,13 @@ def test_constructor_checks():
 
 @pytest.mark.parametrize(
     "case",
-    chk.kernel_cases([(9, 3), (8, 2)], [16], seed=0),
+    kc.kernel_cases([(9, 3), (8, 2)], [16], seed=0),
     ids=lambda c: c.label.replace(" ", "-"),
 )
 def test_plumbing_matches_torch_backend(case):
     """The check script's kernel comparison, with the stand-in in FlashInfer's place."""
     fake = make_fake_flashinfer()
-    result = chk.run_kernel_case(case, torch.device("cpu"), fake_factory(fake), layers=2)
+    result = kc.run_kernel_case(case, torch.device("cpu"), fake_factory(fake), layers=2)
     assert result["ok"], result
     assert result["cache_max_abs_diff"] == 0.0
     decode = all(n == 1 for _, n in case.shapes)
@@ -218,7 +221,7 @@ def test_plan_once_per_step_and_replan_for_float16():
         out = backend.attend(q, k, v, cache)
         expected = ref.attend(q.float(), k.float(), v.float(), ref_cache)
         assert out.dtype == torch.float16
-        assert chk.rel_max_error(out, expected) < 5e-3
+        assert common.rel_max_error(out, expected) < 5e-3
     # bf16 plan at plan(), one fp16 re-plan at the first attend, none after
     assert fake.plans == ["FakePrefill", "FakePrefill"]
     backend.plan(meta)
@@ -250,7 +253,7 @@ def test_fp8_pages_are_attended_by_flashinfer_with_bf16_queries():
     expected = ref.attend(q, k, v, ref_cache)
     assert out.dtype == torch.bfloat16
     assert torch.equal(cache.view(torch.uint8), ref_cache.view(torch.uint8))  # same e4m3 bits
-    assert chk.rel_max_error(out, expected) < 2e-2
+    assert common.rel_max_error(out, expected) < 2e-2
     assert fake.plans == ["FakePrefill", "FakePrefill"]  # re-planned once for the e4m3 pages
     with pytest.raises(ValueError, match="float8_e4m3fn pages"):
         backend.attend(q, k, v, cache.view(torch.int8))
@@ -266,15 +269,15 @@ def test_attend_before_plan_is_an_error():
 def test_model_section_with_stand_in(tiny_llama):
     """The check's whole-model comparison: bf16 model + stand-in vs fp32 model + torch."""
     fake = make_fake_flashinfer()
-    prompts = chk.random_prompts(512, (1, 7, 40, 90), seed=1)
-    pages = chk.pages_needed(prompts, 5)
+    prompts = ma.random_prompts(512, (1, 7, 40, 90), seed=1)
+    pages = ma.pages_needed(prompts, 5)
     ref_runner = ModelRunner(load_model(tiny_llama), pages, 16)
     bf16 = load_model(tiny_llama, dtype=torch.bfloat16)
     cfg = bf16.config
     backend = fake_backend(fake, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
     runner = ModelRunner(bf16, pages, 16, backend=backend)
     baseline = ModelRunner(bf16, pages, 16)
-    result = chk.model_section(
+    result = ma.model_section(
         ref_runner, {"stand-in": runner, "torch": baseline}, "stand-in", prompts, 5, 5e-2, chunk=16
     )
     assert result["ok"], result["table"]
@@ -285,21 +288,21 @@ def test_model_section_with_stand_in(tiny_llama):
 
 def test_schedule_teacher_forcing_reproduces_greedy(tiny_llama):
     runner = ModelRunner(load_model(tiny_llama), 64, 16)
-    prompts = chk.random_prompts(512, (3, 30), seed=2)
-    free = chk.run_schedule(runner, prompts, 6, chunk=8)
-    forced = chk.run_schedule(runner, prompts, 6, chunk=8, forced=free.tokens)
+    prompts = ma.random_prompts(512, (3, 30), seed=2)
+    free = ma.run_schedule(runner, prompts, 6, chunk=8)
+    forced = ma.run_schedule(runner, prompts, 6, chunk=8, forced=free.tokens)
     assert forced.tokens == free.tokens
     for a, b in zip(free.logits, forced.logits, strict=True):
         assert a.shape == (6, 512)
         torch.testing.assert_close(a, b)
-    metrics = chk.compare_traces(free, forced, free)
+    metrics = ma.compare_traces(free, forced, free)
     assert metrics["top1_agreement"] == 1.0 and metrics["rel_max"] == 0.0
 
 
 def test_timing_section_on_cpu(tiny_llama):
     runner = ModelRunner(load_model(tiny_llama), 2 * 3 + 1, 16)
     backends = {"torch": runner.backend}
-    result = chk.timing_section(runner, backends, [1, 2], context=40, iters=1)
+    result = dt.timing_section(runner, backends, [1, 2], context=40, iters=1)
     assert result["ok"], result
     assert [r["batch"] for r in result["results"]] == [1, 2]
     assert all(r["ms_per_step"] > 0 and r["tokens_per_s"] > 0 for r in result["results"])
@@ -307,17 +310,17 @@ def test_timing_section_on_cpu(tiny_llama):
 
 
 def test_synthetic_model_has_the_requested_shape(tmp_path):
-    config = {**chk.SMOLLM2_CONFIG, "vocab_size": 300, "num_hidden_layers": 2}
-    folder = chk.write_synthetic_model(tmp_path / "m", config)
+    config = {**check_model.SMOLLM2_CONFIG, "vocab_size": 300, "num_hidden_layers": 2}
+    folder = check_model.write_synthetic_model(tmp_path / "m", config)
     model = load_model(folder)
     assert model.config.head_dim == 64 and model.config.num_key_value_heads == 3
-    prompts, kind = chk.model_prompts(folder, 300)
+    prompts, kind = ma.model_prompts(folder, 300)
     assert kind == "random token ids"
-    assert [len(p) for p in prompts] == list(chk.SYNTHETIC_PROMPT_LENGTHS)
+    assert [len(p) for p in prompts] == list(ma.SYNTHETIC_PROMPT_LENGTHS)
 
 
 def test_report_writes_json_after_each_section(tmp_path):
-    report = chk.Report(tmp_path / "r.json")
+    report = common.Report(tmp_path / "r.json")
     report.section("kernels", {"ok": True, "table": "| a |"})
     assert '"kernels"' in (tmp_path / "r.json").read_text()
 
@@ -339,11 +342,11 @@ def cuda_device():
 @pytest.mark.cuda
 @pytest.mark.parametrize(
     "case",
-    chk.kernel_cases([(9, 3), (32, 8)], [64], seed=0),
+    kc.kernel_cases([(9, 3), (32, 8)], [64], seed=0),
     ids=lambda c: c.label.replace(" ", "-"),
 )
 def test_flashinfer_matches_torch_backend(cuda_device, case):
-    result = chk.run_kernel_case(case, cuda_device, chk.flashinfer_factory(cuda_device))
+    result = kc.run_kernel_case(case, cuda_device, kc.flashinfer_factory(cuda_device))
     assert result["ok"], result
 
 
@@ -353,11 +356,11 @@ def test_flashinfer_model_matches_cpu_reference(cuda_device, tmp_path):
 
     # FlashInfer compiles head sizes 64/128/256: a tiny model with head_dim 64.
     folder = write_tiny_model(tmp_path / "m", "llama", hidden_size=256, num_attention_heads=4)
-    prompts = chk.random_prompts(512, (1, 9, 40, 150), seed=0)
-    pages = chk.pages_needed(prompts, 8)
+    prompts = ma.random_prompts(512, (1, 9, 40, 150), seed=0)
+    pages = ma.pages_needed(prompts, 8)
     ref_runner = ModelRunner(load_model(folder), pages, 16)
     gpu = load_model(folder, device=cuda_device)
     runner = ModelRunner(gpu, pages, 16)
     assert isinstance(runner.backend, fb.FlashInferPagedAttention)
-    result = chk.model_section(ref_runner, {"flashinfer": runner}, "flashinfer", prompts, 8, 5e-2)
+    result = ma.model_section(ref_runner, {"flashinfer": runner}, "flashinfer", prompts, 8, 5e-2)
     assert result["ok"], result["table"]

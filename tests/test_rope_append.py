@@ -123,10 +123,10 @@ def test_model_with_the_fused_append_matches_the_reference(tiny_llama: Path) -> 
     from gpu.loader import load_model
     from gpu.runner import ModelRunner
     from tests.test_flashinfer_backend import make_fake_flashinfer
-    from tools.gpu_check import check_flashinfer as chk
+    from tools.gpu_check import model_agreement as ma
 
-    prompts = chk.random_prompts(512, (1, 9, 40), seed=3)
-    pages = chk.pages_needed(prompts, 4)
+    prompts = ma.random_prompts(512, (1, 9, 40), seed=3)
+    pages = ma.pages_needed(prompts, 4)
     ref = ModelRunner(load_model(tiny_llama), pages, 16)
     bf16 = load_model(tiny_llama, dtype=torch.bfloat16)
     cfg = bf16.config
@@ -140,7 +140,7 @@ def test_model_with_the_fused_append_matches_the_reference(tiny_llama: Path) -> 
         )  # fmt: skip
         assert backend.rotates_qk == (table is not None)
         runners[name] = ModelRunner(bf16, pages, 16, backend=backend)
-    result = chk.model_section(ref, runners, "fused", prompts, 4, 5e-2, chunk=16)
+    result = ma.model_section(ref, runners, "fused", prompts, 4, 5e-2, chunk=16)
     assert result["ok"], result["table"]
     assert fakes["fused"].appends == 0 and fakes["unfused"].appends > 0
     assert fakes["fused"].runs.count("FakeDecode") > 0  # decode steps went through it too

@@ -50,7 +50,7 @@ SHAPE: dict[str, Any] = dict(
 
 def write_model(folder: Path) -> Path:
     """Random weights of ``SHAPE`` (safetensors only: the GPU machine has no transformers)."""
-    from tools.gpu_check.check_flashinfer import write_synthetic_model
+    from tools.gpu_check.check_model import write_synthetic_model
 
     return write_synthetic_model(folder, {"model_type": "llama", **SHAPE})
 

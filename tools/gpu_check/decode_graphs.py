@@ -5,7 +5,7 @@ At batch 1 a decode step of a model whose weights dominate should take about as 
 reading them once: ``weights_read_ms = weight bytes / measured bandwidth``. The section builds
 a Llama-3-8B-shaped model with random bf16 weights directly on the GPU (no checkpoint is
 written; 16 GB), measures the bandwidth with a device-to-device copy, and times decode steps
-(``check_flashinfer.time_decode_step``: whole ``ModelRunner.forward`` calls, host overhead
+(``decode_timing.time_decode_step``: whole ``ModelRunner.forward`` calls, host overhead
 included) at each batch size, eager and replayed from the graphs the runner captures
 (``gpu/graph_runner.py``), the graphs also with the fused rotary + KV append
 (``gpu/attention/rope_append.py``) and with the decode wrapper the heuristic did not pick
@@ -21,6 +21,7 @@ as skipped.
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 import traceback
@@ -35,6 +36,8 @@ from gpu.config import ModelConfig
 from gpu.linear import Linear
 from gpu.model import CausalLM, Weight, expected_shapes
 from gpu.runner import ModelRunner
+from tools.gpu_check.common import Report, markdown_table, parse_ints
+from tools.gpu_check.decode_timing import time_decode_step
 from tools.gpu_check.gemv_bench import gemv_section
 from tools.gpu_check.kernel_profile import breakdown, breakdown_table, profile_steps
 
@@ -203,8 +206,6 @@ def graphs_section(
     """Decode timings per mode (eager, graphs and the graphs' variants) and batch, with
     bandwidth fractions, and where a mode is ``profiled`` (on CUDA) its batch-1 kernels.
     ``progress`` gets the rows so far after each mode (a run cut short keeps them)."""
-    from tools.gpu_check.check_flashinfer import markdown_table
-
     pages = max(batches) * -(-context // PAGE_SIZE) + 1
     weights = weight_bytes(model)
     weights_ms = weights / bandwidth * 1000
@@ -311,8 +312,6 @@ def time_mode(
     """``mode``'s rows (``kv_bytes``: the batch's KV a step reads); its profile into
     ``profiles``. Each batch's step logits are held to ``references`` (the first mode's,
     which it records): ``logits_rel_err``, and an ``error`` past ``LOGITS_TOL``."""
-    from tools.gpu_check.check_flashinfer import time_decode_step
-
     results: list[dict[str, Any]] = []
     runner = mode_runner(model, mode, pages)
     fill_kv(runner)
@@ -404,3 +403,29 @@ def profile_decode(
     if not kernels:  # CUPTI saw nothing: a table of zeros would read as all launch gaps
         raise RuntimeError("the profiler recorded no kernel")
     return breakdown(kernels, steps, step_ms, matmul_bytes=weights)
+
+
+def run_graphs_section(
+    args: argparse.Namespace, device: torch.device, sections: set[str], report: Report
+) -> None:
+    """The section as the check runs it: the measured bandwidth, the Llama-3-8B-shaped model,
+    its modes (``report`` gets the rows after each) and, with ``overlap`` among ``sections``,
+    its engine steps at batch 64 (``engine_overlap.py``)."""
+    bandwidth = measure_bandwidth(device)
+    big = random_model(LLAMA3_8B_CONFIG, device, torch.bfloat16, args.seed)
+    result = graphs_section(
+        big, parse_ints(args.batches), args.context, args.iters, bandwidth,
+        progress=lambda partial: report.section("graphs", partial),
+    )  # fmt: skip
+    result["model"] = "Llama-3-8B shape, random bf16 weights"
+    if "overlap" in sections:
+        from tools.gpu_check.engine_overlap import overlap_section
+
+        try:
+            result["overlap"] = overlap_section(big, 64, 64, 64)
+            result["table"] += "\n\nengine steps (batch 64):\n\n"
+            result["table"] += result["overlap"]["table"]
+        except Exception as exc:
+            traceback.print_exc()
+            result["overlap"] = {"error": repr(exc)}
+    report.section("graphs", result)

@@ -25,6 +25,7 @@ from gpu.engine import Engine, EngineConfig
 from gpu.model import CausalLM
 from gpu.runner import ModelRunner
 from gpu.sampling_params import SamplingParams
+from tools.gpu_check.common import markdown_table
 
 PAGE_SIZE = 16
 
@@ -85,8 +86,6 @@ def overlap_section(
         results[name]["first_host_wait"] = waits[0] if waits else None
     same = outputs["plain"] == outputs["overlapped"]
     speedup = results["plain"]["seconds"] / results["overlapped"]["seconds"]
-    from tools.gpu_check.check_flashinfer import markdown_table
-
     rows = [[name, round(r["tokens_per_s"], 1), round(r["ms_per_step"], 3), r["host_waits"]]
             for name, r in results.items()]  # fmt: skip
     headers = ["engine steps", "tokens/s", "ms/step", "host waits in a run"]

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from gpu.linear import DenseLinear
 from gpu.model import CausalLM
+from tools.gpu_check.common import markdown_table
 
 # bf16 outputs: one rounding of the fp32 sum is 2^-8 relative; the two sum in different orders.
 REL_ERR_TOL = 2e-2
@@ -76,8 +77,6 @@ def time_shape(weights: list[torch.Tensor], m: int, replays: int = 10) -> dict[s
 
 
 def gemv_section(model: CausalLM, rows: tuple[int, ...] = (1, 8)) -> dict[str, Any]:
-    from tools.gpu_check.check_flashinfer import markdown_table
-
     shapes = weights_by_shape(model)
     results: list[dict[str, Any]] = []
     cuda = model.device.type == "cuda"

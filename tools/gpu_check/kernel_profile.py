@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from tools.gpu_check.common import markdown_table
+
 # (kind, substrings of the kernel's name, lower-case); the first kind that matches wins.
 KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("rotary + kv append", ("rope_append",)),  # gpu/attention/rope_append.py
@@ -93,8 +95,6 @@ def breakdown(
 
 def breakdown_table(rows: dict[str, dict[str, Any]]) -> str:
     """Markdown: one column per profiled mode, one row per kernel kind and the totals."""
-    from tools.gpu_check.check_flashinfer import markdown_table
-
     modes = list(rows)
     kinds = sorted({k for r in rows.values() for k in r["kinds"]})
 

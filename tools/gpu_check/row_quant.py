@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from gpu.quant import torch_quantize_rows
+from tools.gpu_check.common import markdown_table
 
 
 def _median_us(fn: Any, iters: int) -> float:
@@ -32,7 +33,6 @@ def quant_section(
     iters: int = 50,
 ) -> dict[str, Any]:
     from gpu.triton_quant import quantize_rows
-    from tools.gpu_check.check_flashinfer import markdown_table
 
     results: list[dict[str, Any]] = []
     for fp8 in (True, False):

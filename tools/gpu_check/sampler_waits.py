@@ -20,6 +20,7 @@ import torch
 
 from gpu.sampling import SampledOnHost, Sampler, SamplerInput
 from gpu.sampling_params import SamplingParams, make_generator
+from tools.gpu_check.common import markdown_table
 
 ROW_KINDS: tuple[SamplingParams, ...] = (
     SamplingParams(temperature=0.0),
@@ -129,8 +130,6 @@ def sampling_section(
         r["host_waits"] in ("none", "not checked (needs CUDA)") for r in results
     )
     ok = ok and verification["ok"]
-    from tools.gpu_check.check_flashinfer import markdown_table
-
     headers = ["batch", "vocab", "host waits in the sampler", "rows checked", "ms per call"]
     rows = [
         [r["batch"], r["vocab"], r["host_waits"], not r["problems"], r["ms_per_call"]]

@@ -1,0 +1,78 @@
+"""The model the GPU check's model and timing sections load: the default one (SmolLM2) or,
+where it is not installed or asked for, a random model of SmolLM2's exact shape written in
+Hugging Face format (``write_synthetic_model``, which ``tools/bench`` uses too)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gpu.config import ModelConfig
+
+# SmolLM2-135M-Instruct's config.json (Llama architecture); the synthetic stand-in's shape.
+SMOLLM2_CONFIG: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 49152,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 100000.0,
+    "tie_word_embeddings": True,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+
+def write_synthetic_model(folder: Path, config: dict[str, Any], seed: int = 0) -> Path:
+    """A random model of ``config``'s shape in Hugging Face format (config + safetensors).
+
+    Embeddings are wide enough that logits are not flat (as in the test fixtures)."""
+    from safetensors.torch import save_file
+
+    from gpu.model import expected_shapes
+
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = ModelConfig.from_hf_dict(config)
+    gen = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, shape in expected_shapes(cfg).items():
+        if name.endswith("norm.weight"):
+            t = 0.8 + 0.4 * torch.rand(shape, generator=gen)
+        elif name.endswith("embed_tokens.weight") or name == "lm_head.weight":
+            t = torch.randn(shape, generator=gen) * 0.1
+        elif name.endswith(".bias"):
+            t = torch.randn(shape, generator=gen) * 0.02
+        else:
+            t = torch.randn(shape, generator=gen) * (1.0 / shape[1]) ** 0.5
+        tensors[name] = t.contiguous()
+    save_file(tensors, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    return folder
+
+
+def resolve_model(spec: str, workdir: Path) -> tuple[Path, str]:
+    """(Hugging Face folder, description). "synthetic" writes the stand-in; "default" falls
+    back to it when the default model is not installed."""
+    if spec != "synthetic":
+        try:
+            from gpu.gguf import resolve_model_path
+
+            folder = resolve_model_path(None if spec == "default" else spec, progress=False)
+            return folder, f"{spec} -> {folder}"
+        except Exception as exc:
+            if spec != "default":
+                raise
+            print(f"[model] default model unavailable ({exc}); using the synthetic stand-in")
+            reason = f"default model unavailable: {exc}"
+    else:
+        reason = "requested"
+    folder = write_synthetic_model(workdir / "smollm2-shape-random", SMOLLM2_CONFIG)
+    return folder, f"synthetic SmolLM2-135M shape, random weights ({reason})"
