@@ -269,8 +269,8 @@ class CausalLM(nn.Module):
         """Steps of at most ``rows`` tokens run their dense fp16/bf16 CUDA linears through
         ``gpu.triton_gemv`` instead of cuBLAS (0: none do); returns how many linears switched.
         ``fuse_layers``: such steps also fold the norms, the SiLU and the residual adds into
-        those matmuls (``DecoderLayer.forward_few_rows``); every linear must switch. For the
-        GPU check to compare (off unless called)."""
+        those matmuls (``DecoderLayer.forward_few_rows``); every linear must switch. Off
+        unless called (the executor's ``--triton-gemv``, the GPU check's modes)."""
         from gpu.triton_gemv import DTYPES, MAX_ROWS
 
         if rows > MAX_ROWS:
