@@ -11,6 +11,7 @@ Marked ``cuda``: the real kernels against the torch backend, skipped without CUD
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import types
@@ -323,6 +324,11 @@ def test_report_writes_json_after_each_section(tmp_path):
     report = common.Report(tmp_path / "r.json")
     report.section("kernels", {"ok": True, "table": "| a |"})
     assert '"kernels"' in (tmp_path / "r.json").read_text()
+    report.error("model", RuntimeError("boom"))
+    written = json.loads((tmp_path / "r.json").read_text())
+    assert set(written["elapsed_s"]) == {"kernels", "model"}  # when each section ended
+    assert 0 <= written["elapsed_s"]["kernels"] <= written["elapsed_s"]["model"]
+    assert written["errors"] == ["model: RuntimeError('boom')"]
 
 
 # --------------------------------------------------------------------------- CUDA

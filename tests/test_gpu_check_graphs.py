@@ -72,6 +72,7 @@ def test_modes_are_held_to_the_first_mode_s_logits():
     result = dg.graphs_section(model, [1, 2], context=20, iters=1, bandwidth=1e9)
     eager = [r for r in result["results"] if r["mode"] == "eager"]
     assert [r["logits_rel_err"] for r in eager] == [0.0, 0.0]  # the reference itself
+    assert all(r["mode_s"] >= 0 for r in result["results"])  # each mode's wall time
     runner = dg.mode_runner(model, dg.MODES[0], 8)
     dg.fill_kv(runner)
     first = dg.step_logits(runner, 2, 20)

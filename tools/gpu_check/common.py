@@ -5,6 +5,7 @@ which collects the sections' results into the JSON."""
 from __future__ import annotations
 
 import json
+import time
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
@@ -52,11 +53,13 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
 
 class Report:
     """Collects section results and rewrites the JSON after each one (a run killed at its
-    time limit still leaves what it finished)."""
+    time limit still leaves what it finished). ``elapsed_s``: seconds from the start to each
+    section's last write, to plan the next run within the device's time limit."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.data: dict[str, Any] = {"sections": {}, "errors": []}
+        self.data: dict[str, Any] = {"sections": {}, "errors": [], "elapsed_s": {}}
+        self.started = time.monotonic()
         path.parent.mkdir(parents=True, exist_ok=True)
 
     def set(self, key: str, value: Any) -> None:
@@ -65,6 +68,7 @@ class Report:
 
     def section(self, name: str, value: dict[str, Any]) -> None:
         self.data["sections"][name] = value
+        self.data["elapsed_s"][name] = round(time.monotonic() - self.started, 1)
         self.flush()
         if "table" in value:
             print(f"\n### {name}\n\n{value['table']}\n", flush=True)
@@ -72,6 +76,7 @@ class Report:
     def error(self, name: str, exc: BaseException) -> None:
         traceback.print_exc()
         self.data["sections"][name] = {"ok": False, "error": repr(exc)}
+        self.data["elapsed_s"][name] = round(time.monotonic() - self.started, 1)
         self.data["errors"].append(f"{name}: {exc!r}")
         self.flush()
 
