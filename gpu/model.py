@@ -293,6 +293,43 @@ class CausalLM(nn.Module):
             self.few_row_layers = rows
         return switched
 
+    def warm_triton_gemv(self) -> int:
+        """Run every Triton matrix-vector variant a step of a few tokens can launch (each
+        linear's shape plain, and with ``few_row_layers`` the norm, residual and SiLU ones),
+        once at each row block (1, 2, 4, 8 up to the limit), on zeros: compiled and, on
+        CUDA, tuned before the first request needs them (the warm-up; the graphs' capture
+        covers only their buckets' kernels). Returns how many calls it made."""
+        from gpu.triton_gemv import gemv
+
+        linears = [m for m in self.modules() if isinstance(m, DenseLinear) and m.triton_rows]
+        rows = max([self.few_row_layers, *(m.triton_rows for m in linears)])
+        variants: dict[tuple[int, int, bool, str], DenseLinear] = {}
+        for dense_linear in linears:
+            shape = (dense_linear.out_features, dense_linear.in_features)
+            variants.setdefault((*shape, dense_linear.bias is not None, ""), dense_linear)
+        if self.few_row_layers:
+            layer = cast(DecoderLayer, self.layers[0])
+            for linear, kind in (
+                (layer.qkv_proj, "norm"), (layer.o_proj, "add"), (layer.gate_up_proj, "norm"),
+                (layer.down_proj, "silu_add"), (self.lm_head, "norm"),
+            ):  # fmt: skip
+                key = (linear.out_features, linear.in_features, linear.bias is not None, kind)
+                variants.setdefault(key, cast(DenseLinear, linear))
+        calls = 0
+        # The kernel is compiled per row block (rows rounded up to a power of two).
+        for block in sorted({1 << (r - 1).bit_length() for r in range(1, rows + 1)}):
+            m = min(block, rows)
+            for (n, k, _, kind), linear in variants.items():
+                w, b = linear.weight, linear.bias
+                x = torch.zeros(
+                    (m, 2 * k if kind == "silu_add" else k), dtype=w.dtype, device=w.device
+                )
+                norm = torch.ones(k, dtype=w.dtype, device=w.device) if kind == "norm" else None
+                out = torch.zeros((m, n), dtype=w.dtype, device=w.device) if "add" in kind else None
+                gemv(x, w, b, norm=norm, silu=kind == "silu_add", add_to=out)
+                calls += 1
+        return calls
+
     @property
     def device(self) -> torch.device:
         return self.norm.device

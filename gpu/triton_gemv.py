@@ -80,7 +80,7 @@ def _kernel() -> Any:
         tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=out_ok)
 
     if os.environ.get("TRITON_INTERPRET") == "1":
-        return gemv_kernel, {"BLOCK_N": 8, "BLOCK_K": 32}
+        return gemv_kernel, {"BLOCK_N": 16, "BLOCK_K": 64}
     # No tl.dot, so no software pipelining: one stage. The product tile is held in registers
     # (BLOCK_M * BLOCK_N * BLOCK_K fp32 over the program's threads): tiles past 64 a thread
     # spill or leave one program per SM, and are pruned for the batch's BLOCK_M.

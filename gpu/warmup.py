@@ -38,20 +38,26 @@ PROMPT_PAGES = 1
 @dataclass(frozen=True)
 class WarmupReport:
     """What the warm-up ran and how long each part took (seconds). ``graphs_s``: capturing
-    the decode steps' CUDA graphs and replaying one (None: this runner decodes eagerly)."""
+    the decode steps' CUDA graphs and replaying one (None: this runner decodes eagerly);
+    ``triton_s``: the Triton matrix-vector kernels' variants built and tuned (None: the model
+    does not use them, ``--triton-gemv off``)."""
 
     prompt_tokens: int
     prefill_s: float
     decode_s: float
     sample_s: float
     graphs_s: float | None = None
+    triton_s: float | None = None
 
     @property
     def total_s(self) -> float:
-        return self.prefill_s + self.decode_s + self.sample_s + (self.graphs_s or 0.0)
+        parts = (self.prefill_s, self.decode_s, self.sample_s, self.graphs_s, self.triton_s)
+        return sum(p or 0.0 for p in parts)
 
     def describe(self) -> str:
         graphs = "" if self.graphs_s is None else f", CUDA graphs {self.graphs_s:.2f}s"
+        if self.triton_s is not None:
+            graphs += f", Triton matrix-vector kernels {self.triton_s:.2f}s"
         return (
             f"{self.total_s:.2f}s (a prompt chunk of {self.prompt_tokens} tokens "
             f"{self.prefill_s:.2f}s, a decode step {self.decode_s:.2f}s, "
@@ -116,6 +122,12 @@ def warm_up(
         )
         _sync(runner.device)
         done = time.perf_counter()
+        # Every row block's variant, not only those the two steps above ran (before the
+        # capture, whose warm-up runs would otherwise tune them on a side stream).
+        triton_s = None
+        if runner.model.warm_triton_gemv():
+            _sync(runner.device)
+            triton_s = time.perf_counter() - done
         graphs_s = runner.capture_graphs(max_num_seqs)
         if graphs_s is not None:  # the step after: a decode replayed from its graph
             replay_started = time.perf_counter()
@@ -124,7 +136,8 @@ def warm_up(
             graphs_s += time.perf_counter() - replay_started
     finally:
         pages.free(table)
-    return WarmupReport(n, prefilled - started, decoded - prefilled, done - decoded, graphs_s)
+    sample_s = done - decoded
+    return WarmupReport(n, prefilled - started, decoded - prefilled, sample_s, graphs_s, triton_s)
 
 
 def _sync(device: torch.device) -> None:

@@ -213,3 +213,45 @@ def test_the_executor_s_setting_is_for_one_cuda_device(
     runner = build_runner(tiny_llama, num_pages=4, triton_gemv="layers", progress=False)
     assert runner.model.few_row_layers == 0
     assert "--triton-gemv layers runs on one CUDA device only: ignored" in caplog.text
+
+
+@pytest.mark.parametrize("fuse_layers", [False, True])
+def test_warm_up_builds_every_variant_at_every_row_block(
+    fuse_layers: bool, tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The executor's warm-up runs each variant a step of up to 8 tokens can launch once per
+    row block (1, 2, 4, 8 rows), so no request waits for Triton's compile or tuning."""
+    from gpu.engine import Engine, EngineConfig
+    from gpu.loader import load_model
+
+    model = cuda_layout(load_model(tiny_models["qwen2"], dtype=torch.bfloat16, progress=False))
+    model.use_triton_gemv(8, fuse_layers=fuse_layers)
+    calls: list[tuple[int, int, int, bool, bool, bool, bool]] = []
+    real = triton_gemv.gemv
+
+    def counted(x: torch.Tensor, w: torch.Tensor, b: Any = None, **kw: Any) -> torch.Tensor:
+        variant = (kw.get("norm") is not None, kw.get("silu", False), kw.get("add_to") is not None)
+        calls.append((x.shape[0], *w.shape, b is not None, *variant))
+        return real(x, w, b, **kw)
+
+    monkeypatch.setattr(triton_gemv, "gemv", counted)
+    calls.clear()
+    assert model.warm_triton_gemv() == len(calls)
+    h, i, v = 64, 128, 512  # tests/models.py's tiny shape; Qwen2: q/k/v biases, tied head
+    shapes = [(h + 2 * 32, h, True), (h, h, False), (2 * i, h, False), (h, i, False)]
+    shapes.append((v, h, False))
+    plain = {(n, k, b, False, False, False) for n, k, b in shapes}
+    fused = {(h + 2 * 32, h, True, True, False, False), (h, h, False, False, False, True)}
+    fused |= {(2 * i, h, False, True, False, False), (h, i, False, False, True, True)}
+    fused.add((v, h, False, True, False, False))
+    expected = plain | (fused if fuse_layers else set())
+    assert {c[0] for c in calls} == {1, 2, 4, 8}
+    for rows in (1, 2, 4, 8):
+        assert sorted(c[1:] for c in calls if c[0] == rows) == sorted(expected)
+    engine = Engine(ModelRunner(model, num_pages=16, page_size=4), EngineConfig())
+    report = engine.warm_up()
+    assert report.triton_s is not None and report.triton_s > 0
+    assert "Triton matrix-vector kernels" in report.describe()
+    model.use_triton_gemv(0)
+    assert model.warm_triton_gemv() == 0
+    assert Engine(ModelRunner(model, 16, 4), EngineConfig()).warm_up().triton_s is None
