@@ -57,7 +57,9 @@ def build_runner(
         if triton_gemv != "off":
             from gpu.triton_gemv import MAX_ROWS
 
-            model.use_triton_gemv(MAX_ROWS, fuse_layers=triton_gemv == "layers")
+            if not model.use_triton_gemv(MAX_ROWS, fuse_layers=triton_gemv == "layers"):
+                log.warning("--triton-gemv %s: no fp16/bf16 dense linear (quantization %s)",
+                            triton_gemv, quantization)  # fmt: skip
         kv_dtype = kv_cache_dtype(kv_cache, model.dtype)
         return ModelRunner(
             model, num_pages=num_pages, page_size=page_size, kv_dtype=kv_dtype,
