@@ -295,14 +295,17 @@ class CausalLM(nn.Module):
 
     def warm_triton_gemv(self) -> int:
         """Run every Triton matrix-vector variant a step of a few tokens can launch (each
-        linear's shape plain, and with ``few_row_layers`` the norm, residual and SiLU ones),
-        once at each row block (1, 2, 4, 8 up to the limit), on zeros: compiled and, on
-        CUDA, tuned before the first request needs them (the warm-up; the graphs' capture
-        covers only their buckets' kernels). Returns how many calls it made."""
+        linear's shape plain; with ``few_row_layers`` the layers' norm, residual and SiLU
+        ones, the head's normed and plain ones), once at each row block (1, 2, 4, 8 up to
+        the limit), on zeros: compiled and, on CUDA, tuned before the first request needs
+        them (the warm-up). Returns how many calls it made."""
         from gpu.triton_gemv import gemv
 
         linears = [m for m in self.modules() if isinstance(m, DenseLinear) and m.triton_rows]
         rows = max([self.few_row_layers, *(m.triton_rows for m in linears)])
+        if self.few_row_layers:  # the layers' linears take the fused variants only; the
+            # head's plain one serves a longer step's logits rows (at most 8 of them)
+            linears = [m for m in linears if m is self.lm_head]
         variants: dict[tuple[int, int, bool, str], DenseLinear] = {}
         for dense_linear in linears:
             shape = (dense_linear.out_features, dense_linear.in_features)

@@ -15,12 +15,28 @@ import torch
 from gpu.config import ModelConfig
 from gpu.formats import TRITON_GEMV_MODES
 from gpu.loader import load_model
+from gpu.model import CausalLM
 from gpu.parallel.launch import RankGroup, RankSpec
 from gpu.parallel.shard import check_tensor_parallel
 from gpu.quant import kv_cache_dtype
 from gpu.runner import ModelRunner
 
 log = logging.getLogger(__name__)
+
+
+def _use_triton_gemv(model: CausalLM, mode: str, quantization: str) -> None:
+    """``--triton-gemv matmuls|layers`` on a CUDA model; ``layers`` where some linear cannot
+    take it (a quantized one) falls back to ``matmuls`` with a warning, not a failed start."""
+    from gpu.triton_gemv import MAX_ROWS
+
+    try:
+        switched = model.use_triton_gemv(MAX_ROWS, fuse_layers=mode == "layers")
+    except ValueError as exc:
+        log.warning("--triton-gemv layers: %s; running matmuls instead", exc)
+        switched = model.use_triton_gemv(MAX_ROWS)
+    if not switched:
+        log.warning("--triton-gemv %s: no fp16/bf16 dense linear (quantization %s)",
+                    mode, quantization)  # fmt: skip
 
 
 def build_runner(
@@ -55,11 +71,7 @@ def build_runner(
     if tensor_parallel_size == 1:
         model = load_model(folder, device=device, quantization=quantization, progress=progress)
         if triton_gemv != "off":
-            from gpu.triton_gemv import MAX_ROWS
-
-            if not model.use_triton_gemv(MAX_ROWS, fuse_layers=triton_gemv == "layers"):
-                log.warning("--triton-gemv %s: no fp16/bf16 dense linear (quantization %s)",
-                            triton_gemv, quantization)  # fmt: skip
+            _use_triton_gemv(model, triton_gemv, quantization)
         kv_dtype = kv_cache_dtype(kv_cache, model.dtype)
         return ModelRunner(
             model, num_pages=num_pages, page_size=page_size, kv_dtype=kv_dtype,

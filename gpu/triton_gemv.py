@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from gpu.triton_launch import on_device
+
 MAX_ROWS = 8
 DTYPES = (torch.float16, torch.bfloat16)
 
@@ -156,9 +158,10 @@ def gemv(
     def grid(meta: dict[str, int]) -> tuple[int]:
         return (-(-n // meta["BLOCK_N"]),)
 
-    kernel[grid](
-        x, weight, bias if bias is not None else y, norm if norm is not None else y, y,
-        x.stride(0), weight.stride(0), y.stride(0), m, n, eps, K=k, HAS_BIAS=bias is not None,
-        NORM=norm is not None, SILU=silu, ADD_TO_Y=add_to is not None, BLOCK_M=block_m, **fixed,
-    )  # fmt: skip
+    with on_device(x):
+        kernel[grid](
+            x, weight, bias if bias is not None else y, norm if norm is not None else y, y,
+            x.stride(0), weight.stride(0), y.stride(0), m, n, eps, K=k, HAS_BIAS=bias is not None,
+            NORM=norm is not None, SILU=silu, ADD_TO_Y=add_to is not None, BLOCK_M=block_m, **fixed,
+        )  # fmt: skip
     return y

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from gpu.quant import FP8, FP8_MAX, INT8_MAX
+from gpu.triton_launch import on_device
 
 BLOCK = 1024
 
@@ -91,8 +92,9 @@ def quantize_rows(x: torch.Tensor, fp8: bool) -> tuple[torch.Tensor, torch.Tenso
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     if m:
         codes = q.view(torch.uint8) if fp8 else q  # e4m3's bytes are written as such
-        _kernel()[(m,)](
-            x, codes, scale, x.stride(0), q.stride(0),
-            K=k, QMAX=FP8_MAX if fp8 else INT8_MAX, FP8_CODES=fp8, BLOCK=BLOCK,
-        )  # fmt: skip
+        with on_device(x):
+            _kernel()[(m,)](
+                x, codes, scale, x.stride(0), q.stride(0),
+                K=k, QMAX=FP8_MAX if fp8 else INT8_MAX, FP8_CODES=fp8, BLOCK=BLOCK,
+            )  # fmt: skip
     return q, scale

@@ -101,7 +101,14 @@ def warm_up(
             f"{pages.pages_needed(PageTable(), n + 2)} pages, {pages.num_free} free"
         )
     try:
+        # First every Triton matrix-vector variant at every row block (compiled and tuned
+        # here, not inside the steps timed below or the graphs' capture).
         started = time.perf_counter()
+        triton_s = None
+        if runner.model.warm_triton_gemv():
+            _sync(runner.device)
+            triton_s = time.perf_counter() - started
+            started = time.perf_counter()
         runner.execute([SeqChunk(tuple(table.pages), 0, n)], [prompt])
         _sync(runner.device)
         prefilled = time.perf_counter()
@@ -122,12 +129,6 @@ def warm_up(
         )
         _sync(runner.device)
         done = time.perf_counter()
-        # Every row block's variant, not only those the two steps above ran (before the
-        # capture, whose warm-up runs would otherwise tune them on a side stream).
-        triton_s = None
-        if runner.model.warm_triton_gemv():
-            _sync(runner.device)
-            triton_s = time.perf_counter() - done
         graphs_s = runner.capture_graphs(max_num_seqs)
         if graphs_s is not None:  # the step after: a decode replayed from its graph
             replay_started = time.perf_counter()

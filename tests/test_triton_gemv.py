@@ -244,7 +244,9 @@ def test_warm_up_builds_every_variant_at_every_row_block(
     fused = {(h + 2 * 32, h, True, True, False, False), (h, h, False, False, False, True)}
     fused |= {(2 * i, h, False, True, False, False), (h, i, False, False, True, True)}
     fused.add((v, h, False, True, False, False))
-    expected = plain | (fused if fuse_layers else set())
+    # with the layers fused, their linears' plain variants are never launched: the head's is
+    # (a longer step's logits rows)
+    expected = (fused | {(v, h, False, False, False, False)}) if fuse_layers else plain
     assert {c[0] for c in calls} == {1, 2, 4, 8}
     for rows in (1, 2, 4, 8):
         assert sorted(c[1:] for c in calls if c[0] == rows) == sorted(expected)
@@ -255,3 +257,34 @@ def test_warm_up_builds_every_variant_at_every_row_block(
     model.use_triton_gemv(0)
     assert model.warm_triton_gemv() == 0
     assert Engine(ModelRunner(model, 16, 4), EngineConfig()).warm_up().triton_s is None
+
+
+def test_kernels_launch_on_their_tensors_device() -> None:
+    """Triton launches on the current device: a replica on cuda:1 makes its device current
+    around each launch (on the CPU, under the interpreter, there is nothing to switch)."""
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    from gpu.triton_launch import on_device
+
+    assert isinstance(on_device(torch.zeros(1)), nullcontext)
+    guard = on_device(SimpleNamespace(device=torch.device("cuda", 1)))
+    assert isinstance(guard, torch.cuda.device) and guard.idx == 1
+
+
+def test_layers_on_a_model_that_cannot_take_them_falls_back_with_warnings(
+    tiny_llama: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from gpu.loader import load_model
+    from gpu.replica import _use_triton_gemv
+
+    quantized = load_model(tiny_llama, progress=False, quantization="int8")
+    _use_triton_gemv(quantized, "layers", "int8")
+    assert quantized.few_row_layers == 0
+    assert "fused few-row layers need every linear dense fp16/bf16" in caplog.text
+    assert "running matmuls instead" in caplog.text
+    assert "--triton-gemv layers: no fp16/bf16 dense linear (quantization int8)" in caplog.text
+    caplog.clear()
+    dense = cuda_layout(load_model(tiny_llama, dtype=torch.bfloat16, progress=False))
+    _use_triton_gemv(dense, "layers", "none")
+    assert dense.few_row_layers == 8 and caplog.text == ""

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from gpu.triton_launch import on_device
+
 DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -119,13 +121,14 @@ def rope_append_(
     page_size = kv_cache.shape[2]
     s = kv_cache.stride()
     grid = (tokens, num_q + k.shape[1])
-    _kernel()[grid](
-        q, k, v, q.stride(0), k.stride(0), v.stride(0),
-        positions, cos_sin_cache, kv_cache, batch_indices, kv_indptr, kv_indices,
-        s[0], s[1], s[2], s[3],
-        NUM_Q=num_q, HALF=d // 2, PAGE_SIZE=page_size,
-        num_warps=1,  # a head of 32-64 values a program
-    )  # fmt: skip
+    with on_device(q):
+        _kernel()[grid](
+            q, k, v, q.stride(0), k.stride(0), v.stride(0),
+            positions, cos_sin_cache, kv_cache, batch_indices, kv_indptr, kv_indices,
+            s[0], s[1], s[2], s[3],
+            NUM_Q=num_q, HALF=d // 2, PAGE_SIZE=page_size,
+            num_warps=1,  # a head of 32-64 values a program
+        )  # fmt: skip
 
 
 def rope_append_reference(

@@ -64,8 +64,8 @@ class ExecutorConfig:
         "off",
         "decode steps of up to 8 tokens on CUDA (dense fp16/bf16 weights): matmuls: the "
         "linears through a Triton matrix-vector kernel (gpu/triton_gemv.py); layers: also the "
-        "norms, SiLU and residual adds inside those matmuls; off until timed on a GPU "
-        "(tools/gpu_check)",
+        "norms, SiLU and residual adds inside those matmuls (a quantized model runs "
+        "matmuls); off until timed on a GPU (tools/gpu_check)",
         choices=TRITON_GEMV_MODES,
     )
     kv_cache_dtype: str = setting(

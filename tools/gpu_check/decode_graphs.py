@@ -343,7 +343,11 @@ def time_mode(
             "kv_bytes": kv_bytes(runner, batch, context),
         }
         if references is not None:
-            r |= held_to(references, batch, step_logits(runner, batch, context))
+            try:
+                r |= held_to(references, batch, step_logits(runner, batch, context))
+            except Exception as exc:  # this row's error; the other modes still run
+                traceback.print_exc()
+                r["error"] = f"the step's logits: {exc!r}"
         if mode.triton_gemv and batch > TRITON_ROWS:
             r["note"] = f"cuBLAS: more than {TRITON_ROWS} rows"
         results.append(r)
