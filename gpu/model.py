@@ -302,7 +302,7 @@ class CausalLM(nn.Module):
         from gpu.triton_gemv import gemv
 
         linears = [m for m in self.modules() if isinstance(m, DenseLinear) and m.triton_rows]
-        rows = max([self.few_row_layers, *(m.triton_rows for m in linears)])
+        rows = max((m.triton_rows for m in linears), default=0)  # (few_row_layers: the same)
         if self.few_row_layers:  # the layers' linears take the fused variants only; the
             # head's plain one serves a longer step's logits rows (at most 8 of them)
             linears = [m for m in linears if m is self.lm_head]

@@ -37,7 +37,7 @@ from gpu.linear import Linear
 from gpu.model import CausalLM, Weight, expected_shapes
 from gpu.runner import ModelRunner
 from tools.gpu_check.common import Report, markdown_table, parse_ints
-from tools.gpu_check.decode_timing import time_decode_step
+from tools.gpu_check.decode_timing import decode_batch, time_decode_step
 from tools.gpu_check.gemv_bench import gemv_section
 from tools.gpu_check.kernel_profile import breakdown, breakdown_table, profile_steps
 
@@ -372,15 +372,8 @@ def step_logits(runner: ModelRunner, batch: int, context: int) -> torch.Tensor:
     """The logits (float32, on the CPU) of one decode step of ``batch`` sequences of
     ``context`` tokens over the timed pages, with fixed token ids (the step rewrites only its
     own slot, so what ran before does not change them)."""
-    from gpu.attention.metadata import SeqChunk, build_batch_metadata
-
-    pages = -(-context // PAGE_SIZE)
-    chunks = [
-        SeqChunk(tuple(range(b * pages, (b + 1) * pages)), context - 1, 1) for b in range(batch)
-    ]
     ids = (torch.arange(batch) * 7919 + 11) % runner.config.vocab_size
-    logits = runner.forward(ids, build_batch_metadata(chunks, PAGE_SIZE))
-    return logits.float().cpu()
+    return runner.forward(ids, decode_batch(batch, context)).float().cpu()
 
 
 def held_to(
@@ -401,10 +394,7 @@ def profile_decode(
 ) -> dict[str, Any]:
     """The kernels of ``steps`` batch-1 decode steps of ``runner``, by kind (the matmuls'
     GB/s over the weights' bytes)."""
-    from gpu.attention.metadata import SeqChunk, build_batch_metadata
-
-    pages = -(-context // PAGE_SIZE)
-    meta = build_batch_metadata([SeqChunk(tuple(range(pages)), context - 1, 1)], PAGE_SIZE)
+    meta = decode_batch(1, context)
     ids = torch.tensor([5])
     runner.forward(ids, meta)
     kernels = profile_steps(lambda: runner.forward(ids, meta), steps)

@@ -14,11 +14,21 @@ from typing import Any
 import torch
 
 from gpu.attention.backend import AttentionBackend
-from gpu.attention.metadata import SeqChunk, build_batch_metadata
+from gpu.attention.metadata import BatchMetadata, SeqChunk, build_batch_metadata
 from gpu.attention.torch_backend import TorchPagedAttention
 from gpu.model import CausalLM
 from gpu.runner import ModelRunner
 from tools.gpu_check.common import PAGE_SIZE, Report, markdown_table, parse_ints, synchronize
+
+
+def decode_batch(batch: int, context: int) -> BatchMetadata:
+    """One decode step of ``batch`` sequences of ``context`` tokens, sequence ``b`` on pages
+    ``b * pages ..`` (the pages every timed step of the check reads)."""
+    pages = -(-context // PAGE_SIZE)
+    chunks = [
+        SeqChunk(tuple(range(b * pages, (b + 1) * pages)), context - 1, 1) for b in range(batch)
+    ]
+    return build_batch_metadata(chunks, PAGE_SIZE)
 
 
 def time_decode_step(
@@ -34,10 +44,7 @@ def time_decode_step(
     pages = -(-context // PAGE_SIZE)
     if batch * pages > runner.kv.spec.num_pages:
         raise ValueError("the runner's KV cache is too small for this batch")
-    chunks = [
-        SeqChunk(tuple(range(b * pages, (b + 1) * pages)), context - 1, 1) for b in range(batch)
-    ]
-    meta = build_batch_metadata(chunks, PAGE_SIZE)
+    meta = decode_batch(batch, context)
     ids = torch.randint(3, runner.config.vocab_size, (batch,))
     for _ in range(warmup):
         runner.forward(ids, meta)
