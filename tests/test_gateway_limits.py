@@ -200,8 +200,24 @@ async def test_error_echoing_a_lone_surrogate_is_valid_json(env: Env) -> None:
         (CMP, b'{"prompt": "a\\ud800"}', "prompt"),
         (CHT, b'{"messages": [{"role": "user", "content": "\\udfff"}]}', "messages[0].content"),
         (CMP, b'{"prompt": "x", "stop": ["\\ud800"]}', "stop"),
+        (
+            CHT,
+            b'{"messages": [{"role": "user", "content": "x", "name": "\\ud800"}]}',
+            "messages[0].name",
+        ),
+        (
+            CHT,
+            b'{"messages": [{"role": "tool", "content": "x", "tool_call_id": "\\udc00"}]}',
+            "messages[0].tool_call_id",
+        ),
+        (
+            CHT,
+            b'{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": '
+            b'"json_schema", "json_schema": {"name": "\\ud800", "schema": {}}}}',
+            "response_format.json_schema.name",
+        ),
     ],
-    ids=["prompt", "messages", "stop"],
+    ids=["prompt", "messages", "stop", "name", "tool_call_id", "schema-name"],
 )
 async def test_lone_surrogate_in_forwarded_text_is_a_400(
     env: Env, path: str, body: bytes, param: str

@@ -29,12 +29,15 @@ from nats.aio.msg import Msg
 
 from common.config import MeshConfig
 from common.nats_server import LocalNatsServer
+from common.runtime import RequestError
 from common.subjects import Subjects
 from common.wire.executor import AbortRequests
 from common.wire.gateway import ErrorEvent, TextDelta, TextDeltas, TextLogprob, Usage
 from common.wire.scheduler import Heartbeat
 from common.wire.tokenizer import GenerateRequest, WireSamplingParams
 from services.gateway import GatewayConfig, GatewayServer, parse_args
+from services.gateway.body import Body
+from services.gateway.protocol import parse_logit_bias
 from services.gateway.responses import ResponseBuilder
 
 PROMPT_TOKENS = 7
@@ -437,6 +440,24 @@ CMP, CHT = "/v1/completions", "/v1/chat/completions"
         (CMP, {"prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias"),
         (CMP, {"prompt": "x", "logit_bias": {"a": 1}}, 400, "logit_bias"),
         (CMP, {"prompt": "x", "logit_bias": [1]}, 400, "logit_bias"),
+        (CMP, {"prompt": "x", "logit_bias": {"\u00b2": 1}}, 400, "logit_bias"),
+        (
+            CHT,
+            {
+                "messages": [
+                    {
+                        "role": "assistant",
+                        "content": None,
+                        "tool_calls": [
+                            {"id": "a", "function": {"name": "f", "arguments": "[" * 3000}}
+                        ],
+                    },
+                    {"role": "user", "content": "hi"},
+                ]
+            },
+            400,
+            "messages[0].tool_calls[0].function.arguments",
+        ),
         (CHT, {"messages": CHAT, "model": "gpt-4"}, 404, "model"),
         (CMP, {"prompt": "x", "model": "gpt-4"}, 404, "model"),
     ],
@@ -453,6 +474,15 @@ async def test_bad_input_is_an_openai_error(
     if status == 404:
         assert error["code"] == "model_not_found"
     assert env.fake.requests == []  # nothing reached the mesh
+
+
+@pytest.mark.parametrize("key", ["\u00b2", "\u2460", "9" * 5000, "-1", " 1", "2147483648"])
+def test_a_logit_bias_key_that_is_no_token_id_is_a_400_not_a_500(key: str) -> None:
+    """str.isdigit takes "²" and "①", and int() refuses more than 4300 digits: each was a 500."""
+    with pytest.raises(RequestError) as info:
+        parse_logit_bias(Body({"logit_bias": {key: 1}}))
+    assert info.value.status == 400 and info.value.param == "logit_bias"
+    assert parse_logit_bias(Body({"logit_bias": {"2147483647": -100}})) == [(2**31 - 1, -100.0)]
 
 
 async def test_unknown_model_with_openai_client(env: Env) -> None:

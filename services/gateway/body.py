@@ -101,4 +101,16 @@ class Body:
         return value
 
 
-# --- the two endpoints ----------------------------------------------------------------------------
+def unicode_text(value: str, param: str) -> str:
+    """``value`` if it is Unicode text. JSON may escape a lone surrogate (``"\\ud800"``),
+    which is not: no tokenizer takes it and the mesh's msgpack (UTF-8) cannot carry it."""
+    try:
+        value.encode()
+    except UnicodeEncodeError as exc:
+        raise bad_request(
+            f"'{param}' holds a lone surrogate (U+{ord(value[exc.start]):04X}), "
+            "which is not valid Unicode text.",
+            param,
+            "invalid_value",
+        ) from None
+    return value

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from common.runtime import RequestError
 from common.wire.tokenizer import ChatMessage, ResponseFormat, ToolChoice, WireSamplingParams
-from services.gateway.body import Body, bad_request, out_of_range, wrong_type
+from services.gateway.body import Body, bad_request, out_of_range, unicode_text, wrong_type
 from services.gateway.config import GatewayConfig
 from services.gateway.structured import parse_message_tool_calls, parse_response_format, parse_tools
 
@@ -183,21 +183,6 @@ def parse_prompt(value: Any) -> tuple[str | None, list[int] | None]:
     return None, list(value)
 
 
-def unicode_text(value: str, param: str) -> str:
-    """``value`` if it is Unicode text. JSON may escape a lone surrogate (``"\\ud800"``),
-    which is not: no tokenizer takes it and the mesh's msgpack (UTF-8) cannot carry it."""
-    try:
-        value.encode()
-    except UnicodeEncodeError as exc:
-        raise bad_request(
-            f"'{param}' holds a lone surrogate (U+{ord(value[exc.start]):04X}), "
-            "which is not valid Unicode text.",
-            param,
-            "invalid_value",
-        ) from None
-    return value
-
-
 def parse_priority(body: Body, limit: int) -> int:
     """vLLM's convention (an extension of the OpenAI API): a lower value runs first, 0 (the
     default) sits in the middle. Clients may use -limit..limit; limit 0 turns the field off."""
@@ -274,8 +259,10 @@ def parse_message(value: Any, where: str) -> ChatMessage:
         ROLES[role],
         unicode_text(content, param),
         tool_calls=tool_calls,
-        tool_call_id=tool_call_id if isinstance(tool_call_id, str) and role == "tool" else "",
-        name=name if isinstance(name, str) else "",
+        tool_call_id=unicode_text(tool_call_id, f"{where}.tool_call_id")
+        if isinstance(tool_call_id, str) and role == "tool"
+        else "",
+        name=unicode_text(name, f"{where}.name") if isinstance(name, str) else "",
     )
 
 
@@ -382,7 +369,9 @@ def parse_logit_bias(body: Body) -> list[tuple[int, float]]:
     lo, hi = LOGIT_BIAS_RANGE
     out = []
     for key, bias in value.items():
-        token = int(key) if isinstance(key, str) and key.isdigit() else -1
+        # ASCII digits only: str.isdigit also takes "²" and "①", which int() refuses.
+        ascii_id = isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 10
+        token = int(key) if ascii_id else -1
         if not 0 <= token <= MAX_TOKEN_ID:
             raise bad_request(
                 f"'logit_bias' keys must be token ids (non-negative integers as strings), "

@@ -12,7 +12,7 @@ from typing import Any
 
 from common.runtime import RequestError
 from common.wire.tokenizer import ResponseFormat, ToolChoice
-from services.gateway.body import Body, bad_request, wrong_type
+from services.gateway.body import Body, bad_request, unicode_text, wrong_type
 
 # A function name as OpenAI allows it.
 NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
@@ -57,6 +57,7 @@ def parse_response_format(body: Body) -> ResponseFormat | None:
     strict = spec.get("strict")
     if strict is not None and not isinstance(strict, bool):
         raise wrong_type("response_format.json_schema.strict", "a boolean", strict)
+    name = unicode_text(name, "response_format.json_schema.name")
     return ResponseFormat("json_schema", json.dumps(schema), name)
 
 
@@ -167,7 +168,7 @@ def parse_message_tool_calls(value: Any, where: str) -> str:
         if isinstance(arguments, str):
             try:
                 arguments = json.loads(arguments) if arguments else {}
-            except ValueError:
+            except (ValueError, RecursionError):  # RecursionError: nested past Python's limit
                 raise bad_request(
                     f"'{at}.function.arguments' is not valid JSON.",
                     f"{at}.function.arguments",
