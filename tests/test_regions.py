@@ -129,3 +129,57 @@ def test_up_regions_with_one_executor_keeps_none_guest_free(monkeypatch, tmp_pat
             "us-east",
             *reserve,
         )
+
+
+def test_up_regions_give_every_service_its_own_metrics_port(monkeypatch, tiny_llama) -> None:
+    """Each region numbers its /metrics ports on from where the previous region stopped (both
+    regions once took the same ports, and the second to bind exited)."""
+    from types import SimpleNamespace
+
+    from services.launcher import regions
+
+    commands: dict[str, list[str]] = {}
+
+    def popen(self: LocalMesh, name: str) -> SimpleNamespace:
+        commands.update(self.commands)
+        return SimpleNamespace(poll=lambda: 0)  # an exited process, for stop()
+
+    monkeypatch.setattr(LocalMesh, "popen", popen)
+    clusters = {r: SimpleNamespace(url=f"nats://127.0.0.1:{i + 1}") for i, r in enumerate("ab")}
+    fake = SimpleNamespace(clusters=clusters, wait_jetstream=lambda: None, stop=lambda: None)
+    monkeypatch.setattr(regions.Supercluster, "start", lambda plans: fake)
+    args = parse_up_args(["--regions", "a,b", "--executors", "2", "--metrics-port", "9101"])
+    _, meshes = regions.start_regions(args, tiny_llama)
+    ports = [
+        int(c[c.index("--metrics-port") + 1]) for c in commands.values() if "--metrics-port" in c
+    ]
+    per_region = len(commands) // 2 - 1  # all but the gateway, which serves it on its HTTP port
+    assert sorted(ports) == list(range(9101, 9101 + 2 * per_region))
+    urls = [u for m in meshes for n, u in m.metrics_urls.items() if not n.endswith("gateway")]
+    assert sorted(int(u.split(":")[2].split("/")[0]) for u in urls) == sorted(ports)
+
+
+def test_up_stops_its_nats_cluster_when_jetstream_never_answers(monkeypatch, tmp_path) -> None:
+    """The cluster's servers run in a session of their own: a failed start must stop them."""
+    from common.nats_server import LocalNatsServer
+    from services.launcher import up
+    from services.launcher.nats_cluster import NatsCluster
+
+    started: list[LocalNatsServer] = []
+    start = LocalNatsServer.start
+
+    def recorded(*a, **kw) -> LocalNatsServer:
+        started.append(start(*a, **kw))
+        return started[-1]
+
+    def never(self, *a, **kw) -> None:
+        raise TimeoutError("JetStream did not answer")
+
+    monkeypatch.setattr(LocalNatsServer, "start", recorded)
+    monkeypatch.setattr(NatsCluster, "wait_jetstream", never)
+    monkeypatch.setattr(up, "resolve_model", lambda spec: tmp_path)
+    monkeypatch.setattr(up.signal, "signal", lambda *a: None)  # leave pytest's handlers
+    args = up.parse_up_args(["--nats-cluster-size", "3", "--log-dir", str(tmp_path / "logs")])
+    assert up.run_up(args) == 1
+    assert len(started) == 3
+    assert all(server.process.poll() is not None for server in started)

@@ -52,6 +52,7 @@ class LocalMesh:
     procs: list[tuple[str, subprocess.Popen[bytes]]] = field(default_factory=list)
     commands: dict[str, list[str]] = field(default_factory=dict)  # to start one again
     metrics_urls: dict[str, str] = field(default_factory=dict)  # service -> its /metrics
+    metrics_ports: int = 0  # ports taken from --metrics-port on (the gateway uses its own)
     logs: ServiceLogs | None = None
     # Executors sharing this host's cores (0: this mesh's own); ``meshserve up --regions`` runs
     # every region's on one host.
@@ -142,7 +143,8 @@ class LocalMesh:
         if module == "services.gateway":
             self.metrics_urls[name] = f"{self.base_url}/metrics"
         elif a.metrics_port is not None:
-            port = a.metrics_port + len([n for n in self.metrics_urls if n != "gateway"])
+            port = a.metrics_port + self.metrics_ports
+            self.metrics_ports += 1
             self.metrics_urls[name] = f"http://127.0.0.1:{port}/metrics"
             flags += ["--metrics-port", str(port), "--metrics-host", "127.0.0.1"]
         return flags

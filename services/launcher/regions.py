@@ -60,8 +60,16 @@ def region_names(text: str) -> tuple[str, ...]:
 
 
 def start_cluster(size: int) -> NatsCluster:
+    """A started cluster whose JetStream answers; on any failure (or Ctrl-C) its servers are
+    stopped first: they run in their own session, so nothing else would end them."""
     cluster = NatsCluster.start(ClusterPlan.free("meshserve", size))
-    cluster.wait_jetstream()
+    try:
+        cluster.wait_jetstream()
+    except BaseException as exc:
+        cluster.stop()
+        if isinstance(exc, Exception):
+            raise RuntimeError(f"the NATS cluster did not come up: {exc!r}") from exc
+        raise
     return cluster
 
 
@@ -74,12 +82,14 @@ def start_regions(
         [ClusterPlan.free(r, REGION_SERVERS, gateways=True) for r in regions]
     )
     meshes: list[RegionMesh] = []
+    metrics_port = args.metrics_port  # each region's services take the next free ones
     try:
         supercluster.wait_jetstream()
         for i, region in enumerate(regions):
             region_args = argparse.Namespace(**vars(args))
             region_args.port = args.port + i
             region_args.nats_url = supercluster.clusters[region].url
+            region_args.metrics_port = metrics_port
             mesh = RegionMesh(
                 region_args,
                 model_folder,
@@ -92,6 +102,8 @@ def start_regions(
             mesh.executors_on_host = len(regions) * len(mesh.executor_roles)
             meshes.append(mesh)
             mesh.start()
+            if metrics_port is not None:
+                metrics_port += mesh.metrics_ports
     except Exception:
         for mesh in meshes:
             mesh.stop()

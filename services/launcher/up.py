@@ -14,6 +14,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gpu.cache_dir import cache_root
 from services.launcher.console import LEVELS, ReadyReport, ServiceLogs
@@ -21,6 +22,9 @@ from services.launcher.flags import add_model_format_args, add_tensor_parallel_a
 from services.launcher.mesh import LocalMesh, resolve_model
 from services.launcher.supervisor import DeferredInterrupt, RestartPolicy
 from services.scheduler.router import POLICIES
+
+if TYPE_CHECKING:
+    from services.launcher.nats_cluster import NatsCluster
 
 
 def parse_up_args(argv: list[str]) -> argparse.Namespace:
@@ -142,18 +146,6 @@ def run_up(args: argparse.Namespace) -> int:
     folder = resolve_model(args.model)
     log_dir = args.log_dir or cache_root() / "logs" / f"up-{args.port}"
     logs = ServiceLogs(log_dir, logging.getLevelNamesMapping()[args.log_level.upper()])
-    cluster = None
-    if args.nats_cluster_size > 1 and not args.nats_url:
-        from services.launcher.regions import RegionMesh, start_cluster
-
-        cluster = start_cluster(args.nats_cluster_size)
-        args.nats_url = cluster.url
-        mesh: LocalMesh = RegionMesh(
-            args, folder, logs=logs, kv_replicas=min(3, args.nats_cluster_size)
-        )
-        print(f"  nats cluster ready: {cluster.url}", flush=True)
-    else:
-        mesh = LocalMesh(args, folder, logs=logs)
     print(f"meshserve up: model {folder}", flush=True)
     print(f"meshserve up: each service writes to {log_dir}/<name>.log", flush=True)
     # Ctrl-C reaches the children too (same process group); they drain and exit. SIGINT is
@@ -163,8 +155,22 @@ def run_up(args: argparse.Namespace) -> int:
     interrupts = DeferredInterrupt()
     signal.signal(signal.SIGTERM, interrupts.handler)
     signal.signal(signal.SIGINT, interrupts.handler)
+    cluster: NatsCluster | None = None
+    mesh: LocalMesh | None = None
     try:
-        with interrupts.deferred():  # every process started is in mesh, for stop() to end
+        # Every process started is in cluster or mesh, for the stop below to end.
+        with interrupts.deferred():
+            if args.nats_cluster_size > 1 and not args.nats_url:
+                from services.launcher.regions import RegionMesh, start_cluster
+
+                cluster = start_cluster(args.nats_cluster_size)
+                args.nats_url = cluster.url
+                print(f"  nats cluster ready: {cluster.url}", flush=True)
+                mesh = RegionMesh(
+                    args, folder, logs=logs, kv_replicas=min(3, args.nats_cluster_size)
+                )
+            else:
+                mesh = LocalMesh(args, folder, logs=logs)
             mesh.start()
         if mesh.nats is not None:
             print(f"  nats-server ready: {mesh.nats_url}", flush=True)
@@ -194,7 +200,8 @@ def run_up(args: argparse.Namespace) -> int:
         # whatever has not drained after its deadline.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        mesh.stop()
+        if mesh is not None:
+            mesh.stop()
         if cluster is not None:
             cluster.stop()
         logs.echo()  # errors while draining
