@@ -254,6 +254,20 @@ def test_command_and_environment_match_the_service_cli(compose, name, monkeypatc
         assert health_port(svc) == config.mesh.metrics_port
 
 
+def test_the_cluster_settings_of_dot_env_reach_every_mesh_service(monkeypatch):
+    """docs/deploy.md's cluster profile: the NATS URLs and R3 set in .env reach the services
+    (compose passes .env only to ``${...}`` in compose.yaml, not into the containers)."""
+    urls = "nats://nats-1:4222,nats://nats-2:4222,nats://nats-3:4222"
+    environ = {**DEPLOY_ENV, "MESHSERVE_NATS_URL": urls, "MESHSERVE_KV_REPLICAS": "3"}
+    for name, svc in mesh_services(interpolate(load_yaml(ROOT / "compose.yaml"), environ)).items():
+        entry = importlib.import_module(f"{svc['command'][2]}.__main__")
+        parse = entry.serving_config if name == "gateway" else entry.parse_args
+        monkeypatch.setattr(os, "environ", {k: str(v) for k, v in svc["environment"].items()})
+        config = parse(svc["command"][3:])
+        monkeypatch.undo()
+        assert (config.mesh.nats_url, config.mesh.kv_replicas) == (urls, 3), name
+
+
 def gateway_config(environ: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Any:
     """The compose gateway's config under ``environ`` as the user's .env (SystemExit when the
     gateway refuses to start)."""
