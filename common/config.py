@@ -17,6 +17,7 @@ from typing import Any
 from common.nats_permissions import inbox_prefix
 from common.settings import setting
 from common.subjects import DEFAULT_PREFIX, Subjects, region_subjects
+from common.wire.codec import MAX_ID_LEN, id_ok
 
 # Tokenizer (page hashes), executors (KV pages) and speculator (draft KV pages) must page alike:
 # the scheduler refuses executors paging differently from the tokenizer.
@@ -144,9 +145,15 @@ class MeshConfig:
             raise ValueError("kv_replicas must be in 1..5 (JetStream's limit)")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError("metrics_port must be in 0..65535")
+        # No dots: the id is one subject token (gateway.<id>.inbox), which per-service NATS
+        # permissions match with a single-token wildcard (common/nats_permissions.py); a
+        # dotted id would be refused its own subjects, and only warned of.
+        if self.instance_id and not instance_id_ok(self.instance_id):
+            raise ValueError(
+                f"instance_id {self.instance_id!r}: one subject token of at most {MAX_ID_LEN} "
+                "characters, no '.', '*', '>' or whitespace (e.g. gpu-1-example-com)"
+            )
         if not self.instance_id:
-            # No dots: the id is one subject token (gateway.<id>.inbox), which per-service NATS
-            # permissions match with a single-token wildcard (common/nats_permissions.py).
             host = socket.gethostname().replace(".", "-")
             object.__setattr__(self, "instance_id", f"{host}-{uuid.uuid4().hex[:6]}")
 
@@ -163,6 +170,10 @@ class MeshConfig:
     def subjects_of(self, region: str) -> Subjects:
         """The subjects of the mesh in ``region`` (empty: the mesh without regions)."""
         return region_subjects(self.subject_prefix, region)
+
+
+def instance_id_ok(value: str) -> bool:
+    return id_ok(value) and "." not in value
 
 
 def region_ok(name: str) -> bool:

@@ -39,6 +39,7 @@ from common.kv_stream import ensure_kv_stream
 from common.nats_permissions import (
     ANY,
     ROLES,
+    executor,
     inbox_prefix,
     password_variable,
     region_config,
@@ -135,6 +136,18 @@ def test_a_plain_user_name_scopes_the_reply_inbox():
     options = NatsAuth("scheduler", "pw").connect_options("eu-west")
     assert options["inbox_prefix"] == "_INBOX.scheduler.eu-west"
     assert "inbox_prefix" not in NatsAuth().connect_options()
+
+
+def test_an_instance_id_is_one_subject_token():
+    """The roles match a service's own subjects with one-token wildcards
+    (``executor.*.submit``): a dotted id (``$(hostname -f)``) would be refused them on the
+    server, and a service only warns of that, so it is refused at start instead."""
+    assert "mesh.v1.executor.*.submit" in executor(Subjects()).subscribe
+    for bad in ("gpu-1.example.com", "a*", "a b", "x" * 257):
+        with pytest.raises(ValueError, match="instance_id"):
+            MeshConfig(instance_id=bad)
+    assert MeshConfig(instance_id="gpu-1-example-com").instance_id == "gpu-1-example-com"
+    assert "." not in MeshConfig().instance_id  # the generated one
 
 
 # -- on a real nats-server with the generated users ------------------------------------------
