@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
+import signal
 
 import pytest
 
 from common.config import MeshConfig
 from services.launcher.mesh import LocalMesh
-from services.launcher.nats_cluster import ClusterPlan, server_config
+from services.launcher.nats_cluster import ClusterPlan, Supercluster, server_config
 from services.launcher.regions import RegionMesh
 from services.launcher.up import parse_up_args
 from services.scheduler.regions import QueueEstimate, RegionConfig, RegionLoad, choose_region
@@ -147,7 +148,7 @@ def test_up_regions_give_every_service_its_own_metrics_port(monkeypatch, tiny_ll
     monkeypatch.setattr(LocalMesh, "popen", popen)
     clusters = {r: SimpleNamespace(url=f"nats://127.0.0.1:{i + 1}") for i, r in enumerate("ab")}
     fake = SimpleNamespace(clusters=clusters, wait_jetstream=lambda: None, stop=lambda: None)
-    monkeypatch.setattr(regions.Supercluster, "start", lambda plans: fake)
+    monkeypatch.setattr(Supercluster, "start", lambda plans: fake)
     args = parse_up_args(["--regions", "a,b", "--executors", "2", "--metrics-port", "9101"])
     _, meshes = regions.start_regions(args, tiny_llama)
     ports = [
@@ -178,7 +179,7 @@ def test_up_stops_its_nats_cluster_when_jetstream_never_answers(monkeypatch, tmp
     monkeypatch.setattr(LocalNatsServer, "start", recorded)
     monkeypatch.setattr(NatsCluster, "wait_jetstream", never)
     monkeypatch.setattr(up, "resolve_model", lambda spec: tmp_path)
-    monkeypatch.setattr(up.signal, "signal", lambda *a: None)  # leave pytest's handlers
+    monkeypatch.setattr(signal, "signal", lambda *a: None)  # leave pytest's handlers
     args = up.parse_up_args(["--nats-cluster-size", "3", "--log-dir", str(tmp_path / "logs")])
     assert up.run_up(args) == 1
     assert len(started) == 3
