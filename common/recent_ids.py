@@ -46,6 +46,9 @@ class RecentIds(Generic[K, V]):
             return None
         return entry[1]
 
+    def discard(self, key: K) -> None:
+        self._entries.pop(key, None)
+
     def __contains__(self, key: object) -> bool:
         return self.get(key) is not None  # type: ignore[arg-type]
 

@@ -154,6 +154,37 @@ async def test_a_stream_moves_to_a_restarted_executor_under_the_same_id(wire, ti
     assert wire.deltas[-1].finish_reason == "length"
 
 
+async def test_a_stream_sent_back_to_the_same_executor_process_continues(wire, tiny_llama):
+    """A slow executor is counted lost, and its request goes back to it (no other had room):
+    the new run's start, from the very process it was withdrawn from, takes the stream; the
+    old run's late tokens are still dropped."""
+    tok = Tokenizer.from_folder(tiny_llama)
+    ids = tok.encode("north south east west")
+    await wire.step("ex-a", SeqTokens("r", ids[:2], None, 2, start()), "inc1")
+    reply = await wire.svc.on_progress(StreamProgressRequest("ex-a", ["r"], "inc1"))
+    assert reply.streamed == {"r": ids[:2]}
+    await wire.step("ex-a", SeqTokens("r", [ids[2]], None, 3), "inc1")  # the old run: dropped
+    await wire.step("ex-a", SeqTokens("r", [ids[2]], None, 3, start()), "inc1")  # the new run
+    await wire.step("ex-a", SeqTokens("r", ids[3:], "length", len(ids)), "inc1")
+    await wire.until_text(tok.decode(ids), finished=True)
+    assert wire.deltas[-1].usage.completion_tokens == len(ids)
+
+
+async def test_a_late_first_token_for_a_lost_decode_executor_is_dropped(wire, tiny_llama):
+    """The decode executor dies while its prefill executor computes a prompt: the prefill
+    side's first token, marked as continuing on the dead one, must not start the stream (it
+    would then take tokens only from the dead executor); the request's new executor does."""
+    tok = Tokenizer.from_folder(tiny_llama)
+    ids = tok.encode("one small step")
+    reply = await wire.svc.on_progress(StreamProgressRequest("dec", ["r"], "d1"))
+    assert reply.streamed == {} and reply.ended == []
+    late = SeqTokens("r", ids[:1], None, 1, start(), continues_on=("dec", "d1"))
+    await wire.step("pre", late, "p1")
+    assert "r" not in wire.svc.streams
+    await wire.step("ex-b", SeqTokens("r", ids, "length", len(ids), start()), "b1")
+    await wire.until_text(tok.decode(ids), finished=True)
+
+
 async def test_a_second_executor_cannot_take_over_a_live_stream(wire, tiny_llama):
     ids = Tokenizer.from_folder(tiny_llama).encode("alpha beta gamma")
     await wire.step("ex-a", SeqTokens("r", ids[:2], None, 2, start()))

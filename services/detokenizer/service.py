@@ -182,9 +182,19 @@ class DetokenizerService:
         (tokens that passed a stop string's abort), from an executor it was moved away from,
         or from a second executor while another one serves it."""
         rid = seq.request_id
-        if rid in self.ended or self.withdrawn.get(rid) == source:
+        if rid in self.ended:
             return None
         stream = self.streams.get(rid)
+        moved_off = self.withdrawn.get(rid)
+        if moved_off is not None and moved_off in (source, seq.continues_on):
+            # The run it was moved away from, or its prefill executor's tokens for it. But a
+            # start from that same process while the stream waits for its next executor is
+            # a new run: the scheduler sent it back there (a run sends its start once, and
+            # this one's came already, or there would be no stream).
+            waiting = stream is not None and stream.source is None
+            if not (moved_off == source and waiting and seq.start is not None):
+                return None
+            self.withdrawn.discard(rid)
         if stream is not None:
             if stream.source is None and seq.start is not None:
                 stream.source = source  # the executor it moved to: continue
