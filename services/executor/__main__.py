@@ -22,14 +22,14 @@ async def drain_and_stop(service: ExecutorService) -> None:
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(_until_idle(service), timeout=30)
     await service.stop()
-    if service.broken:  # its tensor-parallel group lost a rank (nothing was left to finish)
+    if service.broken:  # a step failed or its tensor-parallel group lost a rank
         raise SystemExit(3)  # a failure, for whoever supervises us (meshserve up restarts it)
 
 
 async def _until_idle(service: ExecutorService) -> None:
     decode = service.decode_side  # reservations waiting for a prefill executor's KV
     while service.engine.has_unfinished() or service.pending_adds or (decode and decode.busy):
-        if service.broken:  # the group broke while draining: nothing more will finish
+        if service.broken:  # it broke while draining: nothing more will finish
             return
         await asyncio.sleep(0.05)
 

@@ -16,6 +16,7 @@ import time
 from typing import TYPE_CHECKING
 
 from common.kv_layout import KVLayout
+from common.recent_ids import RecentIds
 from common.runtime import NoAnswer
 from common.wire.executor import AbortRequests, KVAgentQuery, KVAgentReply, PrefillDone
 from common.wire.executor import PrefillRequest as Job
@@ -35,11 +36,15 @@ class PrefillSide:
         self.transport = transport
         self.jobs: dict[str, Job] = {}  # requests computed here for a decode executor
         self.sending: set[asyncio.Future[None]] = set()
+        # What each recent job's decode side was told: said again when it asks (a lost
+        # answer would hold its pages for as long as this executor lives).
+        self.answered: RecentIds[str, tuple[Job, PrefillDone]] = RecentIds(max_size=4096)
 
     async def on_prefill(self, job: Job) -> None:
         svc, rid = self.service, job.request.request_id
-        if rid in svc.ended:
-            return  # aborted everywhere already; the decode side released its pages
+        if rid in svc.ended:  # aborted before it came: the decode side holds its pages
+            await self.done(job, PrefillDone(rid, "failed", error="aborted"))
+            return
         if job.agent not in self.transport.peers:
             try:
                 await self.learn_peer(job)
@@ -79,15 +84,27 @@ class PrefillSide:
             own = self.service.config.executor_id
             await self.service.on_abort(AbortRequests(mine, "decode side gone", own))
 
-    def forget(self, request_id: str) -> None:
-        """A job that ends here before its KV was written (aborted, failed): its decode side
-        holds the pages until told that nothing more will be written into them."""
+    def forget(self, request_id: str, outcome: str = "failed") -> None:
+        """A job that ends here before its KV was written: its decode side holds the pages
+        until told that nothing more will be written into them. ``failed``: the decode side
+        computes the prompt itself (aborted here, or withdrawn); ``finished``: the request
+        ended here, its client told (the decode side only frees the pages)."""
         job = self.jobs.pop(request_id, None)
         if job is not None:
-            message = PrefillDone(request_id, "failed", error="withdrawn on the prefill side")
-            task = asyncio.ensure_future(self.done(job, message))
-            self.sending.add(task)  # held until sent (the loop keeps only weak references)
-            task.add_done_callback(self.sending.discard)
+            message = PrefillDone(request_id, outcome, error="ended on the prefill side")
+            self.send(job, message)
+
+    def answer_again(self, request_ids: set[str]) -> None:
+        """Repeat what was said of these jobs, ended here already, to their decode side."""
+        for rid in request_ids:
+            said = self.answered.get(rid)
+            if said is not None and rid not in self.jobs:
+                self.send(*said)
+
+    def send(self, job: Job, message: PrefillDone) -> None:
+        task = asyncio.ensure_future(self.done(job, message))
+        self.sending.add(task)  # held until sent (the loop keeps only weak references)
+        task.add_done_callback(self.sending.discard)
 
     async def hand_off(self, outputs: list[StepOutput]) -> None:
         """After a step's tokens went out, between steps: write the KV of every job that
@@ -147,4 +164,5 @@ class PrefillSide:
 
     async def done(self, job: Job, message: PrefillDone) -> None:
         svc = self.service
+        self.answered.add(message.request_id, (job, message))
         await svc.try_publish(svc.subjects.executor_prefilled(job.decode_executor), message)

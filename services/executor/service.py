@@ -114,7 +114,9 @@ class ExecutorService:
         self.wake = asyncio.Event()
         self.worker = worker or engine_thread(config.engine_nice)
         self.draining = False
-        self.broken = False  # the tensor-parallel group lost a rank: nothing runs here again
+        # A step failed, or the tensor-parallel group lost a rank: nothing runs here again.
+        self.broken = False
+        self.broken_because = ""
         self.incarnation = uuid.uuid4().hex[:12]
         self.warmup: WarmupReport | None = None  # set by start(), before the first heartbeat
         self.load = (0, 0, engine.pages.num_free, 0)  # running, waiting, free pages, pending
@@ -239,9 +241,11 @@ class ExecutorService:
         ids = set(msg.request_ids)
         if not msg.executor_id:
             self.ended.add_all(ids, True)
+        elif self.prefill_side is not None:  # a decode side that never heard back asks again
+            self.prefill_side.answer_again(ids)
         compiling = [self.compiling.pop(rid) for rid in ids.intersection(self.compiling)]
         for req in compiling:  # its compile goes on (the grammar is cached); it is not added
-            self.timelines.finished(req.request_id, "abort")
+            self.forget(req.request_id)
         if msg.error:  # they failed elsewhere: we know their clients' inboxes, so tell them
             known = [*self.requests.values(), *self.pending_adds, *compiling]
             for req in (r for r in known if r.request_id in ids):
@@ -252,8 +256,8 @@ class ExecutorService:
         kept = []
         for req in self.pending_adds:
             if req.request_id in ids:
-                self.timelines.finished(req.request_id, "abort")
                 self.compiled.pop(req.request_id, None)
+                self.forget(req.request_id)  # (a prefill job's decode side then frees its pages)
             else:
                 kept.append(req)
         self.pending_adds = kept
@@ -383,6 +387,11 @@ class ExecutorService:
             except ParallelGroupLost as exc:
                 await self.lose_group(exc)
                 return
+            except Exception as exc:  # CUDA out of memory, a kernel error: the engine's state
+                # is past trusting (an overlapped step advanced its sequences already)
+                log.exception("executor: a step failed; leaving the mesh")
+                self.leave_mesh(f"a step failed: {exc!r}")
+                return
             self.timelines.stepped(started_ns, time.time_ns(), outputs, self.admitted)
             self.kv_events.add(self.engine.drain_kv_events())
             await self.publish_outputs(outputs)
@@ -395,7 +404,14 @@ class ExecutorService:
         its requests to other executors (or fails them clearly) within its heartbeat
         timeout; waiting out a drain would only hold them longer."""
         log.error("executor: tensor-parallel group lost (%s); leaving the mesh", exc)
+        self.leave_mesh(str(exc))
+
+    def leave_mesh(self, why: str) -> None:
+        """No step runs here again: go silent at once (the scheduler then moves this
+        executor's requests to others within its heartbeat timeout, where a drain would
+        report them as running here for 30 s more) and stop, with a failure exit."""
         self.broken = True
+        self.broken_because = why
         self.svc.shutdown_requested.set()
 
     async def propose_drafts(self, remote: RemoteProposer) -> None:
@@ -419,7 +435,10 @@ class ExecutorService:
         adds, self.pending_adds = self.pending_adds, []
         aborts, self.pending_aborts = self.pending_aborts, set()
         for rid in aborts:  # first: they arrived before anything still pending (on_abort)
-            if self.drop(rid):
+            # Not in the engine but still ours: a decode executor asking the detokenizer
+            # before it computes the prompt itself (``DecodeSide.fall_back``); its resume
+            # must find it gone.
+            if self.drop(rid) or rid in self.requests:
                 self.forget(rid)
         for req in adds:
             if req.request_id in self.requests:
@@ -441,6 +460,8 @@ class ExecutorService:
             except ValueError as exc:  # ModelError included: the request, not the executor
                 self.timelines.finished(req.request_id, "error")
                 await self.try_publish(req.reply_to, ErrorEvent(req.request_id, 400, str(exc)))
+                if self.prefill_side is not None:  # its client has the answer: nothing to
+                    self.prefill_side.forget(req.request_id, "finished")  # compute there
                 continue
             self.requests[req.request_id] = req
             if req.guest:

@@ -1,0 +1,213 @@
+"""Failure paths of disaggregated prefill/decode between the two executors, each on a real
+nats-server with the peer played by the test: a decode executor holds a request's reserved
+pages until its prefill executor says it will write nothing more into them, so every way a
+prefill job can end must say so, and a request its client left must not be computed. Also an
+executor whose step raises leaves the mesh at once."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import nats
+import pytest
+from nats.aio.client import Client
+
+from common.nats_server import LocalNatsServer
+from common.wire.detokenizer import StepTokens, StreamProgressReply, StreamProgressRequest
+from common.wire.executor import AbortRequests, PrefillDone, PrefillRequest, TokenizedRequest
+from common.wire.scheduler import Heartbeat
+from common.wire.tokenizer import WireSamplingParams
+from gpu.engine import StepOutput
+from services.executor.__main__ import drain_and_stop
+from services.executor.service import ExecutorService
+from tests.mesh import tiny_executor, wait_for
+
+PARAMS = WireSamplingParams(max_tokens=40, ignore_eos=True)
+PROMPT = list(range(5, 25))
+
+
+def request(rid: str, prefill_incarnation: str, prompt: list[int] = PROMPT) -> TokenizedRequest:
+    return TokenizedRequest(
+        rid, "test.inbox", PARAMS, prompt, [], 0,
+        prefill_executor="pre-0", prefill_incarnation=prefill_incarnation,
+    )  # fmt: skip
+
+
+class PrefillPeer:
+    """A prefill executor ``pre-0`` with the decode executor ``dec-0`` played by the test: it
+    records every ``PrefillDone`` sent there."""
+
+    def __init__(self, ex: ExecutorService, nc: Client) -> None:
+        self.ex, self.nc = ex, nc
+        self.done: list[PrefillDone] = []
+
+    async def on_done(self, msg) -> None:
+        self.done.append(PrefillDone.decode(msg.data))
+
+    def job(self, rid: str, prompt: list[int] = PROMPT) -> PrefillRequest:
+        req = request(rid, self.ex.incarnation, prompt)
+        return PrefillRequest(req, "dec-0", "d1", "dec-agent", [0], 64, 64, [0, 1, 2, 3, 4])
+
+    async def answers(self, count: int) -> list[tuple[str, str]]:
+        await wait_for(lambda: len(self.done) >= count, 10, f"{count} PrefillDone")
+        return [(d.request_id, d.outcome) for d in self.done]
+
+
+@pytest.fixture
+async def prefill(nats_server: LocalNatsServer, tiny_llama):
+    ex = tiny_executor(nats_server.url, tiny_llama, "pre-0", role="prefill")
+    await ex.svc.connect()  # handlers called directly; no step loop: as if a step were running
+    assert ex.prefill_side is not None and ex.transport is not None
+    ex.transport.peers.add("dec-agent")  # (as if its NIXL metadata were known already)
+    nc = await nats.connect(nats_server.url)
+    peer = PrefillPeer(ex, nc)
+    await nc.subscribe(ex.subjects.executor_prefilled("dec-0"), cb=peer.on_done)
+    await nc.flush()
+    yield peer
+    await nc.close()
+    await ex.svc.close()
+    ex.transport.close()
+
+
+async def test_a_prefill_job_aborted_before_it_runs_frees_its_decode_sides_pages(prefill):
+    ex, side = prefill.ex, prefill.ex.prefill_side
+    await ex.on_abort(AbortRequests(["early"]))  # the client left before the job came
+    await side.on_prefill(prefill.job("early"))
+    await side.on_prefill(prefill.job("waiting"))  # waits for the step in progress
+    assert [r.request_id for r in ex.pending_adds] == ["waiting"]
+    await ex.on_abort(AbortRequests(["waiting"]))
+    assert await prefill.answers(2) == [("early", "failed"), ("waiting", "failed")]
+    assert side.jobs == {} and ex.pending_adds == [] and ex.requests == {}
+
+
+async def test_a_lost_answer_is_said_again_when_the_decode_side_asks(prefill):
+    """The decode side, having heard nothing, falls back and sends a targeted abort: the prefill
+    side, done with the job already, repeats its answer (else the pages stay held)."""
+    ex, side = prefill.ex, prefill.ex.prefill_side
+    await ex.on_abort(AbortRequests(["r"]))
+    await side.on_prefill(prefill.job("r"))
+    await prefill.answers(1)
+    await ex.on_abort(AbortRequests(["r", "unknown"], "computed on its decode executor", "pre-0"))
+    assert await prefill.answers(2) == [("r", "failed"), ("r", "failed")]
+    await asyncio.sleep(0.2)
+    assert len(prefill.done) == 2  # nothing said of a job it never had
+
+
+async def test_a_prefill_job_refused_here_ends_it_on_the_decode_side_too(prefill):
+    """Its client has a 400 already: the decode side frees the pages ("finished") instead of
+    computing the prompt itself ("failed")."""
+    ex, side = prefill.ex, prefill.ex.prefill_side
+    too_long = list(range(5, 5 + ex.engine.max_seq_len + 8))
+    await side.on_prefill(prefill.job("long", too_long))
+    await ex.apply_pending()
+    assert await prefill.answers(1) == [("long", "finished")]
+    assert side.jobs == {} and "long" not in ex.requests
+
+
+class DecodeHost:
+    """A decode executor ``dec-0`` (stepping) with the prefill executor ``pre-0`` and the
+    detokenizer played by the test."""
+
+    def __init__(self, ex: ExecutorService, nc: Client) -> None:
+        self.ex, self.nc = ex, nc
+        self.jobs: list[str] = []
+        self.tokens: dict[str, list[int]] = {}
+        self.answered = asyncio.Event()
+        self.aborted_before_answer = False
+
+    async def on_job(self, msg) -> None:
+        self.jobs.append(PrefillRequest.decode(msg.data).request.request_id)
+
+    async def on_step(self, msg) -> None:
+        for seq in StepTokens.decode(msg.data).seqs:
+            self.tokens.setdefault(seq.request_id, []).extend(seq.token_ids)
+
+    async def on_progress(self, msg) -> None:
+        """The client leaves while the detokenizer answers (within the 2 s the decode side
+        waits: past that it fails the request, which would hide a lost abort)."""
+        ask = StreamProgressRequest.decode(msg.data)
+        await self.nc.publish(self.ex.subjects.abort, AbortRequests(ask.request_ids).encode())
+        await self.nc.flush()
+        await asyncio.sleep(0.5)
+        self.aborted_before_answer = all(r not in self.ex.requests for r in ask.request_ids)
+        await msg.respond(StreamProgressReply({}, []).encode())
+        self.answered.set()
+
+    async def beat(self) -> None:
+        while True:  # the prefill peer lives
+            hb = Heartbeat("pre-0", 0, 0, 64, 64, 4, 8, 0, incarnation="p1", role="prefill")
+            await self.nc.publish(self.ex.subjects.executor_heartbeat, hb.encode())
+            await asyncio.sleep(0.2)
+
+
+async def test_a_client_abort_during_the_fall_back_to_local_prefill_is_kept(
+    nats_server: LocalNatsServer, tiny_llama
+) -> None:
+    """The prefill side failed; while the decode side asks the detokenizer what was streamed,
+    the client leaves: the request must not then be computed here, and its pages come back."""
+    ex = tiny_executor(nats_server.url, tiny_llama, "dec-0", role="decode")
+    await ex.start()
+    nc = await nats.connect(nats_server.url)
+    host = DecodeHost(ex, nc)
+    s = ex.subjects
+    await nc.subscribe(s.executor_prefill("pre-0"), cb=host.on_job)
+    await nc.subscribe(s.detok(0), cb=host.on_step)
+    await nc.subscribe(s.detok_progress(0), cb=host.on_progress)
+    beating = asyncio.create_task(host.beat())
+    try:
+        total = ex.engine.pages.num_pages
+        await nc.publish(s.executor_submit("dec-0"), request("r", "p1").encode())
+        await wait_for(lambda: "r" in host.jobs, 10, "the prefill job")
+        assert ex.engine.pages.num_free < total  # reserved for the prompt
+        failed = PrefillDone("r", "failed", error="no NIXL peer")
+        await nc.publish(s.executor_prefilled("dec-0"), failed.encode())
+        await asyncio.wait_for(host.answered.wait(), 10)
+        await asyncio.sleep(1.0)  # the answer arrives, and steps would have run
+        assert host.aborted_before_answer
+        assert host.tokens.get("r", []) == []
+        assert ex.decode_side is not None and not ex.decode_side.busy
+        assert "r" not in ex.engine.seqs
+        assert ex.engine.pages.num_free == total
+    finally:
+        beating.cancel()
+        await nc.close()
+        await ex.svc.close()
+        assert ex.transport is not None
+        ex.transport.close()
+
+
+async def test_an_executor_whose_step_fails_goes_silent_and_stops_at_once(
+    nats_server: LocalNatsServer, tiny_llama
+) -> None:
+    """A step that raises (CUDA out of memory, say) leaves the engine's state past trusting:
+    no more heartbeats (the scheduler then moves its requests within its timeout, where a
+    drain would have reported them as running here for 30 s) and a failure exit."""
+    ex = tiny_executor(nats_server.url, tiny_llama, "ex-0")
+    await ex.start()
+    nc = await nats.connect(nats_server.url)
+    beats: list[tuple[float, Heartbeat]] = []
+
+    async def on_beat(msg) -> None:
+        beats.append((time.monotonic(), Heartbeat.decode(msg.data)))
+
+    await nc.subscribe(ex.subjects.executor_heartbeat, cb=on_beat)
+
+    def fail() -> list[StepOutput]:
+        raise RuntimeError("CUDA out of memory (simulated)")
+
+    ex.engine.step = fail  # type: ignore[method-assign]
+    try:
+        submit = TokenizedRequest("r", "test.inbox", PARAMS, PROMPT, [], 0)
+        await nc.publish(ex.subjects.executor_submit("ex-0"), submit.encode())
+        await asyncio.wait_for(ex.svc.shutdown_requested.wait(), 10)
+        failed_at = time.monotonic()
+        assert ex.broken and "CUDA out of memory" in ex.broken_because
+        with pytest.raises(SystemExit) as info:
+            async with asyncio.timeout(10):  # (in this task: a task's SystemExit ends the loop)
+                await drain_and_stop(ex)
+        assert info.value.code == 3
+        assert time.monotonic() - failed_at < 8  # not the 30 s drain
+        assert not [hb for at, hb in beats if at > failed_at + 0.1]
+    finally:
+        await nc.close()
