@@ -53,6 +53,20 @@ async def test_only_a_request_unknown_twice_in_a_row_is_failed():
     assert (error.request_id, error.status, error.code) == ("lost-0", 503, "request_lost")
 
 
+async def test_every_lost_choice_of_a_stream_is_failed_in_the_same_round():
+    """n=3, all three lost with a killed tokenizer: each gets its error (and so its resume)
+    now, not one per round after the previous one's continuation has finished."""
+    inbox = Inbox()
+    lost = inbox.open(["x-0", "x-1", "x-2"], 60)
+    scheduler = FakeScheduler(known=[])
+    for _ in range(2):
+        lost.last_event_at -= 10
+        await check_stalled(scheduler, inbox, stall_s=5)
+    errors = [lost._queue.get_nowait() for _ in range(lost._queue.qsize())]
+    assert all(isinstance(e, ErrorEvent) and e.code == "request_lost" for e in errors)
+    assert [e.request_id for e in errors] == ["x-0", "x-1", "x-2"]
+
+
 @pytest.mark.parametrize("max_resumes", [3, 0])
 async def test_a_request_lost_with_a_restarted_scheduler_is_resumed_or_gets_a_503(
     tiny_llama, max_resumes

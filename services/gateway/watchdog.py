@@ -47,7 +47,7 @@ class Asker(Protocol):
 
 
 async def check_stalled(service: Asker, inbox: Inbox, stall_s: float = STALL_S) -> int:
-    """One round: returns how many requests it failed."""
+    """One round: returns how many requests (choices) it failed."""
     now = asyncio.get_running_loop().time()
     stalled = [s for s in inbox.streams() if now - s.last_event_at >= stall_s and s.unfinished]
     if not stalled:
@@ -76,14 +76,17 @@ async def check_stalled(service: Asker, inbox: Inbox, stall_s: float = STALL_S) 
         if stream.unknown_checks < STRIKES:
             continue
         log.warning("gateway: %s lost in the mesh", ", ".join(lost))
-        stream.put(
-            ErrorEvent(
-                lost[0],
-                503,
-                "The request was lost in the mesh (a service restarted); retry the request.",
-                "server_error",
-                "request_lost",
+        # Every lost choice at once: a stream's silence is checked as a whole, and a resumed
+        # choice's events would keep it from looking silent while the others wait.
+        for rid in lost:
+            stream.put(
+                ErrorEvent(
+                    rid,
+                    503,
+                    "The request was lost in the mesh (a service restarted); retry the request.",
+                    "server_error",
+                    "request_lost",
+                )
             )
-        )
-        failed += 1
+        failed += len(lost)
     return failed
