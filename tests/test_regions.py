@@ -184,3 +184,21 @@ def test_up_stops_its_nats_cluster_when_jetstream_never_answers(monkeypatch, tmp
     assert up.run_up(args) == 1
     assert len(started) == 3
     assert all(server.process.poll() is not None for server in started)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--executors", "0"], "no executor would decode"),
+        (["--prefill-executors", "1"], "no executor would decode"),
+        (["--executors", "-1"], "--executors must be >= 0"),
+        (["--decode-executors", "-2"], "--decode-executors must be >= 0"),
+        (["--nats-cluster-size", "0"], "--nats-cluster-size must be >= 1"),
+    ],
+)
+def test_up_refuses_counts_that_could_never_serve(argv: list[str], message: str, capsys) -> None:
+    """Before starting anything (such a mesh waited out --ready-timeout, 600 s)."""
+    from services.launcher.cli import main
+
+    assert main(["up", *argv]) == 2
+    assert message in capsys.readouterr().err

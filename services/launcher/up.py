@@ -138,7 +138,27 @@ def add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.set_defaults(func=run_up)
 
 
+def check_counts(args: argparse.Namespace) -> None:
+    """Counts that would start a mesh that can never serve (it would wait out
+    --ready-timeout) or quietly mean something else."""
+    counts = {
+        "--executors": args.executors or 0,
+        "--prefill-executors": args.prefill_executors,
+        "--decode-executors": args.decode_executors,
+    }
+    for flag, value in counts.items():
+        if value < 0:
+            raise ValueError(f"{flag} must be >= 0, got {value}")
+    disaggregated = args.prefill_executors + args.decode_executors
+    mixed = args.executors if args.executors is not None else (0 if disaggregated else 1)
+    if mixed + args.decode_executors == 0:
+        raise ValueError("no executor would decode: give --executors N or --decode-executors N")
+    if args.nats_cluster_size < 1:
+        raise ValueError(f"--nats-cluster-size must be >= 1, got {args.nats_cluster_size}")
+
+
 def run_up(args: argparse.Namespace) -> int:
+    check_counts(args)
     if args.regions:
         from services.launcher.regions import run_regions
 
