@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.parent_death import ends_with_this_process
+
 # Ports free_port handed out lately: until a server binds one, the kernel may hand the same
 # free port to the next draw (two clusters planned in turn could then share a port).
 _HANDED_OUT: deque[int] = deque(maxlen=512)
@@ -96,12 +98,14 @@ class LocalNatsServer:
         config: str | None = None,
         host: str = "127.0.0.1",
         command_prefix: Sequence[str] = (),
+        end_with_starter: bool = False,
     ) -> LocalNatsServer:
         """``config``: the text of a nats-server config file (e.g. the per-service users of
         ``common.nats_permissions.server_config``), written into the temporary folder and passed
         with ``-c``; the address, port and JetStream flags given here override what it sets.
         ``command_prefix``: what runs the server (``ip netns exec NS``, with ``host`` an
-        address of that namespace this machine reaches)."""
+        address of that namespace this machine reaches). ``end_with_starter``: the server gets
+        SIGTERM if this process dies without stopping it (``meshserve up`` killed)."""
         port = port or free_port()
         store = Path(tempfile.mkdtemp(prefix="meshserve-nats-"))
         cmd = [*command_prefix, nats_server_binary(), "-a", host, "-p", str(port)]
@@ -120,7 +124,11 @@ class LocalNatsServer:
         log = store / "nats-server.log"
         with log.open("wb") as log_file:
             proc = subprocess.Popen(
-                cmd, stdout=subprocess.DEVNULL, stderr=log_file, start_new_session=True
+                cmd,
+                stdout=subprocess.DEVNULL,
+                stderr=log_file,
+                start_new_session=True,
+                preexec_fn=ends_with_this_process() if end_with_starter else None,
             )
         server = cls(port, proc, store, host)
         deadline = time.monotonic() + 10

@@ -174,6 +174,23 @@ def test_up_serves_and_ctrl_c_stops_every_process(tiny_llama, tmp_path):
             assert "draining connection timed out" not in path.read_text(), up.log_tail()
 
 
+def test_up_killed_with_sigkill_takes_every_process_with_it(tiny_llama, tmp_path):
+    """``up`` cannot stop anything when SIGKILLed (or chosen by the OOM killer): its services
+    and its nats-server (a session of its own) get SIGTERM from the kernel instead of going on
+    holding the ports, so the next ``up`` can start."""
+    with meshserve_up(tiny_llama, tmp_path) as up:
+        up.wait_up()
+        kids = children_of(up.proc.pid)
+        names = {Path(cmdline(k)[0]).name for k in kids}
+        assert len(kids) >= 6 and any("nats-server" in n for n in names), names
+        up.proc.kill()  # only up itself, not its process group
+        up.proc.wait(10)
+        deadline = time.monotonic() + 45  # an executor drains for up to 30 s
+        while (alive := [k for k in kids if is_running(k)]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not alive, [cmdline(k) for k in alive]
+
+
 def test_up_console_says_what_a_user_needs_and_the_rest_goes_to_files(tiny_llama, tmp_path):
     """Before "is up": the model, where the logs are, each service once, the URL; no config
     dumps or access-log lines (those are in the services' files)."""

@@ -8,8 +8,6 @@ pages in every rank's pool.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
 import os
 import signal
@@ -17,6 +15,7 @@ import sys
 
 import torch
 
+from common.parent_death import end_with_parent
 from gpu.loader import load_model
 from gpu.parallel.group import ParallelGroupLost, TensorParallel
 from gpu.parallel.launch import RankSpec
@@ -26,7 +25,6 @@ from gpu.quant import kv_cache_dtype
 from gpu.runner import ModelRunner
 
 log = logging.getLogger("meshserve.tp")
-PR_SET_PDEATHSIG = 1
 
 
 def read_exactly(fd: int, n: int) -> bytes:
@@ -40,15 +38,9 @@ def read_exactly(fd: int, n: int) -> bytes:
 
 
 def die_with_parent() -> None:
-    """SIGKILL this process when rank 0 dies (Linux), even while it loads the model: a
-    restarted executor must not find the old ranks still holding memory."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
-    if os.getppid() != int(os.environ.get("MESHSERVE_TP_PARENT", os.getppid())):
-        os._exit(1)  # the parent died before prctl took effect
+    """SIGKILL this process when rank 0 dies, even while it loads the model: a restarted
+    executor must not find the old ranks still holding memory."""
+    end_with_parent(int(os.environ.get("MESHSERVE_TP_PARENT", os.getppid())), signal.SIGKILL)
 
 
 def serve(spec: RankSpec, rank: int, ready_fd: int) -> None:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from common.nats_server import LocalNatsServer
+from common.parent_death import ends_with_this_process
 from services.launcher.console import ServiceLogs
 from services.launcher.supervisor import DeferredInterrupt, RestartPolicy, Supervisor
 
@@ -112,10 +113,15 @@ class LocalMesh:
         return proc
 
     def popen(self, name: str) -> subprocess.Popen[bytes]:
+        # SIGTERM (a drain) if this process dies without stopping it: killed, it would leave
+        # the service holding its ports and devices.
+        ends = ends_with_this_process()
         if self.logs is None:
-            return subprocess.Popen(self.commands[name])
+            return subprocess.Popen(self.commands[name], preexec_fn=ends)
         with self.logs.open(name) as log:  # the child keeps its own descriptor
-            return subprocess.Popen(self.commands[name], stdout=log, stderr=subprocess.STDOUT)
+            return subprocess.Popen(
+                self.commands[name], stdout=log, stderr=subprocess.STDOUT, preexec_fn=ends
+            )
 
     def restart_nats(self) -> subprocess.Popen[bytes]:
         """A new local nats-server on the same port: the services reconnect by themselves
@@ -123,7 +129,7 @@ class LocalMesh:
         assert self.nats is not None
         port = self.nats.port
         self.nats.stop()  # it is dead already; this removes its store folder
-        self.nats = LocalNatsServer.start(port=port)
+        self.nats = LocalNatsServer.start(port=port, end_with_starter=True)
         return self.nats.process
 
     def supervisor(self, policy: RestartPolicy, interrupts: DeferredInterrupt) -> Supervisor:
@@ -153,7 +159,7 @@ class LocalMesh:
         a = self.args
         speculator, k = self.speculation  # a bad combination fails before anything starts
         if not a.nats_url:
-            self.nats = LocalNatsServer.start()
+            self.nats = LocalNatsServer.start(end_with_starter=True)
         model = ["--model", str(self.model_folder)]
         pages = ["--page-size", str(a.page_size)]
         shards = ["--detok-shards", str(a.detok_shards)]  # the tokenizer picks each request's

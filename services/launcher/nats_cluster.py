@@ -47,6 +47,7 @@ class ClusterPlan:
     host: str = "127.0.0.1"  # where clients connect
     gateway_host: str = "127.0.0.1"  # where other regions' gateways connect
     command_prefix: tuple[str, ...] = ()  # runs each server, e.g. ("ip", "netns", "exec", NS)
+    end_with_starter: bool = False  # servers get SIGTERM if their starter dies (meshserve up)
 
     @classmethod
     def free(
@@ -143,7 +144,11 @@ class NatsCluster:
                     plan, i, remote_gateways, advertise[i] if advertise else None, authorization
                 )
                 server = LocalNatsServer.start(
-                    port=port, config=config, host=plan.host, command_prefix=plan.command_prefix
+                    port=port,
+                    config=config,
+                    host=plan.host,
+                    command_prefix=plan.command_prefix,
+                    end_with_starter=plan.end_with_starter,
                 )
                 cluster.servers.append(server)
         except Exception:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from services.launcher.mesh import LocalMesh
@@ -62,7 +62,8 @@ def region_names(text: str) -> tuple[str, ...]:
 def start_cluster(size: int) -> NatsCluster:
     """A started cluster whose JetStream answers; on any failure (or Ctrl-C) its servers are
     stopped first: they run in their own session, so nothing else would end them."""
-    cluster = NatsCluster.start(ClusterPlan.free("meshserve", size))
+    plan = replace(ClusterPlan.free("meshserve", size), end_with_starter=True)
+    cluster = NatsCluster.start(plan)
     try:
         cluster.wait_jetstream()
     except BaseException as exc:
@@ -79,7 +80,10 @@ def start_regions(
     """The supercluster and one started mesh per region (not yet ready)."""
     regions = region_names(args.regions)
     supercluster = Supercluster.start(
-        [ClusterPlan.free(r, REGION_SERVERS, gateways=True) for r in regions]
+        [
+            replace(ClusterPlan.free(r, REGION_SERVERS, gateways=True), end_with_starter=True)
+            for r in regions
+        ]
     )
     meshes: list[RegionMesh] = []
     metrics_port = args.metrics_port  # each region's services take the next free ones
