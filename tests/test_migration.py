@@ -185,6 +185,22 @@ async def test_a_late_first_token_for_a_lost_decode_executor_is_dropped(wire, ti
     await wire.until_text(tok.decode(ids), finished=True)
 
 
+async def test_a_stream_moved_before_its_start_came_is_not_failed(wire, tiny_llama):
+    """The scheduler moves a request before its first step reached the detokenizer; the old
+    executor's steps then come (the one with the start, then one without): they are dropped,
+    not taken for a stream the detokenizer lost (that failed the request, and its new run with
+    it), and the new executor's stream goes through."""
+    tok = Tokenizer.from_folder(tiny_llama)
+    ids = tok.encode("wind and rain")
+    reply = await wire.svc.on_progress(StreamProgressRequest("ex-a", ["r"], "a1"))
+    assert reply.streamed == {} and reply.ended == []
+    await wire.step("ex-a", SeqTokens("r", ids[:1], None, 1, start()), "a1")
+    await wire.step("ex-a", SeqTokens("r", ids[1:2], None, 2), "a1")
+    assert "r" not in wire.svc.ended
+    await wire.step("ex-b", SeqTokens("r", ids, "length", len(ids), start()), "b1")
+    await wire.until_text(tok.decode(ids), finished=True)
+
+
 async def test_a_second_executor_cannot_take_over_a_live_stream(wire, tiny_llama):
     ids = Tokenizer.from_folder(tiny_llama).encode("alpha beta gamma")
     await wire.step("ex-a", SeqTokens("r", ids[:2], None, 2, start()))

@@ -173,9 +173,12 @@ class DetokenizerService:
         await self.svc.publish(self.svc.subjects.abort, AbortRequests(rids, reason="stream gap"))
 
     def never_seen(self, seq: SeqTokens) -> bool:
-        """Tokens of a stream this shard has no record of at all (not ended, not moved)."""
+        """Tokens of a stream this shard has no record of at all (not ended, not moved: one
+        moved before its start came here is known by its move, and its next executor's
+        start is on the way)."""
         rid = seq.request_id
-        return seq.start is None and rid not in self.streams and rid not in self.ended
+        known = rid in self.streams or rid in self.ended or rid in self.withdrawn
+        return seq.start is None and not known
 
     def stream_for(self, seq: SeqTokens, source: Source) -> Stream | None:
         """The stream these tokens continue, or None when they must be dropped: after its end
