@@ -31,6 +31,9 @@ __all__ = ["build_parser", "build_workload", "main"]
 
 _DEFAULT_OUTPUT_LEN = "128"
 _DEFAULT_INPUT_LEN = {"synthetic": "512", "multi-turn": "128"}
+# The warm-up's workload seed is --seed plus this: prompts no timed run (seed, seed + 1, ... for
+# a sweep's rates) shares, so none of them is a prefix-cache hit because of the warm-up.
+WARMUP_SEED_OFFSET = 1_000_003
 
 
 def _positive_float(text: str) -> float:
@@ -90,7 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--rate", type=_positive_float, help="open loop: Poisson arrivals per second (inf: all)"
     )
     mode.add_argument("--concurrency", type=_positive_int, help="closed loop: requests in flight")
-    mode.add_argument("--sweep", type=_rates, help="open loop at each rate in turn: R1,R2,...")
+    mode.add_argument(
+        "--sweep",
+        type=_rates,
+        help="open loop at each rate in turn: R1,R2,... (rate i seeded --seed + i: prompts "
+        "of its own)",
+    )
     r.add_argument(
         "--num-requests", type=_positive_int, default=200, help="most requests per run (200)"
     )
@@ -146,7 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--timeout", type=_positive_float, default=300.0, help="per-request timeout, s (300)"
     )
     r.add_argument("--seed", type=int, default=0, help="seed of the workload and arrivals (0)")
-    r.add_argument("--warmup", type=int, default=0, help="untimed requests sent first (0)")
+    r.add_argument(
+        "--warmup", type=int, default=0, help="untimed requests sent first, of other prompts (0)"
+    )
     r.add_argument(
         "--extra-body",
         type=_json_object,
@@ -166,24 +176,26 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def build_workload(args: argparse.Namespace) -> Workload:
-    """The workload named by ``args.workload`` (a fresh one, seeded by ``args.seed``)."""
+def build_workload(args: argparse.Namespace, seed: int | None = None) -> Workload:
+    """The workload named by ``args.workload``: a fresh one, seeded by ``seed`` (default
+    ``args.seed``)."""
     name: str = args.workload
+    seed = args.seed if seed is None else seed
     out_len: LengthDist = args.output_len or LengthDist.parse(_DEFAULT_OUTPUT_LEN)
     in_len: LengthDist = args.input_len or LengthDist.parse(_DEFAULT_INPUT_LEN.get(name, "512"))
     if name == "synthetic":
-        return SyntheticWorkload(in_len, out_len, seed=args.seed)
+        return SyntheticWorkload(in_len, out_len, seed=seed)
     if name == "shared-prefix":
         return SharedPrefixWorkload(
-            args.num_prefixes, args.prefix_len, args.suffix_len, out_len, seed=args.seed
+            args.num_prefixes, args.prefix_len, args.suffix_len, out_len, seed=seed
         )
     if name == "multi-turn":
-        return MultiTurnWorkload(args.turns, in_len, out_len, seed=args.seed)
+        return MultiTurnWorkload(args.turns, in_len, out_len, seed=seed)
     if name == "sharegpt":
         if not args.dataset:
             raise ValueError("--workload sharegpt needs --dataset FILE")
         return ShareGPTWorkload(
-            args.dataset, args.output_len, seed=args.seed, max_input_tokens=args.max_input_len
+            args.dataset, args.output_len, seed=seed, max_input_tokens=args.max_input_len
         )
     raise ValueError(f"unknown workload {name!r}")
 
@@ -191,7 +203,7 @@ def build_workload(args: argparse.Namespace) -> Workload:
 async def _run_all(
     endpoint: Endpoint,
     loads: Sequence[LoadConfig],
-    make_workload: Callable[[], Workload],
+    make_workload: Callable[[int], Workload],
     args: argparse.Namespace,
     slo: dict[str, float],
 ) -> list[dict[str, Any]]:
@@ -199,15 +211,16 @@ async def _run_all(
     async with new_session() as session:
         if args.warmup > 0:
             c = loads[0].concurrency or min(args.warmup, 8)
-            failed = await warmup(
-                endpoint, make_workload(), args.warmup, c, args.timeout, session=session
-            )
+            # Prompts of their own: the timed run's would come from the prefix cache.
+            warm = make_workload(args.seed + WARMUP_SEED_OFFSET)
+            failed = await warmup(endpoint, warm, args.warmup, c, args.timeout, session=session)
             if failed:
                 print(f"warmup: {failed}/{args.warmup} requests failed", file=sys.stderr)
         for load in loads:
             run = await run_load(
-                endpoint, make_workload(), load, progress=not args.no_progress, session=session
-            )
+                endpoint, make_workload(load.seed), load, progress=not args.no_progress,
+                session=session,
+            )  # fmt: skip
             records.append(run_record(run, slo))
     return records
 
@@ -216,16 +229,16 @@ def _cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         slo = parse_slo(args.slo)
         workload = build_workload(args)  # fail early on a bad dataset
+        endpoint = Endpoint(
+            base_url=args.base_url,
+            model=args.model,
+            kind=args.endpoint,
+            api_key=args.api_key or None,
+            ignore_eos=args.ignore_eos,
+            extra_body=args.extra_body or {},
+        )
     except (ValueError, OSError) as e:
         parser.error(str(e))
-    endpoint = Endpoint(
-        base_url=args.base_url,
-        model=args.model,
-        kind=args.endpoint,
-        api_key=args.api_key or None,
-        ignore_eos=args.ignore_eos,
-        extra_body=args.extra_body or {},
-    )
     common: dict[str, Any] = {
         "num_requests": args.num_requests,
         "duration_s": args.duration,
@@ -233,15 +246,18 @@ def _cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         "seed": args.seed,
     }
     loads: list[LoadConfig]
-    if args.sweep:
-        loads = [LoadConfig("rate", rate=rate, **common) for rate in args.sweep]
+    if args.sweep:  # each rate its own prompts (and arrivals): seed, seed + 1, ...
+        loads = [
+            LoadConfig("rate", rate=rate, **(common | {"seed": args.seed + i}))
+            for i, rate in enumerate(args.sweep)
+        ]
     elif args.rate is not None:
         loads = [LoadConfig("rate", rate=args.rate, **common)]
     else:
         loads = [LoadConfig("concurrency", concurrency=args.concurrency, **common)]
 
-    def make() -> Workload:
-        return build_workload(args)
+    def make(seed: int) -> Workload:
+        return build_workload(args, seed)
 
     records = asyncio.run(_run_all(endpoint, loads, make, args, slo))
     config: dict[str, Any] = {

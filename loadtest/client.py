@@ -48,6 +48,16 @@ class Endpoint:
     ignore_eos: bool = False
     extra_body: dict[str, Any] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        # One choice a request: the stream's timings (TTFT, ITL, TPOT) follow one sequence,
+        # and n > 1 would interleave the choices' chunks into it.
+        for key in ("n", "best_of"):
+            if self.extra_body.get(key, 1) != 1:
+                raise ValueError(
+                    f"extra body {key}={self.extra_body[key]!r}: the load test times one choice "
+                    "a request; send more requests instead"
+                )
+
     @property
     def url(self) -> str:
         return api_url(self.base_url, self.kind)

@@ -495,6 +495,32 @@ def test_cli_rejects_bad_arguments(capsys):
         )
 
 
+def test_warmup_and_each_sweep_rate_send_prompts_of_their_own(tmp_path):
+    """The warm-up's prompts, or a previous rate's, would come from the server's prefix cache
+    and make the timed run's TTFT the cached path's."""
+    base = ["run", "--model", "m", "--num-requests", "6", "--output-len", "4", "--no-progress"]
+    with FakeServer(FakeConfig(ttft_s=0.001, itl_s=0.001, num_tokens=4)) as server:
+        argv = [*base, "--base-url", server.base_url, "--concurrency", "2", "--warmup", "3"]
+        assert main([*argv, "--out", str(tmp_path / "w.json")]) == 0
+        prompts = [json.dumps(r.payload["messages"]) for r in server.received]
+        warm, timed = prompts[:3], prompts[3:]
+        assert len(timed) == 6 and not set(warm) & set(timed)
+        server.received.clear()
+        argv = [*base, "--base-url", server.base_url, "--sweep", "50,100"]
+        assert main([*argv, "--out", str(tmp_path / "s.json")]) == 0
+        prompts = [json.dumps(r.payload["messages"]) for r in server.received]
+        assert len(prompts) == 12 and not set(prompts[:6]) & set(prompts[6:])
+
+
+@pytest.mark.parametrize("body", ['{"n": 2}', '{"best_of": 3}'])
+def test_more_than_one_choice_a_request_is_refused(body, capsys):
+    """The stream's timings follow one sequence: n > 1 interleaves the choices' chunks."""
+    with pytest.raises(SystemExit):
+        main(["run", "--base-url", "http://x", "--model", "m", "--rate", "1",
+              "--extra-body", body, "--out", "x.json"])  # fmt: skip
+    assert "one choice a request" in capsys.readouterr().err
+
+
 def test_report_writes_pngs_and_html(cli_files, tmp_path):
     out = tmp_path / "report"
     assert main(["report", str(cli_files["a"]), str(cli_files["b"]), "--out", str(out)]) == 0
