@@ -7,6 +7,7 @@ import re
 
 import pytest
 
+from loadtest.client import RequestResult
 from tools.bench import mesh as bench
 
 
@@ -32,3 +33,22 @@ def test_bench_runs_both_sides_and_reports(tiny_llama, capsys: pytest.CaptureFix
         assert tokens_per_s > 0
     assert re.search(r"mesh throughput / in-process \(median rounds\): \d+\.\d%", out)
     assert re.search(r"TTFT added by the mesh \(median over rounds\): p50 [+-]\d", out)
+
+
+def test_ttft_percentiles_stay_within_the_samples() -> None:
+    """statistics.quantiles' default extrapolates past the largest sample under 100 samples
+    (63 values 1..63 and one 500 gave a p99 of 653)."""
+    side = bench.Side("x", 1.0, 1, [*map(float, range(1, 64)), 500.0], 64)
+    assert side.ttft(99) <= 500.0 and side.ttft(50) == 32.5
+    assert bench.Side("x", 1.0, 1, [5.0], 1).ttft(99) == 5.0
+
+
+def test_open_loop_ttft_counts_from_the_scheduled_arrival() -> None:
+    """A request sent 0.4 s after its arrival (the client's loop was busy) has waited that
+    long too, as the in-process side counts it."""
+    late = RequestResult(request_id=0, start_s=1.4, scheduled_s=1.0)
+    late.ttft_s = 0.05
+    assert abs(bench.ttft_from_arrival(late) - 0.45) < 1e-9
+    closed = RequestResult(request_id=1, start_s=3.0)
+    closed.ttft_s = 0.05
+    assert bench.ttft_from_arrival(closed) == 0.05

@@ -24,6 +24,7 @@ import time
 from collections import defaultdict
 
 import nats
+import numpy as np
 
 from gpu.gguf import resolve_model_path
 from services.launcher.mesh import LocalMesh
@@ -120,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     print("|---|---|---|")
     for name, values in sorted(edges.items(), key=lambda kv: statistics.median(kv[1])):
         if len(values) >= 2:
-            p90 = statistics.quantiles(values, n=10)[8]
+            p90 = float(np.percentile(values, 90))
             print(f"| {name} | {statistics.median(values):.1f} | {p90:.1f} |")
 
 

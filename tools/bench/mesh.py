@@ -32,6 +32,8 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
+
 from common.tokenizer import Tokenizer
 from gpu.engine import Engine, EngineConfig
 from gpu.gguf import resolve_model_path
@@ -64,7 +66,10 @@ class Side:
         return self.requests / self.seconds
 
     def ttft(self, q: float) -> float:
-        return statistics.quantiles(self.ttfts_ms, n=100)[int(q) - 1]
+        """Percentile ``q``, interpolated between the samples as ``loadtest`` and vLLM's
+        benchmark do (``statistics.quantiles``' default extrapolates past the largest one
+        when there are fewer than 100)."""
+        return float(np.percentile(self.ttfts_ms, q))
 
 
 IN_PROCESS = "in-process engine"
@@ -152,12 +157,12 @@ async def run_mesh(
     async with new_session() as session:
         t0 = time.perf_counter()
 
-        async def send(spec: RequestSpec) -> None:
-            results.append(
-                await send_request(
-                    session, endpoint, spec, request_id=len(results), run_start=t0, timeout=600
-                )
-            )
+        async def send(spec: RequestSpec, at: float | None = None) -> None:
+            result = await send_request(
+                session, endpoint, spec, request_id=len(results), run_start=t0, timeout=600,
+                scheduled_s=at,
+            )  # fmt: skip
+            results.append(result)
 
         async def closed_client() -> None:
             while specs:
@@ -165,7 +170,7 @@ async def run_mesh(
 
         async def arrive(at: float, spec: RequestSpec) -> None:
             await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
-            await send(spec)
+            await send(spec, at)
 
         if arrivals is None:
             await asyncio.gather(*(closed_client() for _ in range(concurrency or 1)))
@@ -177,9 +182,17 @@ async def run_mesh(
     failed = [r for r in results if not r.success]
     if failed:
         raise RuntimeError(f"{len(failed)} mesh requests failed: {failed[0].error}")
-    ttfts = [r.ttft_s * 1000 for r in results if r.ttft_s is not None]
+    ttfts = [ttft_from_arrival(r) * 1000 for r in results if r.ttft_s is not None]
     produced = sum(r.output_tokens or 0 for r in results)
     return Side(MESH, seconds, produced, ttfts, len(texts))
+
+
+def ttft_from_arrival(r: RequestResult) -> float:
+    """From the scheduled arrival in the open loop, as on the in-process side: a client sent
+    late (its event loop busy) counts its lateness, which it would otherwise not."""
+    assert r.ttft_s is not None
+    late = r.start_s - r.scheduled_s if r.scheduled_s is not None else 0.0
+    return late + r.ttft_s
 
 
 def median_side(sides: list[Side]) -> Side:
