@@ -254,6 +254,13 @@ class Engine:
         requests = []
         self._draft_limits = {}
         free = self.pages.num_free
+        # The scheduler serves the running sequences in order, decodes and their drafts
+        # before a later one's prompt chunk: pages a draft took there would preempt it.
+        budget = self.config.max_num_batched_tokens
+        for seq in self.scheduler.running:
+            if seq.num_pending > 1:
+                chunk = seq.num_computed + min(seq.num_pending, budget)
+                free -= self.pages.pages_needed(seq.table, chunk)
         for seq in self.scheduler.running:
             if seq.num_pending != 1 or seq.draft_length is None:
                 continue

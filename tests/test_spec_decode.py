@@ -311,6 +311,34 @@ def test_draft_model_state_is_incremental_and_bounded(tiny_llama):
     assert proposer.pages.num_free == proposer.pages.num_pages
 
 
+class AlwaysDraft:
+    """Drafts token 7 at every allowed position (mostly rejected: the pages are what counts)."""
+
+    def propose(self, requests: list[DraftRequest]) -> dict[str, Proposal]:
+        return {r.request_id: Proposal([7] * r.num_draft) for r in requests}
+
+    def release(self, request_ids: list[str]) -> None:
+        pass
+
+
+def test_a_draft_never_preempts_a_neighbour_mid_prompt(tiny_llama):
+    """A decodes with drafts while B's prompt is computed in chunks behind it: drafts take
+    only the pages B's next chunk leaves (they took them first, and B was preempted, its
+    prompt computed again, twice in this run; the pool holds both without drafts)."""
+    runner = ModelRunner(load_model(tiny_llama, progress=False), 12, 4)
+    config = EngineConfig(8, 16, True, num_speculative_tokens=4, adaptive_speculation=False)
+    engine = Engine(runner, config, eos_token_ids=[2], proposer=AlwaysDraft())
+    engine.add_request("a", [11, 12, 13, 14, 15], greedy(20))
+    engine.step()
+    engine.add_request("b", list(range(100, 130)), greedy(2))
+    drafted = 0
+    while engine.has_unfinished():
+        drafted += sum(r.num_draft for r in engine.draft_requests())
+        engine.step()
+    assert engine.scheduler.num_preempted_for_pages == 0
+    assert drafted > 0  # drafts still ran where pages were left
+
+
 def test_drafts_only_take_free_pages(tiny_llama):
     """A draft shrinks to the pages that are free now instead of preempting a neighbour."""
     prompt = prompts_for(9, [7])[0]
