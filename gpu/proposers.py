@@ -239,6 +239,14 @@ class DraftModelProposer:
         top = probs.topk(min(self.top_n, probs.shape[1]), dim=-1)
         q = top.values / top.values.sum(dim=-1, keepdim=True)
         picks = torch.multinomial(q, 1, generator=self.sampler.generator).squeeze(1)
+        for row, i in enumerate(active):
+            seed = requests[i].params.seed
+            if seed is not None and not requests[i].params.is_greedy:
+                # Its own draw, fixed by its seed and the position drafted: a seeded request's
+                # output must not hang on what else this proposer serves.
+                position = len(requests[i].token_ids) + len(drafts[i])
+                own = torch.Generator(q.device).manual_seed(draft_seed(seed, position))
+                picks[row] = torch.multinomial(q[row], 1, generator=own)[0]
         tokens, ids, values, picked = to_host(processed.argmax(dim=-1), top.indices, q, picks)
         for row, i in enumerate(active):
             if requests[i].params.is_greedy:
@@ -248,3 +256,10 @@ class DraftModelProposer:
             q_ids[i].append([ids[row][j] for j in kept])
             q_probs[i].append([values[row][j] for j in kept])
         return [int(t) for t in tokens]
+
+
+def draft_seed(seed: int, position: int) -> int:
+    """A generator seed for drafting ``position`` of a request seeded ``seed`` (mixed so that
+    neighbouring seeds and positions give unrelated streams)."""
+    mixed = (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
+    return (mixed ^ (mixed >> 31)) & ((1 << 63) - 1)

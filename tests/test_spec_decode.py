@@ -185,6 +185,24 @@ def target_marginal(folder, prompt: list[int], temperature: float, top_k: int) -
     return (p1[firsts].unsqueeze(1) * p2).sum(0)
 
 
+def test_a_seeded_request_drafted_by_a_model_is_reproducible(tiny_llama):
+    """Its drafts come from its own seed, not the proposer's shared generator (torch's global
+    one in the speculator service): the same output twice, alone or among sampled
+    neighbours. The target drafts for itself, so most drafts are accepted and decide tokens."""
+    params = SamplingParams(temperature=1.0, seed=1234, max_tokens=12, ignore_eos=True)
+    noisy = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    prompt, *others = prompts_for(6, [9, 7, 8, 5])
+
+    def engine() -> Engine:
+        runner = ModelRunner(load_model(tiny_llama, progress=False), 256, 4)
+        return make_engine(tiny_llama, DraftModelProposer(runner), k=3)
+
+    alone = engine().generate([prompt], params)[0]
+    assert engine().generate([prompt], params)[0] == alone
+    crowded = engine().generate([prompt, *others], [params, noisy, noisy, noisy])[0]
+    assert crowded == alone
+
+
 @pytest.mark.parametrize("draft", ["bad", "truncated"])
 def test_sampled_tokens_follow_the_target_distribution(tiny_llama, bad_draft, draft):
     """Chi-squared at the second output position (the first one speculation decides): the
