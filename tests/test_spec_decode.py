@@ -4,6 +4,7 @@ target's distribution, an identical draft is always accepted, a bad one never ch
 from __future__ import annotations
 
 import random
+from collections.abc import Iterable
 
 import pytest
 import torch
@@ -195,7 +196,8 @@ def test_a_seeded_request_drafted_by_a_model_is_reproducible(tiny_llama):
 
     def engine() -> Engine:
         runner = ModelRunner(load_model(tiny_llama, progress=False), 256, 4)
-        return make_engine(tiny_llama, DraftModelProposer(runner), k=3)
+        built: Engine = make_engine(tiny_llama, DraftModelProposer(runner), k=3)
+        return built
 
     alone = engine().generate([prompt], params)[0]
     assert engine().generate([prompt], params)[0] == alone
@@ -335,7 +337,7 @@ class AlwaysDraft:
     def propose(self, requests: list[DraftRequest]) -> dict[str, Proposal]:
         return {r.request_id: Proposal([7] * r.num_draft) for r in requests}
 
-    def release(self, request_ids: list[str]) -> None:
+    def release(self, request_ids: Iterable[str]) -> None:
         pass
 
 
