@@ -262,7 +262,8 @@ def main(argv: list[str] | None = None) -> None:
             opened[MESH].append(asyncio.run(run_mesh(url, "bench", timed, out_tokens, None, at)))
     finally:
         mesh.stop()
-    report(args, folder.name, closed, opened, rate)
+    weights = f"--quantization {up_args.quantization}, KV {up_args.kv_cache_dtype}"
+    report(args, f"{folder.name} ({weights}, as meshserve up)", closed, opened, rate)
 
 
 def report(
@@ -273,7 +274,7 @@ def report(
     rate: float,
 ) -> None:
     print(
-        f"\nmodel {model}, CPU fp32, {args.requests} requests per round and workload, "
+        f"\nmodel {model}, CPU, {args.requests} requests per round and workload, "
         f"{args.output_tokens} output tokens each, {args.rounds} rounds; closed loop: "
         f"concurrency {args.concurrency}; open loop: Poisson arrivals at {rate:.2f} req/s "
         f"({args.rate_fraction:.0%} of the in-process closed-loop rate)\n"
@@ -289,9 +290,14 @@ def report(
                 f"{side.tokens_per_s:.1f} | {side.ttft(50):.1f} | {side.ttft(99):.1f} |"
             )
     ratio = median_side(closed[MESH]).tokens_per_s / median_side(closed[IN_PROCESS]).tokens_per_s
+    rounds = [
+        f"{m.tokens_per_s / i.tokens_per_s:.1%}"
+        for i, m in zip(closed[IN_PROCESS], closed[MESH], strict=True)
+    ]
     added = [median_ttft(opened[MESH], q) - median_ttft(opened[IN_PROCESS], q) for q in (50, 99)]
     print(
-        f"\nclosed loop: mesh throughput / in-process (median rounds): {ratio:.1%}\n"
+        f"\nclosed loop: mesh throughput / in-process (median rounds): {ratio:.1%} "
+        f"(round by round: {', '.join(rounds)})\n"
         f"open loop: TTFT added by the mesh (median over rounds): p50 {added[0]:+.1f} ms, "
         f"p99 {added[1]:+.1f} ms"
     )
