@@ -1,8 +1,9 @@
 """Failure paths of disaggregated prefill/decode between the two executors, each on a real
 nats-server with the peer played by the test: a decode executor holds a request's reserved
 pages until its prefill executor says it will write nothing more into them, so every way a
-prefill job can end must say so, and a request its client left must not be computed. Also an
-executor whose step raises leaves the mesh at once."""
+prefill job can end must say so, and a request its client left must not be computed. Pages
+whose prefill side went silent stay held until their lease ends, and no write starts past it.
+Also an executor whose step raises leaves the mesh at once."""
 
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ from common.wire.executor import AbortRequests, PrefillDone, PrefillRequest, Tok
 from common.wire.scheduler import Heartbeat
 from common.wire.tokenizer import WireSamplingParams
 from gpu.engine import StepOutput
+from services.executor import decode_side
 from services.executor.__main__ import drain_and_stop
+from services.executor.prefill_side import PAST_LEASE
 from services.executor.service import ExecutorService
 from tests.mesh import tiny_executor, wait_for
 
@@ -45,9 +48,12 @@ class PrefillPeer:
     async def on_done(self, msg) -> None:
         self.done.append(PrefillDone.decode(msg.data))
 
-    def job(self, rid: str, prompt: list[int] = PROMPT) -> PrefillRequest:
+    def job(self, rid: str, prompt: list[int] = PROMPT, lease_s: float = 30) -> PrefillRequest:
         req = request(rid, self.ex.incarnation, prompt)
-        return PrefillRequest(req, "dec-0", "d1", "dec-agent", [0], 64, 64, [0, 1, 2, 3, 4])
+        return PrefillRequest(
+            req, "dec-0", "d1", "dec-agent", [0], 64, 64, [0, 1, 2, 3, 4], f"job-{rid}",
+            time.time() + lease_s,
+        )  # fmt: skip
 
     async def answers(self, count: int) -> list[tuple[str, str]]:
         await wait_for(lambda: len(self.done) >= count, 10, f"{count} PrefillDone")
@@ -90,6 +96,7 @@ async def test_a_lost_answer_is_said_again_when_the_decode_side_asks(prefill):
     await prefill.answers(1)
     await ex.on_abort(AbortRequests(["r", "unknown"], "computed on its decode executor", "pre-0"))
     assert await prefill.answers(2) == [("r", "failed"), ("r", "failed")]
+    assert [d.job_id for d in prefill.done] == ["job-r", "job-r"]  # (its job, not another)
     await asyncio.sleep(0.2)
     assert len(prefill.done) == 2  # nothing said of a job it never had
 
@@ -105,19 +112,41 @@ async def test_a_prefill_job_refused_here_ends_it_on_the_decode_side_too(prefill
     assert side.jobs == {} and "long" not in ex.requests
 
 
+async def test_no_write_starts_past_the_decode_sides_lease(prefill, monkeypatch):
+    """A job whose lease is over when it comes is refused; one whose lease ends while its
+    prompt is computed is not written (the decode side may have reused the pages): the decode
+    side hears "failed" either way, and this side gives the prompt's pages back."""
+    ex, side = prefill.ex, prefill.ex.prefill_side
+    writes: list[str] = []
+    monkeypatch.setattr(ex.transport, "write", lambda *args: writes.append(args[0]))
+    await side.on_prefill(prefill.job("late", lease_s=-0.1))
+    assert side.jobs == {} and ex.pending_adds == []
+    await side.on_prefill(prefill.job("slow", lease_s=0.5))
+    await ex.apply_pending()
+    assert "slow" in ex.engine.seqs
+    await asyncio.sleep(0.6)  # the step computing its prompt took past the lease
+    outputs = ex.engine.step()
+    assert [o.request_id for o in outputs] == ["slow"]
+    await side.hand_off(outputs)
+    assert await prefill.answers(2) == [("late", "failed"), ("slow", "failed")]
+    assert {d.error for d in prefill.done} == {PAST_LEASE}
+    assert writes == []
+    assert "slow" not in ex.engine.seqs and ex.engine.pages.num_free == ex.engine.pages.num_pages
+
+
 class DecodeHost:
     """A decode executor ``dec-0`` (stepping) with the prefill executor ``pre-0`` and the
     detokenizer played by the test."""
 
     def __init__(self, ex: ExecutorService, nc: Client) -> None:
         self.ex, self.nc = ex, nc
-        self.jobs: list[str] = []
+        self.jobs: list[PrefillRequest] = []
         self.tokens: dict[str, list[int]] = {}
         self.answered = asyncio.Event()
         self.aborted_before_answer = False
 
     async def on_job(self, msg) -> None:
-        self.jobs.append(PrefillRequest.decode(msg.data).request.request_id)
+        self.jobs.append(PrefillRequest.decode(msg.data))
 
     async def on_step(self, msg) -> None:
         for seq in StepTokens.decode(msg.data).seqs:
@@ -158,9 +187,9 @@ async def test_a_client_abort_during_the_fall_back_to_local_prefill_is_kept(
     try:
         total = ex.engine.pages.num_pages
         await nc.publish(s.executor_submit("dec-0"), request("r", "p1").encode())
-        await wait_for(lambda: "r" in host.jobs, 10, "the prefill job")
+        await wait_for(lambda: host.jobs, 10, "the prefill job")
         assert ex.engine.pages.num_free < total  # reserved for the prompt
-        failed = PrefillDone("r", "failed", error="no NIXL peer")
+        failed = PrefillDone("r", "failed", error="no NIXL peer", job_id=host.jobs[0].job_id)
         await nc.publish(s.executor_prefilled("dec-0"), failed.encode())
         await asyncio.wait_for(host.answered.wait(), 10)
         await asyncio.sleep(1.0)  # the answer arrives, and steps would have run
@@ -171,6 +200,61 @@ async def test_a_client_abort_during_the_fall_back_to_local_prefill_is_kept(
         assert ex.engine.pages.num_free == total
     finally:
         beating.cancel()
+        await nc.close()
+        await ex.svc.close()
+        assert ex.transport is not None
+        ex.transport.close()
+
+
+async def test_pages_of_a_silent_prefill_executor_are_held_until_their_lease_ends(
+    nats_server: LocalNatsServer, tiny_llama, monkeypatch
+) -> None:
+    """The prefill executor goes silent: the decode executor computes the prompt itself, in
+    other pages, at once, but keeps the reserved ones until the job's lease is over (silence
+    is no proof that it will not write: partitioned or paused, it may wake and write). An
+    answer about another job of the same request changes nothing."""
+    monkeypatch.setattr(decode_side, "FENCE_MARGIN_S", 1.0)
+    lease = 8.0
+    ex = tiny_executor(
+        nats_server.url, tiny_llama, "dec-0", role="decode", kv_transfer_timeout_s=lease
+    )
+    await ex.start()
+    nc = await nats.connect(nats_server.url)
+    host = DecodeHost(ex, nc)
+    asked: list[float] = []
+
+    async def on_progress(msg) -> None:
+        asked.append(time.monotonic())
+        await msg.respond(StreamProgressReply({}, []).encode())
+
+    s = ex.subjects
+    await nc.subscribe(s.executor_prefill("pre-0"), cb=host.on_job)
+    await nc.subscribe(s.detok(0), cb=host.on_step)
+    await nc.subscribe(s.detok_progress(0), cb=on_progress)
+    try:
+        side, total = ex.decode_side, ex.engine.pages.num_pages
+        assert side is not None
+        await nc.publish(s.executor_submit("dec-0"), request("r", "p1").encode())
+        await wait_for(lambda: host.jobs, 10, "the prefill job")
+        sent, job = time.monotonic(), host.jobs[0]
+        assert job.write_by - time.time() == pytest.approx(lease, abs=1)
+        stale = PrefillDone("r", "failed", error="an earlier job", job_id=job.job_id + "0")
+        await nc.publish(s.executor_prefilled("dec-0"), stale.encode())
+        await nc.flush()
+        await asyncio.sleep(0.5)
+        assert side.reservations["r"].done is None and not asked
+        # No heartbeat from pre-0: past 2 s of silence the decode side computes it here.
+        await wait_for(lambda: len(host.tokens.get("r", [])) == PARAMS.max_tokens, 20, "r")
+        # It fell back on the silence (2 s), not at the end of the lease.
+        assert asked and asked[0] - sent < decode_side.PEER_TIMEOUT_S + 2 < lease
+        assert "r" not in ex.requests
+        if time.monotonic() - sent < lease - 0.5:  # (a slow machine got past the lease)
+            assert list(side.held) == [job.job_id]
+            assert ex.engine.pages.num_free == total - len(job.pages)
+        await wait_for(lambda: not side.held, lease + 5, "the lease's end")
+        assert time.monotonic() - sent >= lease + 1.0 - 0.1
+        assert ex.engine.pages.num_free == total
+    finally:
         await nc.close()
         await ex.svc.close()
         assert ex.transport is not None

@@ -9,6 +9,7 @@ it, then forwards it); the scheduler and the detokenizer also act on ``AbortRequ
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from common.wire.codec import Message, id_ok, require
@@ -76,7 +77,13 @@ class PrefillRequest(Message):
     """Decode executor -> prefill executor: compute this prompt, stream its first token, and
     write its KV into these pages of mine (every layer; page i holds tokens i*page_size...).
     The pool is at ``layer_bases`` (``common.kv_layout.KVLayout``) behind NIXL agent
-    ``agent``; tokens after the first come from ``decode_executor``."""
+    ``agent``; tokens after the first come from ``decode_executor``.
+
+    ``job_id`` names this one job (the same request may be reserved again later, elsewhere or
+    here): ``PrefillDone`` and NIXL's notification carry it. ``write_by`` (wall clock, Unix
+    seconds) is the lease on the pages: no write may start after it, and a write still running
+    then is cancelled, because past it (plus a margin) the decode side reuses the pages whether
+    or not it heard from this job."""
 
     request: TokenizedRequest
     decode_executor: str
@@ -86,6 +93,8 @@ class PrefillRequest(Message):
     page_bytes: int
     num_pages: int
     pages: list[int]
+    job_id: str
+    write_by: float
 
     def __post_init__(self) -> None:
         require(
@@ -96,6 +105,8 @@ class PrefillRequest(Message):
                 "page_bytes and num_pages must be >= 1": self.page_bytes >= 1
                 and self.num_pages >= 1,
                 "pages must lie in the pool": all(0 <= p < self.num_pages for p in self.pages),
+                "job_id must be non-empty": bool(self.job_id),
+                "write_by must be a finite time": math.isfinite(self.write_by),
             },
         )
 
@@ -108,7 +119,8 @@ class PrefillDone(Message):
     """Prefill executor -> decode executor, after the transfer: ``written`` (the KV is in the
     pages, NIXL's notification follows the data; decode from ``first_token`` on),
     ``finished`` (the first token ended the request: release the pages) or ``failed``
-    (``error`` says why: compute the prompt locally)."""
+    (``error`` says why: compute the prompt locally). ``job_id`` is the ``PrefillRequest``'s:
+    an answer about an earlier job for the same request matches nothing."""
 
     request_id: str
     outcome: str
@@ -116,6 +128,7 @@ class PrefillDone(Message):
     error: str = ""
     bytes: int = 0
     seconds: float = 0.0
+    job_id: str = ""
 
     def __post_init__(self) -> None:
         require(

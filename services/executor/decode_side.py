@@ -11,9 +11,14 @@ reports a failure, nothing arrives within ``--kv-transfer-timeout``, or the pref
 heartbeats stop (or a new incarnation appears). The detokenizer says which tokens the prefill
 side streamed (and drops any it still sends), and the request is prefilled here, in fresh
 pages, with them, so the stream goes on without a gap or a repeat. The reserved pages are
-released only once nothing can write into them any more (the prefill side said it is done
-with them, or it is dead): a late write into pages given to another sequence would corrupt
-it. Every method that touches the engine runs between steps (``apply``, from the step loop).
+released only once nothing can write into them any more: a late write into pages given to
+another sequence would corrupt it. That is when the prefill side says it is done with them,
+or when their lease ends: each job carries ``write_by`` (our deadline, on the wall clock), past
+which the prefill side starts no write and cancels one still running, and the pages are kept
+``FENCE_MARGIN_S`` longer (the hosts' clocks may differ by that much, and a cancelled write may
+still land). Silence is no proof: a prefill executor whose heartbeats stopped (partitioned from
+the bus, paused, swapping) may still write when it wakes. Every method that touches the engine
+runs between steps (``apply``, from the step loop).
 """
 
 from __future__ import annotations
@@ -49,13 +54,15 @@ log = logging.getLogger("meshserve.executor")
 
 POLL_S = 0.002  # how often an idle step loop looks for NIXL notifications
 PEER_TIMEOUT_S = 2.0  # a prefill peer silent this long is dead (the scheduler's default too)
+FENCE_MARGIN_S = 5.0  # pages are reused this long after their lease ends (clock skew, a cancel)
 
 
 @dataclass
 class Reservation:
     request: TokenizedRequest
     pages: list[int]
-    deadline: float  # monotonic: past it, compute the prompt here
+    job_id: str
+    deadline: float  # monotonic: past it, compute the prompt here (the lease ends then too)
     done: PrefillDone | None = None
     notified: bool = False  # NIXL's notification: the bytes are in our pages
 
@@ -65,7 +72,7 @@ class Held:
     """Pages of an ended reservation that the prefill side might still write into."""
 
     table: PageTable
-    peer: tuple[str, str]  # (prefill executor, incarnation)
+    fenced_at: float  # monotonic: nothing can write into them after this
     done: bool = False  # it said it is done with them
 
 
@@ -78,20 +85,17 @@ class Resume:
     ended: bool = False
 
 
-def peer_of(req: TokenizedRequest) -> tuple[str, str]:
-    return (req.prefill_executor, req.prefill_incarnation)
-
-
 class DecodeSide:
     def __init__(self, service: ExecutorService, transport: KVTransport) -> None:
         self.service = service
         self.transport = transport
         self.reservations: dict[str, Reservation] = {}
-        self.held: dict[str, Held] = {}
+        self.held: dict[str, Held] = {}  # by job id
         self.resumes: list[Resume] = []
         self.changed = asyncio.Event()
         self.peers_seen: dict[str, tuple[str, float]] = {}  # executor -> (incarnation, when)
         self.tasks: set[asyncio.Future[None]] = set()
+        self.jobs_sent = 0
 
     def fire(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.ensure_future(coro)
@@ -111,10 +115,10 @@ class DecodeSide:
 
     async def on_prefilled(self, message: PrefillDone) -> None:
         reservation = self.reservations.get(message.request_id)
-        if reservation is not None:
+        if reservation is not None and reservation.job_id == message.job_id:
             reservation.done = message
             self.service.wake.set()
-        held = self.held.get(message.request_id)
+        held = self.held.get(message.job_id)
         if held is not None:
             held.done = True
             self.service.wake.set()
@@ -134,7 +138,7 @@ class DecodeSide:
         if r.done is not None:  # the prefill side is through with these pages
             handoff.release(self.service.engine, table)
             return
-        self.held[r.request.request_id] = Held(table, peer_of(r.request))
+        self.held[r.job_id] = Held(table, r.deadline + FENCE_MARGIN_S)
         self.changed.set()
 
     def forget(self, request_id: str) -> None:
@@ -154,8 +158,10 @@ class DecodeSide:
         )
         if pages is None:
             return False
-        now = time.monotonic()
-        self.reservations[rid] = Reservation(req, pages, now + svc.config.kv_transfer_timeout_s)
+        now, window = time.monotonic(), svc.config.kv_transfer_timeout_s
+        self.jobs_sent += 1
+        job_id = f"{svc.incarnation}-{self.jobs_sent}"
+        self.reservations[rid] = Reservation(req, pages, job_id, now + window)
         # A peer not heard from yet counts as alive from now (it was routed to, so it lives).
         self.peers_seen.setdefault(req.prefill_executor, (req.prefill_incarnation, now))
         layout = svc.engine.runner.kv.layout()
@@ -168,6 +174,8 @@ class DecodeSide:
             page_bytes=layout.page_bytes,
             num_pages=layout.num_pages,
             pages=pages,
+            job_id=job_id,
+            write_by=time.time() + window,
         )
         subject = svc.subjects.executor_prefill(req.prefill_executor)
         try:
@@ -200,17 +208,21 @@ class DecodeSide:
                 (r.request.prefill_executor, r.request.prefill_incarnation), now
             ):
                 self.fall_back(rid, "the prefill executor is gone")
-        for rid, held in list(self.held.items()):
-            if held.done or not self.peer_alive(held.peer, now):
-                del self.held[rid]
+        for job_id, held in list(self.held.items()):
+            if held.done or now > held.fenced_at:
+                del self.held[job_id]
                 handoff.release(svc.engine, held.table)
         resumes, self.resumes = self.resumes, []
         for resume in resumes:
             await self.resume(resume)
 
     def poll(self) -> None:
-        for note in self.transport.notifications():
-            r = self.reservations.get(note.decode(errors="replace"))
+        notes = self.transport.notifications()
+        if not notes:
+            return
+        by_job = {r.job_id: r for r in self.reservations.values()}
+        for note in notes:
+            r = by_job.get(note.decode(errors="replace"))
             if r is not None:
                 r.notified = True
 
@@ -268,12 +280,13 @@ class DecodeSide:
         except ValueError as exc:  # e.g. the stream already has max_tokens
             await svc.fail_request(rid, ErrorEvent(rid, 400, str(exc)))
 
-    @staticmethod
-    def ready(r: Reservation, now: float) -> bool:
+    def ready(self, r: Reservation, now: float) -> bool:
         """Does ``apply`` have something to do for this reservation?"""
         if now > r.deadline:
             return True
-        return r.done is not None and (r.notified or r.done.outcome != "written")
+        if r.done is not None:
+            return r.notified or r.done.outcome != "written"
+        return not self.peer_alive((r.request.prefill_executor, r.request.prefill_incarnation), now)
 
     async def pump(self) -> None:
         """While reservations wait and the step loop is idle, look for NIXL notifications

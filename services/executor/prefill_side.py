@@ -6,11 +6,14 @@ its first token, which streams to the detokenizer at once, marked as continuing 
 executor. Right after that step, before the next one can touch the pages, the prompt's KV is
 written into the reserved pages with NIXL (``kv_transport.py``), the sequence leaves this
 engine (its full pages stay in the prefix cache) and ``PrefillDone`` tells the decode side.
+No write starts past the job's ``write_by`` and one still running then is cancelled: the decode
+side reuses the pages soon after, whether or not it heard from us.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -22,12 +25,14 @@ from common.wire.executor import AbortRequests, KVAgentQuery, KVAgentReply, Pref
 from common.wire.executor import PrefillRequest as Job
 from gpu import handoff
 from gpu.engine import StepOutput
-from services.executor.kv_transport import KVTransport, TransferError
+from services.executor.kv_transport import KVTransport, TransferError, TransferResult
 
 if TYPE_CHECKING:
     from services.executor.service import ExecutorService
 
 log = logging.getLogger("meshserve.executor")
+
+PAST_LEASE = "the decode side's lease on its pages (write_by) is over"
 
 
 class PrefillSide:
@@ -44,6 +49,9 @@ class PrefillSide:
         svc, rid = self.service, job.request.request_id
         if rid in svc.ended:  # aborted before it came: the decode side holds its pages
             await self.done(job, PrefillDone(rid, "failed", error="aborted"))
+            return
+        if time.time() >= job.write_by:  # its pages' lease is over: nothing may go there
+            await self.done(job, PrefillDone(rid, "failed", error=PAST_LEASE))
             return
         if job.agent not in self.transport.peers:
             try:
@@ -130,14 +138,7 @@ class PrefillSide:
         pair = svc.metrics.kv_transfer_bytes.labels(svc.config.executor_id, job.decode_executor)
         try:
             result = await asyncio.get_running_loop().run_in_executor(
-                svc.worker,
-                self.transport.write,
-                job.agent,
-                table.pages,
-                dst,
-                job.pages,
-                rid.encode(),
-                svc.config.kv_transfer_timeout_s,
+                svc.worker, self.write_within_lease, job, table.pages, dst
             )
         except (TransferError, ValueError) as exc:
             log.warning("executor: KV of %s to %s failed: %s", rid, job.decode_executor, exc)
@@ -162,7 +163,16 @@ class PrefillSide:
         svc.forget(rid, "handoff")
         await self.done(job, message)
 
+    def write_within_lease(self, job: Job, src_pages: list[int], dst: KVLayout) -> TransferResult:
+        """The write, given what is left of the lease as its timeout (checked here, on the
+        worker thread, right before it starts: a step may have kept the thread meanwhile)."""
+        left = job.write_by - time.time()
+        if left <= 0:
+            raise TransferError(PAST_LEASE)
+        return self.transport.write(job.agent, src_pages, dst, job.pages, job.job_id.encode(), left)
+
     async def done(self, job: Job, message: PrefillDone) -> None:
         svc = self.service
+        message = dataclasses.replace(message, job_id=job.job_id)
         self.answered.add(message.request_id, (job, message))
         await svc.try_publish(svc.subjects.executor_prefilled(job.decode_executor), message)
