@@ -11,9 +11,9 @@ from common.config import MeshConfig
 from common.nats_server import LocalNatsServer
 from common.tokenizer import Tokenizer
 from common.wire.codec import decode_any
-from common.wire.detokenizer import SeqTokens, StepTokens, StreamStart
+from common.wire.detokenizer import SeqTokens, StepTokens, StreamStart, WireTokenLogprob
 from common.wire.executor import AbortRequests
-from common.wire.gateway import ErrorEvent, TextDeltas
+from common.wire.gateway import ErrorEvent, TextDelta, TextDeltas
 from services.detokenizer.service import DetokenizerConfig, DetokenizerService
 from services.detokenizer.stops import StopMatcher
 
@@ -163,3 +163,83 @@ async def test_a_resumed_stream_continues_the_text_the_client_has(
         assert rest[-1].usage is not None and rest[-1].usage.completion_tokens == len(ids)
         assert rest[-1].seq == len(rest)  # numbered from 1 again: a stream of its own
     assert held_at or not stop, "no cut fell where the stream held text back"
+
+
+SMALL_PAYLOAD = 8192  # the small server's max_payload
+HEADROOM = 1024  # what an executor leaves under it for headers (``PAYLOAD_HEADROOM``)
+
+
+@pytest.fixture
+def small_nats(tmp_path):
+    conf = tmp_path / "nats.conf"
+    conf.write_text(f"max_payload: {SMALL_PAYLOAD}\n")
+    server = LocalNatsServer.start(jetstream=False, extra_args=["-c", str(conf)])
+    yield server
+    server.stop()
+
+
+async def test_text_deltas_over_the_bus_limit_are_split_and_an_oversized_one_fails_its_stream(
+    small_nats, tiny_llama
+):
+    """Text and logprobs take more bytes than the token ids an executor fitted under the bus's
+    limit: the deltas for one gateway go out in as many messages as they need, each under
+    it, and a stream whose own delta cannot fit ends with a clear error (its executor told),
+    where the whole message failed to publish and every stream in it lost its text."""
+    svc = DetokenizerService(DetokenizerConfig(MeshConfig(small_nats.url), str(tiny_llama)))
+    await svc.start()
+    nc = await nats.connect(small_nats.url)
+    sizes: list[int] = []
+    deltas: list[TextDelta] = []
+    errors: list[ErrorEvent] = []
+    aborts: list[AbortRequests] = []
+
+    async def on_inbox(msg):
+        sizes.append(len(msg.data))
+        message = decode_any(msg.data, TextDeltas, ErrorEvent)
+        if isinstance(message, ErrorEvent):
+            errors.append(message)
+        else:
+            deltas.extend(message.deltas)  # type: ignore[attr-defined]
+
+    async def on_abort(msg):
+        aborts.append(AbortRequests.decode(msg.data))
+
+    await nc.subscribe("test.inbox", cb=on_inbox)
+    await nc.subscribe(svc.svc.subjects.abort, cb=on_abort)
+    top = [(t, -float(t)) for t in range(100, 120)]  # 20 alternatives
+
+    def seq(rid: str, tokens: int, first: bool) -> SeqTokens:
+        """``tokens`` tokens with logprobs: the first of the stream (1), or its last."""
+        ids = list(range(40, 40 + tokens))
+        logprobs = [WireTokenLogprob(t, -0.5, top) for t in ids]
+        if first:
+            start = StreamStart([], True, 3, 0, reply_to="test.inbox")
+            return SeqTokens(rid, ids, None, tokens, start, logprobs)
+        return SeqTokens(rid, ids, "length", 1 + tokens, None, logprobs)
+
+    # Streams whose last deltas together outgrow the limit, and one whose own delta does.
+    names = [f"s{i}" for i in range(8)]
+    steps = [
+        StepTokens("ex", [seq(rid, 1, True) for rid in [*names, "big"]]),
+        StepTokens("ex", [seq(rid, 3, False) for rid in names]),
+        StepTokens("ex", [seq("big", 25, False)]),
+    ]
+    try:
+        for step in steps:
+            assert len(step.encode()) <= SMALL_PAYLOAD - HEADROOM  # as an executor sends it
+            await nc.publish(svc.svc.subjects.detok(0), step.encode())
+        await nc.flush()
+        for _ in range(200):
+            if len([d for d in deltas if d.finish_reason]) == len(names) and errors and aborts:
+                break
+            await asyncio.sleep(0.02)
+        last = {d.request_id: d for d in deltas if d.finish_reason == "length"}
+        assert sorted(last) == names and all(len(d.logprobs or []) == 3 for d in last.values())
+        assert max(sizes) <= SMALL_PAYLOAD and len(sizes) >= 4  # the second step's deltas split
+        assert [(e.request_id, e.status) for e in errors] == [("big", 400)]
+        assert "payload limit" in errors[0].message and errors[0].param == "top_logprobs"
+        assert [a.request_ids for a in aborts] == [["big"]]
+        assert "big" not in svc.streams and "s0" not in svc.streams
+    finally:
+        await nc.close()
+        await svc.svc.close()

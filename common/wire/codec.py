@@ -89,6 +89,29 @@ def decode_any(data: bytes, *kinds: type[Message]) -> Message:
     raise MessageError(f"unexpected message type {tag!r}")
 
 
+# Room a sender leaves under the server's max_payload for a message's NATS headers (the trace
+# context), when it splits what it sends to fit.
+PAYLOAD_HEADROOM = 1024
+T = TypeVar("T")
+
+
+def encode_within(
+    items: list[T], build: Callable[[list[T]], Message], limit: int
+) -> tuple[list[tuple[bytes, list[T]]], list[T]]:
+    """``build(items)`` as encoded messages of at most ``limit`` bytes each, with the items each
+    holds: usually one, split in halves while too large. An item that alone exceeds the limit
+    cannot be sent at all: those come back apart (second value)."""
+    data = build(items).encode()
+    if len(data) <= limit:
+        return [(data, items)], []
+    if len(items) == 1:
+        return [], items
+    half = len(items) // 2
+    first, first_bad = encode_within(items[:half], build, limit)
+    rest, rest_bad = encode_within(items[half:], build, limit)
+    return first + rest, first_bad + rest_bad
+
+
 def _plain(value: Any) -> Any:
     if isinstance(value, Message):
         return value.to_dict()

@@ -27,6 +27,7 @@ from common.runtime import Service
 from common.settings import parse, setting
 from common.telemetry import Attr, extract
 from common.tokenizer import IncrementalDetokenizer, Tokenizer
+from common.wire.codec import PAYLOAD_HEADROOM, encode_within
 from common.wire.detokenizer import (
     SeqTokens,
     StepTokens,
@@ -132,8 +133,15 @@ class DetokenizerService:
             out[stream.reply_to].append(delta)
             if delta.finish_reason == "stop" and seq.finish_reason is None:
                 stopped.append(seq.request_id)
+        limit = self.svc.nc.max_payload - PAYLOAD_HEADROOM
         for reply_to, deltas in out.items():
-            await self.svc.publish(reply_to, TextDeltas(deltas))
+            # Text and logprobs take more bytes than the token ids the executor fitted under
+            # the bus's limit: as many messages as it takes.
+            messages, too_large = encode_within(deltas, TextDeltas, limit)
+            for data, _ in messages:
+                await self.svc.publish(reply_to, data)
+            if too_large:
+                await self.fail_too_large([d.request_id for d in too_large], reply_to, limit)
         if stopped:
             await self.svc.publish(
                 self.svc.subjects.abort, AbortRequests(stopped, reason="stop string")
@@ -171,6 +179,21 @@ class DetokenizerService:
             )
             await self.svc.publish(stream.reply_to, error)
         await self.svc.publish(self.svc.subjects.abort, AbortRequests(rids, reason="stream gap"))
+
+    async def fail_too_large(self, rids: list[str], reply_to: str, limit: int) -> None:
+        """Streams whose one step's text and logprobs alone exceed the bus's payload limit
+        (top_logprobs on many tokens a step): they cannot go on, so they end clearly."""
+        log.warning("detokenizer: %d streams' deltas exceed %d bytes: %s", len(rids), limit, rids)
+        for rid in rids:
+            self.end(rid, "error")
+            message = (
+                f"One step of this request's output with its logprobs is over the message "
+                f"bus's {limit}-byte payload limit; ask for fewer top_logprobs."
+            )
+            await self.svc.publish(reply_to, ErrorEvent(rid, 400, message, param="top_logprobs"))
+        await self.svc.publish(
+            self.svc.subjects.abort, AbortRequests(rids, reason="output over the payload limit")
+        )
 
     def never_seen(self, seq: SeqTokens) -> bool:
         """Tokens of a stream this shard has no record of at all (not ended, not moved: one

@@ -15,7 +15,7 @@ nothing new) and finishes the sequences it holds before it exits.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
+import functools
 import logging
 import os
 import sys
@@ -32,7 +32,7 @@ import torch
 from common.metrics import EngineSnapshot, ExecutorMetrics
 from common.recent_ids import RecentIds
 from common.runtime import Service
-from common.wire.codec import Message
+from common.wire.codec import PAYLOAD_HEADROOM, Message, encode_within
 from common.wire.detokenizer import SeqTokens, StepTokens, StreamStart, WireTokenLogprob
 from common.wire.executor import (
     AbortRequests,
@@ -63,27 +63,8 @@ from services.sampling import sampling_params
 
 log = logging.getLogger("meshserve.executor")
 
-# Room left in a step message for its NATS headers (the trace context) under max_payload.
-PAYLOAD_HEADROOM = 1024
 # The closest two heartbeats may follow each other when sequences end (``report_freed_slots``).
 EARLY_HEARTBEAT_MIN_S = 0.02
-
-
-def fit_payload(
-    step: StepTokens, limit: int
-) -> tuple[list[tuple[bytes, list[SeqTokens]]], list[SeqTokens]]:
-    """One step's tokens for one shard as encoded ``StepTokens`` messages of at most ``limit``
-    bytes each: usually one, split in halves while too large. A single sequence that alone
-    exceeds the limit cannot be sent at all: returned apart (second item)."""
-    data = step.encode()
-    if len(data) <= limit:
-        return [(data, step.seqs)], []
-    if len(step.seqs) == 1:
-        return [], step.seqs
-    half = len(step.seqs) // 2
-    first, first_bad = fit_payload(dataclasses.replace(step, seqs=step.seqs[:half]), limit)
-    rest, rest_bad = fit_payload(dataclasses.replace(step, seqs=step.seqs[half:]), limit)
-    return first + rest, first_bad + rest_bad
 
 
 class ExecutorService:
@@ -582,8 +563,10 @@ class ExecutorService:
             )
         limit = self.svc.nc.max_payload - PAYLOAD_HEADROOM
         for shard, seqs in by_shard.items():
-            step = StepTokens(self.config.executor_id, seqs, self.incarnation)
-            messages, too_large = fit_payload(step, limit)
+            step = functools.partial(
+                StepTokens, self.config.executor_id, incarnation=self.incarnation
+            )
+            messages, too_large = encode_within(seqs, step, limit)
             for seq in too_large:
                 await self.fail_request(
                     seq.request_id,
