@@ -3,6 +3,7 @@ and a process that dies is restarted while the rest of the mesh keeps serving.""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -295,6 +296,54 @@ def test_up_restarts_nats_server_on_the_same_port(tiny_llama, tmp_path):
             assert time.monotonic() < deadline, (answer, up.log_tail())
             time.sleep(0.5)
         assert answer[1], (answer, up.log_tail())  # an empty text: the log says where it went
+        up.ctrl_c_stops_everything()
+
+
+async def routed_between(url_a: str, url_b: str) -> bytes:
+    """A message published at ``url_b`` as a subscriber at ``url_a`` receives it (the two
+    servers are routed to each other), and JetStream answering at ``url_b``."""
+    import nats
+
+    from services.launcher.nats_cluster import jetstream_ready
+
+    a, b = await nats.connect(url_a), await nats.connect(url_b)
+    try:
+        sub = await a.subscribe("test.routed")
+        await a.flush()
+        deadline = time.monotonic() + 20
+        while True:  # the subscription reaches the other server over the route
+            await b.publish("test.routed", b"across")
+            with contextlib.suppress(TimeoutError, asyncio.TimeoutError):
+                msg = await sub.next_msg(timeout=0.5)
+                await jetstream_ready(url_b, timeout=30)
+                return msg.data
+            assert time.monotonic() < deadline, "the restarted server is not routed"
+    finally:
+        await a.close()
+        await b.close()
+
+
+def test_up_restarts_a_dead_server_of_its_nats_cluster(tiny_llama, tmp_path):
+    """A cluster of three keeps JetStream's quorum only while two live: up restarts a killed
+    one on its ports and it rejoins (routes, JetStream), where it stayed dead and a second
+    death would have cost the quorum."""
+    with meshserve_up(tiny_llama, tmp_path, "--nats-cluster-size", "3") as up:
+        up.wait_up()
+        servers = sorted(p for p in children_of(up.proc.pid) if "-js" in cmdline(p))
+        assert len(servers) == 3, [cmdline(p) for p in servers]
+        ports = [cmdline(p)[cmdline(p).index("-p") + 1] for p in servers]
+        os.kill(servers[0], signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while (new := child_running(up.proc.pid, "-p", ports[0])) in (None, servers[0]):
+            assert time.monotonic() < deadline, f"nats-server not restarted:\n{up.log_tail()}"
+            time.sleep(0.1)
+        up.wait_log(f"nats-server-0 (pid {servers[0]}) died (killed by SIGKILL)")
+        up.wait_log(f"nats-server-0 restarted (pid {new})")
+        url = "nats://127.0.0.1:{}".format
+        assert asyncio.run(routed_between(url(ports[1]), url(ports[0]))) == b"across"
+        while (answer := up.chat("after a server", timeout=10))[0] != 200:
+            assert time.monotonic() < deadline + 20, (answer, up.log_tail())
+            time.sleep(0.5)
         up.ctrl_c_stops_everything()
 
 

@@ -26,12 +26,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import subprocess
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from common.nats_server import LocalNatsServer, free_port
+
+if TYPE_CHECKING:
+    from services.launcher.supervisor import Supervisor
 
 JETSTREAM_READY_S = 30.0  # a clustered JetStream elects its meta leader first
 
@@ -124,10 +129,14 @@ def quoted_urls(addresses: list[str]) -> str:
 
 @dataclass
 class NatsCluster:
-    """The running servers of one cluster; ``kill`` one to test failover, ``stop`` them all."""
+    """The running servers of one cluster; ``kill`` one to test failover, ``restart`` it (or
+    ``supervise`` them all), ``stop`` them all."""
 
     plan: ClusterPlan
     servers: list[LocalNatsServer | None] = field(default_factory=list)
+    remote_gateways: Mapping[str, list[str]] | None = None
+    advertise: list[str] | None = None
+    authorization: str = ""
 
     @classmethod
     def start(
@@ -137,24 +146,45 @@ class NatsCluster:
         advertise: list[str] | None = None,
         authorization: str = "",
     ) -> NatsCluster:
-        cluster = cls(plan)
+        cluster = cls(plan, [], remote_gateways, advertise, authorization)
         try:
-            for i, port in enumerate(plan.client_ports):
-                config = server_config(
-                    plan, i, remote_gateways, advertise[i] if advertise else None, authorization
-                )
-                server = LocalNatsServer.start(
-                    port=port,
-                    config=config,
-                    host=plan.host,
-                    command_prefix=plan.command_prefix,
-                    end_with_starter=plan.end_with_starter,
-                )
-                cluster.servers.append(server)
+            for i in range(len(plan.client_ports)):
+                cluster.servers.append(cluster.start_server(i))
         except Exception:
             cluster.stop()
             raise
         return cluster
+
+    def start_server(self, index: int) -> LocalNatsServer:
+        plan = self.plan
+        advertise = self.advertise[index] if self.advertise else None
+        return LocalNatsServer.start(
+            port=plan.client_ports[index],
+            config=server_config(plan, index, self.remote_gateways, advertise, self.authorization),
+            host=plan.host,
+            command_prefix=plan.command_prefix,
+            end_with_starter=plan.end_with_starter,
+        )
+
+    def restart(self, index: int) -> subprocess.Popen[bytes]:
+        """Server ``index`` again, dead or not, on its ports and under its name: it rejoins the
+        cluster by its routes (and the supercluster by its gateway), and JetStream catches its
+        replicas up from the other servers (its store starts empty)."""
+        old, self.servers[index] = self.servers[index], None
+        if old is not None:
+            old.stop()  # (this also removes its store folder)
+        server = self.start_server(index)
+        self.servers[index] = server
+        return server.process
+
+    def supervise(self, supervisor: Supervisor, label: str = "nats-server") -> None:
+        """Have ``supervisor`` restart any server of this cluster that dies (``label-i``): a
+        cluster of three keeps its JetStream quorum only while two live, so each death must
+        be repaired, not just survived."""
+        for i, server in enumerate(self.servers):
+            if server is not None:
+                restart = functools.partial(self.restart, i)
+                supervisor.watch(f"{label}-{i}", server.process, restart)
 
     @property
     def url(self) -> str:

@@ -145,6 +145,8 @@ def run_regions(args: argparse.Namespace) -> int:
         with interrupts.deferred():
             supercluster, meshes = start_regions(args, folder, logs)
         supervisors = [m.supervisor(RestartPolicy(), interrupts) for m in meshes]
+        for mesh, sup in zip(meshes, supervisors, strict=True):
+            supercluster.clusters[mesh.region].supervise(sup, f"{mesh.region}-nats-server")
         wait_all_ready(meshes, args.ready_timeout)
         for mesh in meshes:
             nats = supercluster.clusters[mesh.region].url

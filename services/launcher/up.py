@@ -195,6 +195,8 @@ def run_up(args: argparse.Namespace) -> int:
         if mesh.nats is not None:
             print(f"  nats-server ready: {mesh.nats_url}", flush=True)
         supervisor = mesh.supervisor(RestartPolicy(), interrupts)
+        if cluster is not None:
+            cluster.supervise(supervisor)
 
         def watch() -> None:
             supervisor.poll()
