@@ -8,7 +8,11 @@ from typing import Any
 from loadtest.results import LoadedRun, load_runs
 from loadtest.table import SUMMARY_ROWS, fmt, format_table, get
 
-__all__ = ["compare_files", "compare_summaries", "pair_runs", "ratio"]
+__all__ = ["compare_files", "compare_summaries", "config_differences", "pair_runs", "ratio"]
+
+# What names the server under test rather than the load sent to it: two servers compared on
+# one load differ here by design.
+SERVER_KEYS = frozenset({"base_url", "url", "model", "api_key_set", "timeout_s"})
 
 
 def ratio(a: Any, b: Any) -> float | None:
@@ -33,6 +37,14 @@ def compare_summaries(
     return format_table(["metric", a_name, b_name, "B/A"], rows)
 
 
+def config_differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    """``key: A vs B`` for each setting of the load (workload, lengths, rate or concurrency,
+    seed, SLOs, ...) that is not the same in both runs: their ratios then compare different
+    work, not two servers."""
+    keys = sorted((a.keys() | b.keys()) - SERVER_KEYS)
+    return [f"{k}: {a.get(k, '-')} vs {b.get(k, '-')}" for k in keys if a.get(k) != b.get(k)]
+
+
 def pair_runs(a: list[LoadedRun], b: list[LoadedRun]) -> list[tuple[LoadedRun, LoadedRun]]:
     """Runs of A and B to compare: by label when the labels match, else by position."""
     if len(a) == 1 and len(b) == 1:
@@ -51,7 +63,13 @@ def compare_files(a_path: str | Path, b_path: str | Path) -> str:
     blocks = [f"A = {a_path}\nB = {b_path}"]
     for ra, rb in pairs:
         title = f"[{ra.label or 'run'}]" if ra.label == rb.label else f"[{ra.label} vs {rb.label}]"
-        blocks.append(title + "\n" + compare_summaries(ra.summary, rb.summary))
+        block = title + "\n" + compare_summaries(ra.summary, rb.summary)
+        differences = config_differences(ra.config, rb.config)
+        if differences:
+            block += "\nnot the same load; these settings differ:\n" + "\n".join(
+                f"  {line}" for line in differences
+            )
+        blocks.append(block)
     if len(pairs) < max(len(runs_a), len(runs_b)):
         blocks.append(f"({len(runs_a)} runs in A, {len(runs_b)} in B: compared {len(pairs)} pairs)")
     return "\n\n".join(blocks)

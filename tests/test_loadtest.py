@@ -24,6 +24,7 @@ import pytest
 
 from loadtest.__main__ import main
 from loadtest.client import Endpoint, RequestResult, StreamError, StreamParser, api_url
+from loadtest.compare import config_differences
 from loadtest.results import load_runs
 from loadtest.runner import LoadConfig, RunResult, run_load
 from loadtest.stats import describe, meets_slo, parse_slo, summarize
@@ -550,9 +551,20 @@ def test_compare_prints_ratios(cli_files, capsys):
     assert "B/A" in text
     row = next(line for line in text.splitlines() if line.startswith("TTFT p50 (ms)"))
     assert row.split()[-1] == "1.000"
+    assert "not the same load" not in text
     assert main(["compare", str(cli_files["a"]), str(cli_files["b"])]) == 0
     text = capsys.readouterr().out
     assert "request throughput (req/s)" in text and "rate=30 vs rate=10" in text
+    # Different loads are said to be so, setting by setting; the server's address is not one.
+    assert "not the same load; these settings differ:" in text
+    assert "  rate: 30.0 vs 10.0" in text and "base_url" not in text
+
+
+def test_config_differences_name_the_load_settings_only():
+    a = {"base_url": "http://a/v1", "model": "m1", "seed": 1, "workload_params": {"input_len": "8"}}
+    b = {"base_url": "http://b/v1", "model": "m2", "seed": 1, "workload_params": {"input_len": "9"}}
+    assert config_differences(a, b) == ["workload_params: {'input_len': '8'} vs {'input_len': '9'}"]
+    assert config_differences(a, {**a, "rate": 2.0}) == ["rate: - vs 2.0"]
 
 
 def test_loadtest_imports_nothing_of_meshserve():
