@@ -10,8 +10,9 @@ from typing import Any
 import jsonschema
 import pytest
 
+from common.runtime import RequestError
 from common.tokenizer import Tokenizer
-from common.wire.tokenizer import ResponseFormat
+from common.wire.tokenizer import ResponseFormat, ToolChoice
 from gpu.engine import Engine, EngineConfig
 from gpu.loader import load_model
 from gpu.runner import ModelRunner
@@ -162,3 +163,24 @@ def test_migrated_tokens_advance_the_grammar(parts):
     assert full[:4] + run(engine, "b") == full
     with pytest.raises(ValueError, match="grammar"):
         engine.add_request("c", prompt, greedy, output_token_ids=tok.encode("zz"), grammar=compiled)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"type": "object", "properties": [1]},
+        {"type": "object", "properties": "x"},
+        {"anyOf": 5},
+        {"type": "object", "properties": {"a": {"oneOf": {"type": "string"}}}},
+    ],
+)
+def test_a_malformed_schema_is_a_400_not_a_crash(bad: dict[str, Any]) -> None:
+    """xgrammar refuses these; finding the part to name must not raise on the client's
+    malformed keywords (an AttributeError here was a 500)."""
+    with pytest.raises(RequestError) as info:
+        grammar_for(ResponseFormat("json_schema", json.dumps(bad)), None, "hermes")
+    assert info.value.status == 400 and info.value.code == "invalid_schema"
+    tools = json.dumps([{"type": "function", "function": {"name": "f", "parameters": bad}}])
+    with pytest.raises(RequestError) as info:
+        grammar_for(None, ToolChoice(tools, "required"), "hermes")
+    assert info.value.status == 400 and info.value.param == "tools"

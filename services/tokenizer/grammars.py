@@ -137,12 +137,16 @@ def _children(schema: Any, path: str) -> list[tuple[Any, str]]:
     if not isinstance(schema, dict):
         return []
     out: list[tuple[Any, str]] = []
+    # A schema is the client's JSON: a keyword may hold anything ("properties": [1]), and a
+    # malformed one is the part to name, not a reason to fail.
     for key in ("properties", "$defs", "definitions", "patternProperties"):
-        for name, sub in (schema.get(key) or {}).items():
-            out.append((sub, f"{path}/{key}/{name}"))
+        subs = schema.get(key)
+        if isinstance(subs, dict):
+            out += [(sub, f"{path}/{key}/{name}") for name, sub in subs.items()]
     for key in ("anyOf", "oneOf", "allOf", "prefixItems"):
-        for i, sub in enumerate(schema.get(key) or []):
-            out.append((sub, f"{path}/{key}/{i}"))
+        subs = schema.get(key)
+        if isinstance(subs, list):
+            out += [(sub, f"{path}/{key}/{i}") for i, sub in enumerate(subs)]
     for key in ("items", "additionalProperties", "not"):
         if isinstance(schema.get(key), dict):
             out.append((schema[key], f"{path}/{key}"))
