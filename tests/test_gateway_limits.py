@@ -199,7 +199,7 @@ async def test_error_echoing_a_lone_surrogate_is_valid_json(env: Env) -> None:
     [
         (CMP, b'{"prompt": "a\\ud800"}', "prompt"),
         (CHT, b'{"messages": [{"role": "user", "content": "\\udfff"}]}', "messages[0].content"),
-        (CMP, b'{"prompt": "x", "stop": ["\\ud800"]}', "stop"),
+        (CMP, b'{"prompt": "x", "stop": ["\\ud800"]}', "stop[0]"),
         (
             CHT,
             b'{"messages": [{"role": "user", "content": "x", "name": "\\ud800"}]}',

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import math
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -39,6 +40,7 @@ from services.gateway import GatewayConfig, GatewayServer, parse_args
 from services.gateway.body import Body
 from services.gateway.protocol import parse_logit_bias
 from services.gateway.responses import ResponseBuilder
+from services.gateway.structured import parse_message_tool_calls
 
 PROMPT_TOKENS = 7
 CACHED_TOKENS = 2
@@ -458,6 +460,32 @@ CMP, CHT = "/v1/completions", "/v1/chat/completions"
             400,
             "messages[0].tool_calls[0].function.arguments",
         ),
+        (
+            CHT,
+            {
+                "messages": CHAT,
+                "tools": [{"type": "function", "function": {"name": "f", "description": "\ud800"}}],
+            },
+            400,
+            "tools[0].function.description",
+        ),
+        (
+            CHT,
+            {
+                "messages": [
+                    {
+                        "role": "assistant",
+                        "content": None,
+                        "tool_calls": [
+                            {"id": "a", "function": {"name": "f", "arguments": '{"x": "\\ud800"}'}}
+                        ],
+                    },
+                    {"role": "user", "content": "hi"},
+                ]
+            },
+            400,
+            "messages[0].tool_calls[0].function.arguments.x",
+        ),
         (CHT, {"messages": CHAT, "model": "gpt-4"}, 404, "model"),
         (CMP, {"prompt": "x", "model": "gpt-4"}, 404, "model"),
     ],
@@ -710,3 +738,20 @@ def test_parse_args_flags_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "api_keys" not in repr(config)  # secrets stay out of the start-up log
     with pytest.raises(ValueError, match="max_n"):
         GatewayConfig(max_n=0)
+
+
+def test_tool_call_arguments_nested_near_the_decoders_limit_are_a_400_or_accepted() -> None:
+    """Arguments the JSON decoder just accepts are nested three levels deeper once in the
+    turn's tool calls: that must not be a RecursionError (a 500)."""
+    limit = sys.getrecursionlimit()
+    outcomes = set()
+    for depth in range(limit - 200, limit + 20):
+        call = {"id": "a", "function": {"name": "f", "arguments": "[" * depth + "]" * depth}}
+        try:
+            parse_message_tool_calls([call], "messages[0].tool_calls")
+            outcomes.add("accepted")
+        except RequestError as exc:
+            assert exc.status == 400 and exc.param is not None
+            assert exc.param.startswith("messages[0].tool_calls")
+            outcomes.add(str(exc))
+    assert "accepted" in outcomes and len(outcomes) >= 2  # the window was crossed

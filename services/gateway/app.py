@@ -12,6 +12,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -23,6 +24,7 @@ from common.metrics import metrics_handler
 from common.runtime import RequestError, serve_until_shutdown
 from common.telemetry import Attr
 from common.wire.gateway import TextDelta
+from services.gateway.body import check_unicode
 from services.gateway.config import GatewayConfig
 from services.gateway.mesh_client import MeshClient
 from services.gateway.observe import request_span
@@ -136,11 +138,18 @@ async def read_json(request: web.Request, limit: int) -> Any:
     except web.HTTPRequestEntityTooLarge:
         raise too_large from None
     try:
-        return json.loads(raw)
+        body = json.loads(raw)
     except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
         raise invalid_json(str(exc)) from None
     except RecursionError:  # e.g. 100000 nested "[": the C decoder gives up at the limit
         raise invalid_json("it is nested too deeply") from None
+    if SURROGATE_ESCAPE.search(raw):  # (a pair is fine; only then is there one to look for)
+        check_unicode(body)
+    return body
+
+
+# JSON's only way to a lone surrogate: an escape of one (UTF-8 input cannot hold any).
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 def invalid_json(reason: str) -> RequestError:

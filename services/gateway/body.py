@@ -101,6 +101,24 @@ class Body:
         return value
 
 
+def check_unicode(value: Any, param: str = "") -> None:
+    """Every string in the JSON value ``value`` (object keys too) is Unicode text
+    (``unicode_text``); the error names the first that is not by its path. Iterative: the
+    body may be nested as deep as the JSON decoder allows."""
+    todo: list[tuple[Any, str]] = [(value, param)]
+    while todo:
+        item, at = todo.pop()
+        if isinstance(item, str):
+            unicode_text(item, at)
+        elif isinstance(item, dict):
+            for key, sub in reversed(item.items()):
+                path = f"{at}.{key}" if at else str(key)
+                unicode_text(key, path)
+                todo.append((sub, path))
+        elif isinstance(item, list):
+            todo.extend((sub, f"{at}[{i}]") for i, sub in reversed(list(enumerate(item))))
+
+
 def unicode_text(value: str, param: str) -> str:
     """``value`` if it is Unicode text. JSON may escape a lone surrogate (``"\\ud800"``),
     which is not: no tokenizer takes it and the mesh's msgpack (UTF-8) cannot carry it."""

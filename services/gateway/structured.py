@@ -12,7 +12,7 @@ from typing import Any
 
 from common.runtime import RequestError
 from common.wire.tokenizer import ResponseFormat, ToolChoice
-from services.gateway.body import Body, bad_request, unicode_text, wrong_type
+from services.gateway.body import Body, bad_request, check_unicode, unicode_text, wrong_type
 
 # A function name as OpenAI allows it.
 NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
@@ -174,6 +174,7 @@ def parse_message_tool_calls(value: Any, where: str) -> str:
                     f"{at}.function.arguments",
                     "invalid_value",
                 ) from None
+            check_unicode(arguments, f"{at}.function.arguments")  # (escaped twice over)
         calls.append(
             {
                 "id": str(call.get("id", "")),
@@ -181,4 +182,9 @@ def parse_message_tool_calls(value: Any, where: str) -> str:
                 "function": {"name": function["name"], "arguments": arguments},
             }
         )
-    return json.dumps(calls)
+    try:
+        return json.dumps(calls)
+    except RecursionError:  # arguments nested just under the decoder's limit, plus 3 levels
+        raise bad_request(
+            f"'{where}' holds arguments nested too deeply.", where, "invalid_value"
+        ) from None
