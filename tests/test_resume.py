@@ -292,3 +292,19 @@ async def test_resumes_are_bounded_and_a_refused_one_fails_with_the_loss() -> No
     with pytest.raises(RequestError) as raised:
         await anext(refused)
     assert raised.value.code == "request_lost"
+
+
+@pytest.mark.parametrize("refuse", [False, True], ids=["no-resumes-left", "resume-refused"])
+async def test_a_choice_lost_in_transit_and_not_resumed_is_still_aborted(refuse: bool) -> None:
+    """A gap the gateway finds means the stream still runs upstream: with no resume (none
+    left, or the mesh refusing one) the client gets the 503, and the choice's attempt is
+    among what ``release`` aborts, where it ran on to max_tokens or its deadline."""
+    inbox = Inbox()
+    stream = opened(inbox, Resubmits(inbox, refuse=refuse), max_resumes=1 if refuse else 0)
+    stream.put(TextDelta("req-0", "a", seq=1, token_ids=[5]))
+    await anext(stream)
+    stream.put(TextDelta("req-0", "c", seq=3, token_ids=[7]))  # delta 2 lost
+    with pytest.raises(RequestError) as raised:
+        await anext(stream)
+    assert (raised.value.status, raised.value.code) == (503, "stream_gap")
+    assert stream.unfinished == ["req-0"]

@@ -99,19 +99,19 @@ class RequestStream:
             index = self._choice_of.get(rid)
             if index is None or index not in self._open or rid not in self._attempt[index]:
                 continue  # a late event for a choice that ended, or for an attempt it left
+            # A choice that fails here stays open: ``release`` aborts it with the others.
+            # The stage that failed it may have dropped it, but a loss in transit (a gap, a
+            # request the watchdog found lost) leaves it generating upstream.
             if isinstance(event, ErrorEvent):
                 if await self._resume(index, event.status, event.code, event.message):
                     continue
-                # The failing stage has dropped that choice.
-                self._open.discard(index)
-                self.failure = f"another choice failed: {event.message}"
+                self.failure = f"a choice failed: {event.message}"
                 raise self._failed(self._error(event))
             expected = self._seq.get(rid, 0) + 1
             if event.seq and event.seq != expected:
                 why = f"delta {expected} lost on the way"
                 if await self._resume(index, 503, "stream_gap", why):
                     continue
-                self._open.discard(index)
                 self.failure = why
                 raise self._failed(
                     RequestError(
@@ -150,11 +150,12 @@ class RequestStream:
         ids = (request.request_id, *request.choice_ids())
         for rid in ids:
             self._choice_of[rid] = index
-        self._attempt[index] = ids  # before publishing: its first events may come at once
-        try:
+        lost_attempt, self._attempt[index] = self._attempt[index], ids  # before publishing:
+        try:  # its first events may come at once
             await self.resubmitter.resubmit(self, request, lost)
         except RequestError as exc:
             log.warning("gateway: could not resume %s (%s): %s", lost, why, exc)
+            self._attempt[index] = lost_attempt  # what ``release`` then aborts
             return False
         log.info(
             "gateway: resumed %s as %s after %d tokens (%s: %s)",
