@@ -14,7 +14,7 @@ from common.wire.executor import AbortRequests, TokenizedRequest
 from common.wire.gateway import ErrorEvent
 from common.wire.scheduler import Heartbeat
 from common.wire.tokenizer import WireSamplingParams
-from services.scheduler.regions import RegionConfig
+from services.scheduler.regions import Decision, RegionConfig
 from services.scheduler.service import SchedulerService, SchedulerServiceConfig
 
 
@@ -33,8 +33,9 @@ def room(executor: str = "a") -> Heartbeat:
 
 @pytest.fixture
 def scheduler(monkeypatch):
-    def make(**options) -> tuple[SchedulerService, list[str]]:
-        sched = SchedulerService(SchedulerServiceConfig(MeshConfig(instance_id="t"), **options))
+    def make(region: str = "", **options) -> tuple[SchedulerService, list[str]]:
+        mesh = MeshConfig(instance_id="t", region=region)
+        sched = SchedulerService(SchedulerServiceConfig(mesh, **options))
         sent: list[str] = []
 
         async def publish(subject: str, message: object) -> None:
@@ -211,3 +212,28 @@ async def test_guests_go_back_once_no_executor_may_take_one_for_a_heartbeat_time
         await sched.return_guests()
     assert sorted(r.request_id for _, r in sched.queue) == ["g2", "own"]
     assert sched.home_load().guest_executors == 1
+
+
+async def test_a_guest_is_not_sent_on_when_this_region_has_no_executor(scheduler, monkeypatch):
+    """With no live executor here, queued requests of our own clients go to another region;
+    a guest stays (``return_guests`` sends it home after a grace), where it went back to its
+    home region, each then holding it as spilled to the other: its abort circled."""
+    clock = [time.monotonic()]
+    monkeypatch.setattr("services.scheduler.service.time.monotonic", lambda: clock[0])
+    sched, _ = scheduler("eu-west", regions=RegionConfig(peer_regions=("us-east",)))
+    await sched.on_spilled(request("guest"))
+    await sched.on_submit(request("own"))
+    clock[0] += 2.5  # executor "a" is silent past the heartbeat timeout
+    assert sched.home_load().live_executors == 0
+    monkeypatch.setattr(
+        sched.spill, "decide", lambda req, cached=0: Decision("us-east", "no-local-executor", 0.0)
+    )
+    spilled: list[str] = []
+
+    async def send(req: TokenizedRequest, decision: Decision) -> None:
+        spilled.append(req.request_id)
+
+    monkeypatch.setattr(sched.spill, "send", send)
+    await sched.spill_queued()
+    assert spilled == ["own"]
+    assert [r.request_id for _, r in sched.queue] == ["guest"]

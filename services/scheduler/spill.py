@@ -168,9 +168,12 @@ class RegionSpill:
         )
 
     def spillable(self, req: TokenizedRequest) -> bool:
-        """A request that has streamed nothing yet: its stream state is only in this region's
-        detokenizer, so one that has (a migrated one) continues here."""
-        return self.enabled and not req.output_token_ids
+        """A request of our own clients that has streamed nothing yet: its stream state is
+        only in this region's detokenizer, so one that has (a migrated one) continues here. A
+        guest is never sent on (``return_guests`` sends it home): its home region holds it as
+        spilled here, and an abort would go back and forth between two regions that each
+        think the other runs it."""
+        return self.enabled and not req.output_token_ids and not req.guest
 
     async def send(self, req: TokenizedRequest, decision: Decision) -> None:
         """Publish ``req`` to ``decision.region``'s scheduler, in a span of its own."""
