@@ -13,7 +13,7 @@ import pytest
 
 from common.nats_server import LocalNatsServer
 from common.wire.detokenizer import StepTokens
-from common.wire.executor import AbortRequests, TokenizedRequest
+from common.wire.executor import AbortRequests, TokenizedRequest, WireGrammar
 from common.wire.gateway import ErrorEvent
 from common.wire.tokenizer import WireSamplingParams
 from services.executor.service import ExecutorService
@@ -195,3 +195,56 @@ async def test_a_failed_stream_is_reported_to_its_client_by_the_executor_holding
     error = seen.errors["doomed"]
     assert (error.status, error.code, error.message) == (503, "stream_lost", "interrupted")
     await idle(service)
+
+
+async def test_a_submit_that_reaches_a_draining_executor_still_runs(executor):
+    """Sent by the scheduler before it saw the draining heartbeat: the step loop, idle when
+    the drain began, must still run it (it had returned, and the request waited out the 30 s
+    drain while the heartbeats listed it as running here)."""
+    service, send, seen = executor
+    await service.drain()
+    await asyncio.sleep(0.2)  # the step loop finds nothing to do
+    await send(request("late"))
+    await seen.wait_for("late", timeout=10)
+    assert len(seen.tokens["late"]) == 8 and "late" not in seen.errors
+    await idle(service)
+
+
+async def test_a_grammar_compiler_that_fails_ends_its_requests_with_an_error(executor, monkeypatch):
+    """Not the request's fault (xgrammar refusing the vocabulary, say): a 500 at once and
+    nothing left compiling, where the request hung until its deadline; the next constrained
+    request builds the compiler again."""
+    service, send, seen = executor
+    calls = []
+
+    def broken(*args):
+        calls.append(args)
+        raise RuntimeError("vocabulary size mismatch (simulated)")
+
+    monkeypatch.setattr("services.executor.service.tokenizer_info", broken)
+    grammar = WireGrammar("k", 'root ::= "a"')
+    await send(request("g1", grammar=grammar))
+    await seen.wait_for("g1", timeout=10)
+    assert seen.errors["g1"].status == 500 and "vocabulary size" in seen.errors["g1"].message
+    assert service.compiling == {} and service.compiled == {}
+    await send(request("g2", grammar=grammar))
+    await seen.wait_for("g2", timeout=10)
+    assert seen.errors["g2"].status == 500 and len(calls) == 2  # built again, not memoized
+    await send(request("plain"))
+    await seen.wait_for("plain")
+    assert len(seen.tokens["plain"]) == 8
+    await idle(service)
+
+
+async def test_a_replayed_constrained_submit_runs_once_and_leaves_nothing(executor):
+    service, send, seen = executor
+    grammar = WireGrammar("k", 'root ::= "a" "b"*')
+    await send(request("g", max_tokens=60, grammar=grammar))
+    async with asyncio.timeout(10):
+        while "g" not in service.requests:  # running: its grammar compiled and was used
+            await asyncio.sleep(0.001)
+    await service.on_submit(request("g", max_tokens=60, grammar=grammar))  # (at once)
+    await seen.wait_for("g")
+    assert "g" not in seen.errors
+    await idle(service)
+    assert service.compiled == {} and service.compiling == {}

@@ -28,7 +28,12 @@ async def drain_and_stop(service: ExecutorService) -> None:
 
 async def _until_idle(service: ExecutorService) -> None:
     decode = service.decode_side  # reservations waiting for a prefill executor's KV
-    while service.engine.has_unfinished() or service.pending_adds or (decode and decode.busy):
+    while (
+        service.engine.has_unfinished()
+        or service.pending_adds
+        or service.compiling
+        or (decode and decode.busy)
+    ):
         if service.broken:  # it broke while draining: nothing more will finish
             return
         await asyncio.sleep(0.05)

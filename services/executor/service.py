@@ -168,6 +168,11 @@ class ExecutorService:
             return
         self.timelines.received(req.request_id, len(req.prompt_token_ids))
         if req.grammar is not None:
+            if req.request_id in self.compiling or req.request_id in self.requests:
+                # A replayed submit: its compiled grammar would wait for an add that never
+                # comes (``apply_pending`` drops the duplicate).
+                log.warning("executor: ignoring a second submit of %s", req.request_id)
+                return
             self.compiling[req.request_id] = req
             task = asyncio.create_task(self.compile_grammar(req))
             self._tasks.add(task)
@@ -197,18 +202,38 @@ class ExecutorService:
         (unless it was aborted meanwhile)."""
         assert req.grammar is not None
         try:
-            compiled = await (await self.grammar_cache()).get(req.grammar)
+            cache = await self.grammar_cache()
+        except Exception as exc:  # xgrammar refusing the vocabulary, a tokenizer file gone
+            log.exception("executor: could not build the grammar compiler")
+            self._grammar_cache = None  # the next constrained request tries again
+            await self.fail_compile(req, 500, f"The grammar compiler failed: {exc!r}")
+            return
+        try:
+            compiled = await cache.get(req.grammar)
         except ValueError as exc:
-            if self.compiling.pop(req.request_id, None) is not None:
-                self.timelines.finished(req.request_id, "error")
-                error = ErrorEvent(req.request_id, 400, str(exc), param="response_format")
-                await self.try_publish(req.reply_to, error)
+            await self.fail_compile(req, 400, str(exc))
+            return
+        except Exception as exc:  # a failure of ours, not of the request's grammar
+            log.exception("executor: compiling the grammar of %s failed", req.request_id)
+            await self.fail_compile(req, 500, f"Compiling the grammar failed: {exc!r}")
             return
         if self.compiling.pop(req.request_id, None) is None:
             return  # aborted while it compiled
         self.compiled[req.request_id] = compiled
         self.pending_adds.append(req)
         self.wake.set()
+
+    async def fail_compile(self, req: TokenizedRequest, status: int, message: str) -> None:
+        """End a request whose grammar did not compile (unless it was aborted meanwhile): its
+        client gets the error (the scheduler forgets it by the next heartbeat)."""
+        if self.compiling.pop(req.request_id, None) is None:
+            return
+        self.timelines.finished(req.request_id, "error")
+        if status == 400:
+            error = ErrorEvent(req.request_id, 400, message, param="response_format")
+        else:
+            error = ErrorEvent(req.request_id, status, message, "server_error")
+        await self.try_publish(req.reply_to, error)
 
     async def on_abort(self, msg: AbortRequests) -> None:
         """Aborts apply in arrival order with submits: one for a request still waiting to be
@@ -355,8 +380,8 @@ class ExecutorService:
             await self.expire_deadlines()
             self.snapshot_load()
             if not self.engine.has_unfinished():
-                if self.draining and not (self.decode_side and self.decode_side.busy):
-                    return
+                # Draining, it keeps stepping until stopped: a submit the scheduler sent
+                # before it saw the draining heartbeat, or a grammar compiled late, still runs.
                 self.wake.clear()
                 await self.wake.wait()
                 continue
