@@ -8,6 +8,7 @@ Also an executor whose step raises leaves the mesh at once."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import nats
@@ -85,6 +86,31 @@ async def test_a_prefill_job_aborted_before_it_runs_frees_its_decode_sides_pages
     await ex.on_abort(AbortRequests(["waiting"]))
     assert await prefill.answers(2) == [("early", "failed"), ("waiting", "failed")]
     assert side.jobs == {} and ex.pending_adds == [] and ex.requests == {}
+
+
+async def test_a_job_aborted_while_its_decode_sides_agent_is_asked_for_is_answered(
+    prefill, monkeypatch
+):
+    """The first job from a decode executor waits for its NIXL metadata; an abort meanwhile
+    must still end it with an answer (it was in no list an abort looks at)."""
+    ex, side = prefill.ex, prefill.ex.prefill_side
+    asked = asyncio.Event()
+    answer = asyncio.Event()
+
+    async def learn_peer(job: PrefillRequest) -> None:
+        asked.set()
+        await answer.wait()
+        side.transport.peers.add(job.agent)
+
+    monkeypatch.setattr(side, "learn_peer", learn_peer)
+    job = dataclasses.replace(prefill.job("r"), agent="new-agent")
+    task = asyncio.create_task(side.on_prefill(job))
+    await asyncio.wait_for(asked.wait(), 5)
+    await ex.on_abort(AbortRequests(["r"]))
+    answer.set()
+    await task
+    assert await prefill.answers(1) == [("r", "failed")]
+    assert side.jobs == {} and ex.pending_adds == [] and "r" not in ex.requests
 
 
 async def test_a_lost_answer_is_said_again_when_the_decode_side_asks(prefill):

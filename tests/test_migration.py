@@ -325,6 +325,27 @@ async def test_without_the_detokenizers_answer_lost_requests_fail_clearly(monkey
     assert [m.code for m in published if isinstance(m, ErrorEvent)] == ["executor_failed"]
 
 
+async def test_a_request_aborted_while_it_migrates_is_not_run_again(monkeypatch):
+    """The client leaves while the scheduler asks the detokenizer what a lost executor's
+    stream received (the detokenizer answered before it saw the abort): the request is not
+    queued again, where it then ran for nobody or held a queue slot until its deadline."""
+    sched = SchedulerService(SchedulerServiceConfig(MeshConfig(instance_id="t")))
+
+    async def publish(subject: str, message: object) -> None:
+        pass
+
+    async def progress(subject, ask, kind, timeout):
+        await sched.on_abort(AbortRequests(["x"], "client disconnected"))
+        return StreamProgressReply({"x": [7]}, ended=[])
+
+    monkeypatch.setattr(sched.svc, "publish", publish)
+    monkeypatch.setattr(sched.svc, "request", progress)
+    sched.router.observe(beat("a", []))
+    await sched.on_submit(tokenized("x"))
+    await sched.executor_lost("a")
+    assert sched.queue == [] and "x" not in sched.queued and "x" not in sched.inflight
+
+
 async def test_tokens_of_a_stream_this_shard_never_saw_fail_it_clearly(wire, nats_server):
     """A detokenizer that restarted mid-stream has lost its start and text: the stream must
     end with an error (the executor holding it tells the client), not hang."""

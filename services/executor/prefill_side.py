@@ -59,6 +59,9 @@ class PrefillSide:
             except (NoAnswer, RuntimeError, ValueError) as exc:
                 await self.done(job, PrefillDone(rid, "failed", error=f"no NIXL peer: {exc}"))
                 return
+            if rid in svc.ended:  # aborted while we asked: not in ``jobs`` to be told then
+                await self.done(job, PrefillDone(rid, "failed", error="aborted"))
+                return
         self.jobs[rid] = job
         await svc.on_submit(job.request)
 

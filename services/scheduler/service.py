@@ -334,6 +334,8 @@ class SchedulerService:
             known = progress.get(req.detok_shard)
             if known is not None and rid in known.ended:
                 continue  # it finished (or was aborted) before the executor went
+            if rid in self.ended:
+                continue  # aborted while the detokenizer answered: not to be run again
             if known is None or req.migrations >= self.config.migration_limit:
                 failed.append(req)
                 continue
