@@ -23,6 +23,8 @@ from jinja2 import nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _Backend
 
+from common.token_bytes import TokenBytes
+
 __all__ = ["IncrementalDetokenizer", "Tokenizer", "TokenizerError"]
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -141,6 +143,7 @@ class Tokenizer:
         name: str = "tokenizer",
     ) -> None:
         self._tok = backend
+        self._token_bytes: TokenBytes | None = None  # built on first use (reads the vocab)
         self.chat_template = chat_template
         self.special_tokens: dict[str, str] = {
             key: value for key, value in (special_tokens or {}).items() if value is not None
@@ -206,6 +209,12 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         token = self._tok.id_to_token(token_id)
         return None if token is None else str(token)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's own bytes (``common.token_bytes``): part of a character, maybe."""
+        if self._token_bytes is None:
+            self._token_bytes = TokenBytes(self._tok)
+        return self._token_bytes(token_id)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; ``add_special_tokens`` applies the tokenizer's post-processor

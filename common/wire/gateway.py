@@ -14,13 +14,15 @@ from common.wire.codec import Message
 
 @dataclass(frozen=True)
 class TextLogprob(Message):
-    """A ``WireTokenLogprob`` detokenized: the token and its alternatives as text, and the
-    token's UTF-8 bytes (a token may hold part of a character)."""
+    """A ``WireTokenLogprob`` detokenized: the token and its alternatives as text, and their
+    own bytes (a token may hold part of a character, whose text alone is U+FFFD):
+    ``top_bytes[i]`` are ``top[i]``'s."""
 
     token: str
     logprob: float
     token_bytes: list[int]
     top: list[tuple[str, float]] = field(default_factory=list)
+    top_bytes: list[list[int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

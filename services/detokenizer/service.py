@@ -343,9 +343,12 @@ class DetokenizerService:
     def logprobs(self, entries: list[WireTokenLogprob] | None) -> list[TextLogprob] | None:
         if entries is None:
             return None
-        result = []
+        tok, result = self.tokenizer, []
         for e in entries:
-            token = self.tokenizer.decode([e.token_id], skip_special_tokens=False)
-            top = [(self.tokenizer.decode([t], skip_special_tokens=False), lp) for t, lp in e.top]
-            result.append(TextLogprob(token, e.logprob, list(token.encode()), top))
+            token = tok.decode([e.token_id], skip_special_tokens=False)
+            top = [(tok.decode([t], skip_special_tokens=False), lp) for t, lp in e.top]
+            top_bytes = [list(tok.token_bytes(t)) for t, _ in e.top]
+            result.append(
+                TextLogprob(token, e.logprob, list(tok.token_bytes(e.token_id)), top, top_bytes)
+            )
         return result

@@ -91,7 +91,6 @@ def completion_logprobs(entries: list[TextLogprob], text_offset: int) -> Json:
 
 
 def chat_logprobs(entries: list[TextLogprob]) -> Json:
-    # Top alternatives arrive as text only; their bytes are that text's UTF-8 encoding.
     return {
         "content": [
             {
@@ -99,13 +98,21 @@ def chat_logprobs(entries: list[TextLogprob]) -> Json:
                 "logprob": clamp(e.logprob),
                 "bytes": e.token_bytes,
                 "top_logprobs": [
-                    {"token": t, "logprob": clamp(lp), "bytes": list(t.encode())} for t, lp in e.top
+                    {"token": t, "logprob": clamp(lp), "bytes": raw}
+                    for (t, lp), raw in zip(e.top, top_bytes(e), strict=True)
                 ],
             }
             for e in entries
         ],
         "refusal": None,
     }
+
+
+def top_bytes(entry: TextLogprob) -> list[list[int]]:
+    """Each alternative's own bytes (a sender that sent none: its text's)."""
+    if len(entry.top_bytes) == len(entry.top):
+        return entry.top_bytes
+    return [list(t.encode()) for t, _ in entry.top]
 
 
 @dataclass
