@@ -202,6 +202,12 @@ async def test_error_echoing_a_lone_surrogate_is_valid_json(env: Env) -> None:
         (CMP, b'{"prompt": "x", "stop": ["\\ud800"]}', "stop[0]"),
         (
             CHT,
+            b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", '
+            b'"function": {"name": "f", "description": "\xed\xa0\x80"}}]}',
+            "tools[0].function.description",
+        ),
+        (
+            CHT,
             b'{"messages": [{"role": "user", "content": "x", "name": "\\ud800"}]}',
             "messages[0].name",
         ),
@@ -217,7 +223,7 @@ async def test_error_echoing_a_lone_surrogate_is_valid_json(env: Env) -> None:
             "response_format.json_schema.name",
         ),
     ],
-    ids=["prompt", "messages", "stop", "name", "tool_call_id", "schema-name"],
+    ids=["prompt", "messages", "stop", "raw-bytes", "name", "tool_call_id", "schema-name"],
 )
 async def test_lone_surrogate_in_forwarded_text_is_a_400(
     env: Env, path: str, body: bytes, param: str

@@ -37,7 +37,7 @@ from common.wire.gateway import ErrorEvent, TextDelta, TextDeltas, TextLogprob, 
 from common.wire.scheduler import Heartbeat
 from common.wire.tokenizer import GenerateRequest, WireSamplingParams
 from services.gateway import GatewayConfig, GatewayServer, parse_args
-from services.gateway.body import Body
+from services.gateway.body import Body, check_unicode
 from services.gateway.protocol import parse_logit_bias
 from services.gateway.responses import ResponseBuilder
 from services.gateway.structured import parse_message_tool_calls
@@ -756,3 +756,21 @@ def test_tool_call_arguments_nested_near_the_decoders_limit_are_a_400_or_accepte
             assert exc.param.startswith("messages[0].tool_calls")
             outcomes.add(str(exc))
     assert "accepted" in outcomes and len(outcomes) >= 2  # the window was crossed
+
+
+def test_the_body_check_for_lone_surrogates_builds_no_path_per_element() -> None:
+    """Any escaped emoji sends a body through the check: a wide one (a long key over a
+    million-element list) must not cost a path string per element (gigabytes)."""
+    import tracemalloc
+
+    inner = ["a", "b"]
+    body: dict[str, Any] = {"k" * 10_000: [0] * 200_000, "ok": "\U0001f600", "x": [{"y": inner}]}
+    tracemalloc.start()
+    check_unicode(body)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 20_000_000, peak
+    inner[1] = "\udc00"
+    with pytest.raises(RequestError) as info:
+        check_unicode(body)
+    assert info.value.param == "x[0].y[1]"

@@ -148,8 +148,9 @@ async def read_json(request: web.Request, limit: int) -> Any:
     return body
 
 
-# JSON's only way to a lone surrogate: an escape of one (UTF-8 input cannot hold any).
-SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+# A lone surrogate comes from an escape of one, or from the UTF-8-like bytes of one, which
+# json.loads decodes with "surrogatepass".
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
 
 
 def invalid_json(reason: str) -> RequestError:

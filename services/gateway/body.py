@@ -3,6 +3,7 @@ the request parsers (``protocol.py``) and the structured-output ones (``structur
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 from common.runtime import RequestError
@@ -103,20 +104,63 @@ class Body:
 
 def check_unicode(value: Any, param: str = "") -> None:
     """Every string in the JSON value ``value`` (object keys too) is Unicode text
-    (``unicode_text``); the error names the first that is not by its path. Iterative: the
-    body may be nested as deep as the JSON decoder allows."""
-    todo: list[tuple[Any, str]] = [(value, param)]
+    (``unicode_text``); the error names the first that is not by its path. Iterative (the
+    body may be nested as deep as the JSON decoder allows), and the path is built only for a
+    string found bad: built for every element up front, a wide body cost gigabytes.
+    ``param``: where ``value`` itself is (its paths are under it)."""
+
+    def where(bad: Any) -> str:
+        path = path_to(value, bad)
+        if not param:
+            return path
+        return f"{param}{path}" if path.startswith("[") or not path else f"{param}.{path}"
+
+    todo: list[Any] = [value]
     while todo:
-        item, at = todo.pop()
+        item = todo.pop()
         if isinstance(item, str):
-            unicode_text(item, at)
+            if not is_text(item):
+                unicode_text(item, where(item))
         elif isinstance(item, dict):
-            for key, sub in reversed(item.items()):
-                path = f"{at}.{key}" if at else str(key)
-                unicode_text(key, path)
-                todo.append((sub, path))
+            for key, sub in item.items():
+                if not is_text(key):  # named by its object's path (the key is no text)
+                    unicode_text(key, where(item) or "body")
+                if isinstance(sub, str | dict | list):
+                    todo.append(sub)
         elif isinstance(item, list):
-            todo.extend((sub, f"{at}[{i}]") for i, sub in reversed(list(enumerate(item))))
+            todo.extend(sub for sub in item if isinstance(sub, str | dict | list))
+
+
+def is_text(value: str) -> bool:
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def path_to(root: Any, target: Any) -> str:
+    """The path (``messages[0].content``) of ``target`` (that very object) in ``root``, depth
+    first with one path on the way down."""
+    parts: list[str] = []
+    stack: list[Iterator[tuple[str, Any]]] = [iter([("", root)])]
+    while stack:
+        step = next(stack[-1], None)
+        if step is None:
+            stack.pop()
+            if parts:
+                parts.pop()
+            continue
+        part, item = step
+        if item is target:
+            return "".join([*parts, part]).lstrip(".")
+        if isinstance(item, dict):
+            parts.append(part)
+            stack.append(iter((f".{k}", v) for k, v in item.items()))
+        elif isinstance(item, list):
+            parts.append(part)
+            stack.append(iter((f"[{i}]", sub) for i, sub in enumerate(item)))
+    return ""
 
 
 def unicode_text(value: str, param: str) -> str:
