@@ -23,6 +23,7 @@ from common.wire.tokenizer import WireSamplingParams
 from gpu.engine import StepOutput
 from services.executor import decode_side
 from services.executor.__main__ import drain_and_stop
+from services.executor.kv_transport import TransferError
 from services.executor.prefill_side import PAST_LEASE
 from services.executor.service import ExecutorService
 from tests.mesh import tiny_executor, wait_for
@@ -160,6 +161,23 @@ async def test_no_write_starts_past_the_decode_sides_lease(prefill, monkeypatch)
     assert "slow" not in ex.engine.seqs and ex.engine.pages.num_free == ex.engine.pages.num_pages
 
 
+@pytest.mark.parametrize("posted", [False, True], ids=["refused", "timed-out"])
+async def test_a_write_that_failed_mid_way_says_its_bytes_may_still_land(
+    prefill, monkeypatch, posted: bool
+):
+    ex, side = prefill.ex, prefill.ex.prefill_side
+
+    def fail(*args):
+        raise TransferError("the transfer did not finish in time", posted=posted)
+
+    monkeypatch.setattr(ex.transport, "write", fail)
+    await side.on_prefill(prefill.job("w"))
+    await ex.apply_pending()
+    await side.hand_off(ex.engine.step())
+    assert await prefill.answers(1) == [("w", "failed")]
+    assert prefill.done[0].write_may_land is posted
+
+
 class DecodeHost:
     """A decode executor ``dec-0`` (stepping) with the prefill executor ``pre-0`` and the
     detokenizer played by the test."""
@@ -281,6 +299,54 @@ async def test_pages_of_a_silent_prefill_executor_are_held_until_their_lease_end
         assert time.monotonic() - sent >= lease + 1.0 - 0.1
         assert ex.engine.pages.num_free == total
     finally:
+        await nc.close()
+        await ex.svc.close()
+        assert ex.transport is not None
+        ex.transport.close()
+
+
+async def test_pages_a_failed_write_may_still_land_in_are_held_until_the_lease_ends(
+    nats_server: LocalNatsServer, tiny_llama, monkeypatch
+) -> None:
+    """The prefill side's write timed out mid-way: the decode executor computes the prompt
+    itself at once but keeps the reserved pages out of use until the lease is over (a
+    cancelled RDMA write is not known to have stopped), where "failed" released them."""
+    monkeypatch.setattr(decode_side, "FENCE_MARGIN_S", 0.5)
+    lease = 4.0
+    ex = tiny_executor(
+        nats_server.url, tiny_llama, "dec-0", role="decode", kv_transfer_timeout_s=lease
+    )
+    await ex.start()
+    nc = await nats.connect(nats_server.url)
+    host = DecodeHost(ex, nc)
+
+    async def on_progress(msg) -> None:
+        await msg.respond(StreamProgressReply({}, []).encode())
+
+    s = ex.subjects
+    await nc.subscribe(s.executor_prefill("pre-0"), cb=host.on_job)
+    await nc.subscribe(s.detok(0), cb=host.on_step)
+    await nc.subscribe(s.detok_progress(0), cb=on_progress)
+    beating = asyncio.create_task(host.beat())
+    try:
+        side, total = ex.decode_side, ex.engine.pages.num_pages
+        assert side is not None
+        await nc.publish(s.executor_submit("dec-0"), request("r", "p1").encode())
+        await wait_for(lambda: host.jobs, 10, "the prefill job")
+        sent, job = time.monotonic(), host.jobs[0]
+        failed = PrefillDone(
+            "r", "failed", error="timed out", job_id=job.job_id, write_may_land=True
+        )
+        await nc.publish(s.executor_prefilled("dec-0"), failed.encode())
+        await wait_for(lambda: len(host.tokens.get("r", [])) == PARAMS.max_tokens, 20, "r")
+        if time.monotonic() - sent < lease - 0.5:  # (a slow machine got past the lease)
+            assert list(side.held) == [job.job_id]
+            assert ex.engine.pages.num_free == total - len(job.pages)
+        await wait_for(lambda: not side.held, lease + 5, "the lease's end")
+        assert time.monotonic() - sent >= lease + 0.5 - 0.1
+        assert ex.engine.pages.num_free == total
+    finally:
+        beating.cancel()
         await nc.close()
         await ex.svc.close()
         assert ex.transport is not None

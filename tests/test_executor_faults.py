@@ -248,3 +248,20 @@ async def test_a_replayed_constrained_submit_runs_once_and_leaves_nothing(execut
     assert "g" not in seen.errors
     await idle(service)
     assert service.compiled == {} and service.compiling == {}
+
+
+async def test_a_constrained_request_withdrawn_and_sent_back_runs_again(executor):
+    """The scheduler moves a running constrained request and the move brings it back here
+    before the abort is applied (between steps): the new submit is not a replay, and runs."""
+    service, send, seen = executor
+    grammar = WireGrammar("abc", 'root ::= "abcdefghijklmnopqrstuvwxyz"')
+    await send(request("g", max_tokens=60, grammar=grammar))
+    async with asyncio.timeout(10):
+        while "g" not in service.requests:
+            await asyncio.sleep(0.001)
+    await service.on_abort(AbortRequests(["g"], "moved", executor_id="ex-0"))
+    await service.on_submit(request("g", max_tokens=60, grammar=grammar, migrations=1))
+    await seen.wait_for("g")
+    assert "g" not in seen.errors and seen.finished["g"] == "stop"
+    await idle(service)
+    assert service.compiled == {} and service.compiling == {}

@@ -120,7 +120,9 @@ class PrefillDone(Message):
     pages, NIXL's notification follows the data; decode from ``first_token`` on),
     ``finished`` (the first token ended the request: release the pages) or ``failed``
     (``error`` says why: compute the prompt locally). ``job_id`` is the ``PrefillRequest``'s:
-    an answer about an earlier job for the same request matches nothing."""
+    an answer about an earlier job for the same request matches nothing. ``write_may_land``:
+    a write was started and not seen to end (a timeout, a failure mid-way), so the pages
+    stay out of use until the job's lease is over."""
 
     request_id: str
     outcome: str
@@ -129,6 +131,7 @@ class PrefillDone(Message):
     bytes: int = 0
     seconds: float = 0.0
     job_id: str = ""
+    write_may_land: bool = False
 
     def __post_init__(self) -> None:
         require(

@@ -32,7 +32,7 @@ async def _until_idle(service: ExecutorService) -> None:
         service.engine.has_unfinished()
         or service.pending_adds
         or service.compiling
-        or (decode and decode.busy)
+        or (decode and decode.waiting)
     ):
         if service.broken:  # it broke while draining: nothing more will finish
             return

@@ -119,7 +119,7 @@ class DecodeSide:
             reservation.done = message
             self.service.wake.set()
         held = self.held.get(message.job_id)
-        if held is not None:
+        if held is not None and not message.write_may_land:
             held.done = True
             self.service.wake.set()
 
@@ -135,7 +135,7 @@ class DecodeSide:
         table = handoff.withdraw(self.service.engine, r.request.request_id)
         if table is None:
             return
-        if r.done is not None:  # the prefill side is through with these pages
+        if r.done is not None and not r.done.write_may_land:  # nothing more comes
             handoff.release(self.service.engine, table)
             return
         self.held[r.job_id] = Held(table, r.deadline + FENCE_MARGIN_S)
@@ -146,7 +146,14 @@ class DecodeSide:
 
     @property
     def busy(self) -> bool:
-        return bool(self.reservations or self.resumes or self.held)
+        return self.waiting or bool(self.held)
+
+    @property
+    def waiting(self) -> bool:
+        """Requests still to be admitted here (their KV or the detokenizer's answer to come);
+        held pages are not: a drain need not outwait their lease, since once this process
+        has gone, a late write has nowhere to land."""
+        return bool(self.reservations or self.resumes)
 
     # -- between steps ---------------------------------------------------------------------
     async def reserve(self, req: TokenizedRequest) -> bool:

@@ -45,7 +45,13 @@ CPU_ERROR_HANDLING = "none"
 
 
 class TransferError(RuntimeError):
-    """A transfer NIXL refused or reported failed (the peer died, a bad descriptor)."""
+    """A transfer NIXL refused or reported failed (the peer died, a bad descriptor).
+    ``posted``: it had started, so bytes may still land in the peer's pages (a cancelled
+    RDMA write is not known to have stopped)."""
+
+    def __init__(self, message: str, posted: bool = False) -> None:
+        super().__init__(message)
+        self.posted = posted
 
 
 @dataclass(frozen=True)
@@ -160,11 +166,11 @@ class KVTransport:
         except TransferError:
             raise
         except Exception as exc:  # NIXL_ERR_REMOTE_DISCONNECT and the like
-            raise TransferError(f"the transfer to {peer} failed: {exc!r}") from exc
+            raise TransferError(f"the transfer to {peer} failed: {exc!r}", posted=True) from exc
         finally:
             self.agent.release_xfer_handle(handle)
         if state != "DONE":
-            raise TransferError(f"the transfer to {peer} failed ({state})")
+            raise TransferError(f"the transfer to {peer} failed ({state})", posted=True)
         nbytes = len(src_pages) * self.layout.page_bytes * len(self.layout.layer_bases)
         extents = len(runs) * len(self.layout.layer_bases)
         return TransferResult(nbytes, time.perf_counter() - started, extents)
@@ -173,7 +179,7 @@ class KVTransport:
         state: str = self.agent.transfer(handle)
         while state == "PROC":  # each check moves UCX along (there is no progress thread)
             if time.perf_counter() > deadline:
-                raise TransferError("the transfer did not finish in time")
+                raise TransferError("the transfer did not finish in time", posted=True)
             time.sleep(0)  # hand the GIL to the event loop between checks
             state = self.agent.check_xfer_state(handle)
         return state

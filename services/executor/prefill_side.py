@@ -151,7 +151,8 @@ class PrefillSide:
             svc.timelines.kv_transfer(
                 rid, job.decode_executor, started, time.time_ns(), 0, len(table.pages), str(exc)
             )
-            message = PrefillDone(rid, "failed", error=str(exc))
+            posted = isinstance(exc, TransferError) and exc.posted
+            message = PrefillDone(rid, "failed", error=str(exc), write_may_land=posted)
         else:
             pair.inc(result.bytes)
             svc.metrics.kv_transfer_time.labels(

@@ -168,7 +168,7 @@ class ExecutorService:
             return
         self.timelines.received(req.request_id, len(req.prompt_token_ids))
         if req.grammar is not None:
-            if req.request_id in self.compiling or req.request_id in self.requests:
+            if self.holds_constrained(req.request_id):
                 # A replayed submit: its compiled grammar would wait for an add that never
                 # comes (``apply_pending`` drops the duplicate).
                 log.warning("executor: ignoring a second submit of %s", req.request_id)
@@ -180,6 +180,14 @@ class ExecutorService:
             return
         self.pending_adds.append(req)
         self.wake.set()
+
+    def holds_constrained(self, rid: str) -> bool:
+        """Is ``rid`` compiling, waiting to be added or running here, and not withdrawn (an
+        abort not yet applied, from the scheduler moving it: then a submit of it is new)?"""
+        if rid in self.pending_aborts:
+            return False
+        waiting = any(r.request_id == rid for r in self.pending_adds)
+        return rid in self.compiling or rid in self.requests or waiting
 
     def grammar_cache(self) -> asyncio.Task[GrammarCache]:
         """Built on first use, on a thread (xgrammar reads the whole vocabulary)."""
