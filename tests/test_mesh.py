@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from typing import Any
 
 import aiohttp
+import openai
 import pytest
 
 from common.tokenizer import Tokenizer
@@ -252,3 +254,27 @@ async def test_bad_input_gets_openai_errors_and_mesh_keeps_serving(
             assert "error" in json.loads(await resp.text())
     ok = await client.completions.create(model="tiny", prompt="still alive", max_tokens=3)
     assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+async def test_max_tokens_past_the_context_is_a_400_and_a_chat_default_is_cut_to_fit(client):
+    """As vLLM: a max_tokens the client chose that the context cannot hold after the prompt
+    is a 400 (it was cut silently for a text prompt, and the client got fewer tokens than it
+    asked for with finish_reason "length"); a chat request that sets none gets what fits."""
+    prompt = "Serving language models at scale " * 4  # ~30 tokens of a 256-token context
+    for create, kwargs in (
+        (client.completions.create, {"prompt": prompt}),
+        (client.chat.completions.create, {"messages": [{"role": "user", "content": prompt}]}),
+    ):
+        with pytest.raises(openai.BadRequestError) as info:
+            await create(model="tiny", max_tokens=250, **kwargs)
+        error: Any = info.value.body
+        assert error["code"] == "context_length_exceeded" and error["param"] == "max_tokens"
+        assert "maximum context length is 256 tokens" in error["message"]
+    reply = await client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": prompt}],
+        extra_body={"ignore_eos": True},
+    )
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.usage is not None
+    assert reply.usage.prompt_tokens + reply.usage.completion_tokens == 256

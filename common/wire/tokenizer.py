@@ -106,6 +106,9 @@ class GenerateRequest(Message):
     # already received. They ride on to ``TokenizedRequest.output_token_ids``: the executor
     # prefills prompt + these and generates the rest, as for a migration.
     output_token_ids: list[int] = field(default_factory=list)
+    # The client chose params.max_tokens (a completions default included): more than the
+    # context leaves is then a 400, as vLLM answers; a chat default is cut to fit instead.
+    max_tokens_chosen: bool = False
 
     def __post_init__(self) -> None:
         require(

@@ -183,6 +183,7 @@ class MeshClient:
             n=api.n,
             response_format=api.response_format,
             tools=api.tools,
+            max_tokens_chosen=api.max_tokens_chosen,
         )
         payload = request.encode()
         headers = inject(None)  # the trace context of gateway.request

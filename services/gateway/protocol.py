@@ -73,6 +73,7 @@ class ApiRequest:
     priority: int = 0
     response_format: ResponseFormat | None = None
     tools: ToolChoice | None = None
+    max_tokens_chosen: bool = True  # False: a chat default, cut to what the context leaves
 
 
 def parse_completion(raw: Any, config: GatewayConfig) -> ApiRequest:
@@ -106,14 +107,19 @@ def parse_chat(raw: Any, config: GatewayConfig) -> ApiRequest:
     # max_completion_tokens replaces the deprecated max_tokens; either is honoured.
     max_tokens = body.optional_integer("max_completion_tokens", 1, limit)
     if max_tokens is None:
-        max_tokens = body.integer("max_tokens", config.chat_default_max_tokens, 1, limit)
+        max_tokens = body.optional_integer("max_tokens", 1, limit)
+    chosen = max_tokens is not None
+    if max_tokens is None:
+        max_tokens = config.chat_default_max_tokens
     want_logprobs = body.boolean("logprobs", False)
     top_logprobs = body.optional_integer("top_logprobs", 0, 20)
     if top_logprobs is not None and not want_logprobs:
         raise bad_request("'logprobs' must be true when 'top_logprobs' is set.", "top_logprobs")
     logprobs = (top_logprobs or 0) if want_logprobs else None
     api = finish(body, "chat", model, n, max_tokens, logprobs, config, messages=messages)
-    return dataclasses.replace(api, response_format=response_format, tools=tools)
+    return dataclasses.replace(
+        api, response_format=response_format, tools=tools, max_tokens_chosen=chosen
+    )
 
 
 def finish(

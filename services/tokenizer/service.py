@@ -131,6 +131,15 @@ class TokenizerService:
         grammar = grammar_for(req.response_format, req.tools, self.tool_format)
         room = self.max_model_len - len(ids)
         if req.params.max_tokens > room:
+            if req.max_tokens_chosen and not req.output_token_ids:  # (a continuation passed)
+                raise RequestError(
+                    f"This model's maximum context length is {self.max_model_len} tokens. "
+                    f"However, you requested {len(ids) + req.params.max_tokens} tokens "
+                    f"({len(ids)} in the {field}, {req.params.max_tokens} for the "
+                    f"completion). Please reduce the {field} or max_tokens.",
+                    param="max_tokens",
+                    code="context_length_exceeded",
+                )
             # As vLLM does for chat defaults: never ask for more than the context allows;
             # the output then ends with finish_reason "length".
             req = dataclasses.replace(req, params=dataclasses.replace(req.params, max_tokens=room))
