@@ -30,6 +30,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.api import DeliverPolicy
+from nats.js.errors import NotFoundError
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import Status, StatusCode, Tracer
@@ -101,6 +102,9 @@ class Service:
         # Run when the connection to NATS is lost (before nats.py reconnects): e.g. the gateway
         # fails its in-flight requests rather than letting clients wait for lost messages.
         self.disconnect_callbacks: list[Callable[[], Awaitable[None]]] = []
+        # Run after a reconnect: e.g. an executor snapshots its cache again (the server may
+        # have come back without its JetStream store).
+        self.reconnect_callbacks: list[Callable[[], Awaitable[None]]] = []
         # Observability: this service's tracer and metrics registry (common/telemetry.py,
         # common/metrics.py); /metrics + /health on mesh.metrics_port when one is set.
         self.tracing = Tracing(name, mesh.instance_id, mesh.otlp_endpoint, mesh.region)
@@ -160,6 +164,8 @@ class Service:
             if self._watching:  # announcements were missed meanwhile: ask again
                 await self._probe()
             await self._restart_replays()
+            for callback in self.reconnect_callbacks:
+                await callback()
 
         connecting = asyncio.ensure_future(
             nats.connect(
@@ -326,6 +332,7 @@ class Service:
         kind: type[M],
         handler: Callable[[M, int], Awaitable[None]],
         stream: str = "",
+        ensure: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         """Every message of the JetStream stream over ``subject``, from its first, then new
         ones as they arrive, in order (an ordered consumer: nothing to acknowledge, and a gap
@@ -335,8 +342,12 @@ class Service:
 
         With ``stream`` (its name), the replay is watched: a consumer that stopped delivering
         while the stream grew (on a cluster it may have lived on a server that died, while
-        this client's own server lives on, so no reconnect tells us) is started again."""
+        this client's own server lives on, so no reconnect tells us) is started again. So is
+        one of a stream that is gone or new (a nats-server back without its store: its
+        sequence numbers start again), after ``ensure()`` creates it if need be; it also runs
+        before the first subscribe."""
         delivered = [0, 0]  # stream sequence of the last message delivered; at the last check
+        created: list[Any] = [None]  # the stream's creation time, as last seen
 
         async def on_msg(msg: Msg) -> None:
             delivered[0] = max(delivered[0], msg.metadata.sequence.stream)
@@ -348,6 +359,8 @@ class Service:
                 log.exception("%s: handler for %s failed", self.name, msg.subject)
 
         async def start() -> Subscription:
+            if ensure is not None:
+                await ensure()
             return await self.nc.jetstream().subscribe(
                 subject,
                 cb=on_msg,
@@ -361,7 +374,17 @@ class Service:
         self._replays[subject] = (sub, start)
 
         async def check() -> None:
-            info = await self.nc.jetstream().stream_info(stream)
+            try:
+                info = await self.nc.jetstream().stream_info(stream)
+            except NotFoundError:
+                info = None
+            if info is None or created[0] not in (None, info.created):
+                log.warning("%s: stream %s is gone or new; replaying it", self.name, stream)
+                delivered[:] = [0, 0]
+                created[0] = None
+                await self._restart_replays()
+                return
+            created[0] = info.created
             stalled = delivered[0] == delivered[1] and info.state.last_seq > delivered[0]
             delivered[1] = delivered[0]
             if stalled:

@@ -8,9 +8,11 @@ import random
 import time
 
 import aiohttp
+import openai
 import pytest
 
 from common.config import MeshConfig
+from common.nats_server import LocalNatsServer
 from common.page_hash import ROOT_HASH, page_hashes
 from common.wire.prefix_index import KVEventBatch
 from gpu.engine import Engine, EngineConfig
@@ -276,3 +278,39 @@ async def test_executor_leaving_clears_its_pages(mesh):
     while mesh.index.tree.pages_of(ex.config.executor_id):
         assert time.monotonic() < deadline, "the index kept a departed executor's pages"
         await asyncio.sleep(0.05)
+
+
+async def test_the_index_follows_a_nats_server_back_without_its_store(tiny_llama):
+    """A nats-server restarted without its store (``meshserve up``'s, a pod's empty volume)
+    has lost the KV-event stream: the index creates it again and replays it, and every
+    executor, idle or not, snapshots its cache into it after its reconnect, so the index
+    agrees with the caches again. It had failed to resubscribe and kept its old view, deaf to
+    the new stream until its sequence numbers passed the old one's."""
+    harness = MeshHarness(tiny_llama, executors=2, kv_cache_tokens=512, router="kv").start()
+    index = harness.index
+    assert index is not None
+    try:
+        await run_random_traffic(harness, seed=7, count=12)
+        await wait_for_agreement(harness, index)
+        assert harness.nats is not None
+        port = harness.nats.port
+        harness.nats.stop()  # (its store folder goes with it)
+        await asyncio.sleep(1.0)
+        harness.nats = LocalNatsServer.start(
+            port=port, extra_args=harness.nats_args, config=harness.nats_config
+        )
+        async with openai_client(harness.base_url) as client:
+            deadline = time.monotonic() + 20
+            while True:  # the services reconnect
+                try:
+                    await client.completions.create(model="tiny", prompt="back", max_tokens=2)
+                    break
+                except openai.APIError:
+                    assert time.monotonic() < deadline, "the mesh did not come back"
+                    await asyncio.sleep(0.5)
+        await run_random_traffic(harness, seed=8, count=12)
+        await wait_for_agreement(harness, index, timeout=30)
+        ids = [ex.config.executor_id for ex in harness.executor_services]
+        assert all(index.tree.pages_of(e) for e in ids)
+    finally:
+        harness.stop()

@@ -83,7 +83,16 @@ class KVEventPublisher:
             self.svc.mesh.region,
         )
         await self.flush()  # the start-up snapshot: this executor holds nothing yet
+        self.svc.reconnect_callbacks.append(self.snapshot_soon)
         self.svc.spawn(self.run(), "kv-events")
+
+    async def snapshot_soon(self) -> None:
+        """After a reconnect: the server may have lost the stream (a nats-server back without
+        its store), and an idle executor publishes nothing that would notice. The snapshot
+        recreates the stream and tells the index this executor's cache again."""
+        self.need_snapshot = True
+        self.idle.clear()
+        self.wake.set()
 
     def add(self, events: list[KVEvent]) -> None:
         if events:

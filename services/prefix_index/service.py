@@ -60,14 +60,24 @@ class PrefixIndexService:
         self.batches = 0
         self.gaps = 0
 
+    async def ensure(self) -> None:
+        """The KV-event stream exists (the index may be first, or a nats-server came back
+        without its store)."""
+        mesh = self.svc.mesh
+        await ensure_kv_stream(
+            self.svc.nc.jetstream(), mesh.subjects, mesh.kv_replicas, mesh.region
+        )
+
     async def start(self) -> None:
         await self.svc.connect()
         s = self.svc.subjects
         js = self.svc.nc.jetstream()
-        await ensure_kv_stream(js, s, self.svc.mesh.kv_replicas, self.svc.mesh.region)
+        await self.ensure()
         if (await js.stream_info(s.kv_events_stream)).state.messages == 0:
             self.caught_up.set()
-        await self.svc.replay(s.kv_events_all, KVEventBatch, self.on_events, s.kv_events_stream)
+        await self.svc.replay(
+            s.kv_events_all, KVEventBatch, self.on_events, s.kv_events_stream, ensure=self.ensure
+        )
         await self.svc.serve(s.index_match, IndexMatchRequest, self.on_match, queue="index")
         await self.svc.subscribe(s.executor_heartbeat, Heartbeat, self.on_heartbeat)
         period = self.config.executor_timeout_s / 4
