@@ -243,3 +243,43 @@ async def test_text_deltas_over_the_bus_limit_are_split_and_an_oversized_one_fai
     finally:
         await nc.close()
         await svc.svc.close()
+
+
+async def test_a_stop_string_inside_a_multi_token_step_ends_where_one_token_steps_do(
+    nats_server, tiny_llama, monkeypatch
+):
+    """Speculation brings several tokens a step: a stop string completed by one of them ends
+    the stream at that token, logprobs, usage and token record alike, as a step per token
+    does (the tokens after it were counted and their logprobs sent)."""
+    tok = Tokenizer.from_folder(tiny_llama)
+    ids = tok.encode("The quick brown fox jumps over the lazy dog", add_special_tokens=False)
+
+    async def run(per_step: int) -> tuple[str, int, int, list[int]]:
+        svc = DetokenizerService(DetokenizerConfig(MeshConfig(nats_server.url), str(tiny_llama)))
+        await svc.svc.connect()  # (for max_payload; what it sends is caught below)
+        sent: list[object] = []
+
+        async def publish(subject: str, message: object, *args, **kwargs) -> None:
+            sent.append(message)
+
+        monkeypatch.setattr(svc.svc, "publish", publish)
+        for i in range(0, len(ids), per_step):
+            chunk = ids[i : i + per_step]
+            start = StreamStart(["fox jum"], True, 3, 0, reply_to="inbox") if i == 0 else None
+            done = "length" if i + per_step >= len(ids) else None
+            logprobs = [WireTokenLogprob(t, -0.5) for t in chunk]
+            seq = SeqTokens("r", chunk, done, min(i + per_step, len(ids)), start, logprobs)
+            await svc.on_step(StepTokens("ex", [seq]))
+        texts = [TextDeltas.decode(m) for m in sent if isinstance(m, bytes)]  # (as encoded)
+        deltas = [d for m in texts for d in m.deltas]
+        assert deltas[-1].finish_reason == "stop" and deltas[-1].usage is not None
+        text = "".join(d.text for d in deltas)
+        count = sum(len(d.logprobs or []) for d in deltas)
+        record = [t for d in deltas for t in d.token_ids]
+        await svc.svc.close()
+        return text, count, deltas[-1].usage.completion_tokens, record
+
+    one = await run(1)
+    assert one[0] == "The quick brown " and one[1] == one[2] == len(one[3]) < len(ids)
+    assert await run(4) == one
+    assert await run(3) == one

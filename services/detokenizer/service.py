@@ -265,10 +265,20 @@ class DetokenizerService:
 
     def advance(self, stream: Stream, seq: SeqTokens) -> TextDelta | None:
         rid = seq.request_id
-        stream.output_tokens = seq.output_tokens
-        stream.token_ids.extend(seq.token_ids)
-        stream.unsent_ids.extend(seq.token_ids)
-        text = stream.stops.feed(stream.detok.add(seq.token_ids))
+        ids, logprobs_in = seq.token_ids, seq.logprobs
+        if len(ids) == 1 or not stream.stops.stops:
+            text = stream.stops.feed(stream.detok.add(ids))
+        else:  # several tokens (speculation): one at a time, to stop where a one-token step
+            text = ""  # would (the tokens after a stop string are not the client's)
+            for i, token in enumerate(ids):
+                text += stream.stops.feed(stream.detok.add([token]))
+                if stream.stops.stopped:
+                    ids = ids[: i + 1]
+                    logprobs_in = logprobs_in[: i + 1] if logprobs_in is not None else None
+                    break
+        stream.output_tokens = seq.output_tokens - (len(seq.token_ids) - len(ids))
+        stream.token_ids.extend(ids)
+        stream.unsent_ids.extend(ids)
         finish = seq.finish_reason
         if stream.stops.stopped:
             finish = "stop"
@@ -278,20 +288,20 @@ class DetokenizerService:
             if stream.stops.stopped:
                 finish = "stop"
         if finish is None:
-            if not text and seq.logprobs is None:
+            if not text and logprobs_in is None:
                 return None  # nothing the client can see yet (a held-back partial character)
             stream.deltas_sent += 1
             return TextDelta(
                 rid,
                 text,
-                logprobs=self.logprobs(seq.logprobs),
+                logprobs=self.logprobs(logprobs_in),
                 seq=stream.deltas_sent,
                 token_ids=self.take_unsent(stream),
             )
         self.end(rid, finish)
         usage = Usage(stream.prompt_tokens, stream.output_tokens, stream.cached_tokens)
         stream.deltas_sent += 1
-        logprobs = self.logprobs(seq.logprobs)
+        logprobs = self.logprobs(logprobs_in)
         unsent = self.take_unsent(stream)
         return TextDelta(rid, text, finish, usage, logprobs, stream.deltas_sent, unsent)
 
