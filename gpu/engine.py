@@ -295,6 +295,8 @@ class Engine:
             proposal = proposal.truncated(self._draft_limits.get(request_id, 0))
             try:
                 self.runner.check_token_ids(proposal.token_ids)
+                for support in proposal.q_ids or []:  # index_put_ on these: out of range
+                    self.runner.check_token_ids(support)  # raises, a negative one wraps
             except ModelError:
                 continue
             seq.draft = proposal if len(proposal) else None

@@ -367,3 +367,23 @@ def test_drafts_only_take_free_pages(tiny_llama):
         engine.add_request("a", prompt, greedy(9))
         engine.step()  # the prefill: 7 + 1 tokens fill the first two 4-token pages
         assert [r.num_draft for r in engine.draft_requests()] == expected
+
+
+@pytest.mark.parametrize("bad", [10_000, -1], ids=["past-the-vocabulary", "negative"])
+def test_a_draft_whose_distribution_names_an_id_out_of_range_is_dropped(tiny_llama, bad: int):
+    """A sampled request's draft carries its distribution's support (q_ids): an id past the
+    target's vocabulary made the verify step raise (the executor then left the mesh) and a
+    negative one wrapped to the last id, skewing the sample."""
+    engine = make_engine(tiny_llama, k=2)
+    sampled = SamplingParams(temperature=1.0, seed=3, ignore_eos=True, max_tokens=6)
+    engine.add_request("s", [5, 6, 7, 8], sampled)
+    engine.step()  # its prefill: the next step decodes and may verify a draft
+    asked = {r.request_id: r.num_draft for r in engine.draft_requests()}
+    assert asked.get("s", 0) >= 1
+    draft = Proposal([9], [[9, bad]], [[0.5, 0.5]])
+    engine.set_drafts({"s": draft})
+    assert engine.seqs["s"].draft is None
+    engine.set_drafts({"s": Proposal([9], [[9, 10]], [[0.5, 0.5]])})  # in range: kept
+    assert engine.seqs["s"].draft is not None
+    outs = engine.step()
+    assert [o.request_id for o in outs] == ["s"]
