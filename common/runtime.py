@@ -85,6 +85,22 @@ class RequestError(Exception):
         return ErrorEvent(request_id, self.status, str(self), self.type, self.code, self.param)
 
 
+def context_too_long(
+    max_model_len: int, prompt_tokens: int, max_tokens: int, where: str, param: str
+) -> RequestError:
+    """The 400 for a prompt (``where``: the request field) plus ``max_tokens`` (asked for as
+    ``param``) past the context, worded as vLLM's."""
+    return RequestError(
+        f"This model's maximum context length is {max_model_len} tokens. However, you "
+        f"requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the {where}, "
+        f"{max_tokens} for the completion). Please reduce the {where} or {param}.",
+        400,
+        "invalid_request_error",
+        "prompt" if prompt_tokens >= max_model_len else param,
+        "context_length_exceeded",
+    )
+
+
 class NoAnswer(Exception):
     """A request/reply call got no usable answer (timeout, no responder, bad or error reply)."""
 

@@ -27,6 +27,23 @@ def nats_server():
     server.stop()
 
 
+class ClientInbox:
+    """What a gateway's inbox receives: text deltas, error events, each message's size."""
+
+    def __init__(self, errors: list[ErrorEvent] | None = None) -> None:
+        self.deltas: list[TextDelta] = []
+        self.errors = errors if errors is not None else []
+        self.sizes: list[int] = []
+
+    async def on_msg(self, msg) -> None:
+        self.sizes.append(len(msg.data))
+        message = decode_any(msg.data, TextDeltas, ErrorEvent)
+        if isinstance(message, ErrorEvent):
+            self.errors.append(message)
+        else:
+            self.deltas.extend(message.deltas)  # type: ignore[attr-defined]
+
+
 async def run_stream(
     nats_server, model, token_ids, stop, tokens_per_step=1, lost=(), errors=None, prior=(), rid="r1"
 ):
@@ -36,19 +53,13 @@ async def run_stream(
     svc = DetokenizerService(DetokenizerConfig(MeshConfig(nats_server.url), str(model)))
     await svc.start()
     nc = await nats.connect(nats_server.url)
-    deltas, aborts = [], []
-
-    async def on_inbox(msg):
-        message = decode_any(msg.data, TextDeltas, ErrorEvent)
-        if isinstance(message, ErrorEvent):
-            errors.append(message)
-        else:
-            deltas.extend(message.deltas)  # type: ignore[attr-defined]
+    inbox = ClientInbox(errors)
+    deltas, errors, aborts = inbox.deltas, inbox.errors, []
 
     async def on_abort(msg):
         aborts.extend(AbortRequests.decode(msg.data).request_ids)
 
-    await nc.subscribe("test.inbox", cb=on_inbox)
+    await nc.subscribe("test.inbox", cb=inbox.on_msg)
     await nc.subscribe(svc.svc.subjects.abort, cb=on_abort)
     steps = [token_ids[i : i + tokens_per_step] for i in range(0, len(token_ids), tokens_per_step)]
     for i, chunk in enumerate(steps):
@@ -188,23 +199,14 @@ async def test_text_deltas_over_the_bus_limit_are_split_and_an_oversized_one_fai
     svc = DetokenizerService(DetokenizerConfig(MeshConfig(small_nats.url), str(tiny_llama)))
     await svc.start()
     nc = await nats.connect(small_nats.url)
-    sizes: list[int] = []
-    deltas: list[TextDelta] = []
-    errors: list[ErrorEvent] = []
+    inbox = ClientInbox()
+    sizes, deltas, errors = inbox.sizes, inbox.deltas, inbox.errors
     aborts: list[AbortRequests] = []
-
-    async def on_inbox(msg):
-        sizes.append(len(msg.data))
-        message = decode_any(msg.data, TextDeltas, ErrorEvent)
-        if isinstance(message, ErrorEvent):
-            errors.append(message)
-        else:
-            deltas.extend(message.deltas)  # type: ignore[attr-defined]
 
     async def on_abort(msg):
         aborts.append(AbortRequests.decode(msg.data))
 
-    await nc.subscribe("test.inbox", cb=on_inbox)
+    await nc.subscribe("test.inbox", cb=inbox.on_msg)
     await nc.subscribe(svc.svc.subjects.abort, cb=on_abort)
     top = [(t, -float(t)) for t in range(100, 120)]  # 20 alternatives
 

@@ -8,8 +8,10 @@ Also an executor whose step raises leaves the mesh at once."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
+from collections.abc import AsyncIterator
 
 import nats
 import pytest
@@ -186,6 +188,7 @@ class DecodeHost:
         self.ex, self.nc = ex, nc
         self.jobs: list[PrefillRequest] = []
         self.tokens: dict[str, list[int]] = {}
+        self.asked: list[float] = []  # when the detokenizer was asked what was streamed
         self.answered = asyncio.Event()
         self.aborted_before_answer = False
 
@@ -196,7 +199,12 @@ class DecodeHost:
         for seq in StepTokens.decode(msg.data).seqs:
             self.tokens.setdefault(seq.request_id, []).extend(seq.token_ids)
 
-    async def on_progress(self, msg) -> None:
+    async def answer_progress(self, msg) -> None:
+        """Nothing was streamed."""
+        self.asked.append(time.monotonic())
+        await msg.respond(StreamProgressReply({}, []).encode())
+
+    async def abort_then_answer(self, msg) -> None:
         """The client leaves while the detokenizer answers (within the 2 s the decode side
         waits: past that it fails the request, which would hide a lost abort)."""
         ask = StreamProgressRequest.decode(msg.data)
@@ -213,28 +221,75 @@ class DecodeHost:
             await self.nc.publish(self.ex.subjects.executor_heartbeat, hb.encode())
             await asyncio.sleep(0.2)
 
+    async def submit(self, rid: str) -> PrefillRequest:
+        """Send ``rid`` (paired with ``pre-0``) and return the prefill job it brings."""
+        await self.nc.publish(
+            self.ex.subjects.executor_submit("dec-0"), request(rid, "p1").encode()
+        )
+        await wait_for(lambda: self.jobs, 10, "the prefill job")
+        return self.jobs[-1]
+
+    async def say(self, message: PrefillDone) -> None:
+        await self.nc.publish(self.ex.subjects.executor_prefilled("dec-0"), message.encode())
+        await self.nc.flush()
+
+
+@contextlib.asynccontextmanager
+async def decode_host(
+    nats_url: str, model, *, beat: bool = True, abort_on_progress: bool = False, **config
+) -> AsyncIterator[DecodeHost]:
+    """A started decode executor and the test's stand-ins for its peers (``DecodeHost``):
+    ``pre-0`` beats unless ``beat`` is False; the detokenizer answers "nothing streamed",
+    or, with ``abort_on_progress``, has the client leave first."""
+    ex = tiny_executor(nats_url, model, "dec-0", role="decode", **config)
+    await ex.start()
+    nc = await nats.connect(nats_url)
+    host = DecodeHost(ex, nc)
+    s = ex.subjects
+    progress = host.abort_then_answer if abort_on_progress else host.answer_progress
+    await nc.subscribe(s.executor_prefill("pre-0"), cb=host.on_job)
+    await nc.subscribe(s.detok(0), cb=host.on_step)
+    await nc.subscribe(s.detok_progress(0), cb=progress)
+    beating = asyncio.create_task(host.beat()) if beat else None
+    try:
+        yield host
+    finally:
+        if beating is not None:
+            beating.cancel()
+        await nc.close()
+        await ex.svc.close()
+        assert ex.transport is not None
+        ex.transport.close()
+
+
+async def held_until_the_lease_ends(
+    host: DecodeHost, job: PrefillRequest, sent: float, lease: float, margin: float
+) -> None:
+    """The request computed here runs to its end while the job's pages stay held, and they
+    come back only once its lease and the margin are over."""
+    ex = host.ex
+    side, total = ex.decode_side, ex.engine.pages.num_pages
+    assert side is not None
+    await wait_for(lambda: len(host.tokens.get("r", [])) == PARAMS.max_tokens, 20, "r")
+    if time.monotonic() - sent < lease - 0.5:  # (a slow machine got past the lease)
+        assert list(side.held) == [job.job_id]
+        assert ex.engine.pages.num_free == total - len(job.pages)
+    await wait_for(lambda: not side.held, lease + 5, "the lease's end")
+    assert time.monotonic() - sent >= lease + margin - 0.1
+    assert ex.engine.pages.num_free == total
+
 
 async def test_a_client_abort_during_the_fall_back_to_local_prefill_is_kept(
     nats_server: LocalNatsServer, tiny_llama
 ) -> None:
     """The prefill side failed; while the decode side asks the detokenizer what was streamed,
     the client leaves: the request must not then be computed here, and its pages come back."""
-    ex = tiny_executor(nats_server.url, tiny_llama, "dec-0", role="decode")
-    await ex.start()
-    nc = await nats.connect(nats_server.url)
-    host = DecodeHost(ex, nc)
-    s = ex.subjects
-    await nc.subscribe(s.executor_prefill("pre-0"), cb=host.on_job)
-    await nc.subscribe(s.detok(0), cb=host.on_step)
-    await nc.subscribe(s.detok_progress(0), cb=host.on_progress)
-    beating = asyncio.create_task(host.beat())
-    try:
+    async with decode_host(nats_server.url, tiny_llama, abort_on_progress=True) as host:
+        ex = host.ex
         total = ex.engine.pages.num_pages
-        await nc.publish(s.executor_submit("dec-0"), request("r", "p1").encode())
-        await wait_for(lambda: host.jobs, 10, "the prefill job")
+        job = await host.submit("r")
         assert ex.engine.pages.num_free < total  # reserved for the prompt
-        failed = PrefillDone("r", "failed", error="no NIXL peer", job_id=host.jobs[0].job_id)
-        await nc.publish(s.executor_prefilled("dec-0"), failed.encode())
+        await host.say(PrefillDone("r", "failed", error="no NIXL peer", job_id=job.job_id))
         await asyncio.wait_for(host.answered.wait(), 10)
         await asyncio.sleep(1.0)  # the answer arrives, and steps would have run
         assert host.aborted_before_answer
@@ -242,12 +297,6 @@ async def test_a_client_abort_during_the_fall_back_to_local_prefill_is_kept(
         assert ex.decode_side is not None and not ex.decode_side.busy
         assert "r" not in ex.engine.seqs
         assert ex.engine.pages.num_free == total
-    finally:
-        beating.cancel()
-        await nc.close()
-        await ex.svc.close()
-        assert ex.transport is not None
-        ex.transport.close()
 
 
 async def test_pages_of_a_silent_prefill_executor_are_held_until_their_lease_ends(
@@ -259,50 +308,22 @@ async def test_pages_of_a_silent_prefill_executor_are_held_until_their_lease_end
     answer about another job of the same request changes nothing."""
     monkeypatch.setattr(decode_side, "FENCE_MARGIN_S", 1.0)
     lease = 8.0
-    ex = tiny_executor(
-        nats_server.url, tiny_llama, "dec-0", role="decode", kv_transfer_timeout_s=lease
-    )
-    await ex.start()
-    nc = await nats.connect(nats_server.url)
-    host = DecodeHost(ex, nc)
-    asked: list[float] = []
-
-    async def on_progress(msg) -> None:
-        asked.append(time.monotonic())
-        await msg.respond(StreamProgressReply({}, []).encode())
-
-    s = ex.subjects
-    await nc.subscribe(s.executor_prefill("pre-0"), cb=host.on_job)
-    await nc.subscribe(s.detok(0), cb=host.on_step)
-    await nc.subscribe(s.detok_progress(0), cb=on_progress)
-    try:
-        side, total = ex.decode_side, ex.engine.pages.num_pages
+    async with decode_host(
+        nats_server.url, tiny_llama, beat=False, kv_transfer_timeout_s=lease
+    ) as host:
+        side = host.ex.decode_side
         assert side is not None
-        await nc.publish(s.executor_submit("dec-0"), request("r", "p1").encode())
-        await wait_for(lambda: host.jobs, 10, "the prefill job")
-        sent, job = time.monotonic(), host.jobs[0]
+        job = await host.submit("r")
+        sent = time.monotonic()
         assert job.write_by - time.time() == pytest.approx(lease, abs=1)
-        stale = PrefillDone("r", "failed", error="an earlier job", job_id=job.job_id + "0")
-        await nc.publish(s.executor_prefilled("dec-0"), stale.encode())
-        await nc.flush()
+        await host.say(PrefillDone("r", "failed", error="an earlier job", job_id=job.job_id + "0"))
         await asyncio.sleep(0.5)
-        assert side.reservations["r"].done is None and not asked
+        assert side.reservations["r"].done is None and not host.asked
         # No heartbeat from pre-0: past 2 s of silence the decode side computes it here.
-        await wait_for(lambda: len(host.tokens.get("r", [])) == PARAMS.max_tokens, 20, "r")
+        await held_until_the_lease_ends(host, job, sent, lease, 1.0)
         # It fell back on the silence (2 s), not at the end of the lease.
-        assert asked and asked[0] - sent < decode_side.PEER_TIMEOUT_S + 2 < lease
-        assert "r" not in ex.requests
-        if time.monotonic() - sent < lease - 0.5:  # (a slow machine got past the lease)
-            assert list(side.held) == [job.job_id]
-            assert ex.engine.pages.num_free == total - len(job.pages)
-        await wait_for(lambda: not side.held, lease + 5, "the lease's end")
-        assert time.monotonic() - sent >= lease + 1.0 - 0.1
-        assert ex.engine.pages.num_free == total
-    finally:
-        await nc.close()
-        await ex.svc.close()
-        assert ex.transport is not None
-        ex.transport.close()
+        assert host.asked and host.asked[0] - sent < decode_side.PEER_TIMEOUT_S + 2 < lease
+        assert "r" not in host.ex.requests
 
 
 async def test_pages_a_failed_write_may_still_land_in_are_held_until_the_lease_ends(
@@ -313,44 +334,13 @@ async def test_pages_a_failed_write_may_still_land_in_are_held_until_the_lease_e
     cancelled RDMA write is not known to have stopped), where "failed" released them."""
     monkeypatch.setattr(decode_side, "FENCE_MARGIN_S", 0.5)
     lease = 4.0
-    ex = tiny_executor(
-        nats_server.url, tiny_llama, "dec-0", role="decode", kv_transfer_timeout_s=lease
-    )
-    await ex.start()
-    nc = await nats.connect(nats_server.url)
-    host = DecodeHost(ex, nc)
-
-    async def on_progress(msg) -> None:
-        await msg.respond(StreamProgressReply({}, []).encode())
-
-    s = ex.subjects
-    await nc.subscribe(s.executor_prefill("pre-0"), cb=host.on_job)
-    await nc.subscribe(s.detok(0), cb=host.on_step)
-    await nc.subscribe(s.detok_progress(0), cb=on_progress)
-    beating = asyncio.create_task(host.beat())
-    try:
-        side, total = ex.decode_side, ex.engine.pages.num_pages
-        assert side is not None
-        await nc.publish(s.executor_submit("dec-0"), request("r", "p1").encode())
-        await wait_for(lambda: host.jobs, 10, "the prefill job")
-        sent, job = time.monotonic(), host.jobs[0]
-        failed = PrefillDone(
-            "r", "failed", error="timed out", job_id=job.job_id, write_may_land=True
+    async with decode_host(nats_server.url, tiny_llama, kv_transfer_timeout_s=lease) as host:
+        job = await host.submit("r")
+        sent = time.monotonic()
+        await host.say(
+            PrefillDone("r", "failed", error="timed out", job_id=job.job_id, write_may_land=True)
         )
-        await nc.publish(s.executor_prefilled("dec-0"), failed.encode())
-        await wait_for(lambda: len(host.tokens.get("r", [])) == PARAMS.max_tokens, 20, "r")
-        if time.monotonic() - sent < lease - 0.5:  # (a slow machine got past the lease)
-            assert list(side.held) == [job.job_id]
-            assert ex.engine.pages.num_free == total - len(job.pages)
-        await wait_for(lambda: not side.held, lease + 5, "the lease's end")
-        assert time.monotonic() - sent >= lease + 0.5 - 0.1
-        assert ex.engine.pages.num_free == total
-    finally:
-        beating.cancel()
-        await nc.close()
-        await ex.svc.close()
-        assert ex.transport is not None
-        ex.transport.close()
+        await held_until_the_lease_ends(host, job, sent, lease, 0.5)
 
 
 async def test_an_executor_whose_step_fails_goes_silent_and_stops_at_once(

@@ -13,9 +13,11 @@ the tokens it covers (``TextDelta.token_ids``), the gateway's record to resume f
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from opentelemetry.trace import Span
@@ -41,6 +43,26 @@ from gpu.gguf import resolve_model_path
 from services.detokenizer.stops import StopMatcher
 
 log = logging.getLogger("meshserve.detokenizer")
+
+
+def payload_error(limit: int, request_id: str) -> ErrorEvent:
+    message = (
+        f"One step of this request's output with its logprobs is over the message bus's "
+        f"{limit}-byte payload limit; ask for fewer top_logprobs."
+    )
+    return ErrorEvent(request_id, 400, message, param="top_logprobs")
+
+
+def gap_error(request_id: str) -> ErrorEvent:
+    return ErrorEvent(
+        request_id,
+        503,
+        "The stream lost part of its tokens on the way (a message-bus server failed); "
+        "retry the request.",
+        "server_error",
+        "stream_gap",
+    )
+
 
 # Who sends a stream's tokens: (executor id, incarnation). A restarted executor keeps its id
 # but is another process, and may be the one a request moves to.
@@ -112,7 +134,7 @@ class DetokenizerService:
         out: dict[str, list[TextDelta]] = defaultdict(list)
         stopped: list[str] = []
         unknown: list[str] = []
-        gapped: list[tuple[str, Stream]] = []
+        gapped: list[tuple[str, str]] = []  # (request id, its client's inbox)
         for seq in step.seqs:
             stream = self.stream_for(seq, (step.executor_id, step.incarnation))
             if stream is None:
@@ -125,7 +147,7 @@ class DetokenizerService:
             if len(stream.token_ids) + len(seq.token_ids) != seq.output_tokens:
                 # A step message before this one never came (core NATS drops what was in
                 # flight on a server that died): the text would silently miss its tokens.
-                gapped.append((seq.request_id, stream))
+                gapped.append((seq.request_id, stream.reply_to))
                 continue
             delta = self.advance(stream, seq)
             if delta is None:
@@ -140,14 +162,18 @@ class DetokenizerService:
             messages, too_large = encode_within(deltas, TextDeltas, limit)
             for data, _ in messages:
                 await self.svc.publish(reply_to, data)
-            if too_large:
-                await self.fail_too_large([d.request_id for d in too_large], reply_to, limit)
+            if too_large:  # one step of a stream alone: it cannot go on
+                await self.fail_streams(
+                    [(d.request_id, reply_to) for d in too_large],
+                    functools.partial(payload_error, limit),
+                    "output over the payload limit",
+                )
         if stopped:
             await self.svc.publish(
                 self.svc.subjects.abort, AbortRequests(stopped, reason="stop string")
             )
-        if gapped:
-            await self.fail_gapped(gapped)
+        if gapped:  # retryable, with the code of the gateway's own check on text deltas
+            await self.fail_streams(gapped, gap_error, "stream gap")
         if unknown:
             # Its start (and the text so far) went with a detokenizer that restarted: the
             # stream cannot go on correctly, so it fails clearly instead of hanging.
@@ -162,38 +188,17 @@ class DetokenizerService:
                 ),
             )
 
-    async def fail_gapped(self, streams: list[tuple[str, Stream]]) -> None:
-        """Streams that lost tokens on the way end with a retryable 503 (the gateway's own
-        check on text deltas uses the same code), and their executors stop them."""
-        rids = [rid for rid, _ in streams]
-        log.warning("detokenizer: %d streams lost tokens on the way: %s", len(rids), rids)
-        for rid, stream in streams:
+    async def fail_streams(
+        self, failed: list[tuple[str, str]], error: Callable[[str], ErrorEvent], reason: str
+    ) -> None:
+        """End these streams (request id, client inbox) with ``error(request id)`` to their
+        clients, and have their executors stop them."""
+        rids = [rid for rid, _ in failed]
+        log.warning("detokenizer: failing %d streams (%s): %s", len(rids), reason, rids)
+        for rid, reply_to in failed:
             self.end(rid, "error")
-            error = ErrorEvent(
-                rid,
-                503,
-                "The stream lost part of its tokens on the way (a message-bus server failed); "
-                "retry the request.",
-                "server_error",
-                "stream_gap",
-            )
-            await self.svc.publish(stream.reply_to, error)
-        await self.svc.publish(self.svc.subjects.abort, AbortRequests(rids, reason="stream gap"))
-
-    async def fail_too_large(self, rids: list[str], reply_to: str, limit: int) -> None:
-        """Streams whose one step's text and logprobs alone exceed the bus's payload limit
-        (top_logprobs on many tokens a step): they cannot go on, so they end clearly."""
-        log.warning("detokenizer: %d streams' deltas exceed %d bytes: %s", len(rids), limit, rids)
-        for rid in rids:
-            self.end(rid, "error")
-            message = (
-                f"One step of this request's output with its logprobs is over the message "
-                f"bus's {limit}-byte payload limit; ask for fewer top_logprobs."
-            )
-            await self.svc.publish(reply_to, ErrorEvent(rid, 400, message, param="top_logprobs"))
-        await self.svc.publish(
-            self.svc.subjects.abort, AbortRequests(rids, reason="output over the payload limit")
-        )
+            await self.svc.publish(reply_to, error(rid))
+        await self.svc.publish(self.svc.subjects.abort, AbortRequests(rids, reason=reason))
 
     def never_seen(self, seq: SeqTokens) -> bool:
         """Tokens of a stream this shard has no record of at all (not ended, not moved: one

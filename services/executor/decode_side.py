@@ -85,6 +85,10 @@ class Resume:
     ended: bool = False
 
 
+def peer_of(req: TokenizedRequest) -> tuple[str, str]:
+    return (req.prefill_executor, req.prefill_incarnation)
+
+
 class DecodeSide:
     def __init__(self, service: ExecutorService, transport: KVTransport) -> None:
         self.service = service
@@ -211,9 +215,7 @@ class DecodeSide:
                 self.fall_back(rid, done.error)
             elif now > r.deadline:
                 self.fall_back(rid, "no KV arrived in time")
-            elif not self.peer_alive(
-                (r.request.prefill_executor, r.request.prefill_incarnation), now
-            ):
+            elif not self.peer_alive(peer_of(r.request), now):
                 self.fall_back(rid, "the prefill executor is gone")
         for job_id, held in list(self.held.items()):
             if held.done or now > held.fenced_at:
@@ -293,7 +295,7 @@ class DecodeSide:
             return True
         if r.done is not None:
             return r.notified or r.done.outcome != "written"
-        return not self.peer_alive((r.request.prefill_executor, r.request.prefill_incarnation), now)
+        return not self.peer_alive(peer_of(r.request), now)
 
     async def pump(self) -> None:
         """While reservations wait and the step loop is idle, look for NIXL notifications

@@ -47,21 +47,20 @@ class PrefillSide:
 
     async def on_prefill(self, job: Job) -> None:
         svc, rid = self.service, job.request.request_id
-        if rid in svc.ended:  # aborted before it came: the decode side holds its pages
-            await self.done(job, PrefillDone(rid, "failed", error="aborted"))
-            return
-        if time.time() >= job.write_by:  # its pages' lease is over: nothing may go there
-            await self.done(job, PrefillDone(rid, "failed", error=PAST_LEASE))
-            return
         if job.agent not in self.transport.peers:
             try:
                 await self.learn_peer(job)
             except (NoAnswer, RuntimeError, ValueError) as exc:
                 await self.done(job, PrefillDone(rid, "failed", error=f"no NIXL peer: {exc}"))
                 return
-            if rid in svc.ended:  # aborted while we asked: not in ``jobs`` to be told then
-                await self.done(job, PrefillDone(rid, "failed", error="aborted"))
-                return
+        # Checked after asking for the peer (an abort may come meanwhile, while the job is in
+        # no list an abort looks at): the decode side holds the pages until it hears.
+        if rid in svc.ended:  # aborted before it came, or while we asked
+            await self.done(job, PrefillDone(rid, "failed", error="aborted"))
+            return
+        if time.time() >= job.write_by:  # its pages' lease is over: nothing may go there
+            await self.done(job, PrefillDone(rid, "failed", error=PAST_LEASE))
+            return
         self.jobs[rid] = job
         await svc.on_submit(job.request)
 

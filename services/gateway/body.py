@@ -166,13 +166,12 @@ def path_to(root: Any, target: Any) -> str:
 def unicode_text(value: str, param: str) -> str:
     """``value`` if it is Unicode text. JSON may escape a lone surrogate (``"\\ud800"``),
     which is not: no tokenizer takes it and the mesh's msgpack (UTF-8) cannot carry it."""
-    try:
-        value.encode()
-    except UnicodeEncodeError as exc:
-        raise bad_request(
-            f"'{param}' holds a lone surrogate (U+{ord(value[exc.start]):04X}), "
-            "which is not valid Unicode text.",
-            param,
-            "invalid_value",
-        ) from None
-    return value
+    if is_text(value):
+        return value
+    surrogate = next(c for c in value if "\ud800" <= c <= "\udfff")
+    raise bad_request(
+        f"'{param}' holds a lone surrogate (U+{ord(surrogate):04X}), "
+        "which is not valid Unicode text.",
+        param,
+        "invalid_value",
+    )

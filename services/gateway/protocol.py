@@ -15,7 +15,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from common.runtime import RequestError
+from common.runtime import RequestError, context_too_long
 from common.wire.tokenizer import ChatMessage, ResponseFormat, ToolChoice, WireSamplingParams
 from services.gateway.body import Body, bad_request, out_of_range, unicode_text, wrong_type
 from services.gateway.config import GatewayConfig
@@ -214,13 +214,7 @@ def parse_priority(body: Body, limit: int) -> int:
 
 def check_context(prompt_tokens: int, max_tokens: int, param: str, config: GatewayConfig) -> None:
     if prompt_tokens + max_tokens > config.max_model_len:
-        raise bad_request(
-            f"This model's maximum context length is {config.max_model_len} tokens. However, "
-            f"you requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, "
-            f"{max_tokens} for the completion). Please reduce the prompt or {param}.",
-            "prompt" if prompt_tokens >= config.max_model_len else param,
-            "context_length_exceeded",
-        )
+        raise context_too_long(config.max_model_len, prompt_tokens, max_tokens, "prompt", param)
 
 
 def parse_messages(value: Any) -> list[ChatMessage]:

@@ -17,7 +17,7 @@ from opentelemetry import trace
 
 from common.config import MeshConfig, model_setting, page_size_setting
 from common.page_hash import page_hashes
-from common.runtime import RequestError, Service
+from common.runtime import RequestError, Service, context_too_long
 from common.settings import parse, setting
 from common.telemetry import Attr
 from common.tokenizer import Tokenizer, TokenizerError
@@ -132,13 +132,8 @@ class TokenizerService:
         room = self.max_model_len - len(ids)
         if req.params.max_tokens > room:
             if req.max_tokens_chosen and not req.output_token_ids:  # (a continuation passed)
-                raise RequestError(
-                    f"This model's maximum context length is {self.max_model_len} tokens. "
-                    f"However, you requested {len(ids) + req.params.max_tokens} tokens "
-                    f"({len(ids)} in the {field}, {req.params.max_tokens} for the "
-                    f"completion). Please reduce the {field} or max_tokens.",
-                    param="max_tokens",
-                    code="context_length_exceeded",
+                raise context_too_long(
+                    self.max_model_len, len(ids), req.params.max_tokens, field, "max_tokens"
                 )
             # As vLLM does for chat defaults: never ask for more than the context allows;
             # the output then ends with finish_reason "length".
