@@ -182,12 +182,14 @@ def prefix_index(s: Subjects, peers: Sequence[Subjects] = (), region: str = "") 
         region=region,
         subscribe=[s.executor_heartbeat],
         serves=[s.index_match],
-        # ensure_kv_stream, stream_info, then replay()'s ordered push consumer
+        # ensure_kv_stream, stream_info, then replay()'s ordered push consumer; purge: a
+        # forgotten executor's subject
         jetstream=kv_stream_api(
             s,
             "STREAM.CREATE",
             "STREAM.UPDATE",
             "STREAM.INFO",
+            "STREAM.PURGE",
             "STREAM.NAMES",
             "CONSUMER.CREATE",
             "FC",
@@ -265,7 +267,8 @@ def executor(s: Subjects, peers: Sequence[Subjects] = (), region: str = "") -> P
         # back to local prefill asks what its prefill peer streamed
         requests=[s.speculator_propose, every(s.executor_kv_agent), every(s.detok_progress)],
         serves=[every(s.executor_kv_agent)],
-        jetstream=kv_stream_api(s, "STREAM.CREATE", "STREAM.UPDATE"),  # ensure_kv_stream
+        # ensure_kv_stream (INFO: is an existing stream of that name this mesh's?)
+        jetstream=kv_stream_api(s, "STREAM.CREATE", "STREAM.UPDATE", "STREAM.INFO"),
     )
 
 

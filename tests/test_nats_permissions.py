@@ -432,6 +432,12 @@ async def test_kv_events_flow_through_jetstream_and_nothing_else_does(server, lo
             await asyncio.sleep(0.05)
         assert [(b.executor_id, b.seq, b.cleared) for b in batches] == [("executor-0", 1, True)]
         assert not publisher.need_snapshot, "the executor's publish was not acknowledged"
+        # ensure_kv_stream's question (is the stream of that name this mesh's?), and the
+        # index's purge of an executor it forgot
+        await executor.nc.jetstream(timeout=2).stream_info(S.kv_events_stream)
+        index_js = index.nc.jetstream(timeout=2)
+        assert await index_js.purge_stream(S.kv_events_stream, subject=S.kv_events("executor-0"))
+        assert (await index_js.stream_info(S.kv_events_stream)).state.messages == 0
     finally:
         executor.stopping.set()
         await executor.close()

@@ -9,7 +9,10 @@ group. A replica answers while it replays (a partial view only costs routing qua
 
 Each executor numbers its batches; a gap (a lost batch) is logged and heals at that
 executor's next snapshot. An executor that sends neither heartbeats nor events for
-``executor_timeout_s`` (it died without clearing) is forgotten.
+``executor_timeout_s`` (it died without clearing) is forgotten, and its subject is purged from
+the stream: executor ids are new with each process, so a dead one's last snapshot would
+otherwise stay until the stream's byte cap, replayed by every restarted index and pushing
+out the snapshots of live but idle executors, which are then the oldest messages.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import time
 from dataclasses import dataclass
 
 from common.config import MeshConfig
-from common.kv_stream import ensure_kv_stream
+from common.kv_stream import ensure_kv_stream, purge_executor
 from common.runtime import Service
 from common.settings import parse, setting
 from common.wire.prefix_index import IndexMatchReply, IndexMatchRequest, KVEventBatch
@@ -121,3 +124,13 @@ class PrefixIndexService:
                 self.last_seq.pop(executor, None)
                 log.info("forgot executor %s (%d pages): silent for %.0f s",
                          executor, pages, now - seen)  # fmt: skip
+                await self.purge(executor)
+
+    async def purge(self, executor: str) -> None:
+        """Drop a forgotten executor's messages from the stream (every replica does it; the
+        second purge finds nothing). Should it be alive after all, its next snapshot (after
+        a reconnect, or its interval with changes) tells a restarted index its cache again."""
+        try:
+            await purge_executor(self.svc.nc.jetstream(), self.svc.subjects, executor)
+        except Exception as exc:  # NATS away, or no stream: the byte cap still bounds it
+            log.warning("could not purge %s's KV events from the stream: %s", executor, exc)
