@@ -221,10 +221,10 @@ class DecodeHost:
             await self.nc.publish(self.ex.subjects.executor_heartbeat, hb.encode())
             await asyncio.sleep(0.2)
 
-    async def submit(self, rid: str) -> PrefillRequest:
+    async def submit(self, rid: str, prompt: list[int] = PROMPT) -> PrefillRequest:
         """Send ``rid`` (paired with ``pre-0``) and return the prefill job it brings."""
         await self.nc.publish(
-            self.ex.subjects.executor_submit("dec-0"), request(rid, "p1").encode()
+            self.ex.subjects.executor_submit("dec-0"), request(rid, "p1", prompt).encode()
         )
         await wait_for(lambda: self.jobs, 10, "the prefill job")
         return self.jobs[-1]
@@ -297,6 +297,34 @@ async def test_a_client_abort_during_the_fall_back_to_local_prefill_is_kept(
         assert ex.decode_side is not None and not ex.decode_side.busy
         assert "r" not in ex.engine.seqs
         assert ex.engine.pages.num_free == total
+
+
+async def test_pages_evicted_for_a_reservation_are_told_to_the_index_at_once(
+    nats_server: LocalNatsServer, tiny_llama
+) -> None:
+    """Reserving pages for a prefill executor's write evicts cached ones, between steps: the
+    evictions were published after the next step, which on an otherwise idle decode executor
+    comes only with the prefill side's answer, so the index kept routing prompts here for a
+    prefix that was gone."""
+    async with decode_host(nats_server.url, tiny_llama, kv_cache_tokens=64) as host:
+        ex = host.ex
+        pages = ex.engine.pages
+        local = TokenizedRequest(
+            "warm", "test.inbox", dataclasses.replace(PARAMS, max_tokens=2),
+            list(range(100, 140)), [], 0,
+        )  # fmt: skip
+        await host.nc.publish(ex.subjects.executor_submit("dec-0"), local.encode())
+        await wait_for(lambda: len(host.tokens.get("warm", [])) == 2, 20, "warm's tokens")
+        await wait_for(lambda: ex.kv_events.idle.is_set() and "warm" not in ex.requests, 5, "")
+        cached = set(pages.hash_to_page)
+        assert set(ex.kv_events.mirror) == cached and len(cached) == 10
+        steps = ex.engine.num_steps
+        await host.submit("r", list(range(200, 236)))  # 9 pages: some cached ones must go
+        evicted = cached - set(pages.hash_to_page)
+        assert evicted and "r" in ex.engine.reserved
+        await wait_for(lambda: not evicted & set(ex.kv_events.mirror), 2, "the evictions")
+        assert set(ex.kv_events.mirror) == set(pages.hash_to_page)
+        assert ex.engine.num_steps == steps, "a step ran: it would have published them anyway"
 
 
 async def test_pages_of_a_silent_prefill_executor_are_held_until_their_lease_ends(

@@ -386,6 +386,9 @@ class ExecutorService:
         while True:
             await self.apply_pending()
             await self.expire_deadlines()
+            # Pages evicted between steps (reserved for a prefill executor's write): told now,
+            # not after the next step, which may be as far off as the prefill side's answer.
+            self.kv_events.add(self.engine.drain_kv_events())
             self.snapshot_load()
             if not self.engine.has_unfinished():
                 # Draining, it keeps stepping until stopped: a submit the scheduler sent
