@@ -93,6 +93,27 @@ def test_a_page_stored_before_its_parent_is_found_once_the_parent_is():
     tree.check()
 
 
+def test_a_page_that_would_be_its_own_ancestor_is_refused():
+    """Chained hashes never form a cycle, but a corrupt or forged batch can name one: its
+    nodes were cut off from the root and never pruned, whatever was evicted."""
+    a, b, c = page_hashes(list(range(12)), 4)
+    tree = RadixTree()
+    assert not tree.store("x", a, a)  # its own parent
+    assert not tree.store("x", ROOT_HASH, a)
+    assert tree.num_nodes == 0 and tree.held == {}
+    assert tree.store("x", c, b) and tree.store("x", b, a)  # a, b: placeholders
+    assert not tree.store("x", a, c)  # a -> b -> c -> a
+    assert not tree.store("x", a, b)
+    assert tree.pages_of("x") == {b, c}
+    tree.check()
+    assert tree.store("x", a, ROOT_HASH)
+    assert tree.match([a, b, c]) == {"x": 3}
+    for page in (a, b, c):
+        tree.evict("x", page)
+    assert tree.num_nodes == 0
+    tree.check()
+
+
 # -- the index against real engines (no NATS) ------------------------------------------------------
 
 

@@ -43,17 +43,38 @@ class RadixTree:
     def num_nodes(self) -> int:
         return len(self.nodes)
 
-    def store(self, executor: str, page_hash: int, parent_hash: int) -> None:
-        """``executor`` now holds the page ``page_hash``, whose prefix ends in ``parent_hash``."""
+    def store(self, executor: str, page_hash: int, parent_hash: int) -> bool:
+        """``executor`` now holds the page ``page_hash``, whose prefix ends in ``parent_hash``.
+
+        False, and nothing changes, for a page that would be its own ancestor (or the root):
+        chained hashes never do that, but a corrupt or forged batch could, and a cycle is
+        cut off from the root and never pruned."""
+        if page_hash in (ROOT_HASH, parent_hash):
+            return False
         node = self.nodes.get(page_hash)
         if node is None:
             node = self.nodes[page_hash] = _Node(page_hash, None)
         if node.parent is None:  # new, or a placeholder whose parent is now known: attach it
             parent = self.root if parent_hash == ROOT_HASH else self._node(parent_hash)
+            if node.children and self._descends_from(parent, node):
+                return False  # (the parent was known: it is in the node's subtree)
             node.parent = parent
             parent.children[page_hash] = node
         node.executors.add(executor)
         self.held.setdefault(executor, set()).add(page_hash)
+        return True
+
+    @staticmethod
+    def _descends_from(node: _Node, ancestor: _Node) -> bool:
+        """Is ``ancestor`` on ``node``'s path up (a placeholder's subtree is detached, so the
+        walk ends at the root or at a placeholder)? Only a placeholder with children can
+        be an ancestor of anything: a new node is checked for free."""
+        walk: _Node | None = node
+        while walk is not None:
+            if walk is ancestor:
+                return True
+            walk = walk.parent
+        return False
 
     def evict(self, executor: str, page_hash: int) -> bool:
         """``executor`` no longer holds ``page_hash``; False if it was not known to."""

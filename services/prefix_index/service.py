@@ -101,8 +101,13 @@ class PrefixIndexService:
                         last + 1, batch.seq - 1, executor)  # fmt: skip
         for page_hash in batch.evicted:
             self.tree.evict(executor, page_hash)
-        for page_hash, parent_hash in batch.stored:
-            self.tree.store(executor, page_hash, parent_hash)
+        refused = sum(
+            not self.tree.store(executor, page_hash, parent_hash)
+            for page_hash, parent_hash in batch.stored
+        )
+        if refused:
+            log.warning("ignored %d of %s's pages in batch %d: each would be its own ancestor",
+                        refused, executor, batch.seq)  # fmt: skip
         self.last_seq[executor] = batch.seq
         self.last_seen[executor] = time.monotonic()
         self.batches += 1
