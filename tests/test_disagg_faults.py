@@ -191,6 +191,7 @@ class DecodeHost:
         self.asked: list[float] = []  # when the detokenizer was asked what was streamed
         self.answered = asyncio.Event()
         self.aborted_before_answer = False
+        self.peer_clock_lead: float | None = None  # pre-0's heartbeats carry no time
 
     async def on_job(self, msg) -> None:
         self.jobs.append(PrefillRequest.decode(msg.data))
@@ -217,16 +218,21 @@ class DecodeHost:
 
     async def beat(self) -> None:
         while True:  # the prefill peer lives
-            hb = Heartbeat("pre-0", 0, 0, 64, 64, 4, 8, 0, incarnation="p1", role="prefill")
+            lead = self.peer_clock_lead
+            sent_at = 0.0 if lead is None else time.time() + lead
+            hb = Heartbeat(
+                "pre-0", 0, 0, 64, 64, 4, 8, 0, incarnation="p1", role="prefill", sent_at=sent_at
+            )
             await self.nc.publish(self.ex.subjects.executor_heartbeat, hb.encode())
             await asyncio.sleep(0.2)
 
     async def submit(self, rid: str, prompt: list[int] = PROMPT) -> PrefillRequest:
         """Send ``rid`` (paired with ``pre-0``) and return the prefill job it brings."""
+        sent = len(self.jobs)
         await self.nc.publish(
             self.ex.subjects.executor_submit("dec-0"), request(rid, "p1", prompt).encode()
         )
-        await wait_for(lambda: self.jobs, 10, "the prefill job")
+        await wait_for(lambda: len(self.jobs) > sent, 10, "the prefill job")
         return self.jobs[-1]
 
     async def say(self, message: PrefillDone) -> None:
@@ -325,6 +331,31 @@ async def test_pages_evicted_for_a_reservation_are_told_to_the_index_at_once(
         await wait_for(lambda: not evicted & set(ex.kv_events.mirror), 2, "the evictions")
         assert set(ex.kv_events.mirror) == set(pages.hash_to_page)
         assert ex.engine.num_steps == steps, "a step ran: it would have published them anyway"
+
+
+async def test_the_lease_is_given_on_the_prefill_hosts_clock(
+    nats_server: LocalNatsServer, tiny_llama
+) -> None:
+    """``write_by`` is a wall-clock time read on the prefill host. With that host's clock 20 s
+    behind, a lease written on the decode host's clock gave it 20 s more than the decode side
+    waits, past the 5 s margin: a late write landed in pages by then given to another
+    sequence. The lead each heartbeat shows (less its transit) moves the deadline onto the
+    peer's clock, never later than ours."""
+    async with decode_host(nats_server.url, tiny_llama) as host:
+        side = host.ex.decode_side
+        assert side is not None
+        lease = host.ex.config.kv_transfer_timeout_s
+        for rid, lead in (("behind", -20.0), ("ahead", 7.0)):
+            host.peer_clock_lead = lead
+            side.clock_leads.clear()  # (a beat in flight may still bring the old lead)
+            await wait_for(
+                lambda lead=lead: lead - 0.5 < side.clock_lead("pre-0") <= lead,  # type: ignore[misc]
+                5,
+                "a timed heartbeat",
+            )
+            job = await host.submit(rid)
+            assert job.request.request_id == rid
+            assert job.write_by - time.time() == pytest.approx(lease + lead, abs=1)
 
 
 async def test_pages_of_a_silent_prefill_executor_are_held_until_their_lease_ends(

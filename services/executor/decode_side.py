@@ -13,12 +13,17 @@ side streamed (and drops any it still sends), and the request is prefilled here,
 pages, with them, so the stream goes on without a gap or a repeat. The reserved pages are
 released only once nothing can write into them any more: a late write into pages given to
 another sequence would corrupt it. That is when the prefill side says it is done with them,
-or when their lease ends: each job carries ``write_by`` (our deadline, on the wall clock), past
-which the prefill side starts no write and cancels one still running, and the pages are kept
-``FENCE_MARGIN_S`` longer (the hosts' clocks may differ by that much, and a cancelled write may
-still land). Silence is no proof: a prefill executor whose heartbeats stopped (partitioned from
-the bus, paused, swapping) may still write when it wakes. Every method that touches the engine
-runs between steps (``apply``, from the step loop).
+or when their lease ends: each job carries ``write_by`` (our deadline, on the prefill host's
+wall clock), past which the prefill side starts no write and cancels one still running, and the
+pages are kept ``FENCE_MARGIN_S`` longer (a cancelled write may still land). Silence is no
+proof: a prefill executor whose heartbeats stopped (partitioned from the bus, paused, swapping)
+may still write when it wakes. Every method that touches the engine runs between steps
+(``apply``, from the step loop).
+
+The hosts' clocks need not agree: each heartbeat of a prefill executor says when it was sent
+on its clock, and ``sent_at - received_at`` is its clock's lead over ours less the message's
+transit time. The largest of the last few is never more than the true lead, so a deadline
+moved by it onto the peer's clock comes no later than ours, whatever the skew.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -54,7 +60,8 @@ log = logging.getLogger("meshserve.executor")
 
 POLL_S = 0.002  # how often an idle step loop looks for NIXL notifications
 PEER_TIMEOUT_S = 2.0  # a prefill peer silent this long is dead (the scheduler's default too)
-FENCE_MARGIN_S = 5.0  # pages are reused this long after their lease ends (clock skew, a cancel)
+FENCE_MARGIN_S = 5.0  # pages are reused this long after their lease ends (a cancel, clock drift)
+CLOCK_SAMPLES = 8  # heartbeats a peer's clock offset is taken over (a clock step ages out)
 
 
 @dataclass
@@ -98,6 +105,8 @@ class DecodeSide:
         self.resumes: list[Resume] = []
         self.changed = asyncio.Event()
         self.peers_seen: dict[str, tuple[str, float]] = {}  # executor -> (incarnation, when)
+        # executor -> its clock's lead over ours less transit, per recent heartbeat
+        self.clock_leads: dict[str, deque[float]] = {}
         self.tasks: set[asyncio.Future[None]] = set()
         self.jobs_sent = 0
 
@@ -107,8 +116,21 @@ class DecodeSide:
         task.add_done_callback(self.tasks.discard)
 
     async def on_heartbeat(self, hb: Heartbeat) -> None:
-        if hb.role == "prefill":
-            self.peers_seen[hb.executor_id] = (hb.incarnation, time.monotonic())
+        if hb.role != "prefill":
+            return
+        seen = self.peers_seen.get(hb.executor_id)
+        if seen is not None and seen[0] != hb.incarnation:  # a new process: maybe a new host
+            self.clock_leads.pop(hb.executor_id, None)
+        self.peers_seen[hb.executor_id] = (hb.incarnation, time.monotonic())
+        if hb.sent_at > 0:
+            leads = self.clock_leads.setdefault(hb.executor_id, deque(maxlen=CLOCK_SAMPLES))
+            leads.append(hb.sent_at - time.time())
+
+    def clock_lead(self, executor: str) -> float:
+        """How far ``executor``'s wall clock is ahead of ours, at most (0: no heartbeat said;
+        the lease then assumes the clocks agree within ``FENCE_MARGIN_S``)."""
+        leads = self.clock_leads.get(executor)
+        return max(leads) if leads else 0.0
 
     def peer_alive(self, peer: tuple[str, str], now: float) -> bool:
         seen = self.peers_seen.get(peer[0])
@@ -186,7 +208,7 @@ class DecodeSide:
             num_pages=layout.num_pages,
             pages=pages,
             job_id=job_id,
-            write_by=time.time() + window,
+            write_by=time.time() + window + self.clock_lead(req.prefill_executor),
         )
         subject = svc.subjects.executor_prefill(req.prefill_executor)
         try:
