@@ -216,6 +216,12 @@ class Tokenizer:
             self._token_bytes = TokenBytes(self._tok)
         return self._token_bytes(token_id)
 
+    def token_text(self, token_id: int) -> str:
+        """The token as text of its own (logprobs' ``token``): its bytes, U+FFFD for part of a
+        character. Not ``decode([id])``: a SentencePiece decoder strips the leading space of
+        the first token it decodes, so "▁cat" and "cat" would both read "cat"."""
+        return self.token_bytes(token_id).decode("utf-8", "replace")
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; ``add_special_tokens`` applies the tokenizer's post-processor
         (e.g. a BOS for Llama 3). Pass False for text already rendered by a chat template."""

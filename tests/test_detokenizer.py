@@ -3,19 +3,28 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
 
 import nats
 import pytest
+from tokenizers import Tokenizer as Backend
 
 from common.config import MeshConfig
 from common.nats_server import LocalNatsServer
 from common.tokenizer import Tokenizer
 from common.wire.codec import decode_any
-from common.wire.detokenizer import SeqTokens, StepTokens, StreamStart, WireTokenLogprob
+from common.wire.detokenizer import (
+    PROMPT_TAIL_TOKENS,
+    SeqTokens,
+    StepTokens,
+    StreamStart,
+    WireTokenLogprob,
+)
 from common.wire.executor import AbortRequests
 from common.wire.gateway import ErrorEvent, TextDelta, TextDeltas
 from services.detokenizer.service import DetokenizerConfig, DetokenizerService
 from services.detokenizer.stops import StopMatcher
+from tests.test_tokenizer import train_sentencepiece_like, write_tokenizer_folder
 
 TEXT = "数据中心的服务器😀🌍 über Ærø, 模型推理 ✨"  # not in the tiny tokenizer's corpus
 
@@ -285,3 +294,59 @@ async def test_a_stop_string_inside_a_multi_token_step_ends_where_one_token_step
     assert one[0] == "The quick brown " and one[1] == one[2] == len(one[3]) < len(ids)
     assert await run(4) == one
     assert await run(3) == one
+
+
+@pytest.fixture(scope="module")
+def spm_like(tmp_path_factory: pytest.TempPathFactory, tiny_llama):
+    """A model folder (the tiny model's config) with a Llama-2 style tokenizer, whose decoder
+    strips the first token's leading space."""
+    folder = tmp_path_factory.mktemp("spm")
+    shutil.copy(tiny_llama / "config.json", folder)
+    return write_tokenizer_folder(folder, train_sentencepiece_like(), bos="<s>", eos="</s>")
+
+
+async def test_the_first_token_reads_as_it_does_after_the_prompt(
+    nats_server, spm_like, monkeypatch
+):
+    """On a SentencePiece tokenizer the detokenizer decoded a stream from its first token
+    alone, and the decoder strips that token's leading space: "The cat" + "▁sat ▁on ..."
+    came out "sat on ...", where the completion (and vLLM) reads " sat on ...". Logprobs'
+    tokens were decoded one by one the same way: "▁the" and "the" both read "the", so a
+    top_logprobs map lost one of them."""
+    tok = Tokenizer.from_folder(spm_like)
+    prompt = tok.encode("The quick brown", add_special_tokens=False)
+    generated = tok.encode("fox jumps over the lazy dog", add_special_tokens=False)
+    expected = tok.decode(prompt + generated)[len(tok.decode(prompt)) :]
+    assert expected == " fox jumps over the lazy dog"
+    assert tok.decode(generated) == expected[1:]
+    vocab = Backend.from_file(str(spm_like / "tokenizer.json"))
+    spaced, bare = vocab.token_to_id("▁t"), vocab.token_to_id("t")
+    assert spaced is not None and bare is not None
+    assert tok.decode([spaced]) == tok.decode([bare]) == "t"
+
+    svc = DetokenizerService(DetokenizerConfig(MeshConfig(nats_server.url), str(spm_like)))
+    await svc.svc.connect()
+    sent: list[object] = []
+
+    async def publish(subject: str, message: object, *args, **kwargs) -> None:
+        sent.append(message)
+
+    monkeypatch.setattr(svc.svc, "publish", publish)
+    try:
+        for i, token in enumerate(generated):
+            start = None
+            if i == 0:
+                start = StreamStart([], True, len(prompt), 0, reply_to="inbox",
+                                    prompt_tail=prompt[-PROMPT_TAIL_TOKENS:])  # fmt: skip
+            done = "length" if i == len(generated) - 1 else None
+            logprobs = [WireTokenLogprob(token, -0.1, [(spaced, -1.0), (bare, -2.0)])]
+            await svc.on_step(
+                StepTokens("ex", [SeqTokens("r", [token], done, i + 1, start, logprobs)])
+            )
+        deltas = [d for m in sent if isinstance(m, bytes) for d in TextDeltas.decode(m).deltas]
+        assert "".join(d.text for d in deltas) == expected
+        entries = [e for d in deltas for e in d.logprobs or []]
+        assert "".join(e.token for e in entries) == expected
+        assert all(dict(e.top) == {" t": -1.0, "t": -2.0} for e in entries)
+    finally:
+        await svc.svc.close()

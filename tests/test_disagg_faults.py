@@ -18,7 +18,12 @@ import pytest
 from nats.aio.client import Client
 
 from common.nats_server import LocalNatsServer
-from common.wire.detokenizer import StepTokens, StreamProgressReply, StreamProgressRequest
+from common.wire.detokenizer import (
+    StepTokens,
+    StreamProgressReply,
+    StreamProgressRequest,
+    StreamStart,
+)
 from common.wire.executor import AbortRequests, PrefillDone, PrefillRequest, TokenizedRequest
 from common.wire.scheduler import Heartbeat
 from common.wire.tokenizer import WireSamplingParams
@@ -188,6 +193,7 @@ class DecodeHost:
         self.ex, self.nc = ex, nc
         self.jobs: list[PrefillRequest] = []
         self.tokens: dict[str, list[int]] = {}
+        self.starts: dict[str, StreamStart] = {}
         self.asked: list[float] = []  # when the detokenizer was asked what was streamed
         self.answered = asyncio.Event()
         self.aborted_before_answer = False
@@ -199,6 +205,8 @@ class DecodeHost:
     async def on_step(self, msg) -> None:
         for seq in StepTokens.decode(msg.data).seqs:
             self.tokens.setdefault(seq.request_id, []).extend(seq.token_ids)
+            if seq.start is not None:
+                self.starts[seq.request_id] = seq.start
 
     async def answer_progress(self, msg) -> None:
         """Nothing was streamed."""
@@ -322,6 +330,8 @@ async def test_pages_evicted_for_a_reservation_are_told_to_the_index_at_once(
         await host.nc.publish(ex.subjects.executor_submit("dec-0"), local.encode())
         await wait_for(lambda: len(host.tokens.get("warm", [])) == 2, 20, "warm's tokens")
         await wait_for(lambda: ex.kv_events.idle.is_set() and "warm" not in ex.requests, 5, "")
+        # (the stream starts with the prompt's tail: the context its first token reads in)
+        assert host.starts["warm"].prompt_tail == local.prompt_token_ids[-5:]
         cached = set(pages.hash_to_page)
         assert set(ex.kv_events.mirror) == cached and len(cached) == 10
         steps = ex.engine.num_steps

@@ -40,6 +40,13 @@ class StreamStart(Message):
     # ignores them; one that starts it (the gateway resumed a lost request under a new id)
     # replays them without sending their text, so its state is the lost stream's.
     output_token_ids: list[int] = field(default_factory=list)
+    # The prompt's last ids (``PROMPT_TAIL_TOKENS``): the context the first token is decoded
+    # in. A SentencePiece decoder (Llama 2, Mistral) strips the leading space of the first
+    # token it decodes, so "▁Paris" alone is "Paris" where the completion reads " Paris".
+    prompt_tail: list[int] = field(default_factory=list)
+
+
+PROMPT_TAIL_TOKENS = 5  # (common.tokenizer.IncrementalDetokenizer keeps as many as context)
 
 
 @dataclass(frozen=True)

@@ -237,7 +237,9 @@ class DetokenizerService:
             return None  # a stream whose start this shard never saw: nothing to send
         start = seq.start
         stream = Stream(
-            detok=self.tokenizer.detokenizer(skip_special_tokens=start.skip_special_tokens),
+            detok=self.tokenizer.detokenizer(
+                start.prompt_tail, skip_special_tokens=start.skip_special_tokens
+            ),
             stops=StopMatcher(list(start.stop)),
             reply_to=start.reply_to,
             prompt_tokens=start.prompt_tokens,
@@ -360,8 +362,8 @@ class DetokenizerService:
             return None
         tok, result = self.tokenizer, []
         for e in entries:
-            token = tok.decode([e.token_id], skip_special_tokens=False)
-            top = [(tok.decode([t], skip_special_tokens=False), lp) for t, lp in e.top]
+            token = tok.token_text(e.token_id)
+            top = [(tok.token_text(t), lp) for t, lp in e.top]
             top_bytes = [list(tok.token_bytes(t)) for t, _ in e.top]
             result.append(
                 TextLogprob(token, e.logprob, list(tok.token_bytes(e.token_id)), top, top_bytes)

@@ -33,7 +33,13 @@ from common.metrics import EngineSnapshot, ExecutorMetrics
 from common.recent_ids import RecentIds
 from common.runtime import Service
 from common.wire.codec import PAYLOAD_HEADROOM, Message, encode_within
-from common.wire.detokenizer import SeqTokens, StepTokens, StreamStart, WireTokenLogprob
+from common.wire.detokenizer import (
+    PROMPT_TAIL_TOKENS,
+    SeqTokens,
+    StepTokens,
+    StreamStart,
+    WireTokenLogprob,
+)
 from common.wire.executor import (
     AbortRequests,
     KVAgentQuery,
@@ -578,6 +584,7 @@ class ExecutorService:
                     reply_to=req.reply_to,
                     deadline=req.deadline,
                     output_token_ids=req.output_token_ids,
+                    prompt_tail=req.prompt_token_ids[-PROMPT_TAIL_TOKENS:],
                 )
             logprobs = None
             if out.logprobs is not None:
