@@ -195,6 +195,7 @@ class DecodeHost:
         self.tokens: dict[str, list[int]] = {}
         self.starts: dict[str, StreamStart] = {}
         self.asked: list[float] = []  # when the detokenizer was asked what was streamed
+        self.asks: list[StreamProgressRequest] = []
         self.answered = asyncio.Event()
         self.aborted_before_answer = False
         self.peer_clock_lead: float | None = None  # pre-0's heartbeats carry no time
@@ -211,6 +212,7 @@ class DecodeHost:
     async def answer_progress(self, msg) -> None:
         """Nothing was streamed."""
         self.asked.append(time.monotonic())
+        self.asks.append(StreamProgressRequest.decode(msg.data))
         await msg.respond(StreamProgressReply({}, []).encode())
 
     async def abort_then_answer(self, msg) -> None:
@@ -325,13 +327,14 @@ async def test_pages_evicted_for_a_reservation_are_told_to_the_index_at_once(
         pages = ex.engine.pages
         local = TokenizedRequest(
             "warm", "test.inbox", dataclasses.replace(PARAMS, max_tokens=2),
-            list(range(100, 140)), [], 0,
+            list(range(100, 140)), [], 0, migrations=1,
         )  # fmt: skip
         await host.nc.publish(ex.subjects.executor_submit("dec-0"), local.encode())
         await wait_for(lambda: len(host.tokens.get("warm", [])) == 2, 20, "warm's tokens")
         await wait_for(lambda: ex.kv_events.idle.is_set() and "warm" not in ex.requests, 5, "")
         # (the stream starts with the prompt's tail: the context its first token reads in)
         assert host.starts["warm"].prompt_tail == local.prompt_token_ids[-5:]
+        assert host.starts["warm"].migrations == 1  # (the run a late start is told from)
         cached = set(pages.hash_to_page)
         assert set(ex.kv_events.mirror) == cached and len(cached) == 10
         steps = ex.engine.num_steps
@@ -392,6 +395,7 @@ async def test_pages_of_a_silent_prefill_executor_are_held_until_their_lease_end
         await held_until_the_lease_ends(host, job, sent, lease, 1.0)
         # It fell back on the silence (2 s), not at the end of the lease.
         assert host.asked and host.asked[0] - sent < decode_side.PEER_TIMEOUT_S + 2 < lease
+        assert host.asks[0] == StreamProgressRequest("pre-0", ["r"], "p1", [0])
         assert "r" not in host.ex.requests
 
 

@@ -118,8 +118,10 @@ async def wire(nats_server, tiny_llama):
     await svc.svc.close()
 
 
-def start(deadline: float | None = None) -> StreamStart:
-    return StreamStart([], True, 3, 0, reply_to="test.inbox", deadline=deadline)
+def start(deadline: float | None = None, migrations: int = 0) -> StreamStart:
+    return StreamStart(
+        [], True, 3, 0, reply_to="test.inbox", deadline=deadline, migrations=migrations
+    )
 
 
 async def test_a_stream_moves_to_another_executor_without_repeating_or_dropping(wire, tiny_llama):
@@ -168,6 +170,40 @@ async def test_a_stream_sent_back_to_the_same_executor_process_continues(wire, t
     await wire.step("ex-a", SeqTokens("r", ids[3:], "length", len(ids)), "inc1")
     await wire.until_text(tok.decode(ids), finished=True)
     assert wire.deltas[-1].usage.completion_tokens == len(ids)
+
+
+async def test_a_request_sent_back_before_it_streamed_anything_streams(wire, tiny_llama):
+    """The executor stalled before the request's first token, and the request went back to
+    that same process (a one-executor mesh, or it was the only one with room). No stream
+    existed, so the new run's start looked like the old run's late one and was dropped, and
+    every step after it: the client waited in silence while the run finished unheard. The
+    run's migrations tell them apart: the old run's start is dropped, the new one's taken."""
+    ids = Tokenizer.from_folder(tiny_llama).encode("sent back at once")
+    reply = await wire.svc.on_progress(StreamProgressRequest("ex-a", ["r"], "a1", [0]))
+    assert reply.streamed == {} and reply.ended == []
+    await wire.step("ex-a", SeqTokens("r", ids[:1], None, 1, start()), "a1")  # the old run
+    assert "r" not in wire.svc.streams
+    await wire.step("ex-a", SeqTokens("r", ids[:2], None, 2, start(migrations=1)), "a1")
+    await wire.step("ex-a", SeqTokens("r", ids[2:], "length", len(ids)), "a1")
+    await wire.until_text(Tokenizer.from_folder(tiny_llama).decode(ids), finished=True)
+    assert wire.deltas[-1].usage is not None
+    assert wire.deltas[-1].usage.completion_tokens == len(ids)
+
+
+async def test_a_request_paired_again_with_its_lost_decode_executor_streams(wire, tiny_llama):
+    """Disaggregated: the decode executor was counted lost before the first token, and the
+    request is paired with it again. The prefill side's first token of the new run (marked
+    as continuing there) starts the stream; the old run's is dropped."""
+    ids = Tokenizer.from_folder(tiny_llama).encode("paired once more")
+    await wire.svc.on_progress(StreamProgressRequest("dec", ["r"], "d1", [2]))
+    old = SeqTokens("r", ids[:1], None, 1, start(migrations=2), continues_on=("dec", "d1"))
+    await wire.step("pre", old, "p1")
+    assert "r" not in wire.svc.streams
+    new = SeqTokens("r", ids[:1], None, 1, start(migrations=3), continues_on=("dec", "d1"))
+    await wire.step("pre", new, "p1")
+    assert "r" in wire.svc.streams
+    await wire.step("dec", SeqTokens("r", ids[1:], "length", len(ids), start(migrations=3)), "d1")
+    await wire.until_text(Tokenizer.from_folder(tiny_llama).decode(ids), finished=True)
 
 
 async def test_a_late_first_token_for_a_lost_decode_executor_is_dropped(wire, tiny_llama):
@@ -269,6 +305,9 @@ async def test_the_scheduler_moves_a_lost_executors_requests_with_their_streamed
 
     async def progress(subject, ask, kind, timeout):
         assert isinstance(ask, StreamProgressRequest) and ask.executor_id == "a"
+        # each run's migrations: a start from "a" with more is the request's new run there
+        moves = dict(zip(ask.request_ids, ask.migrations, strict=True))
+        assert moves == {"streaming": 0, "queued": 0, "done": 0, "tired": 2}
         return StreamProgressReply({"streaming": [7, 8, 9], "tired": [1]}, ended=["done"])
 
     monkeypatch.setattr(sched.svc, "publish", publish)

@@ -44,6 +44,10 @@ class StreamStart(Message):
     # in. A SentencePiece decoder (Llama 2, Mistral) strips the leading space of the first
     # token it decodes, so "▁Paris" alone is "Paris" where the completion reads " Paris".
     prompt_tail: list[int] = field(default_factory=list)
+    # ``TokenizedRequest.migrations`` of this run: a request moved off an executor and sent
+    # back to the very same process has one more than the run it was moved from, which is how
+    # the detokenizer tells the new run's start from the old run's late one.
+    migrations: int = 0
 
 
 PROMPT_TAIL_TOKENS = 5  # (common.tokenizer.IncrementalDetokenizer keeps as many as context)
@@ -79,6 +83,13 @@ class StreamProgressRequest(Message):
     executor_id: str
     request_ids: list[str]
     incarnation: str = ""  # which process under that id (a restarted one is not withdrawn)
+    # per request id: the migrations of the run moved off (``StreamStart.migrations``); empty:
+    # not said (a start from that process is then a new run only once the old one's came)
+    migrations: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.migrations and len(self.migrations) != len(self.request_ids):
+            raise ValueError("StreamProgressRequest: one migrations count per request id")
 
 
 @dataclass(frozen=True)

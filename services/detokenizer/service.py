@@ -115,9 +115,10 @@ class DetokenizerService:
         self.svc.facts.shard = config.shard  # the gateway needs a live detokenizer per shard
         self.streams: dict[str, Stream] = {}
         self.ended: RecentIds[str, bool] = RecentIds()  # tokens arriving after the end: dropped
-        # (request id -> executor) that the scheduler moved the request away from: that
-        # executor's tokens for it are late (it is dead or was only slow) and are dropped.
-        self.withdrawn: RecentIds[str, Source] = RecentIds()
+        # (request id -> executor, and the migrations of the run) that the scheduler moved the
+        # request away from: that run's tokens are late (it is dead or was only slow) and are
+        # dropped; -1: migrations not said.
+        self.withdrawn: RecentIds[str, tuple[Source, int]] = RecentIds()
         DetokenizerMetrics(self.svc.registry, lambda: len(self.streams))
 
     async def start(self) -> None:
@@ -216,14 +217,21 @@ class DetokenizerService:
         if rid in self.ended:
             return None
         stream = self.streams.get(rid)
-        moved_off = self.withdrawn.get(rid)
-        if moved_off is not None and moved_off in (source, seq.continues_on):
-            # The run it was moved away from, or its prefill executor's tokens for it. But a
-            # start from that same process while the stream waits for its next executor is
-            # a new run: the scheduler sent it back there (a run sends its start once, and
-            # this one's came already, or there would be no stream).
-            waiting = stream is not None and stream.source is None
-            if not (moved_off == source and waiting and seq.start is not None):
+        withdrawn = self.withdrawn.get(rid)
+        if withdrawn is not None and withdrawn[0] in (source, seq.continues_on):
+            # The run it was moved away from, or its prefill executor's tokens for it. But the
+            # scheduler may send it back to that same process (or pair it with that decode
+            # executor again): a start with more migrations is the new run. Migrations not
+            # said: a start from that process while the stream waits for its next executor
+            # (a run sends its start once, and this one's came already, or there would be
+            # no stream).
+            (moved_off, migrations), start = withdrawn, seq.start
+            if migrations >= 0:
+                new_run = start is not None and start.migrations > migrations
+            else:
+                waiting = stream is not None and stream.source is None
+                new_run = moved_off == source and waiting and start is not None
+            if not new_run:
                 return None
             self.withdrawn.discard(rid)
         if stream is not None:
@@ -338,8 +346,9 @@ class DetokenizerService:
         has received, and from now on take its tokens only from the executor it moves to."""
         streamed: dict[str, list[int]] = {}
         ended: list[str] = []
-        for rid in ask.request_ids:
-            self.withdrawn.add(rid, (ask.executor_id, ask.incarnation))
+        migrations = ask.migrations or [-1] * len(ask.request_ids)
+        for rid, moves in zip(ask.request_ids, migrations, strict=True):
+            self.withdrawn.add(rid, ((ask.executor_id, ask.incarnation), moves))
             stream = self.streams.get(rid)
             if stream is not None:
                 stream.source = None

@@ -272,7 +272,9 @@ class DecodeSide:
     async def ask_progress(self, req: TokenizedRequest) -> None:
         """What the prefill side streamed (the detokenizer drops its tokens from now on)."""
         svc = self.service
-        ask = StreamProgressRequest(req.prefill_executor, [req.request_id], req.prefill_incarnation)
+        ask = StreamProgressRequest(
+            req.prefill_executor, [req.request_id], req.prefill_incarnation, [req.migrations]
+        )
         try:
             reply = await svc.svc.request(
                 svc.subjects.detok_progress(req.detok_shard), ask, StreamProgressReply, 2.0

@@ -585,6 +585,7 @@ class ExecutorService:
                     deadline=req.deadline,
                     output_token_ids=req.output_token_ids,
                     prompt_tail=req.prompt_token_ids[-PROMPT_TAIL_TOKENS:],
+                    migrations=req.migrations,
                 )
             logprobs = None
             if out.logprobs is not None:

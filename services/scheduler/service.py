@@ -375,15 +375,16 @@ class SchedulerService:
         self, executor_id: str, incarnation: str, lost: list[Assignment]
     ) -> dict[int, StreamProgressReply]:
         """Each detokenizer shard's answer for its share of ``lost`` (absent: no answer)."""
-        by_shard: dict[int, list[str]] = {}
+        by_shard: dict[int, list[TokenizedRequest]] = {}
         for a in lost:
-            by_shard.setdefault(a.request.detok_shard, []).append(a.request.request_id)
+            by_shard.setdefault(a.request.detok_shard, []).append(a.request)
 
-        async def ask(shard: int, ids: list[str]) -> StreamProgressReply | None:
+        async def ask(shard: int, reqs: list[TokenizedRequest]) -> StreamProgressReply | None:
+            ids, migrations = [r.request_id for r in reqs], [r.migrations for r in reqs]
             try:
                 return await self.svc.request(
                     self.svc.subjects.detok_progress(shard),
-                    StreamProgressRequest(executor_id, ids, incarnation),
+                    StreamProgressRequest(executor_id, ids, incarnation, migrations),
                     StreamProgressReply,
                     self.config.progress_timeout_s,
                 )
