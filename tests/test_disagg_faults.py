@@ -25,6 +25,7 @@ from common.wire.detokenizer import (
     StreamStart,
 )
 from common.wire.executor import AbortRequests, PrefillDone, PrefillRequest, TokenizedRequest
+from common.wire.gateway import ErrorEvent
 from common.wire.scheduler import Heartbeat
 from common.wire.tokenizer import WireSamplingParams
 from gpu.engine import StepOutput
@@ -226,6 +227,20 @@ class DecodeHost:
         await msg.respond(StreamProgressReply({}, []).encode())
         self.answered.set()
 
+    async def resend_then_answer(self, msg) -> None:
+        """The scheduler, having counted this executor lost, moves the request off it and
+        sends it back here (a new run, paired again) while the detokenizer answers."""
+        ask = StreamProgressRequest.decode(msg.data)
+        s, jobs = self.ex.subjects, len(self.jobs)
+        for rid in ask.request_ids:
+            await self.nc.publish(s.abort, AbortRequests([rid], "moved", "dec-0").encode())
+            again = dataclasses.replace(request(rid, "p1"), migrations=1)
+            await self.nc.publish(s.executor_submit("dec-0"), again.encode())
+        await self.nc.flush()
+        await wait_for(lambda: len(self.jobs) > jobs, 5, "the new run's prefill job")
+        await msg.respond(StreamProgressReply({}, []).encode())
+        self.answered.set()
+
     async def beat(self) -> None:
         while True:  # the prefill peer lives
             lead = self.peer_clock_lead
@@ -252,17 +267,22 @@ class DecodeHost:
 
 @contextlib.asynccontextmanager
 async def decode_host(
-    nats_url: str, model, *, beat: bool = True, abort_on_progress: bool = False, **config
+    nats_url: str, model, *, beat: bool = True, on_progress: str = "answer", **config
 ) -> AsyncIterator[DecodeHost]:
     """A started decode executor and the test's stand-ins for its peers (``DecodeHost``):
     ``pre-0`` beats unless ``beat`` is False; the detokenizer answers "nothing streamed",
-    or, with ``abort_on_progress``, has the client leave first."""
+    after the client left (``on_progress="abort"``) or the request was moved off and sent
+    back here (``"resend"``)."""
     ex = tiny_executor(nats_url, model, "dec-0", role="decode", **config)
     await ex.start()
     nc = await nats.connect(nats_url)
     host = DecodeHost(ex, nc)
     s = ex.subjects
-    progress = host.abort_then_answer if abort_on_progress else host.answer_progress
+    progress = {
+        "answer": host.answer_progress,
+        "abort": host.abort_then_answer,
+        "resend": host.resend_then_answer,
+    }[on_progress]
     await nc.subscribe(s.executor_prefill("pre-0"), cb=host.on_job)
     await nc.subscribe(s.detok(0), cb=host.on_step)
     await nc.subscribe(s.detok_progress(0), cb=progress)
@@ -300,7 +320,7 @@ async def test_a_client_abort_during_the_fall_back_to_local_prefill_is_kept(
 ) -> None:
     """The prefill side failed; while the decode side asks the detokenizer what was streamed,
     the client leaves: the request must not then be computed here, and its pages come back."""
-    async with decode_host(nats_server.url, tiny_llama, abort_on_progress=True) as host:
+    async with decode_host(nats_server.url, tiny_llama, on_progress="abort") as host:
         ex = host.ex
         total = ex.engine.pages.num_pages
         job = await host.submit("r")
@@ -369,6 +389,31 @@ async def test_the_lease_is_given_on_the_prefill_hosts_clock(
             job = await host.submit(rid)
             assert job.request.request_id == rid
             assert job.write_by - time.time() == pytest.approx(lease + lead, abs=1)
+
+
+async def test_a_fall_back_overtaken_by_the_requests_new_run_leaves_it_alone(
+    nats_server: LocalNatsServer, tiny_llama
+) -> None:
+    """The prefill side failed; while the decode side asks the detokenizer what was streamed,
+    the scheduler moves the request off this executor and sends it back (a new run, paired
+    again). The old fall-back then found the id in use and failed the new run with a 400."""
+    async with decode_host(nats_server.url, tiny_llama, on_progress="resend") as host:
+        ex, side = host.ex, host.ex.decode_side
+        assert side is not None
+        errors: list[ErrorEvent] = []
+
+        async def on_inbox(msg) -> None:
+            errors.append(ErrorEvent.decode(msg.data))
+
+        await host.nc.subscribe("test.inbox", cb=on_inbox)
+        job = await host.submit("r")
+        await host.say(PrefillDone("r", "failed", error="no NIXL peer", job_id=job.job_id))
+        await asyncio.wait_for(host.answered.wait(), 10)
+        await asyncio.sleep(1.0)  # the answer arrives, and the step loop applies it
+        assert errors == []
+        assert ex.requests["r"].migrations == 1 and "r" in ex.engine.reserved
+        second = host.jobs[-1]
+        assert second.job_id != job.job_id and side.reservations["r"].job_id == second.job_id
 
 
 async def test_pages_of_a_silent_prefill_executor_are_held_until_their_lease_ends(

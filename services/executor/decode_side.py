@@ -290,8 +290,8 @@ class DecodeSide:
     async def resume(self, resume: Resume) -> None:
         svc, req = self.service, resume.request
         rid = req.request_id
-        if rid not in svc.requests:
-            return  # aborted meanwhile
+        if svc.requests.get(rid) is not req:
+            return  # aborted meanwhile, or moved off and sent back here as a new run
         if resume.ended:
             svc.forget(rid, "stop")
             return
