@@ -45,6 +45,21 @@ def test_decode_executors_need_free_pages_for_the_prompt():
     assert route(full, request(PROMPT), {}) is None  # it waits in the queue
 
 
+def test_a_prompt_no_decode_executor_could_ever_hold_is_sent_to_be_refused():
+    """Longer than every decode executor's whole pool (or its context): it waited for room
+    that never comes, first in the queue, and everything behind it waited until its
+    deadline; it now goes to the lightest, which answers with a 400 as a mixed one does."""
+    small = dataclasses.replace(beat("d0", "decode", free_pages=30), total_pages=30)
+    short = dataclasses.replace(beat("d1", "decode", pending=50), max_model_len=20 * 16)
+    r = mesh(beat("p0", "prefill"), small, short)  # a 40-page prompt: neither can hold it
+    assert route(r, request(PROMPT), {}) == Route("d0", "p0")  # the lightest
+    # One that could hold it once it has room: the prompt waits for it, as before.
+    r.observe(dataclasses.replace(beat("d2", "decode", free_pages=10), total_pages=1000))
+    assert route(r, request(PROMPT), {}) is None
+    r.observe(beat("d2", "decode", pending=500))
+    assert route(r, request(PROMPT), {}) == Route("d2", "p0")  # not d1: its context is short
+
+
 def test_migrated_requests_and_a_missing_prefill_pool_prefill_locally():
     r = mesh(beat("p0", "prefill"), beat("d0", "decode"))
     resumed = dataclasses.replace(request(PROMPT), output_token_ids=[5, 6])

@@ -88,12 +88,22 @@ def pick_decode(
     keep_free: int = 0,
     placement: GuestPlacement | None = None,
 ) -> str | None:
-    """The lightest decode executor whose free pages hold the prompt (and a token more)."""
-    fits = []
-    for e in pool_candidates(router, req, DECODE_POOL, keep_free, placement):
+    """The lightest decode executor whose free pages hold the prompt (and a token more).
+
+    A prompt none of them could ever hold (longer than its whole pool or its context) goes
+    to the lightest anyway, which refuses it with a 400, as a mixed executor does: waiting
+    for room that never comes held the queue behind it until its deadline."""
+    need = len(req.prompt_token_ids) + len(req.output_token_ids)
+    among = pool_candidates(router, req, DECODE_POOL, keep_free, placement)
+    fits, never = [], []
+    for e in among:
         hb = router.executors[e].heartbeat
-        if hb.free_pages * hb.page_size > len(req.prompt_token_ids) + len(req.output_token_ids):
+        if hb.total_pages * hb.page_size <= need or 0 < hb.max_model_len <= need:
+            never.append(e)
+        elif hb.free_pages * hb.page_size > need:
             fits.append(e)
+    if among and len(never) == len(among):
+        fits = among
     if not fits:
         return None
     return min(
