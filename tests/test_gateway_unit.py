@@ -103,6 +103,8 @@ class FakeMesh:
                 await self.send(request, error)
             return
         tokens = [f"<{choice}>", "Hello", " world"]
+        if "weather" in text:  # a Llama 3.1 tool call
+            tokens = ['{"name": "get_weather", ', '"parameters": {"city": "Oslo"}}', ""]
         n = min(len(tokens), params.max_tokens)
         for i, token in enumerate(tokens[:n]):
             if i == 1 and "hang" in text:
@@ -511,6 +513,34 @@ def test_a_logit_bias_key_that_is_no_token_id_is_a_400_not_a_500(key: str) -> No
         parse_logit_bias(Body({"logit_bias": {key: 1}}))
     assert info.value.status == 400 and info.value.param == "logit_bias"
     assert parse_logit_bias(Body({"logit_bias": {"2147483647": -100}})) == [(2**31 - 1, -100.0)]
+
+
+async def test_the_tool_call_format_is_the_one_the_tokenizer_announces_at_start_up(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request in the gateway's first seconds waits in ``submit`` for a tokenizer to
+    announce itself; its tool-call format was read before that wait, so a Llama 3.1 mesh
+    parsed that request's call as hermes and returned it as plain content."""
+    mesh = env.server.mesh
+    submit = mesh.submit
+    assert mesh.liveness.tool_format == "hermes"
+
+    async def announced_while_waiting(*args: Any, **kwargs: Any) -> Any:
+        mesh.liveness.tool_format = "llama3_json"  # the tokenizer's presence arrives
+        return await submit(*args, **kwargs)
+
+    monkeypatch.setattr(mesh, "submit", announced_while_waiting)
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
+    status, body = await env.post(
+        "/v1/chat/completions",
+        {"model": "smollm2", "messages": [{"role": "user", "content": "weather?"}],
+         "tools": [tool]},
+    )  # fmt: skip
+    assert status == 200, body
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", choice
+    call = choice["message"]["tool_calls"][0]["function"]
+    assert call["name"] == "get_weather" and json.loads(call["arguments"]) == {"city": "Oslo"}
 
 
 async def test_unknown_model_with_openai_client(env: Env) -> None:

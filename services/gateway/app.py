@@ -189,10 +189,13 @@ class Routes:
     ) -> web.StreamResponse:
         api = parse(await read_json(request, self.config.max_body_bytes), self.config)
         response_id = f"{id_prefix}-{uuid.uuid4().hex}"
-        tool_format = self.mesh.liveness.tool_format
-        builder = ResponseBuilder(api, response_id, int(time.time()), tool_format)
+        created = int(time.time())
         stream = await self.mesh.submit(api, response_id)
         try:
+            # The tool-call format is the tokenizer's: read after submit, which waits (in the
+            # start-up grace) until a tokenizer has announced itself.
+            tool_format = self.mesh.liveness.tool_format
+            builder = ResponseBuilder(api, response_id, created, tool_format)
             first = await anext(stream)  # nothing sent yet: a failure here is an HTTP error
             if api.stream:
                 return await self.stream_sse(request, builder, stream, first)
