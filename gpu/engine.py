@@ -82,6 +82,9 @@ class StepOutput:
     output_tokens: int
     cached_tokens: int
     logprobs: list[TokenLogprob] | None = None
+    # The last new token is a stop token (an EOS, or one of ``stop_token_ids``) that ended the
+    # sequence: counted and kept, but its text is not part of the completion (as in vLLM).
+    stop_token: bool = False
 
 
 class Engine:
@@ -527,6 +530,7 @@ class Engine:
             output_tokens=len(seq.output_token_ids),
             cached_tokens=seq.num_cached_prompt_tokens,
             logprobs=logprobs,
+            stop_token=reason is not None and self._is_stop_token(seq.params, tokens[-1]),
         )
         if reason is not None:
             seq.status = SeqStatus.FINISHED
@@ -537,11 +541,14 @@ class Engine:
                 self.proposer.release([seq.request_id])
         return output
 
+    def _is_stop_token(self, params: SamplingParams, token: int) -> bool:
+        return token in params.stop_token_ids or (
+            not params.ignore_eos and token in self.eos_token_ids
+        )
+
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         params = seq.params
-        if token in params.stop_token_ids or (
-            not params.ignore_eos and token in self.eos_token_ids
-        ):
+        if self._is_stop_token(params, token):
             return FinishReason.STOP
         if seq.grammar is not None and (not seq.grammar.accept([token]) or seq.grammar.terminated):
             # Terminated: the document is complete, nothing may follow it. Not accepted cannot

@@ -350,3 +350,44 @@ async def test_the_first_token_reads_as_it_does_after_the_prompt(
         assert all(dict(e.top) == {" t": -1.0, "t": -2.0} for e in entries)
     finally:
         await svc.svc.close()
+
+
+async def test_the_stop_token_that_ends_a_stream_has_no_text(nats_server, tiny_llama, monkeypatch):
+    """An EOS with skip_special_tokens off (or a stop_token_ids entry that is plain text)
+    ended the stream with its text in the completion ("...<|im_end|>"); vLLM leaves the stop
+    token's text out, and keeps its id, count and logprob. A stream that ends by length, or
+    whose last token is no stop token (a grammar completed), keeps every token's text."""
+    tok = Tokenizer.from_folder(tiny_llama)
+    words = tok.encode("Hello world", add_special_tokens=False)
+    end = tok.encode("<|im_end|>", add_special_tokens=False)
+    assert len(end) == 1 and tok.decode(end, skip_special_tokens=False) == "<|im_end|>"
+
+    async def run(ids: list[int], stop_token: bool, finish: str) -> TextDelta:
+        svc = DetokenizerService(DetokenizerConfig(MeshConfig(nats_server.url), str(tiny_llama)))
+        await svc.svc.connect()
+        sent: list[bytes] = []
+
+        async def publish(subject: str, message: object, *args, **kwargs) -> None:
+            assert isinstance(message, bytes)
+            sent.append(message)
+
+        monkeypatch.setattr(svc.svc, "publish", publish)
+        try:
+            start = StreamStart([], False, 3, 0, reply_to="inbox")
+            lps = [WireTokenLogprob(t, -0.5) for t in ids]
+            seq = SeqTokens("r", ids, finish, len(ids), start, lps, stop_token=stop_token)
+            await svc.on_step(StepTokens("ex", [seq]))
+        finally:
+            await svc.svc.close()
+        (delta,) = [d for m in sent for d in TextDeltas.decode(m).deltas]
+        return delta
+
+    stopped = await run([*words, *end], True, "stop")
+    assert stopped.text == "Hello world" and stopped.finish_reason == "stop"
+    assert stopped.token_ids == [*words, *end]
+    assert stopped.usage is not None and stopped.usage.completion_tokens == len(words) + 1
+    assert stopped.logprobs is not None and stopped.logprobs[-1].token == "<|im_end|>"
+    kept = await run([*words, *end], False, "stop")
+    assert kept.text == "Hello world<|im_end|>"
+    alone = await run(end, True, "stop")  # the first token already ends it
+    assert alone.text == "" and alone.token_ids == end

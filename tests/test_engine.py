@@ -148,12 +148,15 @@ def test_finish_reasons(tiny_llama):
         outs.extend(engine.step())
     assert outs[-1].finish_reason is FinishReason.STOP
     assert [o.new_token_ids[0] for o in outs] == greedy[: greedy.index(stop_at) + 1]
+    # the stop token is marked (its text is not the completion's); only it
+    assert [o.stop_token for o in outs] == [False] * (len(outs) - 1) + [True]
     # context length: the tiny model holds 256 positions
     engine.add_request("long", [5] * 250, SamplingParams(max_tokens=100, **GREEDY))
     outs = []
     while engine.has_unfinished():
         outs.extend(engine.step())
     assert outs[-1].finish_reason is FinishReason.LENGTH and len(outs) == 6
+    assert not any(o.stop_token for o in outs)
 
 
 def test_bad_requests_are_rejected_clearly(tiny_llama):

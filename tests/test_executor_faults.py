@@ -5,6 +5,7 @@ that fails. Each asserts what the client side receives and that the pages come b
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections import defaultdict
 
 import nats
@@ -40,6 +41,7 @@ class Observer:
         self.errors: dict[str, ErrorEvent] = {}
         self.aborts: list[AbortRequests] = []
         self.step_messages = 0
+        self.stop_token: dict[str, bool] = {}  # as each finished stream's last message said
 
     async def on_step(self, msg) -> None:
         assert len(msg.data) <= MAX_PAYLOAD
@@ -48,6 +50,7 @@ class Observer:
             self.tokens[seq.request_id].extend(seq.token_ids)
             if seq.finish_reason:
                 self.finished[seq.request_id] = seq.finish_reason
+                self.stop_token[seq.request_id] = seq.stop_token
 
     async def on_inbox(self, msg) -> None:
         error = ErrorEvent.decode(msg.data)
@@ -125,6 +128,24 @@ async def test_one_request_too_large_to_stream_fails_alone_and_the_executor_serv
     await send(request("after"))
     await seen.wait_for("after")
     assert len(seen.tokens["after"]) == 8
+    await idle(service)
+
+
+async def test_a_stream_ended_by_a_stop_token_says_so(executor):
+    """The detokenizer leaves the stop token's text out (it cannot tell an EOS or a
+    stop_token_ids entry from the ids alone): the executor marks the step that ended on one."""
+    service, send, seen = executor
+    await send(request("probe", max_tokens=3))
+    await seen.wait_for("probe")
+    probe = seen.tokens["probe"]
+    first = probe[1]  # the greedy run's second token: a stop token now
+    stopping = request("stopped", max_tokens=3)
+    params = dataclasses.replace(stopping.params, stop_token_ids=[first])
+    await send(dataclasses.replace(stopping, params=params))
+    await seen.wait_for("stopped")
+    assert seen.tokens["stopped"] == probe[: probe.index(first) + 1]
+    assert seen.finished["stopped"] == "stop" and seen.stop_token["stopped"]
+    assert seen.finished["probe"] == "length" and not seen.stop_token["probe"]
     await idle(service)
 
 

@@ -64,6 +64,9 @@ class SeqTokens(Message):
     # Disaggregated prefill: the stream's next tokens come from this (decode) executor and
     # incarnation; the detokenizer takes them from there on.
     continues_on: tuple[str, str] | None = None
+    # The last token is the stop token that ended the request (``StepOutput.stop_token``):
+    # counted, recorded and given its logprob, but no text.
+    stop_token: bool = False
 
 
 @dataclass(frozen=True)

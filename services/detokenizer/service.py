@@ -281,11 +281,14 @@ class DetokenizerService:
     def advance(self, stream: Stream, seq: SeqTokens) -> TextDelta | None:
         rid = seq.request_id
         ids, logprobs_in = seq.token_ids, seq.logprobs
-        if len(ids) == 1 or not stream.stops.stops:
-            text = stream.stops.feed(stream.detok.add(ids))
+        # The stop token that ended it (an EOS, a stop_token_ids entry) has no text in the
+        # completion, as in vLLM: "<|im_end|>" with skip_special_tokens off, say.
+        shown = ids[:-1] if seq.stop_token and seq.finish_reason == "stop" else ids
+        if len(shown) <= 1 or not stream.stops.stops:
+            text = stream.stops.feed(stream.detok.add(shown))
         else:  # several tokens (speculation): one at a time, to stop where a one-token step
             text = ""  # would (the tokens after a stop string are not the client's)
-            for i, token in enumerate(ids):
+            for i, token in enumerate(shown):
                 text += stream.stops.feed(stream.detok.add([token]))
                 if stream.stops.stopped:
                     ids = ids[: i + 1]

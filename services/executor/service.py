@@ -603,6 +603,7 @@ class ExecutorService:
                     continues_on=self.prefill_side.continues_on(out.request_id)
                     if self.prefill_side is not None
                     else None,
+                    stop_token=out.stop_token,
                 )
             )
         limit = self.svc.nc.max_payload - PAYLOAD_HEADROOM
