@@ -280,6 +280,11 @@ async def test_completion_logprobs_format(env: Env) -> None:
     assert logprobs.top_logprobs == [{t: -0.5, "x": -1.25} for t in logprobs.tokens]
     assert logprobs.text_offset == [0, 3, 8]
     assert env.fake.requests[0].params.logprobs == 2
+    # The sampled token is always in its map ("up to logprobs+1 elements"), even with 0.
+    result = await env.client.completions.create(model="smollm2", prompt="hi", logprobs=0)
+    logprobs = result.choices[0].logprobs
+    assert logprobs is not None
+    assert logprobs.top_logprobs == [{t: -0.5} for t in logprobs.tokens]
 
 
 async def test_n_choices_with_seed(env: Env) -> None:

@@ -77,7 +77,9 @@ def clamp(logprob: float) -> float:
 
 
 def completion_logprobs(entries: list[TextLogprob], text_offset: int) -> Json:
-    """The legacy completions format; offsets count token characters, as vLLM does."""
+    """The legacy completions format; offsets count token characters, as vLLM does. Each
+    ``top_logprobs`` map holds the sampled token too ("up to logprobs+1 elements", OpenAI
+    says; vLLM does the same), even with ``logprobs: 0``."""
     offsets = []
     for entry in entries:
         offsets.append(text_offset)
@@ -85,7 +87,9 @@ def completion_logprobs(entries: list[TextLogprob], text_offset: int) -> Json:
     return {
         "tokens": [e.token for e in entries],
         "token_logprobs": [clamp(e.logprob) for e in entries],
-        "top_logprobs": [{t: clamp(lp) for t, lp in e.top} for e in entries],
+        "top_logprobs": [
+            {t: clamp(lp) for t, lp in e.top} | {e.token: clamp(e.logprob)} for e in entries
+        ],
         "text_offset": offsets,
     }
 
