@@ -194,9 +194,14 @@ def top_p_cutoffs(
 def filter_cutoffs(
     xs: torch.Tensor, probs: torch.Tensor, params: Sequence[SamplingParams]
 ) -> torch.Tensor | None:
-    """Per-row logit cutoff of top-k / top-p / min-p for sampled rows ``xs`` ``[S, V]``
+    """Per-row logit cutoff of min-p / top-k / top-p for sampled rows ``xs`` ``[S, V]``
     (``probs`` is their softmax). A token survives iff ``logit >= cutoff``. None when no row
     filters anything.
+
+    vLLM's order: min-p (relative to the full distribution's most likely token) and top-k are
+    both thresholds on the logits, so together the larger cutoff; top-p then takes its mass
+    over what they left, renormalised. Top-p before min-p keeps more: with probabilities
+    (.5, .3, .1, .1), top-p .6 and min-p .3 leave one token in vLLM's order, two the other way.
     """
     n, vocab = xs.shape
     device = xs.device
@@ -213,15 +218,20 @@ def filter_cutoffs(
         idx = to_device(rows, torch.int64, device)
         return idx, (t if len(rows) == n else t.index_select(0, idx))
 
+    if use_min_p:  # p >= min_p * p_max  <=>  x >= x_max + log(min_p)
+        log_min_p = to_device(min_ps, torch.float32, device).log_()
+        cutoff = xs.amax(dim=-1) + log_min_p
+
     if k_rows:  # top-k: the k-th largest value (its ties survive too), no full sort
         idx, sub = subset(k_rows, xs)
         k = to_device([top_k[i] for i in k_rows], torch.int64, device)
         top_vals = sub.topk(max(top_k[i] for i in k_rows), dim=-1).values
-        cutoff[idx] = top_vals.gather(1, (k - 1).unsqueeze(1)).squeeze(1)
+        kth = top_vals.gather(1, (k - 1).unsqueeze(1)).squeeze(1)
+        cutoff[idx] = torch.maximum(cutoff[idx], kth)
 
-    if p_rows:  # top-p over the renormalised top-k distribution
+    if p_rows:  # top-p over the renormalised min-p and top-k survivors
         idx, sub = subset(p_rows, xs)
-        if any(top_k[i] < vocab for i in p_rows):
+        if use_min_p or any(top_k[i] < vocab for i in p_rows):
             sub = sub.masked_fill(sub < cutoff[idx].unsqueeze(1), -math.inf)
             sub_probs = torch.softmax(sub, dim=-1)
         else:
@@ -229,9 +239,5 @@ def filter_cutoffs(
         top_p = to_device([params[i].top_p for i in p_rows], torch.float32, device)
         # The candidate ladder sizes its subsets by the data: on a device, one full sort.
         ladder = device.type == "cpu"
-        cutoff[idx] = top_p_cutoffs(sub, sub_probs, top_p, ladder)  # >= the top-k cutoff
-
-    if use_min_p:  # p >= min_p * p_max  <=>  x >= x_max + log(min_p)
-        log_min_p = to_device(min_ps, torch.float32, device).log_()
-        cutoff = torch.maximum(cutoff, xs.amax(dim=-1) + log_min_p)
+        cutoff[idx] = top_p_cutoffs(sub, sub_probs, top_p, ladder)  # >= the cutoff so far
     return cutoff

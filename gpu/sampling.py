@@ -32,8 +32,8 @@ Pipeline (all math in fp32, the order vLLM and Hugging Face use):
 3. **Greedy rows** take the argmax of their penalised logits. If every row is greedy no random
    work, softmax or sort is done at all (fast path).
 
-4. **Filtering** of sampled rows: top-k, then top-p over the renormalised top-k distribution,
-   then min-p (relative to the most likely token, so it commutes with the other two). Each
+4. **Filtering** of sampled rows, in vLLM's order: min-p (relative to the most likely token
+   of the whole row) and top-k, then top-p over what they left, renormalised. Each
    filter is reduced to a per-row logit *cutoff* and a token survives iff its logit is
    ``>= cutoff``; tokens tied with the last survivor therefore survive too (what Hugging Face's
    top-k does), which also makes the kept set a function of the values only, never of the

@@ -283,7 +283,7 @@ async def test_completion_logprobs_format(env: Env) -> None:
     # The sampled token is always in its map ("up to logprobs+1 elements"), even with 0.
     result = await env.client.completions.create(model="smollm2", prompt="hi", logprobs=0)
     logprobs = result.choices[0].logprobs
-    assert logprobs is not None
+    assert logprobs is not None and logprobs.tokens == ["<0>", "Hello", " world"]
     assert logprobs.top_logprobs == [{t: -0.5} for t in logprobs.tokens]
 
 

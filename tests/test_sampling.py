@@ -44,12 +44,15 @@ def inp_for(params: list[SamplingParams], gens=None, prompts=None, outputs=None)
 
 
 def reference_probs(logits: torch.Tensor, p: SamplingParams) -> np.ndarray:
-    """Straightforward float64 reference: temperature, top-k, top-p (renormalised), min-p."""
+    """Straightforward float64 reference, in vLLM's order: temperature, min-p (of the whole
+    distribution), top-k, then top-p over what is left, renormalised."""
     x = logits.double().numpy() / p.temperature
     probs = np.exp(x - x.max())
     probs /= probs.sum()
     order = np.argsort(-probs)
     keep = np.ones_like(probs, dtype=bool)
+    if p.min_p > 0.0:
+        keep &= probs >= p.min_p * probs.max()
     if p.top_k > 0:
         keep[order[p.top_k :]] = False
     q = np.where(keep, probs, 0.0)
@@ -58,8 +61,6 @@ def reference_probs(logits: torch.Tensor, p: SamplingParams) -> np.ndarray:
         mass_before = np.cumsum(q[order]) - q[order]
         drop = order[mass_before >= p.top_p]
         keep[drop] = False
-    if p.min_p > 0.0:
-        keep &= probs >= p.min_p * probs.max()
     out = np.where(keep, probs, 0.0)
     result: np.ndarray = out / out.sum()
     return result
@@ -126,6 +127,18 @@ def test_chi_squared_has_power() -> None:
     pvalue = chisquare(counts, full * n).pvalue
     print(f"power p={pvalue:.3g}")
     assert pvalue < 1e-6
+
+
+def test_min_p_comes_before_top_p_as_in_vllm() -> None:
+    """With probabilities (.5, .3, .1, .1), min-p .3 keeps the first two; top-p .6 over them
+    renormalised (.625, .375) keeps only the first. Top-p first (.5 + .3 reaches .6) and
+    min-p after kept two: the order of Hugging Face and vLLM V0, not vLLM's now."""
+    logits = torch.tensor([[0.5, 0.3, 0.1, 0.1]]).log()
+    params = SamplingParams(top_p=0.6, min_p=0.3)
+    assert reference_probs(logits[0], params).tolist() == [1.0, 0.0, 0.0, 0.0]
+    sampler = Sampler(generator=torch.Generator().manual_seed(0))
+    out = sampler(logits.expand(2000, 4), inp_for([params] * 2000))
+    assert set(out.token_ids.tolist()) == {0}
 
 
 def test_filtered_tokens_never_sampled_large_vocab() -> None:
