@@ -13,7 +13,8 @@ import torch
 from common.config import MeshConfig
 from services.executor.config import ExecutorConfig
 from services.executor.service import build_engine
-from services.launcher.mesh import LocalMesh
+from services.launcher import mesh as mesh_module
+from services.launcher.mesh import LocalMesh, executor_device
 from services.launcher.regions import RegionMesh
 from services.launcher.up import parse_up_args
 
@@ -22,14 +23,44 @@ def up(*argv: str) -> argparse.Namespace:
     return parse_up_args(["--nats-url", "nats://127.0.0.1:1", *argv])  # none started
 
 
-def executor_threads(mesh: LocalMesh, monkeypatch, name: str = "executor-0") -> str:
+def spawned_flags(mesh: LocalMesh, monkeypatch) -> dict[str, tuple[str, ...]]:
     spawned: dict[str, tuple[str, ...]] = {}
     monkeypatch.setattr(
         LocalMesh, "spawn", lambda self, n, module, *flags: spawned.update({n: flags})
     )
     mesh.start()
-    flags = spawned[name]
+    return spawned
+
+
+def executor_threads(mesh: LocalMesh, monkeypatch, name: str = "executor-0") -> str:
+    flags = spawned_flags(mesh, monkeypatch)[name]
     return flags[flags.index("--cpu-threads") + 1]
+
+
+def test_each_executor_takes_its_own_gpus(monkeypatch, tiny_llama) -> None:
+    """``--device cuda --executors 2`` put both executors on cuda:0 (only tensor-parallel
+    replicas were spread); every executor now takes the next GPUs, across regions too, and
+    more executors than GPUs share them round the host."""
+    monkeypatch.setattr(mesh_module, "cuda_device_count", lambda: 4)
+
+    def devices(mesh: LocalMesh) -> dict[str, str]:
+        spawned = spawned_flags(mesh, monkeypatch)
+        return {n: f[f.index("--device") + 1] for n, f in spawned.items() if "--device" in f}
+
+    mesh = LocalMesh(up("--executors", "2", "--device", "cuda"), tiny_llama)
+    assert devices(mesh) == {"executor-0": "cuda:0", "executor-1": "cuda:1"}
+    mesh = LocalMesh(up("--executors", "3", "--device", "cuda", "--tensor-parallel-size", "2"),
+                     tiny_llama)  # fmt: skip
+    assert devices(mesh) == {"executor-0": "cuda:0", "executor-1": "cuda:2", "executor-2": "cuda:0"}
+    region = RegionMesh(up("--executors", "2", "--device", "cuda"), tiny_llama,
+                        region="eu-west", peers=("us-east",))  # fmt: skip
+    region.first_executor = 2  # us-east's two come first
+    assert devices(region) == {"eu-west-executor-0": "cuda:2", "eu-west-executor-1": "cuda:3"}
+    assert executor_device("cuda:1", 0, 1, gpus=4) == "cuda:1"
+    assert [executor_device("cuda", i, 1, gpus=3) for i in range(5)] == [
+        "cuda:0", "cuda:1", "cuda:2", "cuda:0", "cuda:1"
+    ]  # fmt: skip
+    assert executor_device("cpu", 3, 1) == "cpu"
 
 
 def test_cpu_executors_share_the_cores(monkeypatch, tmp_path, tiny_llama) -> None:

@@ -56,8 +56,10 @@ class LocalMesh:
     metrics_ports: int = 0  # ports taken from --metrics-port on (the gateway uses its own)
     logs: ServiceLogs | None = None
     # Executors sharing this host's cores (0: this mesh's own); ``meshserve up --regions`` runs
-    # every region's on one host.
+    # every region's on one host. ``first_executor``: how many of them come before this mesh's
+    # (each executor takes the next GPUs).
     executors_on_host: int = 0
+    first_executor: int = 0
 
     @property
     def nats_url(self) -> str:
@@ -188,7 +190,7 @@ class LocalMesh:
                 "--instance-id", name,
                 "--role", role,
                 "--kv-transfer-timeout", str(a.kv_transfer_timeout),
-                "--device", executor_device(a.device, i, tp),
+                "--device", executor_device(a.device, self.first_executor + i, tp),
                 "--tensor-parallel-size", str(tp),
                 "--kv-cache-tokens", str(a.kv_cache_tokens),
                 "--max-num-seqs", str(a.max_num_seqs),
@@ -273,10 +275,26 @@ class LocalMesh:
             self.nats.stop()
 
 
-def executor_device(device: str, index: int, tensor_parallel_size: int) -> str:
-    """Executor ``index``'s first device: on CUDA with tensor parallelism each executor's
-    ranks take the next ``tensor_parallel_size`` GPUs (executor 1 of TP=2 starts at cuda:2)."""
-    if tensor_parallel_size == 1 or not device.startswith("cuda"):
+def executor_device(
+    device: str, index: int, tensor_parallel_size: int, gpus: int | None = None
+) -> str:
+    """Executor ``index``'s first device: on CUDA each executor (its ranks, with tensor
+    parallelism) takes the next ``tensor_parallel_size`` GPUs from ``device``'s (executor 1 of
+    TP=2 starts at cuda:2). More executors than ``gpus`` (the host's, by default) wrap round
+    and share them."""
+    if not device.startswith("cuda"):
         return device
     base = int(device.split(":")[1]) if ":" in device else 0
-    return f"cuda:{base + index * tensor_parallel_size}"
+    first = base + index * tensor_parallel_size
+    if gpus is None:
+        gpus = cuda_device_count()
+    if gpus >= tensor_parallel_size and first + tensor_parallel_size > gpus:
+        first %= gpus - gpus % tensor_parallel_size
+    return f"cuda:{first}"
+
+
+def cuda_device_count() -> int:
+    """The host's GPUs (0 where torch sees none: the executor then says what is wrong)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0

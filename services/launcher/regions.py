@@ -104,6 +104,7 @@ def start_regions(
                 spill_queue_ms=args.spill_queue_ms,
             )
             mesh.executors_on_host = len(regions) * len(mesh.executor_roles)
+            mesh.first_executor = len(meshes) * len(mesh.executor_roles)
             meshes.append(mesh)
             mesh.start()
             if metrics_port is not None:
