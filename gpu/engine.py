@@ -107,6 +107,7 @@ class Engine:
         self.scheduler = Scheduler(self.config.scheduler, self.pages)
         self.sampler = Sampler()
         self.eos_token_ids = frozenset(eos_token_ids or runner.config.eos_token_ids)
+        self.eos_ids = tuple(sorted(self.eos_token_ids))  # (for the sampler, every step)
         self.seqs: dict[str, Sequence] = {}
         # Disaggregated decode: sequences whose prompt KV another executor is writing into
         # their pages (``gpu/handoff.py``); not scheduled until it arrives.
@@ -501,13 +502,13 @@ class Engine:
             start += len(draft) + 1
         inp.token_bitmask = move(bitmask, device)
 
-    @staticmethod
-    def _sampler_input(seqs: list[Sequence]) -> SamplerInput:
+    def _sampler_input(self, seqs: list[Sequence]) -> SamplerInput:
         return SamplerInput(
             params=[s.params for s in seqs],
             prompt_token_ids=[s.prompt_token_ids for s in seqs],
             output_token_ids=[s.output_token_ids for s in seqs],
             generators=[s.generator for s in seqs],
+            eos_token_ids=self.eos_ids,
         )
 
     def _emit(

@@ -119,6 +119,15 @@ def apply_logit_bias(
         )
 
 
+def ban_tokens(logits: torch.Tensor, banned: dict[int, tuple[int, ...]]) -> None:
+    """Set ``logits[row, token]`` to -inf for each row's listed tokens (ids past the LM head
+    are dropped), in place on contiguous fp32 ``logits``: one scatter."""
+    vocab = logits.shape[1]
+    flat = [row * vocab + t for row, tokens in banned.items() for t in tokens if t < vocab]
+    if flat:
+        logits.view(-1).index_fill_(0, to_device(flat, torch.int64, logits.device), -math.inf)
+
+
 # Top-p looks for its cutoff among the top-K candidates of a row, K taken from this ladder
 # (a full sort only for rows whose nucleus is wider than the last rung). The ladder is fixed,
 # so which rung resolves a row depends on that row alone, never on the rest of the batch.

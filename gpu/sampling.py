@@ -11,10 +11,11 @@ own a seeded ``torch.Generator``.
 
 Pipeline (all math in fp32, the order vLLM and Hugging Face use):
 
-0. **Logit bias and grammar**, only on rows that have them: OpenAI's ``logit_bias`` is added
-   (a scatter over the listed ids), then a constrained row's token bitmask (``gpu.grammar``,
-   filled by the engine) sets every token its grammar does not allow to -inf. Rows without
-   either are not touched, so an unconstrained request in a constrained batch pays nothing.
+0. **Logit bias, grammar and min_tokens**, only on rows that have them: OpenAI's
+   ``logit_bias`` is added (a scatter over the listed ids), then a constrained row's token
+   bitmask (``gpu.grammar``, filled by the engine) sets every token its grammar does not allow
+   to -inf, and a row short of its ``min_tokens`` gets -inf on its stop tokens. Rows without
+   any are not touched, so an unconstrained request in a constrained batch pays nothing.
 
 1. **Penalties**, only on rows that set one (``repetition_penalty != 1`` or a non-zero
    presence/frequency penalty), vectorised as gather/scatter on one concatenated tensor of
@@ -80,7 +81,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gpu.logits_filters import apply_logit_bias, apply_penalties, filter_cutoffs
+from gpu.logits_filters import apply_logit_bias, apply_penalties, ban_tokens, filter_cutoffs
 from gpu.sampling_params import SamplingParams
 from gpu.transfers import HostCopy, to_device
 
@@ -101,6 +102,19 @@ class SamplerInput:
     # logits' device, applied to ``masked_rows`` only.
     token_bitmask: torch.Tensor | None = None
     masked_rows: list[int] = field(default_factory=list)
+    # The model's EOS ids: a row under its min_tokens may not sample them (nor its
+    # stop_token_ids), counted by the length of its output_token_ids.
+    eos_token_ids: tuple[int, ...] = ()
+
+    def banned_stops(self) -> dict[int, tuple[int, ...]]:
+        """Row -> the stop tokens it may not sample now (rows under their min_tokens)."""
+        out = {}
+        for i, p in enumerate(self.params):
+            if p.min_tokens and (
+                ids := p.stop_ids_banned(self.eos_token_ids, len(self.output_token_ids[i]))
+            ):
+                out[i] = ids
+        return out
 
 
 @dataclass
@@ -201,7 +215,7 @@ class Sampler:
             not pen_rows
             and not sampled_rows
             and not inp.masked_rows
-            and all(p.logprobs is None and not p.logit_bias for p in params)
+            and all(p.logprobs is None and not p.logit_bias and not p.min_tokens for p in params)
         ):
             # Fast path: all greedy, nothing to compute but an argmax (a bf16 -> fp32 cast is
             # exact and monotone, so no cast either). max(dim)'s indices are argmax's (the
@@ -244,7 +258,8 @@ class Sampler:
         params = inp.params
         pen_rows = any(p.has_penalties for p in params)
         bias_rows = [i for i, p in enumerate(params) if p.logit_bias]
-        written = pen_rows or bool(bias_rows) or bool(inp.masked_rows)
+        banned = inp.banned_stops()
+        written = pen_rows or bool(bias_rows) or bool(inp.masked_rows) or bool(banned)
         # The only full copy, and only when something must be written.
         work = logits.to(torch.float32, copy=copy or written, memory_format=torch.contiguous_format)
         owned = copy or written or logits.dtype != torch.float32
@@ -256,6 +271,8 @@ class Sampler:
             from gpu.grammar import apply_bitmask  # xgrammar loads only for constrained batches
 
             apply_bitmask(work, inp.token_bitmask, inp.masked_rows)
+        if banned:
+            ban_tokens(work, banned)
         if pen_rows:
             apply_penalties(work, params, inp.prompt_token_ids, inp.output_token_ids)
         # Temperature (greedy rows divide by 1, which is exact).

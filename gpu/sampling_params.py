@@ -46,6 +46,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100])
+    # vLLM's: no stop token (EOS, ``stop_token_ids``) may end it before this many output
+    # tokens; the sampler gives them -inf (``SamplerInput.eos_token_ids`` names the EOS)
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         def real_in(name: str, lo: float, hi: float, lo_open: bool = False) -> None:
@@ -73,6 +76,10 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be an integer in [0, max_tokens], got {self.min_tokens!r}"
+            )
         stop = tuple(self.stop_token_ids)
         if not all(_is_int(t) and t >= 0 for t in stop):
             raise ValueError(
@@ -99,6 +106,13 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         """Temperature 0 (below ``GREEDY_EPS``): the argmax of the penalised logits."""
         return self.temperature < GREEDY_EPS
+
+    def stop_ids_banned(self, eos_token_ids: tuple[int, ...], generated: int) -> tuple[int, ...]:
+        """The stop tokens that may not be sampled after ``generated`` output tokens: every
+        one (``stop_token_ids``, and the EOS unless ``ignore_eos``) while under min_tokens."""
+        if generated >= self.min_tokens:
+            return ()
+        return self.stop_token_ids + (() if self.ignore_eos else eos_token_ids)
 
     @property
     def has_penalties(self) -> bool:

@@ -194,7 +194,9 @@ def verify(
     if sum(rows) != logits.shape[0]:
         raise ValueError(f"{logits.shape[0]} logits rows for drafts needing {sum(rows)}")
     # A bitmask (constrained sequences) already describes the logits rows, drafts included.
-    row_inp = SamplerInput([], [], [], [], inp.token_bitmask, inp.masked_rows)
+    row_inp = SamplerInput(
+        [], [], [], [], inp.token_bitmask, inp.masked_rows, eos_token_ids=inp.eos_token_ids
+    )
     starts = []
     for i, draft in enumerate(drafts):
         starts.append(len(row_inp.params))

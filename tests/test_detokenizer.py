@@ -391,3 +391,56 @@ async def test_the_stop_token_that_ends_a_stream_has_no_text(nats_server, tiny_l
     assert kept.text == "Hello world<|im_end|>"
     alone = await run(end, True, "stop")  # the first token already ends it
     assert alone.text == "" and alone.token_ids == end
+
+
+async def deltas_of(nats_url: str, model, monkeypatch, seqs: list[SeqTokens]) -> list[TextDelta]:
+    """Every delta a fresh detokenizer shard sends for ``seqs``, one step each."""
+    svc = DetokenizerService(DetokenizerConfig(MeshConfig(nats_url), str(model)))
+    await svc.svc.connect()
+    sent: list[bytes] = []
+
+    async def publish(subject: str, message: object, *args, **kwargs) -> None:
+        if isinstance(message, bytes):  # the deltas (encoded); an abort goes out as is
+            sent.append(message)
+
+    monkeypatch.setattr(svc.svc, "publish", publish)
+    try:
+        for seq in seqs:
+            await svc.on_step(StepTokens("ex", [seq]))
+    finally:
+        await svc.svc.close()
+    return [d for m in sent for d in TextDeltas.decode(m).deltas]
+
+
+@pytest.mark.parametrize("per_step", [1, 4])
+async def test_min_tokens_and_include_stop_str_in_output(
+    nats_server, tiny_llama, monkeypatch, per_step
+):
+    """vLLM's min_tokens: a stop string completed within the first min_tokens tokens does not
+    end the stream (the sampler keeps stop tokens out meanwhile); one after does.
+    include_stop_str_in_output: the stop string, and a stop token's text, stay."""
+    tok = Tokenizer.from_folder(tiny_llama)
+    ids = tok.encode("one two one two one", add_special_tokens=False)
+    upto_first = len(tok.encode("one two", add_special_tokens=False))
+
+    async def text(min_tokens: int, include: bool = False, stop: str = "two") -> str:
+        start = StreamStart([stop], True, 3, 0, reply_to="inbox", min_tokens=min_tokens,
+                            include_stop_str_in_output=include)  # fmt: skip
+        seqs = []
+        for i in range(0, len(ids), per_step):
+            done = "length" if i + per_step >= len(ids) else None
+            chunk = ids[i : i + per_step]
+            seqs.append(SeqTokens("r", chunk, done, i + len(chunk), start if i == 0 else None))
+        deltas = await deltas_of(nats_server.url, tiny_llama, monkeypatch, seqs)
+        assert deltas[-1].finish_reason == ("stop" if stop in "one two one two one" else "length")
+        return "".join(d.text for d in deltas)
+
+    assert await text(0) == "one "
+    assert await text(upto_first) == "one two one "  # the first "two" is within min_tokens
+    assert await text(0, include=True) == "one two"
+    assert await text(upto_first, include=True) == "one two one two"
+    end = tok.encode("<|im_end|>", add_special_tokens=False)
+    start = StreamStart([], False, 3, 0, reply_to="inbox", include_stop_str_in_output=True)
+    seq = SeqTokens("r", [*ids, *end], "stop", len(ids) + 1, start, stop_token=True)
+    (delta,) = await deltas_of(nats_server.url, tiny_llama, monkeypatch, [seq])
+    assert delta.text == "one two one two one<|im_end|>"  # the stop token's text stays

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from typing import TypedDict
 
@@ -157,6 +158,24 @@ def test_finish_reasons(tiny_llama):
         outs.extend(engine.step())
     assert outs[-1].finish_reason is FinishReason.LENGTH and len(outs) == 6
     assert not any(o.stop_token for o in outs)
+
+
+def test_min_tokens_keeps_a_stop_token_from_ending_it_early(tiny_llama):
+    """A stop token the greedy run would emit as its second token: with min_tokens 4 it is
+    never sampled among the first 4 (the next-best token takes its place), and the run may
+    stop on it after."""
+    engine = make_engine(tiny_llama)
+    prompt = prompts_for(5, [6])[0]
+    greedy = engine.generate([prompt], SamplingParams(max_tokens=8, **GREEDY))[0]
+    stop_at = greedy[1]
+    params = SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=(stop_at,))
+    early = engine.generate([prompt], params)[0]
+    assert early == greedy[: greedy.index(stop_at) + 1] and len(early) <= 2
+    late = engine.generate([prompt], dataclasses.replace(params, min_tokens=4))[0]
+    assert stop_at not in late[:4] and len(late) >= 4
+    assert late[-1] == stop_at or len(late) == 8
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=2, min_tokens=3)
 
 
 def test_bad_requests_are_rejected_clearly(tiny_llama):

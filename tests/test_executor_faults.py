@@ -146,6 +146,11 @@ async def test_a_stream_ended_by_a_stop_token_says_so(executor):
     assert seen.tokens["stopped"] == probe[: probe.index(first) + 1]
     assert seen.finished["stopped"] == "stop" and seen.stop_token["stopped"]
     assert seen.finished["probe"] == "length" and not seen.stop_token["probe"]
+    # min_tokens (vLLM's) keeps that stop token out of the first 3
+    late = dataclasses.replace(stopping, request_id="late")
+    await send(dataclasses.replace(late, params=dataclasses.replace(params, min_tokens=3)))
+    await seen.wait_for("late")
+    assert first not in seen.tokens["late"][:3] and len(seen.tokens["late"]) == 3
     await idle(service)
 
 

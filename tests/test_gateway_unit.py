@@ -416,6 +416,12 @@ CMP, CHT = "/v1/completions", "/v1/chat/completions"
         (CMP, {"prompt": "x", "min_p": 1.5}, 400, "min_p"),
         (CMP, {"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
         (CMP, {"prompt": "x", "stop": [""]}, 400, "stop"),
+        (CMP, {"prompt": "x", "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens"),
+        (CMP, {"prompt": "x", "min_tokens": -1}, 400, "min_tokens"),
+        (CMP, {"prompt": "x", "include_stop_str_in_output": 1}, 400, "include_stop_str_in_output"),
+        (CMP, {"prompt": "x", "allowed_token_ids": [5]}, 400, "allowed_token_ids"),
+        (CMP, {"prompt": "x", "bad_words": ["no"]}, 400, "bad_words"),
+        (CHT, {"messages": CHAT, "prompt_logprobs": 1}, 400, "prompt_logprobs"),
         (CHT, {}, 400, "messages"),
         (CHT, {"messages": "hi"}, 400, "messages"),
         (CHT, {"messages": [{"role": "user"}]}, 400, "messages[0].content"),
@@ -518,6 +524,16 @@ def test_a_logit_bias_key_that_is_no_token_id_is_a_400_not_a_500(key: str) -> No
         parse_logit_bias(Body({"logit_bias": {key: 1}}))
     assert info.value.status == 400 and info.value.param == "logit_bias"
     assert parse_logit_bias(Body({"logit_bias": {"2147483647": -100}})) == [(2**31 - 1, -100.0)]
+
+
+async def test_vllm_stop_extensions_reach_the_mesh(env: Env) -> None:
+    """min_tokens and include_stop_str_in_output (vLLM's) are carried, not dropped; the vLLM
+    extensions not implemented here are refused above (test_bad_input_is_an_openai_error)."""
+    body = {"prompt": "hi", "max_tokens": 3, "min_tokens": 2, "include_stop_str_in_output": True}
+    status, _ = await env.post("/v1/completions", body)
+    assert status == 200
+    params = env.fake.requests[0].params
+    assert params.min_tokens == 2 and params.include_stop_str_in_output
 
 
 async def test_the_tool_call_format_is_the_one_the_tokenizer_announces_at_start_up(

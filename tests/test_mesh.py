@@ -270,6 +270,14 @@ async def test_max_tokens_past_the_context_is_a_400_and_a_chat_default_is_cut_to
         error: Any = info.value.body
         assert error["code"] == "context_length_exceeded" and error["param"] == "max_tokens"
         assert "maximum context length is 256 tokens" in error["message"]
+    with pytest.raises(openai.BadRequestError) as info:  # a chat default cannot hold these
+        await client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": prompt}],
+            extra_body={"min_tokens": 250},
+        )
+    error = info.value.body
+    assert error["code"] == "context_length_exceeded" and error["param"] == "min_tokens"
     reply = await client.chat.completions.create(
         model="tiny",
         messages=[{"role": "user", "content": prompt}],

@@ -141,6 +141,29 @@ def test_min_p_comes_before_top_p_as_in_vllm() -> None:
     assert set(out.token_ids.tolist()) == {0}
 
 
+def test_min_tokens_bans_the_stop_tokens_until_reached() -> None:
+    """vLLM's min_tokens: under it, neither an EOS (unless ignore_eos) nor a stop_token_ids
+    entry may be sampled, greedy or not, however likely; from it on both may."""
+    logits = torch.zeros(4, V)
+    logits[:, 3] = 50.0  # the EOS here
+    logits[:, 6] = 40.0  # a stop_token_ids entry
+    greedy = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=(6,))
+    sampled = SamplingParams(temperature=1.0, min_tokens=2, stop_token_ids=(6,), seed=1)
+    no_eos = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=(6,), ignore_eos=True)
+    rows = [greedy, sampled, greedy, no_eos]
+    outputs = [[9], [9], [9, 9], [9]]  # rows 0, 1, 3 are under min_tokens; row 2 has it
+    inp = inp_for(rows, [make_generator(p) for p in rows], outputs=outputs)
+    inp.eos_token_ids = (3,)
+    out = Sampler()(logits, inp).to_host()
+    assert out.token_ids[0] not in (3, 6) and out.token_ids[1] not in (3, 6)
+    assert out.token_ids[2] == 3  # reached: the EOS is back
+    assert out.token_ids[3] == 3  # ignore_eos: the EOS is no stop token, only id 6 is banned
+    # The bans are -inf in the processed logits (what logprobs are taken from).
+    processed, _ = Sampler().distributions(logits, inp)
+    assert processed[0, 3] == -math.inf and processed[0, 6] == -math.inf
+    assert processed[2, 3] == 50.0
+
+
 def test_filtered_tokens_never_sampled_large_vocab() -> None:
     torch.manual_seed(0)
     logits = torch.randn(64, 5000) * 3

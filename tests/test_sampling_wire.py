@@ -30,6 +30,8 @@ WIRE = WireSamplingParams(
     logprobs=3,
     skip_special_tokens=False,
     logit_bias=[(5, -100.0), (9, 2.5)],
+    min_tokens=4,
+    include_stop_str_in_output=True,
 )
 
 
@@ -37,7 +39,8 @@ def test_every_wire_field_is_carried_or_the_detokenizers() -> None:
     """Adding a field to one type and not the other fails here (and at import)."""
     wire = {f.name for f in dataclasses.fields(WireSamplingParams)}
     engine = {f.name for f in dataclasses.fields(SamplingParams)}
-    assert wire - engine == WireSamplingParams.DETOKENIZER_ONLY == {"stop", "skip_special_tokens"}
+    text_only = {"stop", "skip_special_tokens", "include_stop_str_in_output"}
+    assert wire - engine == WireSamplingParams.DETOKENIZER_ONLY == text_only
     assert engine <= wire, f"engine fields the wire cannot carry: {engine - wire}"
     assert sampling.unmatched_fields() == (set(), set())
 

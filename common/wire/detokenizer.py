@@ -48,6 +48,10 @@ class StreamStart(Message):
     # back to the very same process has one more than the run it was moved from, which is how
     # the detokenizer tells the new run's start from the old run's late one.
     migrations: int = 0
+    # vLLM's: no stop string completed within the first ``min_tokens`` output tokens ends the
+    # stream; ``include_stop_str_in_output`` keeps the stop string (or stop token) that ends it.
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
 
 
 PROMPT_TAIL_TOKENS = 5  # (common.tokenizer.IncrementalDetokenizer keeps as many as context)

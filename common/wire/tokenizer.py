@@ -27,7 +27,9 @@ class WireSamplingParams(Message):
 
     # Applied to text by the detokenizer (it gets them in ``StreamStart``); the engine never
     # sees them.
-    DETOKENIZER_ONLY: ClassVar[frozenset[str]] = frozenset({"stop", "skip_special_tokens"})
+    DETOKENIZER_ONLY: ClassVar[frozenset[str]] = frozenset(
+        {"stop", "skip_special_tokens", "include_stop_str_in_output"}
+    )
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -45,6 +47,11 @@ class WireSamplingParams(Message):
     skip_special_tokens: bool = True
     # OpenAI's logit_bias as (token id, bias) pairs, biases in [-100, 100]: added to the logits.
     logit_bias: list[tuple[int, float]] = field(default_factory=list)
+    # vLLM's extensions: no stop token ends the output before min_tokens, and no stop string
+    # completed within them (the detokenizer's part); include_stop_str_in_output keeps the
+    # stop string (or stop token) that ended it in the text.
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
 
 
 @dataclass(frozen=True)

@@ -102,6 +102,8 @@ class Stream:
     output_tokens: int = 0
     deltas_sent: int = 0  # TextDelta.seq of the last delta sent
     unsent_ids: list[int] = field(default_factory=list)  # received since the last delta sent
+    min_tokens: int = 0  # output tokens no stop string may end it within (vLLM's min_tokens)
+    keep_stop: bool = False  # include_stop_str_in_output: the stop string or token stays
 
 
 class DetokenizerService:
@@ -248,7 +250,9 @@ class DetokenizerService:
             detok=self.tokenizer.detokenizer(
                 start.prompt_tail, skip_special_tokens=start.skip_special_tokens
             ),
-            stops=StopMatcher(list(start.stop)),
+            stops=StopMatcher(list(start.stop), include=start.include_stop_str_in_output),
+            min_tokens=start.min_tokens,
+            keep_stop=start.include_stop_str_in_output,
             reply_to=start.reply_to,
             prompt_tokens=start.prompt_tokens,
             cached_tokens=start.cached_tokens,
@@ -273,8 +277,10 @@ class DetokenizerService:
     def replay(stream: Stream, token_ids: list[int]) -> None:
         """A resumed stream: its client already has these tokens' text (the gateway resumes
         from the tokens of the deltas it took), so they only bring the detokenizer and the stop
-        matcher to the lost stream's state, held-back text included; nothing is sent."""
-        stream.stops.feed(stream.detok.add(token_ids))
+        matcher to the lost stream's state, held-back text included; nothing is sent. No stop
+        string ends it there (none did, or the stream would have ended, but for those that
+        min_tokens kept from ending it)."""
+        stream.stops.feed(stream.detok.add(token_ids), may_stop=False)
         stream.token_ids.extend(token_ids)
         stream.output_tokens = len(token_ids)
 
@@ -283,13 +289,16 @@ class DetokenizerService:
         ids, logprobs_in = seq.token_ids, seq.logprobs
         # The stop token that ended it (an EOS, a stop_token_ids entry) has no text in the
         # completion, as in vLLM: "<|im_end|>" with skip_special_tokens off, say.
-        shown = ids[:-1] if seq.stop_token and seq.finish_reason == "stop" else ids
-        if len(shown) <= 1 or not stream.stops.stops:
+        stop_token = seq.stop_token and seq.finish_reason == "stop" and not stream.keep_stop
+        shown = ids[:-1] if stop_token else ids
+        # Of this step's tokens, how many are within min_tokens (no stop string ends there).
+        unstoppable = max(0, stream.min_tokens - stream.output_tokens)
+        if not stream.stops.stops or (len(shown) <= 1 and not unstoppable):
             text = stream.stops.feed(stream.detok.add(shown))
         else:  # several tokens (speculation): one at a time, to stop where a one-token step
             text = ""  # would (the tokens after a stop string are not the client's)
             for i, token in enumerate(shown):
-                text += stream.stops.feed(stream.detok.add([token]))
+                text += stream.stops.feed(stream.detok.add([token]), i >= unstoppable)
                 if stream.stops.stopped:
                     ids = ids[: i + 1]
                     logprobs_in = logprobs_in[: i + 1] if logprobs_in is not None else None
@@ -301,7 +310,7 @@ class DetokenizerService:
         if stream.stops.stopped:
             finish = "stop"
         elif finish is not None:
-            text += stream.stops.feed(stream.detok.finish())
+            text += stream.stops.feed(stream.detok.finish(), unstoppable < len(shown))
             text += stream.stops.flush()
             if stream.stops.stopped:
                 finish = "stop"

@@ -3,7 +3,10 @@
 Text is released only when no stop string could still start inside it: the longest suffix of
 the pending text that is a prefix of some stop string is held back until the next tokens
 decide. When a stop string appears, the text before it is released and the stream ends; the
-stop string itself is never sent (OpenAI semantics).
+stop string itself is not sent (OpenAI semantics) unless ``include`` (vLLM's
+``include_stop_str_in_output``). Text fed with ``may_stop`` False (vLLM's ``min_tokens``: the
+first tokens cannot end the stream) completes no stop string, but its tail is still held, so a
+stop string that begins there and ends later is found.
 """
 
 from __future__ import annotations
@@ -16,8 +19,9 @@ class StopMatcher:
     stops: list[str]
     held: str = field(default="")
     stopped: bool = False
+    include: bool = False
 
-    def feed(self, text: str) -> str:
+    def feed(self, text: str, may_stop: bool = True) -> str:
         """Add newly decoded text; return what is safe to send now."""
         if self.stopped:
             return ""
@@ -25,11 +29,12 @@ class StopMatcher:
         if not self.stops:
             self.held = ""
             return pending
-        cut = min((i for s in self.stops if (i := pending.find(s)) >= 0), default=-1)
-        if cut >= 0:
+        found = [(i, len(s)) for s in self.stops if (i := pending.find(s)) >= 0]
+        if found and may_stop:
+            cut, length = min(found)
             self.stopped = True
             self.held = ""
-            return pending[:cut]
+            return pending[: cut + length] if self.include else pending[:cut]
         keep = self._partial_suffix(pending)
         self.held = pending[len(pending) - keep :] if keep else ""
         return pending[: len(pending) - keep]

@@ -586,6 +586,8 @@ class ExecutorService:
                     output_token_ids=req.output_token_ids,
                     prompt_tail=req.prompt_token_ids[-PROMPT_TAIL_TOKENS:],
                     migrations=req.migrations,
+                    min_tokens=req.params.min_tokens,
+                    include_stop_str_in_output=req.params.include_stop_str_in_output,
                 )
             logprobs = None
             if out.logprobs is not None:

@@ -42,6 +42,9 @@ _COMMON: dict[str, Any] = {
     },
     "priority": {"type": "integer", "minimum": -10, "maximum": 10},
     "ignore_eos": {"type": "boolean"},
+    "min_tokens": {"type": "integer", "minimum": 0},
+    "include_stop_str_in_output": {"type": "boolean"},
+    "skip_special_tokens": {"type": "boolean"},
     "user": {"type": "string"},
     "logit_bias": {
         "type": "object",

@@ -24,6 +24,13 @@ from services.gateway.structured import parse_message_tool_calls, parse_response
 Kind = Literal["completion", "chat"]
 
 MAX_TOKEN_ID = 2**31 - 1
+# vLLM sampling extensions this server does not implement (a non-empty value is a 400)
+UNSUPPORTED_SAMPLING = (
+    "allowed_token_ids",
+    "bad_words",
+    "prompt_logprobs",
+    "truncate_prompt_tokens",
+)
 MAX_INT = 2**31 - 1
 SEED_RANGE = (-(2**63), 2**63 - 1)
 
@@ -394,6 +401,9 @@ def parse_sampling(
     body: Body, config: GatewayConfig, max_tokens: int, logprobs: int | None
 ) -> WireSamplingParams:
     logit_bias = parse_logit_bias(body)
+    for name in UNSUPPORTED_SAMPLING:  # vLLM's, not done here: refused, never dropped
+        if body.get(name):
+            raise bad_request(f"'{name}' is not supported.", name, "unsupported_parameter")
     top_k = body.integer("top_k", -1, -1, MAX_INT)
     return WireSamplingParams(
         max_tokens=max_tokens,
@@ -412,4 +422,6 @@ def parse_sampling(
         logprobs=logprobs,
         skip_special_tokens=body.boolean("skip_special_tokens", True),
         logit_bias=logit_bias,
+        min_tokens=body.integer("min_tokens", 0, 0, max_tokens),
+        include_stop_str_in_output=body.boolean("include_stop_str_in_output", False),
     )

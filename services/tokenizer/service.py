@@ -135,9 +135,16 @@ class TokenizerService:
                 raise context_too_long(
                     self.max_model_len, len(ids), req.params.max_tokens, field, "max_tokens"
                 )
+            if req.params.min_tokens > room and not req.output_token_ids:
+                raise context_too_long(
+                    self.max_model_len, len(ids), req.params.min_tokens, field, "min_tokens"
+                )
             # As vLLM does for chat defaults: never ask for more than the context allows;
             # the output then ends with finish_reason "length".
-            req = dataclasses.replace(req, params=dataclasses.replace(req.params, max_tokens=room))
+            params = dataclasses.replace(
+                req.params, max_tokens=room, min_tokens=min(req.params.min_tokens, room)
+            )
+            req = dataclasses.replace(req, params=params)
         # The n choices share the prompt: encoded and hashed once, then one request per choice
         # (its own id, so its own detokenizer shard, and its own seed).
         hashes = page_hashes(ids, self.config.page_size)
