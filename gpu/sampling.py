@@ -107,11 +107,16 @@ class SamplerInput:
     eos_token_ids: tuple[int, ...] = ()
 
     def banned_stops(self) -> dict[int, tuple[int, ...]]:
-        """Row -> the stop tokens it may not sample now (rows under their min_tokens)."""
+        """Row -> the stop tokens it may not sample now (rows under their min_tokens). A
+        constrained row is left to its grammar: a document complete before min_tokens allows
+        nothing but a stop token, and banning it too would leave the row no token at all."""
         out = {}
+        constrained = set(self.masked_rows)
         for i, p in enumerate(self.params):
-            if p.min_tokens and (
-                ids := p.stop_ids_banned(self.eos_token_ids, len(self.output_token_ids[i]))
+            if (
+                p.min_tokens
+                and i not in constrained
+                and (ids := p.stop_ids_banned(self.eos_token_ids, len(self.output_token_ids[i])))
             ):
                 out[i] = ids
         return out

@@ -162,6 +162,9 @@ def test_min_tokens_bans_the_stop_tokens_until_reached() -> None:
     processed, _ = Sampler().distributions(logits, inp)
     assert processed[0, 3] == -math.inf and processed[0, 6] == -math.inf
     assert processed[2, 3] == 50.0
+    # A constrained row is its grammar's: a complete document allows only a stop token.
+    inp.masked_rows = [0]
+    assert 0 not in inp.banned_stops() and 1 in inp.banned_stops()
 
 
 def test_filtered_tokens_never_sampled_large_vocab() -> None:
