@@ -30,7 +30,7 @@ from gpu.config import ModelError
 from gpu.overlap import OverlappedSteps, overlap_blocker
 from gpu.page_manager import KVEvent, PageManager
 from gpu.runner import ModelRunner
-from gpu.sampling import SampledOnHost, Sampler, SamplerInput, SamplerOutput
+from gpu.sampling import LOGPROBS_MODES, SampledOnHost, Sampler, SamplerInput, SamplerOutput
 from gpu.sampling_params import SamplingParams, make_generator, skip_draws
 from gpu.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from gpu.sequence import FinishReason, SeqStatus, Sequence
@@ -51,10 +51,15 @@ class EngineConfig:
     # Queue each step before reading the last one's tokens (gpu/overlap.py): a step() then
     # returns the tokens of the step before it.
     overlap_steps: bool = False
+    # What logprobs are taken from (gpu/sampling.py): the model's logits ("raw", vLLM's
+    # default) or those sampled from ("processed")
+    logprobs_mode: str = "raw"
 
     def __post_init__(self) -> None:
         if self.num_speculative_tokens < 0:
             raise ValueError("num_speculative_tokens must be >= 0")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}")
 
     @property
     def scheduler(self) -> SchedulerConfig:
@@ -105,7 +110,7 @@ class Engine:
             runner.kv.spec.num_pages, runner.page_size, self.config.enable_prefix_caching
         )
         self.scheduler = Scheduler(self.config.scheduler, self.pages)
-        self.sampler = Sampler()
+        self.sampler = Sampler(logprobs_mode=self.config.logprobs_mode)
         self.eos_token_ids = frozenset(eos_token_ids or runner.config.eos_token_ids)
         self.eos_ids = tuple(sorted(self.eos_token_ids))  # (for the sampler, every step)
         self.seqs: dict[str, Sequence] = {}
@@ -430,8 +435,11 @@ class Engine:
         rows = [r + j for (s, r), d in zip(spec, drafts, strict=True) for j in range(len(d) + 1)]
         inp = self._sampler_input(seqs)
         self._draft_masks(seqs, drafts, inp, logits.shape[1], logits.device)
-        result = verify(self.sampler, self._rows_of(logits, rows), drafts, inp)
-        logprobs = self._spec_logprobs(seqs, result.token_ids, result.processed, result.row_starts)
+        rows_logits = self._rows_of(logits, rows)
+        result = verify(self.sampler, rows_logits, drafts, inp)
+        logprobs = self._spec_logprobs(
+            seqs, result.token_ids, rows_logits, inp, result.processed, result.row_starts
+        )
         outputs = []
         for i, seq in enumerate(seqs):
             num_draft, accepted = len(drafts[i]), result.num_accepted[i]
@@ -455,18 +463,23 @@ class Engine:
         self,
         seqs: list[Sequence],
         token_ids: list[list[int]],
+        logits: torch.Tensor,
+        inp: SamplerInput,
         processed: torch.Tensor,
         row_starts: list[int],
     ) -> list[list[TokenLogprob] | None]:
+        """Each accepted token's logprob at its own position's row (``logits``: the verified
+        rows, drafts included, ``inp``'s masks describing them)."""
         want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         out: list[list[TokenLogprob] | None] = [None] * len(seqs)
         if not want:
             return out
+        source = self.sampler.logprob_logits(logits, inp, processed)
         rows = [row_starts[i] + j for i in want for j in range(len(token_ids[i]))]
         flat = [t for i in want for t in token_ids[i]]
         params = [seqs[i].params for i in want for _ in token_ids[i]]
         lp = self.sampler.logprobs(
-            processed[rows], to_device(flat, torch.int64, processed.device), params
+            source[rows], to_device(flat, torch.int64, source.device), params
         ).to_host()
         assert lp.logprobs is not None and lp.top_logprobs is not None
         k = 0

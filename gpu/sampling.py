@@ -55,13 +55,15 @@ Pipeline (all math in fp32, the order vLLM and Hugging Face use):
    batch: everything on the sampling path is elementwise or a per-row kernel (softmax, topk,
    sort, cumsum, max), never a cross-thread reduction whose rounding depends on the batch shape.
 
-Logprobs (choice documented here): the returned logprobs are ``log_softmax`` of the *processed*
-logits, i.e. the logits the sampler samples from after penalties and temperature but before
-top-k/top-p/min-p filtering (vLLM's ``processed_logprobs`` mode). Greedy rows have no
-temperature applied, so theirs are ``log_softmax`` of the penalised logits. Filtering is left out
-so that top-N alternatives keep finite, comparable values. For rows that asked
-(``logprobs=N``) the output holds the sampled token's logprob and the top-N ``(token, logprob)``
-pairs sorted by descending logprob; rows that did not ask hold NaN and ``[]``.
+Logprobs: by default (``logprobs_mode="raw"``, vLLM's default ``raw_logprobs``) the returned
+logprobs are ``log_softmax`` of the model's logits, a constrained row's grammar mask applied
+(a token it forbids is -inf) but no logit bias, min_tokens ban, penalty or temperature: the
+model's own distribution, as OpenAI's are. ``"processed"`` (vLLM's ``processed_logprobs``):
+``log_softmax`` of the logits sampled from, after all of those (greedy rows have no
+temperature) but before top-k/top-p/min-p, left out so that the top-N alternatives keep finite,
+comparable values. For rows that asked (``logprobs=N``) the output holds the sampled token's
+logprob and the top-N ``(token, logprob)`` pairs sorted by descending logprob; rows that did
+not ask hold NaN and ``[]``.
 
 Waits for the device: none inside a call on CUDA. Parameter and index tensors are staged
 through pinned memory (``gpu.transfers``), whatever is sized by the data (penalty indices, the
@@ -84,6 +86,8 @@ import torch
 from gpu.logits_filters import apply_logit_bias, apply_penalties, ban_tokens, filter_cutoffs
 from gpu.sampling_params import SamplingParams
 from gpu.transfers import HostCopy, to_device
+
+LOGPROBS_MODES = ("raw", "processed")
 
 
 @dataclass
@@ -192,11 +196,33 @@ class Sampler:
     """Samples one token per row of ``logits`` ``[B, V]``; see the module docstring.
 
     ``generator`` is the shared generator of unseeded rows (torch's default when None); it must
-    live on the logits' device.
+    live on the logits' device. ``logprobs_mode``: ``raw`` or ``processed`` (module docstring).
     """
 
-    def __init__(self, generator: torch.Generator | None = None) -> None:
+    def __init__(
+        self, generator: torch.Generator | None = None, logprobs_mode: str = "raw"
+    ) -> None:
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(
+                f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}"
+            )
         self.generator = generator
+        self.logprobs_mode = logprobs_mode
+
+    def logprob_logits(
+        self, logits: torch.Tensor, inp: SamplerInput, processed: torch.Tensor
+    ) -> torch.Tensor:
+        """What logprobs are the ``log_softmax`` of, for ``logits`` (``processed``: theirs after
+        ``_processed``): the processed logits, or the raw ones with the grammar masks."""
+        if self.logprobs_mode == "processed":
+            return processed
+        raw = logits.to(torch.float32, copy=bool(inp.masked_rows))
+        if inp.masked_rows:
+            from gpu.grammar import apply_bitmask
+
+            assert inp.token_bitmask is not None
+            apply_bitmask(raw, inp.token_bitmask, inp.masked_rows)
+        return raw
 
     def __call__(self, logits: torch.Tensor, inp: SamplerInput) -> SamplerOutput:
         if logits.dim() != 2:
@@ -254,7 +280,9 @@ class Sampler:
             else:
                 token_ids[s_idx] = sampled
 
-        return self._logprobs(work, token_ids, params)
+        if all(p.logprobs is None for p in params):
+            return SamplerOutput(token_ids, None)
+        return self._logprobs(self.logprob_logits(logits, inp, work), token_ids, params)
 
     @staticmethod
     def _processed(logits: torch.Tensor, inp: SamplerInput, copy: bool) -> torch.Tensor:

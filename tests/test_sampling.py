@@ -377,7 +377,8 @@ def test_penalties_order_and_greedy_rows() -> None:
         presence_penalty=0.25,
         logprobs=4,
     )
-    out = Sampler()(logits, inp_for([p], prompts=[[2]], outputs=[[0, 0]]))
+    processed = Sampler(logprobs_mode="processed")
+    out = processed(logits, inp_for([p], prompts=[[2]], outputs=[[0, 0]]))
     expected = torch.tensor([[3.0 / 2 - 2 * 0.5 - 0.25, 2.9, -1.0 * 2, 0.5]])
     assert out.token_ids.tolist() == [1]
     host = out.to_host()
@@ -397,7 +398,7 @@ def test_penalties_only_on_rows_that_ask() -> None:
         SamplingParams(temperature=0.0, logprobs=0),
     ]
     hist = [[1, 2, 3]] * 3
-    out = Sampler()(logits, inp_for(params, prompts=hist, outputs=hist))
+    out = Sampler(logprobs_mode="processed")(logits, inp_for(params, prompts=hist, outputs=hist))
     assert out.logprobs is not None
     plain = torch.log_softmax(logits, -1)
     for i in (0, 2):
@@ -419,7 +420,7 @@ def test_logprobs_sampled_token_and_top_n() -> None:
         SamplingParams(top_p=0.8, logprobs=0),
         SamplingParams(temperature=1.0, min_p=0.05, logprobs=1),
     ]
-    out: SamplerOutput = Sampler()(logits, inp_for(params))
+    out: SamplerOutput = Sampler(logprobs_mode="processed")(logits, inp_for(params))
     host = out.to_host()
     assert out.logprobs is not None and host.logprobs is not None
     assert host.top_logprobs is not None
@@ -445,6 +446,35 @@ def test_logprobs_sampled_token_and_top_n() -> None:
     # No row asks -> None.
     out = Sampler()(logits, inp_for([SamplingParams()] * 5))
     assert out.logprobs is None and out.top is None
+
+
+def test_raw_logprobs_are_the_models_own() -> None:
+    """vLLM's default (raw_logprobs), and OpenAI's: the model's distribution, whatever the
+    temperature, penalties, logit bias or min_tokens ban the sampling used; a grammar's mask
+    is part of it (a forbidden token is -inf). The processed mode gave token 0 of logits
+    (2, 1, 0, -1) -0.145 at temperature 0.5, and a token biased by +5 -0.185 for -3.44."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]] * 4)
+    raw = torch.log_softmax(logits[0], -1)
+    params = [
+        SamplingParams(temperature=0.5, seed=3, logprobs=2),
+        SamplingParams(temperature=0.0, logit_bias=((3, 5.0),), logprobs=1),
+        SamplingParams(temperature=0.0, repetition_penalty=1.9, min_tokens=3, logprobs=0,
+                       stop_token_ids=(0,)),
+        SamplingParams(temperature=0.0, logprobs=1),
+    ]  # fmt: skip
+    inp = inp_for(params, [make_generator(p) for p in params], [[0]] * 4, [[0]] * 4)
+    inp.token_bitmask = torch.tensor([[0b0110]] * 4, dtype=torch.int32)  # only 1 and 2
+    inp.masked_rows = [3]
+    host = Sampler()(logits, inp).to_host()
+    assert host.logprobs is not None and host.top_logprobs is not None
+    for i in range(3):
+        token = host.token_ids[i]
+        assert host.logprobs[i] == pytest.approx(float(raw[token]), abs=1e-6)
+    assert host.token_ids[1] == 3 and host.logprobs[1] == pytest.approx(float(raw[3]), abs=1e-6)
+    assert host.token_ids[2] != 0  # the ban and penalty still shape the sampling
+    assert [t for t, _ in host.top_logprobs[0]] == [0, 1]
+    masked = torch.log_softmax(torch.tensor([1.0, 0.0]), -1)
+    assert host.token_ids[3] == 1 and host.logprobs[3] == pytest.approx(float(masked[0]), abs=1e-6)
 
 
 @pytest.mark.parametrize(

@@ -98,6 +98,7 @@ SERVICES: dict[str, list[Row]] = {
         ("--quantization", "MESHSERVE_QUANTIZATION", "int8"),
         ("--no-cuda-graphs", "MESHSERVE_NO_CUDA_GRAPHS", None),
         ("--overlap-steps", "MESHSERVE_OVERLAP_STEPS", "on"),
+        ("--logprobs-mode", "MESHSERVE_LOGPROBS_MODE", "processed"),
         ("--fused-rope-append", "MESHSERVE_FUSED_ROPE_APPEND", None),
         ("--triton-gemv", "MESHSERVE_TRITON_GEMV", "layers"),
         ("--kv-cache-dtype", "MESHSERVE_KV_CACHE_DTYPE", "fp8"),

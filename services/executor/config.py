@@ -55,6 +55,12 @@ class ExecutorConfig:
         "a prefill-role executor, or where drafts are verified",
         choices=("auto", "on", "off"),
     )
+    logprobs_mode: str = setting(
+        "raw",
+        "what logprobs are taken from: raw: the model's logits (a grammar's mask applied; no "
+        "bias, penalty or temperature), vLLM's default; processed: the logits sampled from",
+        choices=("raw", "processed"),
+    )
     fused_rope_append: bool = setting(
         False,
         "rotate q and k inside the KV append, one Triton kernel per layer (CUDA, fp16/bf16 "

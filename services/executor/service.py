@@ -730,6 +730,7 @@ def build_engine(config: ExecutorConfig) -> Engine:
         enable_prefix_caching=config.enable_prefix_caching,
         num_speculative_tokens=config.num_speculative_tokens,
         overlap_steps=overlaps_steps(config),
+        logprobs_mode=config.logprobs_mode,
     )
     from common.tokenizer import Tokenizer
 

@@ -73,8 +73,10 @@ def sample_once(
 def check_rows(logits: torch.Tensor, inp: SamplerInput, host: SampledOnHost) -> list[str]:
     """What is wrong with ``host`` as the sampling of ``logits`` (an empty list: nothing)."""
     problems: list[str] = []
-    ref = Sampler()._processed(logits.cpu().float(), _on_cpu(inp), copy=True).double()
-    ref_lp = torch.log_softmax(ref, dim=-1)
+    reference, on_cpu = Sampler(), _on_cpu(inp)  # (logprobs in its default mode, as sampled)
+    ref = reference._processed(logits.cpu().float(), on_cpu, copy=True).double()
+    source = reference.logprob_logits(logits.cpu().float(), on_cpu, ref)
+    ref_lp = torch.log_softmax(source.double(), dim=-1)
     for i, p in enumerate(inp.params):
         token = host.token_ids[i]
         if p.is_greedy and token != int(ref[i].argmax()):
