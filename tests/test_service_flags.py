@@ -51,6 +51,7 @@ SERVICES: dict[str, list[Row]] = {
         ("--model", "MESHSERVE_MODEL", "m"),
         ("--page-size", "MESHSERVE_PAGE_SIZE", "32"),
         ("--detok-shards", "MESHSERVE_DETOK_SHARDS", "4"),
+        ("--generation-config", "MESHSERVE_GENERATION_CONFIG", "none"),
     ],
     "services.scheduler.service": [
         ("--router", "MESHSERVE_ROUTER", "kv"),

@@ -116,6 +116,9 @@ class GenerateRequest(Message):
     # The client chose params.max_tokens (a completions default included): more than the
     # context leaves is then a 400, as vLLM answers; a chat default is cut to fit instead.
     max_tokens_chosen: bool = False
+    # Sampling fields the client left unset (of common.generation_defaults.SAMPLING_KEYS): the
+    # tokenizer gives them the model's generation_config values, as vLLM does.
+    sampling_unset: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         require(

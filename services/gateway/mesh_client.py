@@ -184,6 +184,7 @@ class MeshClient:
             response_format=api.response_format,
             tools=api.tools,
             max_tokens_chosen=api.max_tokens_chosen,
+            sampling_unset=api.sampling_unset,
         )
         payload = request.encode()
         headers = inject(None)  # the trace context of gateway.request

@@ -15,6 +15,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from common.generation_defaults import SAMPLING_KEYS
 from common.runtime import RequestError, context_too_long
 from common.wire.tokenizer import ChatMessage, ResponseFormat, ToolChoice, WireSamplingParams
 from services.gateway.body import Body, bad_request, out_of_range, unicode_text, wrong_type
@@ -81,6 +82,8 @@ class ApiRequest:
     response_format: ResponseFormat | None = None
     tools: ToolChoice | None = None
     max_tokens_chosen: bool = True  # False: a chat default, cut to what the context leaves
+    # the SAMPLING_KEYS the body left unset: the model's generation_config may fill them
+    sampling_unset: list[str] = dataclasses.field(default_factory=list)
 
 
 def parse_completion(raw: Any, config: GatewayConfig) -> ApiRequest:
@@ -147,9 +150,11 @@ def finish(
     body.string("user")  # accepted and ignored, but it must be a string
     params = parse_sampling(body, config, max_tokens, logprobs)
     priority = parse_priority(body, config.max_client_priority)
+    unset = [key for key in SAMPLING_KEYS if body.get(key) is None]
     return ApiRequest(
-        kind, model, n, stream, include_usage, params, prompt, prompt_token_ids, messages, priority
-    )
+        kind, model, n, stream, include_usage, params, prompt, prompt_token_ids, messages,
+        priority, sampling_unset=unset,
+    )  # fmt: skip
 
 
 # --- fields -------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import time
 import zlib
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from typing import Any
 from opentelemetry import trace
 
 from common.config import MeshConfig, model_setting, page_size_setting
+from common.generation_defaults import sampling_defaults
 from common.page_hash import page_hashes
 from common.runtime import RequestError, Service, context_too_long
 from common.settings import parse, setting
@@ -28,6 +30,8 @@ from gpu.config import ModelConfig
 from gpu.gguf import resolve_model_path
 from services.tokenizer.grammars import grammar_for
 
+log = logging.getLogger("meshserve.tokenizer")
+
 
 @dataclass(frozen=True)
 class TokenizerConfig:
@@ -36,6 +40,13 @@ class TokenizerConfig:
     page_size: int = page_size_setting()
     detok_shards: int = setting(
         1, "detokenizer shards; each request goes to one, picked from its id"
+    )
+    generation_config: str = setting(
+        "auto",
+        "auto: a request that leaves temperature, top_p, top_k, min_p or repetition_penalty "
+        "unset gets the model's generation_config.json value (as vLLM does); none: OpenAI's "
+        "defaults",
+        choices=("auto", "none"),
     )
 
     def __post_init__(self) -> None:
@@ -66,6 +77,13 @@ class TokenizerService:
         # The gateway parses tool calls in the format this template teaches the model.
         self.tool_format = detect_tool_format(self.tokenizer.chat_template)
         self.svc.facts.tool_format = self.tool_format
+        self.sampling_defaults = (
+            sampling_defaults(folder) if config.generation_config == "auto" else {}
+        )
+        if self.sampling_defaults:
+            log.info("requests that leave them unset sample with the model's generation_config "
+                     "%s (--generation-config none: OpenAI's defaults)",
+                     self.sampling_defaults)  # fmt: skip
 
     async def start(self) -> None:
         await self.svc.connect()
@@ -128,6 +146,8 @@ class TokenizerService:
                 param=field,
                 code="context_length_exceeded",
             )
+        if defaults := {k: v for k, v in self.sampling_defaults.items() if k in req.sampling_unset}:
+            req = dataclasses.replace(req, params=dataclasses.replace(req.params, **defaults))
         grammar = grammar_for(req.response_format, req.tools, self.tool_format)
         room = self.max_model_len - len(ids)
         if req.params.max_tokens > room:
