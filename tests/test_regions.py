@@ -202,3 +202,24 @@ def test_up_refuses_counts_that_could_never_serve(argv: list[str], message: str,
 
     assert main(["up", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_regions_restart_a_service_that_dies_while_the_mesh_starts(monkeypatch, tmp_path) -> None:
+    """``up --regions`` waited for every region with the default check (a service that exits
+    fails the whole launch): its supervisors never ran until all regions were healthy, so a
+    crash while a model loaded ended ``up`` instead of restarting the service."""
+    from services.launcher import regions
+
+    watched: list[object] = []
+
+    def wait_ready(self, timeout, watch=None, until=None) -> None:
+        assert watch is not None, "waited without the supervisors"
+        watch()
+        watched.append(self.region)
+
+    monkeypatch.setattr(RegionMesh, "wait_ready", wait_ready)
+    args = parse_up_args(["--nats-url", "nats://127.0.0.1:1"])
+    meshes = [RegionMesh(args, tmp_path, region=r, peers=()) for r in ("us-east", "eu-west")]
+    polls: list[int] = []
+    regions.wait_all_ready(meshes, 10, lambda: polls.append(1))
+    assert watched == ["us-east", "eu-west"] and polls == [1, 1]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -117,10 +118,14 @@ def start_regions(
     return supercluster, meshes
 
 
-def wait_all_ready(meshes: list[RegionMesh], timeout: float) -> None:
+def wait_all_ready(
+    meshes: list[RegionMesh], timeout: float, watch: Callable[[], None] | None = None
+) -> None:
+    """Every region's gateway healthy; ``watch`` (the supervisors' poll: a service that dies
+    while the models load is restarted, as ``up`` does without regions) runs meanwhile."""
     deadline = time.monotonic() + timeout
     for mesh in meshes:
-        mesh.wait_ready(max(1.0, deadline - time.monotonic()))
+        mesh.wait_ready(max(1.0, deadline - time.monotonic()), watch)
 
 
 def run_regions(args: argparse.Namespace) -> int:
@@ -148,14 +153,18 @@ def run_regions(args: argparse.Namespace) -> int:
         supervisors = [m.supervisor(RestartPolicy(), interrupts) for m in meshes]
         for mesh, sup in zip(meshes, supervisors, strict=True):
             supercluster.clusters[mesh.region].supervise(sup, f"{mesh.region}-nats-server")
-        wait_all_ready(meshes, args.ready_timeout)
+
+        def watch() -> None:
+            for sup in supervisors:
+                sup.poll()
+            logs.echo()
+
+        wait_all_ready(meshes, args.ready_timeout, watch)
         for mesh in meshes:
             nats = supercluster.clusters[mesh.region].url
             print(f"region {mesh.region} is up: {mesh.base_url}/v1  (nats {nats})", flush=True)
         while True:
-            for sup in supervisors:
-                sup.poll()
-            logs.echo()
+            watch()
             time.sleep(0.2)
     except KeyboardInterrupt:
         print("stopping...", file=sys.stderr)
