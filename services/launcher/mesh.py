@@ -117,13 +117,16 @@ class LocalMesh:
     def popen(self, name: str) -> subprocess.Popen[bytes]:
         # SIGTERM (a drain) if this process dies without stopping it: killed, it would leave
         # the service holding its ports and devices.
+        # A session of its own: Ctrl-C reaches this process only, which stops the services
+        # in order (``stop``), rather than every one of them at once.
         ends = ends_with_this_process()
         if self.logs is None:
-            return subprocess.Popen(self.commands[name], preexec_fn=ends)
+            return subprocess.Popen(self.commands[name], preexec_fn=ends, start_new_session=True)
         with self.logs.open(name) as log:  # the child keeps its own descriptor
             return subprocess.Popen(
-                self.commands[name], stdout=log, stderr=subprocess.STDOUT, preexec_fn=ends
-            )
+                self.commands[name], stdout=log, stderr=subprocess.STDOUT, preexec_fn=ends,
+                start_new_session=True,
+            )  # fmt: skip
 
     def restart_nats(self) -> subprocess.Popen[bytes]:
         """A new local nats-server on the same port: the services reconnect by themselves
@@ -260,19 +263,45 @@ class LocalMesh:
             if proc.poll() is not None:
                 raise RuntimeError(f"service {name} exited with code {proc.returncode}")
 
-    def stop(self) -> None:
+    def kill(self) -> None:
+        """SIGKILL every service still running (a second Ctrl-C while they drain)."""
         for _, proc in self.procs:
             if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 15
-        for _, proc in self.procs:
-            try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
                 proc.kill()
-                proc.wait()
+
+    def stop(self) -> None:
+        """Stop the services in stages, each a SIGTERM and a wait: the gateway first (its
+        in-flight streams finish, and need every other stage for that), then the executors
+        and the speculator (they drain), then the rest, then NATS. Stopped all at once, the
+        detokenizer left while the executors drained, and the streams they finished never
+        reached their clients; the gateway, waiting for them, was then killed mid-stream."""
+        for modules, seconds in STOP_STAGES:
+            stage = [
+                proc
+                for name, proc in self.procs
+                if modules is None or self.commands.get(name, ["", "", ""])[2] in modules
+            ]
+            for proc in stage:
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + seconds
+            for proc in stage:
+                try:
+                    proc.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
         if self.nats is not None:
             self.nats.stop()
+
+
+# (modules, seconds to wait for them) in order; None: every process left. The gateway's and the
+# executors' own limits are 30 s (--shutdown-timeout-s, the drain).
+STOP_STAGES: tuple[tuple[frozenset[str] | None, float], ...] = (
+    (frozenset({"services.gateway"}), 35.0),
+    (frozenset({"services.executor", "services.speculator"}), 35.0),
+    (None, 15.0),
+)
 
 
 def executor_device(

@@ -138,6 +138,7 @@ def run_regions(args: argparse.Namespace) -> int:
     from services.launcher.console import ServiceLogs
     from services.launcher.mesh import resolve_model
     from services.launcher.supervisor import DeferredInterrupt, RestartPolicy
+    from services.launcher.up import kill_on_signal
 
     folder = resolve_model(args.model)
     log_dir = args.log_dir or cache_root() / "logs" / f"up-{args.port}"
@@ -174,7 +175,7 @@ def run_regions(args: argparse.Namespace) -> int:
         print(f"meshserve up: {exc}", file=sys.stderr)
         return 1
     finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, kill_on_signal(list(meshes)))  # a second Ctrl-C
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         for mesh in meshes:
             mesh.stop()

@@ -13,8 +13,9 @@ import logging
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from gpu.cache_dir import cache_root
 from services.launcher.console import LEVELS, ReadyReport, ServiceLogs
@@ -157,6 +158,17 @@ def check_counts(args: argparse.Namespace) -> None:
         raise ValueError(f"--nats-cluster-size must be >= 1, got {args.nats_cluster_size}")
 
 
+def kill_on_signal(meshes: list[LocalMesh]) -> Callable[[int, Any], None]:
+    """A signal handler that kills every service of ``meshes`` (their stop() then returns)."""
+
+    def kill(signum: int, frame: Any) -> None:
+        print("killing the services...", file=sys.stderr)
+        for mesh in meshes:
+            mesh.kill()
+
+    return kill
+
+
 def run_up(args: argparse.Namespace) -> int:
     check_counts(args)
     if args.regions:
@@ -211,16 +223,17 @@ def run_up(args: argparse.Namespace) -> int:
             watch()
             time.sleep(0.2)
     except KeyboardInterrupt:
-        print("stopping...", file=sys.stderr)
+        print("stopping (requests in flight finish; Ctrl-C again kills)...", file=sys.stderr)
         return 0
     except (RuntimeError, TimeoutError) as exc:
         logs.echo()  # what the services said before it came to this
         print(f"meshserve up: {exc}", file=sys.stderr)
         return 1
     finally:
-        # A second Ctrl-C must not cut the stop short and leave services behind; stop() kills
-        # whatever has not drained after its deadline.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        # stop() drains the services in order and kills whatever outlives its deadline; a
+        # second Ctrl-C kills them all at once (never leaving one behind).
+        if mesh is not None:
+            signal.signal(signal.SIGINT, kill_on_signal([mesh]))
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if mesh is not None:
             mesh.stop()
