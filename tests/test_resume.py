@@ -308,3 +308,50 @@ async def test_a_choice_lost_in_transit_and_not_resumed_is_still_aborted(refuse:
         await anext(stream)
     assert (raised.value.status, raised.value.code) == (503, "stream_gap")
     assert stream.unfinished == ["req-0"]
+
+
+async def test_an_abandoned_attempt_that_still_sends_is_no_sign_of_life_and_is_aborted() -> None:
+    """Across a partition the abort of a resumed choice's old attempt was lost, and that
+    attempt, healed, went on streaming: each of its events counted as a sign of life for the
+    watchdog, which so never found the continuation lost, and nothing aborted it again."""
+    inbox = Inbox()
+    abandoned: list[str] = []
+    inbox.on_abandoned = abandoned.append
+    stream = opened(inbox, Resubmits(inbox))
+    lost = "The request was lost in the mesh (a service restarted); retry the request."
+    stream.put(ErrorEvent("req-0", 503, lost, "server_error", "request_lost"))
+    stream.put(TextDelta("req-0-r1-0", "a", seq=1, token_ids=[5]))
+    assert (await anext(stream))[1].request_id == "req-0-r1-0"
+    assert stream.abandoned("req-0") and not stream.abandoned("req-0-r1-0")
+    stream.last_event_at, stream.unknown_checks = 0.0, 1  # the continuation went silent
+    inbox.deliver(TextDeltas([TextDelta("req-0", "zombie", seq=9, token_ids=[9])]).encode())
+    assert stream.last_event_at == 0.0 and stream.unknown_checks == 1
+    assert abandoned == ["req-0"]
+    inbox.deliver(TextDeltas([TextDelta("req-0-r1-0", "b", seq=2, token_ids=[6])]).encode())
+    assert stream.last_event_at > 0.0 and stream.unknown_checks == 0
+    assert (await anext(stream))[1].text == "b"  # the zombie's delta never reached the client
+
+
+async def test_the_gateway_aborts_an_abandoned_attempt_again_at_most_every_few_seconds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from services.gateway import GatewayConfig
+    from services.gateway.mesh_client import ABANDONED_ABORT_S, MeshClient
+
+    client = MeshClient(GatewayConfig())
+    aborted: list[tuple[list[str], str]] = []
+
+    async def publish_abort(ids: list[str], reason: str) -> None:
+        aborted.append((ids, reason))
+
+    monkeypatch.setattr(client, "_publish_abort", publish_abort)
+    now = [100.0]
+    client._reaborted.clock = lambda: now[0]
+    for _ in range(3):
+        client.inbox.on_abandoned("req-0")  # type: ignore[misc]
+    await asyncio.sleep(0)
+    assert aborted == [(["req-0"], "resumed as a continuation")]
+    now[0] += ABANDONED_ABORT_S + 0.1
+    client.inbox.on_abandoned("req-0")  # type: ignore[misc]
+    await asyncio.sleep(0)
+    assert len(aborted) == 2

@@ -25,6 +25,7 @@ from nats.aio.msg import Msg
 from opentelemetry import trace
 
 from common.metrics import GatewayMetrics
+from common.recent_ids import RecentIds
 from common.runtime import RequestError, Service
 from common.telemetry import Attr, inject
 from common.wire.executor import AbortRequests
@@ -40,6 +41,7 @@ from services.gateway.watchdog import STALL_S, check_stalled
 
 log = logging.getLogger("meshserve.gateway")
 
+ABANDONED_ABORT_S = 5.0  # an abandoned attempt that keeps sending is aborted again this often
 CLUSTER_RECONNECT_S = 3.0  # a request waits this long for the gateway to reach another server
 
 
@@ -64,6 +66,10 @@ class MeshClient:
         )
         self._aborts: set[asyncio.Task[None]] = set()
         self._short_executors: dict[str, int] = {}  # executor -> its context, if too short
+        # Abandoned attempts still sending (their abort was lost, across a partition say):
+        # aborted again, at most every ABANDONED_ABORT_S each.
+        self._reaborted: RecentIds[str, bool] = RecentIds(ttl_s=ABANDONED_ABORT_S)
+        self.inbox.on_abandoned = self._abort_abandoned
 
     async def start(self) -> None:
         await self.service.connect()
@@ -87,6 +93,17 @@ class MeshClient:
             # lost message costs is the watchdog's to find, below).
             self.service.disconnect_callbacks.append(self._fail_in_flight)
         self.service.spawn(self.service.every(STALL_S, self._check_stalled), "watchdog")
+
+    def _abort_abandoned(self, request_id: str) -> None:
+        self._reaborted.prune()
+        if request_id in self._reaborted:
+            return
+        self._reaborted.add(request_id, True)
+        log.info("gateway: %s, resumed under another id, still sends: aborting it again",
+                 request_id)  # fmt: skip
+        task = asyncio.create_task(self._publish_abort([request_id], "resumed as a continuation"))
+        self._aborts.add(task)
+        task.add_done_callback(self._aborts.discard)
 
     async def _check_stalled(self) -> None:
         await check_stalled(self.service, self.inbox)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 from common.runtime import RequestError
 from common.wire.codec import MessageError, decode_any
@@ -77,10 +78,22 @@ class RequestStream:
         """Sub-requests that are still generating (the ones to abort if the client leaves)."""
         return [self._attempt[i][-1] for i in sorted(self._open)]
 
-    def put(self, event: InboxEvent) -> None:
+    def abandoned(self, request_id: str) -> bool:
+        """An id of an attempt its choice has left (resumed under another id): it may still
+        be generating somewhere (across a partition, or where an abort was lost)."""
+        index = self._choice_of.get(request_id)
+        return index is not None and request_id not in self._attempt[index]
+
+    def put(self, event: InboxEvent) -> bool:
+        """Queue ``event``; False, and no sign of life, for an abandoned attempt's: a stream
+        still hearing from the attempt it left looked alive to the watchdog while the
+        continuation it waits for was lost."""
+        if self.abandoned(event.request_id):
+            return False
         self.last_event_at = asyncio.get_running_loop().time()
         self.unknown_checks = 0
         self._queue.put_nowait(event)
+        return True
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -196,6 +209,9 @@ class Inbox:
 
     def __init__(self) -> None:
         self._streams: dict[str, RequestStream] = {}
+        # Told of each event from an abandoned attempt (``RequestStream.abandoned``): the
+        # gateway aborts it again (``MeshClient``).
+        self.on_abandoned: Callable[[str], None] | None = None
 
     def __len__(self) -> int:
         """How many HTTP requests are in flight."""
@@ -242,7 +258,7 @@ class Inbox:
         )
         for event in events:
             stream = self._streams.get(event.request_id)
-            if stream is not None:
-                stream.put(event)
+            if stream is not None and not stream.put(event) and self.on_abandoned is not None:
+                self.on_abandoned(event.request_id)
             # else: the request already ended (finished, aborted, timed out); late events are
             # expected after an abort and are dropped.
