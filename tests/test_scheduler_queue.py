@@ -237,3 +237,16 @@ async def test_a_guest_is_not_sent_on_when_this_region_has_no_executor(scheduler
     await sched.spill_queued()
     assert spilled == ["own"]
     assert [r.request_id for _, r in sched.queue] == ["guest"]
+
+
+async def test_the_record_of_where_requests_were_spilled_is_pruned(scheduler):
+    """``RegionSpill.prune`` was never called: expired entries stayed until the size cap."""
+    sched, _ = scheduler()
+    now = [0.0]
+    sched.spill.spilled.clock = lambda: now[0]
+    sched.spill.spilled.add("r", "eu-west")
+    await sched.sweep()
+    assert len(sched.spill.spilled) == 1
+    now[0] += sched.spill.spilled.ttl_s + 1
+    await sched.sweep()
+    assert len(sched.spill.spilled) == 0

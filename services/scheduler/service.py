@@ -411,6 +411,7 @@ class SchedulerService:
             ),
         )  # fmt: skip
         self.ended.prune()
+        self.spill.prune()  # (where each spilled request went: bounded, but kept until pruned)
         await self.return_guests()
         await self.spill_queued()
         await self.dispatch()
