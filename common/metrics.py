@@ -486,7 +486,8 @@ class ExecutorMetrics:
         )  # fmt: skip
         self.kv_transfer_failures = Counter(
             PREFIX + "kv_transfer_failures",
-            "KV transfers that failed or were not done in time (counted on both sides).",
+            "Prompts a decode executor computed itself because their handoff from the prefill "
+            "executor failed (a failed or late KV write, a silent peer); counted there, once.",
             pair, registry=registry,
         )  # fmt: skip
 

@@ -184,6 +184,14 @@ async def test_a_write_that_failed_mid_way_says_its_bytes_may_still_land(
     await side.hand_off(ex.engine.step())
     assert await prefill.answers(1) == [("w", "failed")]
     assert prefill.done[0].write_may_land is posted
+    # One failure, counted once: by the decode side, which falls back on this answer (both
+    # sides counted it, under the same labels, and the dashboard summed them).
+    assert failures(ex, "pre-0", "dec-0") == 0
+
+
+def failures(ex: ExecutorService, prefill: str, decode: str) -> float:
+    """``kv_transfer_failures_total`` of the (prefill, decode) pair on ``ex``."""
+    return float(ex.metrics.kv_transfer_failures.labels(prefill, decode)._value.get())
 
 
 class DecodeHost:
@@ -459,6 +467,7 @@ async def test_pages_a_failed_write_may_still_land_in_are_held_until_the_lease_e
             PrefillDone("r", "failed", error="timed out", job_id=job.job_id, write_may_land=True)
         )
         await held_until_the_lease_ends(host, job, sent, lease, 0.5)
+        assert failures(host.ex, "pre-0", "dec-0") == 1
 
 
 async def test_an_executor_whose_step_fails_goes_silent_and_stops_at_once(

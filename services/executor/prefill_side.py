@@ -143,10 +143,9 @@ class PrefillSide:
                 svc.worker, self.write_within_lease, job, table.pages, dst
             )
         except (TransferError, ValueError) as exc:
+            # (kv_transfer_failures: the decode side counts it, as every other way the
+            # handoff fails, once)
             log.warning("executor: KV of %s to %s failed: %s", rid, job.decode_executor, exc)
-            svc.metrics.kv_transfer_failures.labels(
-                svc.config.executor_id, job.decode_executor
-            ).inc()
             svc.timelines.kv_transfer(
                 rid, job.decode_executor, started, time.time_ns(), 0, len(table.pages), str(exc)
             )
