@@ -302,6 +302,7 @@ class DecodeSide:
             )  # fmt: skip
             await svc.fail_request(rid, error)
             return
+        svc.timelines.prefilled_elsewhere(rid, False)  # computed here after all
         try:
             svc.engine.add_request(
                 rid,

@@ -26,6 +26,7 @@ from common.wire.executor import PrefillRequest as Job
 from gpu import handoff
 from gpu.engine import StepOutput
 from services.executor.kv_transport import KVTransport, TransferError, TransferResult
+from services.executor.timeline import HANDOFF
 
 if TYPE_CHECKING:
     from services.executor.service import ExecutorService
@@ -162,7 +163,7 @@ class PrefillSide:
             message = PrefillDone(rid, "written", first_token, "", result.bytes, result.seconds)
         finally:
             handoff.release(svc.engine, table)
-        svc.forget(rid, "handoff")
+        svc.forget(rid, HANDOFF)
         await self.done(job, message)
 
     def write_within_lease(self, job: Job, src_pages: list[int], dst: KVLayout) -> TransferResult:

@@ -470,7 +470,9 @@ class ExecutorService:
                 log.warning("executor: ignoring a second submit of %s", req.request_id)
                 continue
             try:
-                if not await self.reserve(req):
+                if await self.reserve(req):
+                    self.timelines.prefilled_elsewhere(req.request_id)
+                else:
                     params = sampling_params(req.params)
                     self.engine.add_request(
                         req.request_id,

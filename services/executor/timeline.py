@@ -27,6 +27,7 @@ from common.telemetry import Attr, carrier
 from gpu.engine import StepOutput
 
 FAILED = ("abort", "timeout", "error")  # finish reasons that mark the open span as failed
+HANDOFF = "handoff"  # a prefill executor's request, its KV written to its decode executor
 
 
 @dataclass
@@ -43,6 +44,10 @@ class Timeline:
     output_tokens: int = 0
     decode_steps: int = 0
     decode_batch_sum: int = 0
+    # Disaggregated, on the decode executor: the prompt is computed by a prefill executor,
+    # which counts its prompt tokens and observes its queue and prefill times; here the
+    # spans alone record the wait (each request counted once across the mesh).
+    remote_prefill: bool = False
 
 
 class Timelines:
@@ -101,7 +106,8 @@ class Timelines:
         self.queued.pop(timeline.request_id, None)
         timeline.scheduled_ns = at_ns
         timeline.queue.end(end_time=at_ns)
-        self.metrics.queue_time.observe((at_ns - timeline.received_ns) / 1e9)
+        if not timeline.remote_prefill:
+            self.metrics.queue_time.observe((at_ns - timeline.received_ns) / 1e9)
         timeline.prefill = self.tracer.start_span(
             "executor.prefill",
             context=timeline.parent,
@@ -117,14 +123,22 @@ class Timelines:
         timeline.prefill.set_attribute(Attr.CACHED_TOKENS, cached)
         timeline.prefill.set_attribute(Attr.BATCH_SIZE, batch)
         timeline.prefill.end(end_time=at_ns)
-        self.metrics.prefill_time.observe((at_ns - timeline.scheduled_ns) / 1e9)
-        self.metrics.prompt_tokens.inc(timeline.prompt_tokens)
+        if not timeline.remote_prefill:
+            self.metrics.prefill_time.observe((at_ns - timeline.scheduled_ns) / 1e9)
+            self.metrics.prompt_tokens.inc(timeline.prompt_tokens)
         timeline.decode = self.tracer.start_span(
             "executor.decode",
             context=timeline.parent,
             start_time=at_ns,
             attributes=self.attributes(timeline.request_id),
         )
+
+    def prefilled_elsewhere(self, request_id: str, remote: bool = True) -> None:
+        """``request_id``'s prompt is (``remote``) or, after a fall-back, is no longer
+        computed by its prefill executor (``Timeline.remote_prefill``)."""
+        timeline = self.active.get(request_id)
+        if timeline is not None:
+            timeline.remote_prefill = remote
 
     def context(self, request_id: str) -> Context | None:
         """The request's parent context here (the scheduler's span), to publish under."""
@@ -175,7 +189,8 @@ class Timelines:
                 span.set_attribute(
                     Attr.BATCH_SIZE, timeline.decode_batch_sum / timeline.decode_steps
                 )
-            self.metrics.decode_time.observe((now - timeline.first_token_ns) / 1e9)
+            if reason != HANDOFF:  # (a prompt handed to its decode executor decodes there)
+                self.metrics.decode_time.observe((now - timeline.first_token_ns) / 1e9)
         elif timeline.prefill is not None:
             span = timeline.prefill
         else:
