@@ -116,6 +116,9 @@ class Up:
             "messages": [{"role": "user", "content": content}],
             "max_tokens": 4,
             "ignore_eos": True,
+            # The tiny model's vocabulary has reserved special tokens: four of them sampled in
+            # a row were an empty answer to a request that was served.
+            "skip_special_tokens": False,
         }
         req = urllib.request.Request(
             f"http://127.0.0.1:{self.port}/v1/chat/completions",
