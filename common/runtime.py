@@ -311,6 +311,7 @@ class Service:
         async def on_msg(msg: Msg) -> None:
             if not msg.reply:
                 return
+            started = time.perf_counter()
             try:
                 decoded = kind.decode(msg.data)
                 with self.tracing.handling(None, extract(msg.headers), decoded):
@@ -320,6 +321,10 @@ class Service:
             except Exception as exc:
                 log.exception("%s: handler for %s failed", self.name, subject)
                 answer = ErrorEvent("", 500, f"internal error: {exc}", "server_error")
+            if isinstance(answer, ErrorEvent):
+                self.metrics.error_reply(answer.status)
+            else:
+                self.metrics.handled(kind.__name__, time.perf_counter() - started)
             await self.nc.publish(msg.reply, answer.encode())
 
         self._subs.append(await self.nc.subscribe(subject, queue=queue, cb=on_msg))
@@ -367,8 +372,10 @@ class Service:
 
         async def on_msg(msg: Msg) -> None:
             delivered[0] = max(delivered[0], msg.metadata.sequence.stream)
+            started = time.perf_counter()
             try:
                 await handler(kind.decode(msg.data), msg.metadata.num_pending)
+                self.metrics.handled(kind.__name__, time.perf_counter() - started)
             except MessageError as exc:
                 log.error("%s: skipping bad message on %s: %s", self.name, msg.subject, exc)
             except Exception:
