@@ -250,3 +250,29 @@ async def test_the_record_of_where_requests_were_spilled_is_pruned(scheduler):
     now[0] += sched.spill.spilled.ttl_s + 1
     await sched.sweep()
     assert len(sched.spill.spilled) == 0
+
+
+async def test_a_silent_regions_round_trip_is_no_longer_shown(scheduler, monkeypatch):
+    """The gauge kept the last good round trip of a region that stopped answering."""
+    from common.runtime import NoAnswer
+    from common.wire.scheduler import RegionStatus
+    from services.scheduler.regions import RegionConfig
+
+    sched, _ = scheduler("us-east", regions=RegionConfig(peer_regions=("eu-west",)))
+    answer: list[RegionStatus | None] = [RegionStatus("eu-west", 1, 0.0, 4, 1)]
+
+    async def request(subject, message, kind, timeout):
+        if answer[0] is None:
+            raise NoAnswer("partitioned")
+        return answer[0]
+
+    monkeypatch.setattr(sched.svc, "request", request)
+    rtt = "meshserve:scheduler_region_rtt_seconds"
+    await sched.spill.ask("eu-west")
+    assert sched.svc.registry.get_sample_value(rtt, {"region": "eu-west"}) is not None
+    answer[0] = None
+    await sched.spill.ask("eu-west")  # one missed answer: the report still counts
+    assert sched.svc.registry.get_sample_value(rtt, {"region": "eu-west"}) is not None
+    sched.spill.peers["eu-west"].at -= sched.spill.config.stale_s + 1
+    await sched.spill.ask("eu-west")  # stale now: no round trip to show
+    assert sched.svc.registry.get_sample_value(rtt, {"region": "eu-west"}) is None

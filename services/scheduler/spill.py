@@ -19,6 +19,7 @@ part of it that talks to another region on purpose:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -130,8 +131,13 @@ class RegionSpill:
                 RegionStatus,
                 self.config.stale_s,
             )
-        except NoAnswer:
-            return  # the report ages out: that region is not counted on
+        except NoAnswer:  # the report ages out: that region is not counted on
+            report = self.peers.get(region)
+            if report is not None and time.monotonic() - report.at > self.config.stale_s:
+                # nor is its last round trip shown as if it still answered
+                with contextlib.suppress(KeyError):
+                    self.rtt.remove(region)
+            return
         rtt_ms = 1000.0 * (time.perf_counter() - started)
         self.peers[region] = PeerReport(status, rtt_ms, time.monotonic())
         self.rtt.labels(region).set(rtt_ms / 1000.0)
