@@ -102,7 +102,8 @@ class RequestResult:
     """When the arrival process meant to send it (open loop only)."""
     success: bool = False
     error_kind: str | None = None
-    """``http_<status>``, ``timeout``, ``connection``, ``stream`` or ``client``."""
+    """``http_<status>``, ``timeout``, ``connection``, ``stream``, ``empty`` (a stream that
+    carried no token: no TTFT, as vLLM's benchmark fails it) or ``client``."""
     error: str | None = None
     status: int | None = None
     ttft_s: float | None = None
@@ -243,6 +244,9 @@ class StreamParser:
         r = self.result
         r.e2e_s = now - self.start
         r.output_text = "".join(self._text)
+        # The server's usage count; without one, the content chunks (which undercount when a
+        # chunk carries several tokens: the summary's "requests with usage" says how many
+        # requests were counted exactly; vLLM's benchmark tokenizes the text instead).
         r.output_tokens = (
             self._completion_tokens if self._completion_tokens is not None else r.content_chunks
         )
@@ -299,6 +303,9 @@ async def send_request(
             raise StreamError(
                 "stream ended before [DONE]" if parser.events else "no SSE data in the response"
             )
+        if result.ttft_s is None:  # counted, it had no TTFT and a short e2e in the means
+            _fail(result, parser, "empty", "the stream carried no token")
+            return result
         result.success = True
     except TimeoutError:
         _fail(result, parser, "timeout", f"no complete answer within {timeout:g} s")

@@ -22,6 +22,7 @@ SUMMARY_ROWS: list[tuple[str, tuple[str, ...]]] = [
     ("prefix cache hit rate", ("prefix_cache_hit_rate",)),
     ("goodput (req/s)", ("goodput",)),
     ("max in flight", ("max_in_flight",)),
+    ("requests with usage (exact token counts)", ("usage_reported",)),
 ] + [(f"{_METRIC_NAMES[m]} {s} (ms)", (m, s)) for m in LATENCY_METRICS for s in _STAT_NAMES]
 """(row name, key path into a summary) for every number a summary table shows."""
 

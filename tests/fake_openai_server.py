@@ -12,7 +12,8 @@ Token ``i`` of request ``n`` is the text ``"a{n}t{i} "``.
 ``pattern`` is cycled over the requests in arrival order:
 ``ok``; ``500`` (an HTTP 500); ``stall`` (two tokens, then silence until the server stops);
 ``malformed`` (two tokens, then a chunk that is not JSON); ``error_event`` (an in-stream error
-object); ``cut`` (two tokens, then the connection is closed without ``[DONE]``).
+object); ``cut`` (two tokens, then the connection is closed without ``[DONE]``); ``empty`` (no
+token at all: the finish chunk, usage 0 and ``[DONE]``).
 """
 
 from __future__ import annotations
@@ -173,6 +174,8 @@ class FakeServer:
         if mode == "500":
             return web.json_response({"error": {"message": "injected failure"}}, status=500)
         n = cfg.num_tokens if cfg.num_tokens is not None else int(payload.get("max_tokens", 16))
+        if mode == "empty":
+            n = 0
         resp = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )

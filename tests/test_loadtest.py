@@ -209,6 +209,17 @@ async def test_errors_and_timeouts_are_counted(fake):
     assert s["ttft_ms"]["p50"] is not None  # latency stats from the completed requests only
 
 
+async def test_a_stream_without_a_token_fails(fake):
+    """Finished and [DONE], usage 0, but no token: it counted as completed, with no TTFT and a
+    short e2e pulling the means down (and as good under a TPOT or e2e SLO alone); vLLM's
+    benchmark fails it."""
+    server = fake(ttft_s=0.02, itl_s=0.005, num_tokens=5, pattern=["ok", "empty"])
+    load = LoadConfig("concurrency", concurrency=2, num_requests=4, timeout_s=10)
+    result, s = await run(server, load)
+    assert s["completed"] == 2 and s["failed"] == 2 and s["errors"] == {"empty": 2}
+    assert all(r.ttft_s is not None for r in result.results if r.success)
+
+
 async def test_connection_errors_are_counted():
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
