@@ -11,6 +11,7 @@ are bounded (enums, booleans, bounded arrays), so every document ends well withi
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Literal
 
 import jsonschema
@@ -202,6 +203,50 @@ async def test_json_object_is_an_object_or_cut_by_length(client):
             assert isinstance(json.loads(text), dict)
         else:  # free keys and strings: a random model may not close the object in time
             assert choice.finish_reason == "length"
+
+
+async def test_vllms_guided_fields_are_enforced_on_both_endpoints(client):
+    """guided_json/regex/choice/grammar and structured_outputs (vLLM's), and response_format on
+    /v1/completions, were ignored: a 200 with free text where the client expected the
+    constraint."""
+    choices = ["sunny", "rain, then sun", "snow"]
+    reply = await client.chat.completions.create(
+        model="tiny", messages=ASK, max_tokens=20, n=3, seed=1,
+        extra_body={"guided_choice": choices},
+    )  # fmt: skip
+    assert all(c.message.content in choices for c in reply.choices)
+    out = await client.completions.create(
+        model="tiny", prompt="Code:", max_tokens=20, seed=2,
+        extra_body={"structured_outputs": {"regex": "[A-Z]{3}-[0-9]{2}"}},
+    )  # fmt: skip
+    assert re.fullmatch("[A-Z]{3}-[0-9]{2}", out.choices[0].text), out.choices[0].text
+    out = await client.completions.create(
+        model="tiny", prompt="Answer:", max_tokens=10, seed=3,
+        extra_body={"guided_grammar": 'root ::= ("yes" | "no") "!"'},
+    )  # fmt: skip
+    assert out.choices[0].text in ("yes!", "no!")
+    out = await client.completions.create(
+        model="tiny", prompt="JSON:", max_tokens=100, seed=4,
+        extra_body={"guided_json": SCHEMAS["array"]},
+    )  # fmt: skip
+    if out.choices[0].finish_reason == "stop":
+        jsonschema.validate(json.loads(out.choices[0].text), SCHEMAS["array"])
+    else:
+        assert out.choices[0].text.startswith("{")
+    out = await client.completions.create(
+        model="tiny", prompt="JSON:", max_tokens=100, seed=5,
+        extra_body={"response_format": {"type": "json_object"}},
+    )  # fmt: skip
+    assert out.choices[0].text.startswith("{")
+    for body, param, code in (
+        ({"guided_regex": "([a-"}, "guided_regex", "invalid_regex"),
+        ({"guided_choice": []}, "guided_choice", None),
+        ({"guided_choice": ["a"], "guided_regex": "b"}, "guided_choice", "invalid_value"),
+    ):
+        with pytest.raises(openai.BadRequestError) as info:
+            await client.completions.create(model="tiny", prompt="x", extra_body=body)
+        error: Any = info.value.body
+        assert error["param"] == param and (code is None or error["code"] == code), error
 
 
 class Forecast(pydantic.BaseModel):

@@ -70,11 +70,15 @@ class ChatMessage(Message):
 @dataclass(frozen=True)
 class ResponseFormat(Message):
     """``response_format`` other than text: ``json_object`` (any JSON object) or
-    ``json_schema`` with the schema as JSON text. The tokenizer turns it into a grammar."""
+    ``json_schema`` with the schema as JSON text; or vLLM's ``guided_*`` /
+    ``structured_outputs``: ``regex`` (the pattern in ``schema``), ``choice`` (a JSON array of
+    strings) or ``grammar`` (EBNF). The tokenizer turns it into a grammar; ``param`` names the
+    request field a 400 about it points at."""
 
-    kind: str  # "json_object" | "json_schema"
+    kind: str  # "json_object" | "json_schema" | "regex" | "choice" | "grammar"
     schema: str = ""
     name: str = ""
+    param: str = ""
 
 
 @dataclass(frozen=True)

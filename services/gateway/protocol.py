@@ -20,7 +20,11 @@ from common.runtime import RequestError, context_too_long
 from common.wire.tokenizer import ChatMessage, ResponseFormat, ToolChoice, WireSamplingParams
 from services.gateway.body import Body, bad_request, out_of_range, unicode_text, wrong_type
 from services.gateway.config import GatewayConfig
-from services.gateway.structured import parse_message_tool_calls, parse_response_format, parse_tools
+from services.gateway.structured import (
+    parse_message_tool_calls,
+    parse_structured_output,
+    parse_tools,
+)
 
 Kind = Literal["completion", "chat"]
 
@@ -102,7 +106,9 @@ def parse_completion(raw: Any, config: GatewayConfig) -> ApiRequest:
     if token_ids is not None:
         check_context(len(token_ids), max_tokens, "max_tokens", config)
     logprobs = body.optional_integer("logprobs", 0, 5)
-    return finish(body, "completion", model, n, max_tokens, logprobs, config, prompt, token_ids)
+    response_format = parse_structured_output(body)  # (vLLM's completions take it too)
+    api = finish(body, "completion", model, n, max_tokens, logprobs, config, prompt, token_ids)
+    return dataclasses.replace(api, response_format=response_format)
 
 
 def parse_chat(raw: Any, config: GatewayConfig) -> ApiRequest:
@@ -110,7 +116,7 @@ def parse_chat(raw: Any, config: GatewayConfig) -> ApiRequest:
     model = parse_model(body, config)
     messages = parse_messages(body.get("messages"))
 
-    response_format = parse_response_format(body)
+    response_format = parse_structured_output(body)
     tools = parse_tools(body)
     n = body.integer("n", 1, 1, config.max_n)
     limit = config.max_completion_tokens

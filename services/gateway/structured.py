@@ -61,6 +61,65 @@ def parse_response_format(body: Body) -> ResponseFormat | None:
     return ResponseFormat("json_schema", json.dumps(schema), name)
 
 
+# vLLM's structured-output fields (older guided_* and newer structured_outputs.*) -> kind
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+          "guided_grammar": "grammar"}  # fmt: skip
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar")
+
+
+def parse_structured_output(body: Body) -> ResponseFormat | None:
+    """``response_format``, or vLLM's ``guided_json``/``guided_regex``/``guided_choice``/
+    ``guided_grammar`` or ``structured_outputs`` (one of json, regex, choice, grammar): at
+    most one of them; each is enforced (a request that names one is never served unconstrained).
+    """
+    found: list[tuple[str, str, Any]] = []  # (param, kind, value)
+    for name, kind in GUIDED.items():
+        if body.get(name) is not None:
+            found.append((name, kind, body.get(name)))
+    outputs = body.get("structured_outputs")
+    if outputs is not None:
+        if not isinstance(outputs, dict):
+            raise wrong_type("structured_outputs", "an object", outputs)
+        for kind in STRUCTURED_OUTPUT_KINDS:
+            if outputs.get(kind) is not None:
+                found.append((f"structured_outputs.{kind}", kind, outputs[kind]))
+    response_format = parse_response_format(body)
+    if response_format is not None:
+        found.append(("response_format", "", response_format))
+    if len(found) > 1:
+        raise bad_request(
+            "Give one output constraint: " + ", ".join(f"'{p}'" for p, _, _ in found) + ".",
+            found[1][0],
+            "invalid_value",
+        )
+    if not found:
+        return None
+    param, kind, value = found[0]
+    if isinstance(value, ResponseFormat):
+        return value
+    if kind == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise bad_request(f"'{param}' is not valid JSON.", param) from None
+        if not isinstance(value, dict):
+            raise wrong_type(param, "a JSON schema (an object)", value)
+        return ResponseFormat("json_schema", json.dumps(value), param, param)
+    if kind == "choice":
+        if (
+            not isinstance(value, list)
+            or not value
+            or not all(isinstance(c, str) and c for c in value)
+        ):
+            raise wrong_type(param, "a non-empty list of non-empty strings", value)
+        choices = [unicode_text(c, f"{param}[{i}]") for i, c in enumerate(value)]
+        return ResponseFormat("choice", json.dumps(choices), param, param)
+    if not isinstance(value, str) or not value:
+        raise wrong_type(param, "a non-empty string", value)
+    return ResponseFormat(kind, unicode_text(value, param), param, param)
+
+
 def parse_tools(body: Body) -> ToolChoice | None:
     if body.get("functions") is not None or body.get("function_call") is not None:
         raise bad_request(

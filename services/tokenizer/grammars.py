@@ -52,9 +52,35 @@ def grammar_for(
         return _tool_grammar(tools.tools, tools.mode, tools.name, tool_format)
     if response_format is None:
         return None
-    if response_format.kind == "json_object":
+    kind, text = response_format.kind, response_format.schema
+    if kind == "json_object":
         return _schema_grammar('{"type": "object"}', "response_format", strict=False)
-    return _schema_grammar(response_format.schema, "response_format.json_schema.schema")
+    if kind == "json_schema":
+        return _schema_grammar(text, response_format.param or "response_format.json_schema.schema")
+    if kind in ("regex", "choice", "grammar"):
+        return _guided_grammar(kind, text, response_format.param or kind)
+    raise RequestError(f"unknown output constraint {kind!r}", 400, param="response_format")
+
+
+@functools.lru_cache(maxsize=CACHE_SIZE)
+def _guided_grammar(kind: str, text: str, param: str) -> WireGrammar:
+    """vLLM's guided regex, choice (one of the strings, whole) and EBNF grammar."""
+    try:
+        if kind == "regex":
+            return _wire(xgr.Grammar.from_regex(text))
+        if kind == "choice":  # JSON string literals are EBNF string literals
+            return _wire(
+                xgr.Grammar.from_ebnf("root ::= " + " | ".join(map(json.dumps, json.loads(text))))
+            )
+        return _wire(xgr.Grammar.from_ebnf(text))
+    except (RuntimeError, ValueError, TypeError) as exc:
+        raise RequestError(
+            f"The {kind} cannot be enforced: {_reason(exc)}",
+            400,
+            "invalid_request_error",
+            param,
+            "invalid_" + kind,
+        ) from None
 
 
 def _wire(grammar: xgr.Grammar) -> WireGrammar:
