@@ -273,6 +273,8 @@ class Tokenizer:
             return str(self._template.render(**context))
         except jinja2.exceptions.TemplateError as exc:
             raise TokenizerError(f"chat template error: {exc}") from exc
+        except Exception as exc:  # the request's values (chat_template_kwargs) met the template
+            raise TokenizerError(f"chat template error: {type(exc).__name__}: {exc}") from exc
 
     def encode_user_turn(self, content: str) -> list[int]:
         """One user message in the chat template (generation prompt added), encoded as the

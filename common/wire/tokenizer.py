@@ -123,6 +123,12 @@ class GenerateRequest(Message):
     # Sampling fields the client left unset (of common.generation_defaults.SAMPLING_KEYS): the
     # tokenizer gives them the model's generation_config values, as vLLM does.
     sampling_unset: list[str] = field(default_factory=list)
+    # vLLM's chat-template controls: end with the assistant header (the default), or continue
+    # the final (assistant) message as written (prefill); extra template variables as a JSON
+    # object (``chat_template_kwargs``, and ``documents``).
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: str = ""
 
     def __post_init__(self) -> None:
         require(

@@ -202,6 +202,9 @@ class MeshClient:
             tools=api.tools,
             max_tokens_chosen=api.max_tokens_chosen,
             sampling_unset=api.sampling_unset,
+            add_generation_prompt=api.add_generation_prompt,
+            continue_final_message=api.continue_final_message,
+            chat_template_kwargs=api.chat_template_kwargs,
         )
         payload = request.encode()
         headers = inject(None)  # the trace context of gateway.request

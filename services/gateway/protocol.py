@@ -12,6 +12,7 @@ model, as in vLLM).
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -29,6 +30,10 @@ from services.gateway.structured import (
 Kind = Literal["completion", "chat"]
 
 MAX_TOKEN_ID = 2**31 - 1
+# What a chat template gets from the request itself (chat_template_kwargs may not set them)
+TEMPLATE_VARIABLES = frozenset(
+    {"messages", "tools", "add_generation_prompt", "continue_final_message", "documents"}
+)
 # vLLM sampling extensions this server does not implement (a non-empty value is a 400)
 UNSUPPORTED_SAMPLING = (
     "allowed_token_ids",
@@ -88,6 +93,10 @@ class ApiRequest:
     max_tokens_chosen: bool = True  # False: a chat default, cut to what the context leaves
     # the SAMPLING_KEYS the body left unset: the model's generation_config may fill them
     sampling_unset: list[str] = dataclasses.field(default_factory=list)
+    # chat only: vLLM's template controls (``GenerateRequest``)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: str = ""
 
 
 def parse_completion(raw: Any, config: GatewayConfig) -> ApiRequest:
@@ -134,8 +143,53 @@ def parse_chat(raw: Any, config: GatewayConfig) -> ApiRequest:
     logprobs = (top_logprobs or 0) if want_logprobs else None
     api = finish(body, "chat", model, n, max_tokens, logprobs, config, messages=messages)
     return dataclasses.replace(
-        api, response_format=response_format, tools=tools, max_tokens_chosen=chosen
+        api,
+        response_format=response_format,
+        tools=tools,
+        max_tokens_chosen=chosen,
+        **parse_template_controls(body, messages),
     )
+
+
+def parse_template_controls(body: Body, messages: list[ChatMessage]) -> dict[str, Any]:
+    """vLLM's ``add_generation_prompt``, ``continue_final_message`` (assistant prefill),
+    ``chat_template_kwargs`` and ``documents``, checked as vLLM checks them."""
+    if body.boolean("echo", False):
+        raise bad_request("'echo' is not supported.", "echo", "unsupported_parameter")
+    add = body.boolean("add_generation_prompt", True)
+    cont = body.boolean("continue_final_message", False)
+    if add and cont:
+        raise bad_request(
+            "'continue_final_message' continues the final message: it needs "
+            "'add_generation_prompt': false.",
+            "continue_final_message",
+        )
+    if cont and messages[-1].role != "assistant":
+        raise bad_request(
+            "'continue_final_message' needs a final assistant message to continue.",
+            "continue_final_message",
+        )
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        kwargs = {}
+    if not isinstance(kwargs, dict):
+        raise wrong_type("chat_template_kwargs", "an object", kwargs)
+    for key in kwargs:
+        if key in TEMPLATE_VARIABLES:
+            raise bad_request(
+                f"'chat_template_kwargs' may not set '{key}': the request's own field does.",
+                f"chat_template_kwargs.{key}",
+            )
+    documents = body.get("documents")
+    if documents is not None:
+        if not isinstance(documents, list) or not all(isinstance(d, dict) for d in documents):
+            raise wrong_type("documents", "a list of objects", documents)
+        kwargs = {**kwargs, "documents": documents}
+    return {
+        "add_generation_prompt": add,
+        "continue_final_message": cont,
+        "chat_template_kwargs": json.dumps(kwargs) if kwargs else "",
+    }
 
 
 def finish(

@@ -100,9 +100,9 @@ class TokenizerService:
         """The prompt's token ids, and the request field they came from (for error params)."""
         try:
             if req.messages is not None:
-                messages, tools = self.chat_input(req)
-                text = self.tokenizer.apply_chat_template(messages, tools=tools)
-                return self.tokenizer.encode(text, add_special_tokens=False), "messages"
+                return self.tokenizer.encode(self.render_chat(req), add_special_tokens=False), (
+                    "messages"
+                )
             if req.prompt_token_ids is not None:
                 vocab = self.tokenizer.vocab_size
                 bad = [t for t in req.prompt_token_ids if not 0 <= t < vocab]
@@ -116,6 +116,35 @@ class TokenizerService:
         except TokenizerError as exc:
             raise RequestError(str(exc), param="messages") from exc
         raise RequestError("the request has neither a prompt nor messages", param="prompt")
+
+    def render_chat(self, req: GenerateRequest) -> str:
+        """The chat template's prompt text, with vLLM's controls: ``add_generation_prompt``,
+        ``chat_template_kwargs`` (never over the template's own variables), and
+        ``continue_final_message``, which cuts the text where the final message's content
+        ends, so that the model continues it (no end-of-turn after it)."""
+        messages, tools = self.chat_input(req)
+        kwargs = json.loads(req.chat_template_kwargs) if req.chat_template_kwargs else {}
+        if not isinstance(kwargs, dict):
+            raise RequestError("chat_template_kwargs must be an object", param="messages")
+        for name in ("messages", "tools", "add_generation_prompt"):  # the request's own
+            kwargs.pop(name, None)
+        text = self.tokenizer.apply_chat_template(
+            messages,
+            req.add_generation_prompt and not req.continue_final_message,
+            tools=tools,
+            **kwargs,
+        )
+        if req.continue_final_message:
+            final = messages[-1]["content"]
+            end = text.rfind(final) if final else -1
+            if end < 0:
+                raise RequestError(
+                    "The chat template does not render the final message's content as given, "
+                    "so it cannot be continued.",
+                    param="continue_final_message",
+                )
+            text = text[: end + len(final)]
+        return text
 
     def chat_input(
         self, req: GenerateRequest

@@ -1,0 +1,91 @@
+"""vLLM's chat-template controls: add_generation_prompt, continue_final_message (assistant
+prefill), chat_template_kwargs and documents. They were accepted and ignored: the template
+always ended with a fresh assistant turn."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from common.config import MeshConfig
+from common.runtime import RequestError
+from common.wire.tokenizer import ChatMessage, GenerateRequest, WireSamplingParams
+from services.gateway import GatewayConfig
+from services.gateway.protocol import parse_chat
+from services.tokenizer.service import TokenizerConfig, TokenizerService
+from tests.models import set_chat_template
+
+CONFIG = GatewayConfig(served_model_name="m")
+PREFILL = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "The answer is"}]
+
+
+def rendered(service: TokenizerService, body: dict[str, Any]) -> str:
+    api = parse_chat(body, CONFIG)
+    assert api.messages is not None
+    req = GenerateRequest(
+        "r", "inbox", WireSamplingParams(), messages=api.messages,
+        add_generation_prompt=api.add_generation_prompt,
+        continue_final_message=api.continue_final_message,
+        chat_template_kwargs=api.chat_template_kwargs,
+    )  # fmt: skip
+    return service.render_chat(req)
+
+
+@pytest.fixture(scope="module")
+def service(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> TokenizerService:
+    folder = tmp_path_factory.mktemp("controls") / "model"
+    shutil.copytree(tiny_llama, folder)
+    set_chat_template(
+        folder,
+        "{{ greeting | default('') }}{% for d in documents or [] %}[{{ d['text'] }}]{% endfor %}"
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+    )
+    return TokenizerService(TokenizerConfig(MeshConfig(), str(folder)))
+
+
+def test_the_final_assistant_message_is_continued(service: TokenizerService) -> None:
+    body = {"messages": PREFILL, "add_generation_prompt": False, "continue_final_message": True}
+    text = rendered(service, body)
+    assert text.endswith("<|im_start|>assistant\nThe answer is")  # no end of turn after it
+    assert rendered(service, {"messages": PREFILL}).endswith("<|im_start|>assistant\n")
+
+
+def test_without_a_generation_prompt_and_with_template_variables(service) -> None:
+    user = [{"role": "user", "content": "Hi"}]
+    assert rendered(service, {"messages": user, "add_generation_prompt": False}).endswith(
+        "Hi<|im_end|>\n"
+    )
+    body = {
+        "messages": user,
+        "chat_template_kwargs": {"greeting": "Hello! "},
+        "documents": [{"text": "doc one"}],
+    }
+    assert rendered(service, body).startswith("Hello! [doc one]<|im_start|>user")
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"continue_final_message": True}, "continue_final_message"),  # with the default add
+        ({"add_generation_prompt": False, "continue_final_message": True,
+          "messages": [{"role": "user", "content": "x"}]}, "continue_final_message"),
+        ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs.messages"),
+        ({"chat_template_kwargs": [1]}, "chat_template_kwargs"),
+        ({"documents": "x"}, "documents"),
+        ({"echo": True}, "echo"),
+    ],
+)  # fmt: skip
+def test_bad_controls_are_a_400_naming_them(extra: dict[str, Any], param: str) -> None:
+    with pytest.raises(RequestError) as info:
+        parse_chat({"messages": PREFILL, **extra}, CONFIG)
+    assert info.value.status == 400 and info.value.param == param
+
+
+def test_the_messages_reach_the_tokenizer_as_parsed() -> None:
+    api = parse_chat({"messages": PREFILL}, CONFIG)
+    assert api.messages == [ChatMessage("user", "Hi"), ChatMessage("assistant", "The answer is")]
+    assert (api.add_generation_prompt, api.continue_final_message) == (True, False)
