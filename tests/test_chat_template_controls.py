@@ -29,7 +29,7 @@ def rendered(service: TokenizerService, body: dict[str, Any]) -> str:
         "r", "inbox", WireSamplingParams(), messages=api.messages,
         add_generation_prompt=api.add_generation_prompt,
         continue_final_message=api.continue_final_message,
-        chat_template_kwargs=api.chat_template_kwargs,
+        chat_template_kwargs=api.chat_template_kwargs, tools=api.tools,
     )  # fmt: skip
     return service.render_chat(req)
 
@@ -89,3 +89,30 @@ def test_the_messages_reach_the_tokenizer_as_parsed() -> None:
     api = parse_chat({"messages": PREFILL}, CONFIG)
     assert api.messages == [ChatMessage("user", "Hi"), ChatMessage("assistant", "The answer is")]
     assert (api.add_generation_prompt, api.continue_final_message) == (True, False)
+
+
+ALTERNATING = (  # Llama 2's rule: one optional system turn, then user/assistant in turn
+    "{% if messages[0]['role'] == 'system' %}{% set turns = messages[1:] %}"
+    "{% set system = messages[0]['content'] %}{% else %}{% set turns = messages %}"
+    "{% set system = '' %}{% endif %}{% for m in turns %}"
+    "{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate') }}{% endif %}"
+    "{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}[SYS {{ system }}]"
+)
+
+
+def test_tools_on_a_template_without_them_join_the_system_turn(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    """The tools' hermes preamble went in as a second system turn: a template that checks
+    roles alternate refused every tool request that had a system message of its own."""
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_llama, folder)
+    set_chat_template(folder, ALTERNATING)
+    service = TokenizerService(TokenizerConfig(MeshConfig(), str(folder)))
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    text = rendered(service, {"messages": messages, "tools": [tool]})
+    assert "get_weather" in text and text.endswith("\n\nBe brief.]")
+    text = rendered(service, {"messages": messages[1:], "tools": [tool]})  # none of its own
+    assert "get_weather" in text and text.startswith("user: Hi\n")

@@ -151,13 +151,20 @@ class TokenizerService:
     ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
         """The messages and tools as the chat template reads them (transformers' shapes).
         Tools go to a template that renders them; one that does not gets them as a system
-        message in the hermes format (the gateway then parses that format)."""
+        message in the hermes format (the gateway then parses that format), put before the
+        request's own system message, in the same turn: a second system turn breaks templates
+        that check the roles alternate (Llama 2, Mistral)."""
         messages = [chat_turn(m) for m in req.messages or []]
         tools = None
         if req.tools is not None and req.tools.mode != "none":
             tools = json.loads(req.tools.tools)
             if not renders_tools(self.tokenizer.chat_template):
-                messages.insert(0, {"role": "system", "content": hermes_preamble(tools)})
+                preamble = hermes_preamble(tools)
+                if messages and messages[0]["role"] == "system":
+                    own = messages[0]["content"]
+                    messages[0] = {**messages[0], "content": f"{preamble}\n\n{own}"}
+                else:
+                    messages.insert(0, {"role": "system", "content": preamble})
                 tools = None
         return messages, tools
 
