@@ -186,7 +186,10 @@ class ResponseBuilder:
             choice.usage = delta.usage
         if delta.finish_reason is not None:
             reason = delta.finish_reason
-            if choice.tools is not None and choice.tools.calls and reason == "stop":
+            # "tool_calls" for calls the model chose (auto, required); a named tool_choice
+            # ends with "stop", as OpenAI's and vLLM's do
+            named = self.api.tools is not None and self.api.tools.mode == "function"
+            if choice.tools is not None and choice.tools.calls and reason == "stop" and not named:
                 reason = "tool_calls"
             choice.finish_reason = reason
             empty: Json = {"delta": {}} if self.chat else {"text": ""}
