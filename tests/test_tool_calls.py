@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from common.tool_formats import HERMES, LLAMA3_JSON, detect_tool_format
+from common.tool_formats import HERMES, LLAMA3_JSON, MISTRAL, detect_tool_format
 from services.gateway.tool_calls import CallDelta, ToolCall, ToolCallParser
 from tests.models import CHATML, QWEN_TOOLS
 
@@ -89,3 +89,44 @@ def test_llama3_json_calls(size):
     ]
     text, calls = feed_all(ToolCallParser(LLAMA3_JSON, NAMES), ["It is ", "sunny."])
     assert (text, calls) == ("It is sunny.", [])
+
+
+# Mistral v0.3's template as its tokenizer_config.json has it, cut to the parts that matter
+MISTRAL_V03 = (
+    "{%- if tools is not none and (message == user_messages[-1]) %}"
+    "{{- '[AVAILABLE_TOOLS] [' }}{{- '[/AVAILABLE_TOOLS]' }}{%- endif %}"
+    "{%- for tool_call in message.tool_calls %}"
+    "{%- if not tool_call.id is defined or tool_call.id|length != 9 %}"
+    "{{- raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}"
+    "{%- endif %}{%- endfor %}{{- '[TOOL_CALLS] [' }}"
+)
+
+
+@pytest.mark.parametrize("size", [1, 4, 1000])
+def test_mistral_calls(size):
+    """Mistral's format was taken for hermes: its calls came back as content, and their ids
+    (call_ + 24 hex) made its template refuse the conversation's next turn."""
+    assert detect_tool_format(MISTRAL_V03) == MISTRAL
+    out = (
+        '[TOOL_CALLS] [{"name": "get_time", "arguments": {"zone": "CET"}}, '
+        '{"name": "get_weather", "arguments": {"city": "Oslo"}}]'
+    )
+    for written in (out, out.removeprefix("[TOOL_CALLS] ")):  # the marker is a special token
+        text, calls = feed_all(ToolCallParser(MISTRAL, NAMES), pieces_of(written, size))
+        assert text == ""
+        assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+            ("get_time", {"zone": "CET"}),
+            ("get_weather", {"city": "Oslo"}),
+        ]
+        assert all(len(c.id) == 9 and c.id.isalnum() for c in calls)
+    text, calls = feed_all(ToolCallParser(MISTRAL, NAMES), ["[Note] it ", "is sunny."])
+    assert (text, calls) == ("[Note] it is sunny.", [])  # not calls: content, as written
+
+
+def test_a_forced_mistral_call_is_an_array_of_calls():
+    from common.wire.tokenizer import ToolChoice
+    from services.tokenizer.grammars import grammar_for
+
+    tools = json.dumps([{"type": "function", "function": {"name": "get_time"}}])
+    grammar = grammar_for(None, ToolChoice(tools, "required"), MISTRAL)
+    assert grammar is not None and '"["' in grammar.ebnf

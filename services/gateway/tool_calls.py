@@ -11,11 +11,20 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
+import string
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from common.tool_formats import HERMES_CLOSE, HERMES_OPEN, LLAMA3_JSON, LLAMA3_PYTHON_TAG
+from common.tool_formats import (
+    HERMES_CLOSE,
+    HERMES_OPEN,
+    LLAMA3_JSON,
+    LLAMA3_PYTHON_TAG,
+    MISTRAL,
+    MISTRAL_TOOL_CALLS,
+)
 
 
 @dataclass
@@ -45,11 +54,18 @@ class CallDelta:
     arguments: str = ""
 
 
-def new_call_id() -> str:
+def new_call_id(tool_format: str = "") -> str:
+    """OpenAI's ``call_<24 hex>``; 9 letters and digits for Mistral, whose chat templates
+    refuse any other id when the call comes back in the conversation."""
+    if tool_format == MISTRAL:
+        return "".join(secrets.choice(ID_ALPHABET) for _ in range(9))
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def parse_call(text: str, names: set[str]) -> ToolCall | None:
+ID_ALPHABET = string.ascii_letters + string.digits
+
+
+def parse_call(text: str, names: set[str], tool_format: str = "") -> ToolCall | None:
     """``{"name": ..., "arguments"|"parameters": {...}}`` naming one of ``names``, or None."""
     try:
         value = json.loads(text)
@@ -65,7 +81,8 @@ def parse_call(text: str, names: set[str]) -> ToolCall | None:
             return None
     if not isinstance(arguments, dict):
         return None
-    return ToolCall(new_call_id(), value["name"], json.dumps(arguments, ensure_ascii=False))
+    arguments_text = json.dumps(arguments, ensure_ascii=False)
+    return ToolCall(new_call_id(tool_format), value["name"], arguments_text)
 
 
 def held_prefix(text: str, tag: str) -> int:
@@ -117,10 +134,13 @@ class ToolCallParser:
     hermes: a call opens (id, name) as soon as its head ``{"name": ..., "arguments": `` has
     arrived, and its arguments stream as they are generated; a block whose head has another
     shape is parsed whole at its end. llama3_json: text that starts as JSON is held and parsed
-    at the end (several ``;``-separated calls)."""
+    at the end (several ``;``-separated calls). mistral: the same, for text that starts with
+    ``[TOOL_CALLS]`` or a JSON array (of calls)."""
 
     def __init__(self, tool_format: str, names: set[str]) -> None:
-        self.llama = tool_format == LLAMA3_JSON
+        self.tool_format = tool_format
+        self.mistral = tool_format == MISTRAL
+        self.llama = tool_format == LLAMA3_JSON or self.mistral
         self.names = names
         self.buffer = ""
         self.inside = False  # hermes: within <tool_call>...</tool_call>
@@ -163,7 +183,8 @@ class ToolCallParser:
             if self.scanner is None:
                 head = HERMES_HEAD.match(self.buffer)
                 if head is not None and head.group(1) in self.names:
-                    deltas.append(self._add(ToolCall(new_call_id(), head.group(1), "")))
+                    call = ToolCall(new_call_id(self.tool_format), head.group(1), "")
+                    deltas.append(self._add(call))
                     self.scanner = ArgumentsScanner()
                     self.buffer = self.buffer[head.end() :]
             if self.scanner is not None and not self.scanner.done:
@@ -177,11 +198,12 @@ class ToolCallParser:
                 break  # the rest of the block (or the arguments) is still to come
             taken = end + len(HERMES_CLOSE) if end >= 0 else len(self.buffer)
             if self.scanner is None:  # not the usual head: the block parses whole, or is text
-                call = parse_call(self.buffer[: end if end >= 0 else None].strip(), self.names)
-                if call is None:
+                block = self.buffer[: end if end >= 0 else None].strip()
+                parsed = parse_call(block, self.names, self.tool_format)
+                if parsed is None:
                     content.append(HERMES_OPEN + self.buffer[:taken])
                 else:
-                    deltas.append(self._add(call))
+                    deltas.append(self._add(parsed))
             self.buffer = self.buffer[taken:]
             self.inside = False
             self.scanner = None
@@ -195,13 +217,16 @@ class ToolCallParser:
             if not head:
                 return "", []
             self.undecided = False
-            self.plain = not head.startswith(("{", LLAMA3_PYTHON_TAG))
+            starts = ("[", MISTRAL_TOOL_CALLS) if self.mistral else ("{", LLAMA3_PYTHON_TAG)
+            self.plain = not head.startswith(starts)
         if self.plain:
             text, self.buffer = self.buffer, ""
             return text, []
         return "", []  # a call: held to the end, then parsed whole
 
     def _llama_calls(self, text: str) -> list[ToolCall] | None:
+        if self.mistral:
+            return self._mistral_calls(text)
         body = text.strip().removeprefix(LLAMA3_PYTHON_TAG).strip()
         decoder = json.JSONDecoder()
         calls = []
@@ -210,9 +235,28 @@ class ToolCallParser:
                 _, end = decoder.raw_decode(body)
             except ValueError:
                 return None
-            call = parse_call(body[:end], self.names)
+            call = parse_call(body[:end], self.names, self.tool_format)
             if call is None:
                 return None
             calls.append(call)
             body = body[end:].lstrip().removeprefix(";").lstrip()
         return calls or None
+
+    def _mistral_calls(self, text: str) -> list[ToolCall] | None:
+        """``[TOOL_CALLS] [{...}, ...]``, the marker optional: every element a call."""
+        body = text.strip().removeprefix(MISTRAL_TOOL_CALLS).strip()
+        try:
+            value = json.loads(body)
+        except ValueError:
+            return None
+        if isinstance(value, dict):
+            value = [value]
+        if not isinstance(value, list) or not value:
+            return None
+        calls = []
+        for element in value:
+            call = parse_call(json.dumps(element), self.names, self.tool_format)
+            if call is None:
+                return None
+            calls.append(call)
+        return calls

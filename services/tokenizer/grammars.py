@@ -35,7 +35,7 @@ from typing import Any
 import xgrammar as xgr
 
 from common.runtime import RequestError
-from common.tool_formats import HERMES, HERMES_CLOSE, HERMES_OPEN, arguments_key
+from common.tool_formats import HERMES, HERMES_CLOSE, HERMES_OPEN, MISTRAL, arguments_key
 from common.wire.executor import WireGrammar
 from common.wire.tokenizer import ResponseFormat, ToolChoice
 
@@ -118,7 +118,12 @@ def _tool_grammar(tools_json: str, mode: str, name: str, tool_format: str) -> Wi
         }
         for f in functions
     ]
-    schema = json.dumps(calls[0] if len(calls) == 1 else {"anyOf": calls})
+    one = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    # Mistral's calls are a JSON array (its [TOOL_CALLS] marker is a special token: the
+    # grammar starts at the array); one or more calls, as its parser reads them
+    schema = json.dumps(
+        {"type": "array", "items": one, "minItems": 1} if tool_format == MISTRAL else one
+    )
     try:
         call = _from_schema(schema)
     except (RuntimeError, ValueError, TypeError) as exc:
