@@ -51,6 +51,29 @@ class RopeScaling:
         )
 
 
+def _refuse_what_is_not_computed(raw: dict[str, Any]) -> None:
+    """Config settings transformers honours and this runtime does not: a clear error, where
+    they were read past and the model computed something else (logits off by ~2 at once)."""
+    act = raw.get("hidden_act", raw.get("hidden_activation", "silu"))
+    if act not in ("silu", "swish"):
+        raise ModelError(f"unsupported hidden_act {act!r} (supported: silu)")
+    for flag in ("attention_bias", "mlp_bias"):
+        if raw.get(flag) and raw.get("model_type") != "qwen2":
+            raise ModelError(f"unsupported {flag}: true (this runtime puts no bias there)")
+
+
+def _context_length(raw: dict[str, Any]) -> int:
+    """``max_position_embeddings``, cut to the attention window where one applies (Mistral
+    v0.1's ``sliding_window: 4096``; Qwen2's only with ``use_sliding_window``): within it
+    a sliding window changes nothing, and attention here is never windowed."""
+    length = int(raw.get("max_position_embeddings", 2048))
+    window = raw.get("sliding_window")
+    windowed = raw.get("use_sliding_window", False) if raw.get("model_type") == "qwen2" else True
+    if windowed and isinstance(window, int) and not isinstance(window, bool) and window > 0:
+        return min(length, window)
+    return length
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     model_type: str
@@ -112,6 +135,7 @@ class ModelConfig:
                 f"{raw.get('architectures')}); supported: "
                 f"{', '.join(sorted(SUPPORTED_MODEL_TYPES))}"
             )
+        _refuse_what_is_not_computed(raw)
         try:
             eos = raw.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
@@ -125,7 +149,7 @@ class ModelConfig:
                 num_key_value_heads=int(
                     raw.get("num_key_value_heads") or raw["num_attention_heads"]
                 ),
-                max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+                max_position_embeddings=_context_length(raw),
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
                 rope_theta=float(
                     raw.get("rope_theta")
