@@ -11,6 +11,7 @@ and /metrics behind the same API keys as /v1 (no NATS needed: the routes are all
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -110,3 +111,72 @@ async def test_metrics_need_an_api_key_when_keys_are_set(with_keys: Client):
 async def test_metrics_are_open_without_keys(without_keys: Client):
     async with without_keys.get("/metrics") as resp:
         assert resp.status == 200
+
+
+async def test_the_bearer_scheme_is_read_as_rfc_9110_says(with_keys: Client):
+    """The scheme is case-insensitive ("bearer k1" was a 401), and a header without one is no
+    bearer token (a bare "k1" was accepted)."""
+    for header, status in (
+        ("bearer k1", 200), ("BEARER  k2", 200), ("Bearer k1", 200),
+        ("k1", 401), ("Basic k1", 401), ("Bearer", 401),
+    ):  # fmt: skip
+        async with with_keys.get("/metrics", headers={"Authorization": header}) as resp:
+            assert resp.status == status, header
+
+
+async def test_cross_site_simple_bodies_are_refused(without_keys: Client):
+    """A web page can POST text/plain or a form to a local server without asking first (no
+    CORS preflight): parsed as JSON, it spent the mesh for any site the user opened."""
+    body = '{"prompt": "x", "max_tokens": 4}'
+    for content_type in ("text/plain;charset=UTF-8", "application/x-www-form-urlencoded"):
+        headers = {"Content-Type": content_type, "Origin": "https://elsewhere.example"}
+        async with without_keys.post("/v1/completions", data=body, headers=headers) as resp:
+            assert resp.status == 415, content_type
+            error = (await resp.json())["error"]
+            assert (
+                error["code"] == "unsupported_media_type" and "application/json" in error["message"]
+            )
+
+
+async def test_a_clients_request_id_comes_back_on_every_response(without_keys: Client):
+    """vLLM echoes X-Request-Id (--enable-request-id-headers); errors carried none at all,
+    and the OpenAI SDK's APIStatusError.request_id was always None."""
+    headers = {"X-Request-Id": "client-42", "Content-Type": "application/json"}
+    async with without_keys.post("/v1/completions", data="{bad", headers=headers) as resp:
+        assert resp.status == 400 and resp.headers["X-Request-Id"] == "client-42"
+    async with without_keys.get("/v1/models", headers={"X-Request-Id": "client-43"}) as resp:
+        assert resp.status == 200 and resp.headers["X-Request-Id"] == "client-43"
+    async with without_keys.get("/v1/models", headers={"X-Request-Id": "has space"}) as resp:
+        assert "X-Request-Id" not in resp.headers  # (not a token: not echoed)
+
+
+async def test_a_served_model_name_with_a_slash_has_its_models_route() -> None:
+    config = GatewayConfig(
+        mesh=MeshConfig(instance_id="gw-slash"), host="127.0.0.1",
+        served_model_name="Qwen/Qwen2.5-0.5B-Instruct",
+    )  # fmt: skip
+    app = build_app(config, MeshClient(config))
+    async with (
+        TestClient(TestServer(app)) as client,
+        client.get("/v1/models/Qwen/Qwen2.5-0.5B-Instruct") as resp,
+    ):
+        assert resp.status == 200 and (await resp.json())["id"] == config.served_model_name
+
+
+async def test_a_body_that_stops_arriving_is_a_408(
+    without_keys: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An upload that stalls held its connection and handler without any limit."""
+    from services.gateway import app
+
+    monkeypatch.setattr(app, "BODY_TIMEOUT_S", 0.3)
+    server = without_keys.server
+    reader, writer = await asyncio.open_connection(server.host, server.port)
+    writer.write(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b'Content-Length: 100\r\n\r\n{"pro'
+    )
+    await writer.drain()
+    status_line = await asyncio.wait_for(reader.readline(), 5)
+    writer.close()
+    assert b" 408 " in status_line

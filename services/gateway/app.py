@@ -9,6 +9,7 @@ aggregate one JSON response; whatever ends the request (done, error, timeout, cl
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -99,8 +100,11 @@ def bearer_token(header: str) -> bytes | None:
     UTF-8 (``Bearer \\xff``) holds lone surrogates that a plain ``encode()`` refuses; encoding
     back the same way recovers the original bytes, which then simply fail to match a key.
     """
+    scheme, _, token = header.strip().partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():  # (RFC 9110: any case, a token)
+        return None
     try:
-        return header.removeprefix("Bearer ").strip().encode("utf-8", "surrogateescape")
+        return token.strip().encode("utf-8", "surrogateescape")
     except UnicodeEncodeError:  # a surrogate that was not an escaped byte: matches no key
         return None
 
@@ -123,7 +127,23 @@ def require_api_key(keys: tuple[str, ...]) -> Any:
     return check
 
 
+# The content types a browser sends cross-site without asking first (CORS "simple" requests):
+# parsed as JSON, they let any web page the user opens spend the mesh's GPUs (vLLM's FastAPI
+# routes do not parse them either)
+SIMPLE_CONTENT_TYPES = ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data")
+BODY_TIMEOUT_S = 60.0  # a body still arriving after this is a 408 (a slow upload holds a slot)
+
+
 async def read_json(request: web.Request, limit: int) -> Any:
+    if request.content_type in SIMPLE_CONTENT_TYPES:
+        raise RequestError(
+            f"Send the body as JSON ('Content-Type: application/json'), not "
+            f"{request.content_type!r}.",
+            415,
+            "invalid_request_error",
+            None,
+            "unsupported_media_type",
+        )
     too_large = RequestError(
         f"The request body is larger than the limit of {limit} bytes.",
         413,
@@ -134,9 +154,18 @@ async def read_json(request: web.Request, limit: int) -> Any:
     if request.content_length is not None and request.content_length > limit:
         raise too_large
     try:
-        raw = await request.read()  # aiohttp enforces client_max_size on bodies of unknown size
+        async with asyncio.timeout(BODY_TIMEOUT_S):
+            raw = await request.read()  # aiohttp enforces client_max_size on unknown sizes
     except web.HTTPRequestEntityTooLarge:
         raise too_large from None
+    except TimeoutError:
+        raise RequestError(
+            f"The request body did not arrive within {BODY_TIMEOUT_S:g} s.",
+            408,
+            "invalid_request_error",
+            None,
+            "request_timeout",
+        ) from None
     try:
         body = json.loads(raw)
     except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
@@ -277,15 +306,28 @@ def build_app(config: GatewayConfig, mesh: MeshClient) -> web.Application:
     if config.api_keys:
         middlewares.append(require_api_key(config.api_keys))
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=middlewares)
+    app.on_response_prepare.append(echo_request_id)
     routes = Routes(config, mesh)
     app.router.add_post("/v1/completions", routes.completions)
     app.router.add_post("/v1/chat/completions", routes.chat)
     app.router.add_get("/v1/models", routes.models)
-    app.router.add_get("/v1/models/{model}", routes.model)
+    app.router.add_get("/v1/models/{model:.+}", routes.model)  # (names hold a "/")
     app.router.add_get("/health", routes.health)
     app.router.add_get("/metrics", metrics_handler(mesh.service.registry))
     app.router.add_get("/openapi.json", openapi)
     return app
+
+
+CLIENT_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")  # printable, no spaces, bounded
+
+
+async def echo_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    """A client's ``X-Request-Id`` comes back on every response, errors included, as vLLM's
+    ``--enable-request-id-headers`` gives it (the mesh keeps its own unique ids); without
+    one, a completion's response carries its own id."""
+    given = request.headers.get("X-Request-Id", "")
+    if CLIENT_REQUEST_ID.fullmatch(given):
+        response.headers["X-Request-Id"] = given
 
 
 async def openapi(request: web.Request) -> web.Response:
