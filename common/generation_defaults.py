@@ -19,20 +19,30 @@ log = logging.getLogger("meshserve.generation_defaults")
 
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
+# vLLM only asks repetition_penalty > 0, but the sampler divides a seen token's positive logit
+# by it (and every logit by a temperature down to 1e-5): at 1e-40 that overflows fp32 and the
+# logprobs are NaN (1e-30 already gives logprobs of -4e31). 0.01 multiplies a seen token's logit
+# by at most 100, which already makes the model repeat what it has seen, and keeps logits
+# finite (|logit| * 100 * 1e5 stays far below fp32's 3.4e38 for any logit a model produces).
+MIN_REPETITION_PENALTY = 0.01
+# (low, high, low excluded) of each number a client may send (the gateway's check) and a
+# model's generation_config may set; top_k is any integer from -1
+SAMPLING_RANGES: dict[str, tuple[float, float, bool]] = {
+    "temperature": (0.0, 2.0, False),
+    "top_p": (0.0, 1.0, True),
+    "min_p": (0.0, 1.0, False),
+    "repetition_penalty": (MIN_REPETITION_PENALTY, 2.0, False),
+}
+
 
 def _valid(key: str, value: Any) -> bool:
-    """The gateway's ranges for the key (a value it would refuse from a client is ignored)."""
+    """In the range a client may send (a value the gateway would refuse is ignored)."""
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         return False
     if key == "top_k":
         return isinstance(value, int) and value >= -1
-    low, high = {
-        "temperature": (0.0, 2.0),
-        "top_p": (1e-9, 1.0),
-        "min_p": (0.0, 1.0),
-        "repetition_penalty": (0.01, 2.0),
-    }[key]
-    return low <= value <= high
+    low, high, low_open = SAMPLING_RANGES[key]
+    return (low < value if low_open else low <= value) and value <= high
 
 
 def sampling_defaults(folder: Path) -> dict[str, Any]:

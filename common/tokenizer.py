@@ -24,6 +24,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _Backend
 
 from common.token_bytes import TokenBytes
+from common.wire.detokenizer import PROMPT_TAIL_TOKENS
 
 __all__ = ["IncrementalDetokenizer", "Tokenizer", "TokenizerError"]
 
@@ -305,7 +306,7 @@ class IncrementalDetokenizer:
     ``prompt_ids`` (optional) seeds the context with the prompt's last few ids.
     """
 
-    CONTEXT_TOKENS = 5
+    CONTEXT_TOKENS = PROMPT_TAIL_TOKENS  # (what an executor sends of the prompt)
 
     def __init__(
         self,

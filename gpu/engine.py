@@ -30,7 +30,7 @@ from gpu.config import ModelError
 from gpu.overlap import OverlappedSteps, overlap_blocker
 from gpu.page_manager import KVEvent, PageManager
 from gpu.runner import ModelRunner
-from gpu.sampling import LOGPROBS_MODES, SampledOnHost, Sampler, SamplerInput, SamplerOutput
+from gpu.sampling import SampledOnHost, Sampler, SamplerInput, SamplerOutput
 from gpu.sampling_params import SamplingParams, make_generator, skip_draws
 from gpu.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from gpu.sequence import FinishReason, SeqStatus, Sequence
@@ -51,15 +51,13 @@ class EngineConfig:
     # Queue each step before reading the last one's tokens (gpu/overlap.py): a step() then
     # returns the tokens of the step before it.
     overlap_steps: bool = False
-    # What logprobs are taken from (gpu/sampling.py): the model's logits ("raw", vLLM's
-    # default) or those sampled from ("processed")
+    # What logprobs are taken from (gpu/sampling.py, which checks it): the model's logits
+    # ("raw", vLLM's default) or those sampled from ("processed")
     logprobs_mode: str = "raw"
 
     def __post_init__(self) -> None:
         if self.num_speculative_tokens < 0:
             raise ValueError("num_speculative_tokens must be >= 0")
-        if self.logprobs_mode not in LOGPROBS_MODES:
-            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}")
 
     @property
     def scheduler(self) -> SchedulerConfig:

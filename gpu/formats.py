@@ -11,6 +11,8 @@ KV_CACHE_DTYPES = ("auto", "fp8")
 # Decode steps of up to 8 tokens on CUDA: off; matmuls (the linears through Triton's
 # matrix-vector kernel, gpu/triton_gemv.py); layers (their norms, SiLU and residual adds too).
 TRITON_GEMV_MODES = ("off", "matmuls", "layers")
+# What logprobs are taken from (gpu/sampling.py): the model's logits, or those sampled from.
+LOGPROBS_MODES = ("raw", "processed")
 
 
 def check_quantization(quantization: str) -> str:

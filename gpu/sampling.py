@@ -83,11 +83,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from gpu.formats import LOGPROBS_MODES
 from gpu.logits_filters import apply_logit_bias, apply_penalties, ban_tokens, filter_cutoffs
 from gpu.sampling_params import SamplingParams
 from gpu.transfers import HostCopy, to_device
-
-LOGPROBS_MODES = ("raw", "processed")
 
 
 @dataclass
@@ -114,7 +113,9 @@ class SamplerInput:
         """Row -> the stop tokens it may not sample now (rows under their min_tokens). A
         constrained row is left to its grammar: a document complete before min_tokens allows
         nothing but a stop token, and banning it too would leave the row no token at all."""
-        out = {}
+        out: dict[int, tuple[int, ...]] = {}
+        if not any(p.min_tokens for p in self.params):  # (every step: the usual answer)
+            return out
         constrained = set(self.masked_rows)
         for i, p in enumerate(self.params):
             if (

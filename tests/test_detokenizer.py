@@ -305,6 +305,30 @@ def spm_like(tmp_path_factory: pytest.TempPathFactory, tiny_llama):
     return write_tokenizer_folder(folder, train_sentencepiece_like(), bos="<s>", eos="</s>")
 
 
+async def deltas_of(
+    nats_url: str, model, monkeypatch, seqs: list[SeqTokens], others: list[object] | None = None
+) -> list[TextDelta]:
+    """Every delta a fresh detokenizer shard sends for ``seqs``, one step each; what else it
+    publishes (aborts) goes to ``others``."""
+    svc = DetokenizerService(DetokenizerConfig(MeshConfig(nats_url), str(model)))
+    await svc.svc.connect()
+    sent: list[bytes] = []
+
+    async def publish(subject: str, message: object, *args, **kwargs) -> None:
+        if isinstance(message, bytes):  # the deltas (encoded); an abort goes out as is
+            sent.append(message)
+        elif others is not None:
+            others.append(message)
+
+    monkeypatch.setattr(svc.svc, "publish", publish)
+    try:
+        for seq in seqs:
+            await svc.on_step(StepTokens("ex", [seq]))
+    finally:
+        await svc.svc.close()
+    return [d for m in sent for d in TextDeltas.decode(m).deltas]
+
+
 async def test_the_first_token_reads_as_it_does_after_the_prompt(
     nats_server, spm_like, monkeypatch
 ):
@@ -324,32 +348,20 @@ async def test_the_first_token_reads_as_it_does_after_the_prompt(
     assert spaced is not None and bare is not None
     assert tok.decode([spaced]) == tok.decode([bare]) == "t"
 
-    svc = DetokenizerService(DetokenizerConfig(MeshConfig(nats_server.url), str(spm_like)))
-    await svc.svc.connect()
-    sent: list[object] = []
-
-    async def publish(subject: str, message: object, *args, **kwargs) -> None:
-        sent.append(message)
-
-    monkeypatch.setattr(svc.svc, "publish", publish)
-    try:
-        for i, token in enumerate(generated):
-            start = None
-            if i == 0:
-                start = StreamStart([], True, len(prompt), 0, reply_to="inbox",
-                                    prompt_tail=prompt[-PROMPT_TAIL_TOKENS:])  # fmt: skip
-            done = "length" if i == len(generated) - 1 else None
-            logprobs = [WireTokenLogprob(token, -0.1, [(spaced, -1.0), (bare, -2.0)])]
-            await svc.on_step(
-                StepTokens("ex", [SeqTokens("r", [token], done, i + 1, start, logprobs)])
-            )
-        deltas = [d for m in sent if isinstance(m, bytes) for d in TextDeltas.decode(m).deltas]
-        assert "".join(d.text for d in deltas) == expected
-        entries = [e for d in deltas for e in d.logprobs or []]
-        assert "".join(e.token for e in entries) == expected
-        assert all(dict(e.top) == {" t": -1.0, "t": -2.0} for e in entries)
-    finally:
-        await svc.svc.close()
+    seqs = []
+    for i, token in enumerate(generated):
+        start = None
+        if i == 0:
+            start = StreamStart([], True, len(prompt), 0, reply_to="inbox",
+                                prompt_tail=prompt[-PROMPT_TAIL_TOKENS:])  # fmt: skip
+        done = "length" if i == len(generated) - 1 else None
+        logprobs = [WireTokenLogprob(token, -0.1, [(spaced, -1.0), (bare, -2.0)])]
+        seqs.append(SeqTokens("r", [token], done, i + 1, start, logprobs))
+    deltas = await deltas_of(nats_server.url, spm_like, monkeypatch, seqs)
+    assert "".join(d.text for d in deltas) == expected
+    entries = [e for d in deltas for e in d.logprobs or []]
+    assert "".join(e.token for e in entries) == expected
+    assert all(dict(e.top) == {" t": -1.0, "t": -2.0} for e in entries)
 
 
 async def test_the_stop_token_that_ends_a_stream_has_no_text(nats_server, tiny_llama, monkeypatch):
@@ -363,23 +375,12 @@ async def test_the_stop_token_that_ends_a_stream_has_no_text(nats_server, tiny_l
     assert len(end) == 1 and tok.decode(end, skip_special_tokens=False) == "<|im_end|>"
 
     async def run(ids: list[int], stop_token: bool, finish: str) -> TextDelta:
-        svc = DetokenizerService(DetokenizerConfig(MeshConfig(nats_server.url), str(tiny_llama)))
-        await svc.svc.connect()
-        sent: list[bytes] = []
-
-        async def publish(subject: str, message: object, *args, **kwargs) -> None:
-            assert isinstance(message, bytes)
-            sent.append(message)
-
-        monkeypatch.setattr(svc.svc, "publish", publish)
-        try:
-            start = StreamStart([], False, 3, 0, reply_to="inbox")
-            lps = [WireTokenLogprob(t, -0.5) for t in ids]
-            seq = SeqTokens("r", ids, finish, len(ids), start, lps, stop_token=stop_token)
-            await svc.on_step(StepTokens("ex", [seq]))
-        finally:
-            await svc.svc.close()
-        (delta,) = [d for m in sent for d in TextDeltas.decode(m).deltas]
+        start = StreamStart([], False, 3, 0, reply_to="inbox")
+        lps = [WireTokenLogprob(t, -0.5) for t in ids]
+        seq = SeqTokens("r", ids, finish, len(ids), start, lps, stop_token=stop_token)
+        others: list[object] = []
+        (delta,) = await deltas_of(nats_server.url, tiny_llama, monkeypatch, [seq], others)
+        assert others == []  # only the delta was published
         return delta
 
     stopped = await run([*words, *end], True, "stop")
@@ -391,25 +392,6 @@ async def test_the_stop_token_that_ends_a_stream_has_no_text(nats_server, tiny_l
     assert kept.text == "Hello world<|im_end|>"
     alone = await run(end, True, "stop")  # the first token already ends it
     assert alone.text == "" and alone.token_ids == end
-
-
-async def deltas_of(nats_url: str, model, monkeypatch, seqs: list[SeqTokens]) -> list[TextDelta]:
-    """Every delta a fresh detokenizer shard sends for ``seqs``, one step each."""
-    svc = DetokenizerService(DetokenizerConfig(MeshConfig(nats_url), str(model)))
-    await svc.svc.connect()
-    sent: list[bytes] = []
-
-    async def publish(subject: str, message: object, *args, **kwargs) -> None:
-        if isinstance(message, bytes):  # the deltas (encoded); an abort goes out as is
-            sent.append(message)
-
-    monkeypatch.setattr(svc.svc, "publish", publish)
-    try:
-        for seq in seqs:
-            await svc.on_step(StepTokens("ex", [seq]))
-    finally:
-        await svc.svc.close()
-    return [d for m in sent for d in TextDeltas.decode(m).deltas]
 
 
 @pytest.mark.parametrize("per_step", [1, 4])

@@ -54,7 +54,7 @@ class StreamStart(Message):
     include_stop_str_in_output: bool = False
 
 
-PROMPT_TAIL_TOKENS = 5  # (common.tokenizer.IncrementalDetokenizer keeps as many as context)
+PROMPT_TAIL_TOKENS = 5  # (common.tokenizer.IncrementalDetokenizer's context)
 
 
 @dataclass(frozen=True)

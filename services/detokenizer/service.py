@@ -103,7 +103,6 @@ class Stream:
     deltas_sent: int = 0  # TextDelta.seq of the last delta sent
     unsent_ids: list[int] = field(default_factory=list)  # received since the last delta sent
     min_tokens: int = 0  # output tokens no stop string may end it within (vLLM's min_tokens)
-    keep_stop: bool = False  # include_stop_str_in_output: the stop string or token stays
 
 
 class DetokenizerService:
@@ -252,7 +251,6 @@ class DetokenizerService:
             ),
             stops=StopMatcher(list(start.stop), include=start.include_stop_str_in_output),
             min_tokens=start.min_tokens,
-            keep_stop=start.include_stop_str_in_output,
             reply_to=start.reply_to,
             prompt_tokens=start.prompt_tokens,
             cached_tokens=start.cached_tokens,
@@ -289,7 +287,8 @@ class DetokenizerService:
         ids, logprobs_in = seq.token_ids, seq.logprobs
         # The stop token that ended it (an EOS, a stop_token_ids entry) has no text in the
         # completion, as in vLLM: "<|im_end|>" with skip_special_tokens off, say.
-        stop_token = seq.stop_token and seq.finish_reason == "stop" and not stream.keep_stop
+        # (include_stop_str_in_output keeps it, as it keeps a stop string)
+        stop_token = seq.stop_token and seq.finish_reason == "stop" and not stream.stops.include
         shown = ids[:-1] if stop_token else ids
         # Of this step's tokens, how many are within min_tokens (no stop string ends there).
         unstoppable = max(0, stream.min_tokens - stream.output_tokens)

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from common.config import MeshConfig, device_setting, model_setting, page_size_setting
 from common.settings import parse, setting
 from common.wire.executor import ROLES
-from gpu.formats import KV_CACHE_DTYPES, QUANTIZATIONS, TRITON_GEMV_MODES
+from gpu.formats import KV_CACHE_DTYPES, LOGPROBS_MODES, QUANTIZATIONS, TRITON_GEMV_MODES
 
 SPECULATORS = ("off", "ngram", "remote")
 
@@ -59,7 +59,7 @@ class ExecutorConfig:
         "raw",
         "what logprobs are taken from: raw: the model's logits (a grammar's mask applied; no "
         "bias, penalty or temperature), vLLM's default; processed: the logits sampled from",
-        choices=("raw", "processed"),
+        choices=LOGPROBS_MODES,
     )
     fused_rope_append: bool = setting(
         False,

@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from common.generation_defaults import SAMPLING_KEYS
+from common.generation_defaults import SAMPLING_KEYS, SAMPLING_RANGES
 from common.runtime import RequestError, context_too_long
 from common.wire.tokenizer import ChatMessage, ResponseFormat, ToolChoice, WireSamplingParams
 from services.gateway.body import Body, bad_request, out_of_range, unicode_text, wrong_type
@@ -53,12 +53,6 @@ ROLES = {
     "tool": "tool",
 }
 
-# vLLM only asks repetition_penalty > 0, but the sampler divides a seen token's positive logit
-# by it (and every logit by a temperature down to 1e-5): at 1e-40 that overflows fp32 and the
-# logprobs are NaN (1e-30 already gives logprobs of -4e31). 0.01 multiplies a seen token's logit
-# by at most 100, which already makes the model repeat what it has seen, and keeps logits
-# finite (|logit| * 100 * 1e5 stays far below fp32's 3.4e38 for any logit a model produces).
-MIN_REPETITION_PENALTY = 0.01
 # Stop strings (the count is --max-stop): the detokenizer scans the held-back text against
 # every stop string at each text delta, at worst about (sum of lengths) x (longest length)
 # character comparisons; 4096 characters in all, 1024 each, bounds that near 0.35 ms a delta
@@ -103,8 +97,6 @@ def parse_completion(raw: Any, config: GatewayConfig) -> ApiRequest:
     body = Body(raw)
     model = parse_model(body, config)
     prompt, token_ids = parse_prompt(body.get("prompt"))
-    if body.boolean("echo", False):
-        raise bad_request("'echo' is not supported.", "echo", "unsupported_parameter")
     if body.get("suffix"):
         raise bad_request("'suffix' is not supported.", "suffix", "unsupported_parameter")
     n = body.integer("n", 1, 1, config.max_n)
@@ -154,8 +146,6 @@ def parse_chat(raw: Any, config: GatewayConfig) -> ApiRequest:
 def parse_template_controls(body: Body, messages: list[ChatMessage]) -> dict[str, Any]:
     """vLLM's ``add_generation_prompt``, ``continue_final_message`` (assistant prefill),
     ``chat_template_kwargs`` and ``documents``, checked as vLLM checks them."""
-    if body.boolean("echo", False):
-        raise bad_request("'echo' is not supported.", "echo", "unsupported_parameter")
     add = body.boolean("add_generation_prompt", True)
     cont = body.boolean("continue_final_message", False)
     if add and cont:
@@ -205,6 +195,8 @@ def finish(
     messages: list[ChatMessage] | None = None,
 ) -> ApiRequest:
     """The fields both endpoints share: streaming and sampling."""
+    if body.boolean("echo", False):
+        raise bad_request("'echo' is not supported.", "echo", "unsupported_parameter")
     stream = body.boolean("stream", False)
     include_usage = parse_stream_options(body, stream)
     body.string("user")  # accepted and ignored, but it must be a string
@@ -472,15 +464,15 @@ def parse_sampling(
     top_k = body.integer("top_k", -1, -1, MAX_INT)
     return WireSamplingParams(
         max_tokens=max_tokens,
-        temperature=body.number("temperature", 1.0, 0.0, 2.0),
-        top_p=body.number("top_p", 1.0, 0.0, 1.0, lo_open=True),
+        temperature=ranged(body, "temperature", 1.0),
+        top_p=ranged(body, "top_p", 1.0),
         top_k=-1 if top_k == 0 else top_k,  # 0 and -1 both mean "no top-k", as in vLLM
-        min_p=body.number("min_p", 0.0, 0.0, 1.0),
+        min_p=ranged(body, "min_p", 0.0),
         # Choice i samples with seed + i (GenerateRequest.choices): room for n of them.
         seed=body.optional_integer("seed", SEED_RANGE[0], SEED_RANGE[1] - config.max_n),
         presence_penalty=body.number("presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=body.number("frequency_penalty", 0.0, -2.0, 2.0),
-        repetition_penalty=body.number("repetition_penalty", 1.0, MIN_REPETITION_PENALTY, 2.0),
+        repetition_penalty=ranged(body, "repetition_penalty", 1.0),
         stop=parse_stop(body, config.max_stop),
         stop_token_ids=parse_token_ids(body, "stop_token_ids"),
         ignore_eos=body.boolean("ignore_eos", False),
@@ -490,3 +482,9 @@ def parse_sampling(
         min_tokens=body.integer("min_tokens", 0, 0, max_tokens),
         include_stop_str_in_output=body.boolean("include_stop_str_in_output", False),
     )
+
+
+def ranged(body: Body, name: str, default: float) -> float:
+    """One of the sampling numbers a model's generation_config may also set, in its range."""
+    low, high, low_open = SAMPLING_RANGES[name]
+    return body.number(name, default, low, high, lo_open=low_open)

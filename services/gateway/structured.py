@@ -64,7 +64,7 @@ def parse_response_format(body: Body) -> ResponseFormat | None:
 # vLLM's structured-output fields (older guided_* and newer structured_outputs.*) -> kind
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
           "guided_grammar": "grammar"}  # fmt: skip
-STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar")
+STRUCTURED_OUTPUT_KINDS = tuple(GUIDED.values())
 
 
 def parse_structured_output(body: Body) -> ResponseFormat | None:

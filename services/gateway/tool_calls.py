@@ -71,6 +71,11 @@ def parse_call(text: str, names: set[str], tool_format: str = "") -> ToolCall | 
         value = json.loads(text)
     except ValueError:
         return None
+    return call_from(value, names, tool_format)
+
+
+def call_from(value: Any, names: set[str], tool_format: str = "") -> ToolCall | None:
+    """``parse_call`` of JSON already decoded."""
     if not isinstance(value, dict) or value.get("name") not in names:
         return None
     arguments = value.get("arguments", value.get("parameters", {}))
@@ -140,24 +145,26 @@ class ToolCallParser:
     def __init__(self, tool_format: str, names: set[str]) -> None:
         self.tool_format = tool_format
         self.mistral = tool_format == MISTRAL
-        self.llama = tool_format == LLAMA3_JSON or self.mistral
+        # llama3_json, mistral: text that starts as a call is held and parsed whole at the end
+        self.whole = tool_format in (LLAMA3_JSON, MISTRAL)
+        self.call_starts = ("[", MISTRAL_TOOL_CALLS) if self.mistral else ("{", LLAMA3_PYTHON_TAG)
         self.names = names
         self.buffer = ""
         self.inside = False  # hermes: within <tool_call>...</tool_call>
         self.scanner: ArgumentsScanner | None = None  # hermes: a call whose arguments stream
-        self.undecided = True  # llama3_json: no text yet that says whether it is a call
-        self.plain = False  # llama3_json: it is content, streamed as it comes
+        self.undecided = True  # whole: no text yet that says whether it is a call
+        self.plain = False  # whole: it is content, streamed as it comes
         self.calls: list[ToolCall] = []
 
     def feed(self, text: str) -> tuple[str, list[CallDelta]]:
         self.buffer += text
-        return self._llama() if self.llama else self._hermes(final=False)
+        return self._whole() if self.whole else self._hermes(final=False)
 
     def finish(self) -> tuple[str, list[CallDelta]]:
-        if not self.llama:
+        if not self.whole:
             return self._hermes(final=True)
         text, self.buffer = self.buffer, ""
-        calls = self._llama_calls(text)
+        calls = self._mistral_calls(text) if self.mistral else self._llama_calls(text)
         if calls is None:
             return text, []
         return "", [self._add(call) for call in calls]
@@ -211,31 +218,28 @@ class ToolCallParser:
             content = [piece for piece in content if piece.strip()]
         return "".join(content), deltas
 
-    def _llama(self) -> tuple[str, list[CallDelta]]:
+    def _whole(self) -> tuple[str, list[CallDelta]]:
         if self.undecided:
             head = self.buffer.lstrip()
             if not head:
                 return "", []
             self.undecided = False
-            starts = ("[", MISTRAL_TOOL_CALLS) if self.mistral else ("{", LLAMA3_PYTHON_TAG)
-            self.plain = not head.startswith(starts)
+            self.plain = not head.startswith(self.call_starts)
         if self.plain:
             text, self.buffer = self.buffer, ""
             return text, []
         return "", []  # a call: held to the end, then parsed whole
 
     def _llama_calls(self, text: str) -> list[ToolCall] | None:
-        if self.mistral:
-            return self._mistral_calls(text)
         body = text.strip().removeprefix(LLAMA3_PYTHON_TAG).strip()
         decoder = json.JSONDecoder()
         calls = []
         while body:  # one or more objects, separated by ";"
             try:
-                _, end = decoder.raw_decode(body)
+                value, end = decoder.raw_decode(body)
             except ValueError:
                 return None
-            call = parse_call(body[:end], self.names, self.tool_format)
+            call = call_from(value, self.names, self.tool_format)
             if call is None:
                 return None
             calls.append(call)
@@ -255,7 +259,7 @@ class ToolCallParser:
             return None
         calls = []
         for element in value:
-            call = parse_call(json.dumps(element), self.names, self.tool_format)
+            call = call_from(element, self.names, self.tool_format)
             if call is None:
                 return None
             calls.append(call)

@@ -232,8 +232,7 @@ def run_up(args: argparse.Namespace) -> int:
     finally:
         # stop() drains the services in order and kills whatever outlives its deadline; a
         # second Ctrl-C kills them all at once (never leaving one behind).
-        if mesh is not None:
-            signal.signal(signal.SIGINT, kill_on_signal([mesh]))
+        signal.signal(signal.SIGINT, kill_on_signal([mesh] if mesh is not None else []))
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if mesh is not None:
             mesh.stop()
