@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import time
+import urllib.error
 from collections import Counter
 
 import aiohttp
@@ -58,10 +59,18 @@ async def stream_outcome(session, base_url, prompt, body=None, timeout=90):
 
 async def until_running(mesh: LocalMesh, *executors: str, timeout: float = 30) -> None:
     """Until each executor holds streams: a tiny model's streams can end inside a second, so
-    a fixed sleep before a kill may kill an idle executor."""
+    a fixed sleep before a kill may kill an idle executor. (The mesh is ready once one
+    executor is: another may not serve its /metrics yet.)"""
+
+    def running(name: str) -> float:
+        try:
+            return metric_value(mesh.metrics_urls[name], "meshserve:num_requests_running")
+        except urllib.error.URLError:  # its metrics server is not up yet
+            return 0.0
+
     for name in executors:
         deadline = time.monotonic() + timeout
-        while metric_value(mesh.metrics_urls[name], "meshserve:num_requests_running") == 0:
+        while running(name) == 0:
             assert time.monotonic() < deadline, f"{name} never ran a request"
             await asyncio.sleep(0.01)
 
