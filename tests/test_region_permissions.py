@@ -33,6 +33,7 @@ from nats.aio.client import Client
 from common.config import NatsAuth
 from common.nats_permissions import ANY, ROLES, password_variable, region_config
 from common.nats_server import nats_server_binary
+from common.recent_ids import RecentIds
 from common.subjects import region_subjects
 from common.wire.scheduler import RequestStatusQuery, RequestStatusReply
 from services.launcher.nats_cluster import ClusterPlan, Supercluster
@@ -236,9 +237,12 @@ async def test_an_overloaded_region_spills_with_every_service_as_its_own_user(
     assert not violations(caplog)
 
 
+@pytest.mark.parametrize("record", ["kept", "lost"])
 async def test_a_client_leaving_aborts_its_spilled_stream_in_the_other_region(
-    regions: Regions, caplog: pytest.LogCaptureFixture
+    regions: Regions, caplog: pytest.LogCaptureFixture, record: str
 ) -> None:
+    """``lost``: us-east's scheduler no longer knows where it sent them (it restarted, or
+    the record expired), so the abort goes to every peer region."""
     caplog.set_level(logging.WARNING)
     east = regions.meshes["us-east"]
     await wait_for(lambda: regions.sees_peer("us-east"), 20, "eu-west's load report")
@@ -255,6 +259,13 @@ async def test_a_client_leaving_aborts_its_spilled_stream_in_the_other_region(
         lambda: guests(regions, "eu-west") > 0 or any(t.done() for t in load), 20, "a guest"
     )
     assert not [t for t in load if t.done()], [t.result() for t in load if t.done()]
+    if record == "lost":
+        spill = regions.scheduler("us-east").spill
+
+        async def forget() -> None:
+            spill.spilled = RecentIds(ttl_s=spill.spilled.ttl_s)
+
+        await on_loop(east, forget())
     for task in load:  # the clients leave: the gateway aborts, us-east forwards it
         task.cancel()
     await asyncio.gather(*load, return_exceptions=True)

@@ -276,3 +276,71 @@ async def test_a_silent_regions_round_trip_is_no_longer_shown(scheduler, monkeyp
     sched.spill.peers["eu-west"].at -= sched.spill.config.stale_s + 1
     await sched.spill.ask("eu-west")  # stale now: no round trip to show
     assert sched.svc.registry.get_sample_value(rtt, {"region": "eu-west"}) is None
+
+
+async def test_an_abort_for_a_request_it_does_not_hold_goes_to_every_peer_region(
+    scheduler, monkeypatch
+):
+    """A scheduler that restarted (or whose record expired) while its request ran in another
+    region as a guest did not forward the client's abort: the guest ran to its end for
+    nobody. An abort it holds, or that came from a peer, goes nowhere else."""
+    regions = RegionConfig(peer_regions=("eu-west", "ap-south"))
+    sched, _ = scheduler("us-east", regions=regions)
+    sent: list[tuple[str, list[str], str]] = []
+
+    async def publish(subject: str, message: object) -> None:
+        if isinstance(message, AbortRequests):
+            sent.append((subject, sorted(message.request_ids), message.from_region))
+
+    monkeypatch.setattr(sched.svc, "publish", publish)
+    await sched.on_submit(request("queued-here"))
+    sched.spill.spilled.add("spilled", "eu-west")
+    await sched.on_abort(AbortRequests(["queued-here", "spilled", "forgotten"], "client left"))
+    assert sorted(sent) == [
+        ("mesh.v1.ap-south.requests.abort", ["forgotten"], "us-east"),
+        ("mesh.v1.eu-west.requests.abort", ["forgotten", "spilled"], "us-east"),
+    ]
+    sent.clear()
+    await sched.on_abort(AbortRequests(["forgotten"], "client left"))  # ended already
+    await sched.on_abort(AbortRequests(["other"], "client left", from_region="eu-west"))
+    await sched.on_abort(AbortRequests(["moved"], "moved", executor_id="a"))
+    assert sent == []
+    # Its own ending of a guest (no executor here may take it) is not sent on either.
+    await sched.on_spilled(request("guest"))
+    await sched.end_everywhere(["guest"], "returned to its region")
+    await sched.on_abort(AbortRequests(["guest"], "returned to its region"))
+    assert [s for s in sent if s[0] != "mesh.v1.us-east.requests.abort"] == []
+
+
+async def test_the_watchdogs_question_about_an_unknown_request_is_asked_of_every_peer(
+    scheduler, monkeypatch
+):
+    """After a restart the scheduler answered "unknown" for its guests in another region: the
+    gateway failed streams that were only queued there. A peer's own question is answered
+    from what the peer holds, never asked further (two regions would ask each other)."""
+    from common.wire.scheduler import RequestStatusQuery, RequestStatusReply
+
+    regions = RegionConfig(peer_regions=("eu-west", "ap-south"))
+    sched, _ = scheduler("us-east", regions=regions)
+    holds = {
+        "mesh.v1.eu-west.scheduler.status": ["guest-west"],
+        "mesh.v1.ap-south.scheduler.status": [],
+    }
+    asked: list[tuple[str, list[str], str]] = []
+
+    async def ask(subject, message, kind, timeout):
+        asked.append((subject, message.request_ids, message.from_region))
+        return RequestStatusReply([r for r in holds[subject] if r in message.request_ids])
+
+    monkeypatch.setattr(sched.svc, "request", ask)
+    await sched.on_submit(request("mine"))
+    reply = await sched.on_status(RequestStatusQuery(["mine", "guest-west", "lost"]))
+    assert sorted(reply.known) == ["guest-west", "mine"]
+    assert sorted(asked) == [
+        ("mesh.v1.ap-south.scheduler.status", ["guest-west", "lost"], "us-east"),
+        ("mesh.v1.eu-west.scheduler.status", ["guest-west", "lost"], "us-east"),
+    ]
+    assert sched.spill.spilled.get("guest-west") == "eu-west"  # its abort goes there now
+    asked.clear()
+    reply = await sched.on_status(RequestStatusQuery(["mine", "lost"], from_region="eu-west"))
+    assert reply.known == ["mine"] and asked == []

@@ -67,6 +67,9 @@ class AbortRequests(Message):
     # Set when the requests failed rather than ended: the executor holding one (it knows the
     # client's inbox) sends this message to the client as a 503 error.
     error: str = ""
+    # Set when a scheduler forwards the abort to another region's mesh (where it sent the
+    # requests, or, not knowing, every peer); a forwarded abort is never forwarded again.
+    from_region: str = ""
 
 
 ROLES = ("mixed", "prefill", "decode")

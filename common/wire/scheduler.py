@@ -66,9 +66,14 @@ class Heartbeat(Message):
 
 @dataclass(frozen=True)
 class RequestStatusQuery(Message):
-    """The gateway has heard nothing of these requests for a while: are they still alive?"""
+    """The gateway has heard nothing of these requests for a while: are they still alive?
+
+    ``from_region``: set when a scheduler forwards the question to another region's; that one
+    answers from what it holds itself and never asks further (two regions would ask each other
+    in a loop about a request neither holds)."""
 
     request_ids: list[str]
+    from_region: str = ""
 
 
 @dataclass(frozen=True)

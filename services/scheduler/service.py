@@ -209,6 +209,8 @@ class SchedulerService:
         that is neither was lost on the way (a tokenizer or scheduler restarted) or has an
         executor that cannot be replaced: its gateway fails it instead of letting it wait."""
         here = [rid for rid in ask.request_ids if rid in self.queued or rid in self.inflight]
+        if ask.from_region:  # another region's question: what we hold ourselves
+            return RequestStatusReply(here)
         rest = [rid for rid in ask.request_ids if rid not in set(here)]
         return RequestStatusReply(here + await self.spill.alive_elsewhere(rest))
 
@@ -227,13 +229,21 @@ class SchedulerService:
     async def on_abort(self, msg: AbortRequests) -> None:
         if msg.executor_id:
             return  # our own withdrawal of work from one executor
-        await self.spill.forward_abort(msg)
         ids = set(msg.request_ids)
+        known = self.queued | {r for r in ids if r in self.inflight or r in self.ended}
+        await self.spill.forward_abort(msg, ids - known)
         self.ended.add_all(ids, True)
         for req in self.remove_queued(ids):
             self.routes.dropped(req.request_id, "abort")
         for rid in ids:
             self.inflight.drop(rid)
+
+    async def end_everywhere(self, request_ids: list[str], reason: str) -> None:
+        """Every stage of this region forgets these requests. They are marked ended here
+        first: ``on_abort`` would take our own abort for one of requests we never held, and
+        send it on to the peer regions."""
+        self.ended.add_all(request_ids, True)
+        await self.svc.publish(self.svc.subjects.abort, AbortRequests(request_ids, reason))
 
     async def dispatch(self) -> None:
         async with self.dispatching:
@@ -366,10 +376,7 @@ class SchedulerService:
                 ),
             )
         if failed:  # every stage forgets them (the detokenizer's stream state included)
-            await self.svc.publish(
-                self.svc.subjects.abort,
-                AbortRequests([r.request_id for r in failed], "executor failed"),
-            )
+            await self.end_everywhere([r.request_id for r in failed], "executor failed")
 
     async def stream_progress(
         self, executor_id: str, incarnation: str, lost: list[Assignment]
@@ -460,10 +467,7 @@ class SchedulerService:
                 "request.", "server_error", "region_unavailable",
             ),
         )  # fmt: skip
-        ids = [req.request_id for req in guests]  # (``on_abort`` here marks them ended too)
-        await self.svc.publish(
-            self.svc.subjects.abort, AbortRequests(ids, "returned to its region")
-        )
+        await self.end_everywhere([req.request_id for req in guests], "returned to its region")
         self.spill.returned_total.inc(len(guests))
         log.warning("scheduler: no executor here may take a guest; returned %d", len(guests))
 

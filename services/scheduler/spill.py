@@ -202,38 +202,59 @@ class RegionSpill:
         self.received_total.inc()
 
     async def alive_elsewhere(self, request_ids: list[str]) -> list[str]:
-        """Which of ``request_ids`` (spilled by us) the region holding them still knows."""
+        """Which of ``request_ids`` (not held here) a peer region still holds.
+
+        A request we spilled is asked of the region we sent it to. One we have no record of
+        is asked of every peer: this scheduler may have restarted (or the record expired)
+        while it ran there as a guest, and a guest that is only slow must not be failed and
+        run again here. A peer that holds it is remembered as where it runs, so its abort goes
+        there."""
+        if not self.enabled:
+            return []
         by_region: dict[str, list[str]] = {}
         for rid in request_ids:
             region = self.spilled.get(rid)
-            if region is not None:
-                by_region.setdefault(region, []).append(rid)
+            for r in (region,) if region is not None else self.config.peer_regions:
+                by_region.setdefault(r, []).append(rid)
 
         async def ask(region: str, ids: list[str]) -> list[str]:
             try:
                 reply = await self.svc.request(
                     self.svc.mesh.subjects_of(region).scheduler_status,
-                    RequestStatusQuery(ids),
+                    RequestStatusQuery(ids, from_region=self.home),
                     RequestStatusReply,
                     REMOTE_STATUS_TIMEOUT_S,
                 )
             except NoAnswer:
                 return []  # unreachable: its stream cannot reach the client either
-            return reply.known
+            for rid in set(reply.known) & set(ids):
+                self.spilled.add(rid, region)
+            return [rid for rid in reply.known if rid in ids]
 
-        answers = await asyncio.gather(*(ask(r, ids) for r, ids in by_region.items()))
-        return [rid for known in answers for rid in known]
+        regions = list(by_region)
+        answers = await asyncio.gather(*(ask(r, by_region[r]) for r in regions))
+        return list(dict.fromkeys(rid for known in answers for rid in known))
 
-    async def forward_abort(self, msg: AbortRequests) -> None:
+    async def forward_abort(self, msg: AbortRequests, unknown: set[str]) -> None:
+        """Send an abort on to the regions running its requests: a spilled one to where it
+        went, one this scheduler does not hold (``unknown``: it may have restarted while the
+        request ran elsewhere as a guest) to every peer, which drops ids it never had. An
+        abort that came from a peer goes nowhere (it would circle between two regions)."""
+        if not self.enabled or msg.from_region:
+            return
         by_region: dict[str, list[str]] = {}
         for rid in msg.request_ids:
             region = self.spilled.get(rid)
             if region is not None:
-                by_region.setdefault(region, []).append(rid)
+                targets: tuple[str, ...] = (region,)
+            else:
+                targets = self.config.peer_regions if rid in unknown else ()
+            for r in targets:
+                by_region.setdefault(r, []).append(rid)
         for region, ids in by_region.items():
             await self.svc.publish(
                 self.svc.mesh.subjects_of(region).abort,
-                AbortRequests(ids, msg.reason, error=msg.error),
+                AbortRequests(ids, msg.reason, error=msg.error, from_region=self.home),
             )
 
     def prune(self) -> None:
