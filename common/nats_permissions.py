@@ -255,6 +255,7 @@ def executor(s: Subjects, peers: Sequence[Subjects] = (), region: str = "") -> P
             every(s.executor_prefill),  # disaggregated: decode -> prefill executor
             every(s.executor_prefilled),  # and back
             *home_inboxes(peers),  # error replies to a guest's client
+            s.speculator_release,  # finished sequences: every replica frees their drafts
         ],
         subscribe=[
             every(s.executor_submit),
@@ -273,7 +274,13 @@ def executor(s: Subjects, peers: Sequence[Subjects] = (), region: str = "") -> P
 
 
 def speculator(s: Subjects, peers: Sequence[Subjects] = (), region: str = "") -> Permissions:
-    return grant(s, "speculator", serves=[s.speculator_propose], region=region)
+    return grant(
+        s,
+        "speculator",
+        serves=[s.speculator_propose],
+        subscribe=[s.speculator_release],
+        region=region,
+    )
 
 
 def detokenizer(s: Subjects, peers: Sequence[Subjects] = (), region: str = "") -> Permissions:

@@ -115,6 +115,11 @@ class Subjects:
     def speculator_propose(self) -> str:
         return f"{self.prefix}.speculator.propose"
 
+    # executor -> every speculator replica (no queue group): finished sequences to forget
+    @property
+    def speculator_release(self) -> str:
+        return f"{self.prefix}.speculator.release"
+
 
 def region_subjects(prefix: str, region: str) -> Subjects:
     """The subjects of the mesh in ``region`` (``<prefix>.<region>.*``; empty: the mesh

@@ -62,3 +62,51 @@ async def test_speculative_mesh_equals_offline_greedy(tiny_llama, offline, mode)
         assert stats.num_accepted_tokens == stats.num_draft_tokens
     if mode == "no speculator":
         assert stats.num_draft_tokens == 0
+
+
+async def test_a_finished_sequence_is_freed_by_every_speculator_replica_that_holds_it(
+    tiny_llama, nats_server
+):
+    """Calls go to any replica (queue group), so two may hold a sequence's draft KV; the
+    release went with the next call, to one of them, and the other kept the pages until its
+    LRU pushed them out."""
+    from common.config import MeshConfig
+    from common.runtime import Service
+    from common.wire.speculator import DraftSeq, ProposeRequest
+    from common.wire.tokenizer import WireSamplingParams
+    from services.executor.speculation import RemoteProposer
+    from services.speculator.service import SpeculatorConfig, SpeculatorService, build_proposer
+    from tests.mesh import wait_for
+
+    replicas = []
+    for i in range(2):
+        config = SpeculatorConfig(
+            MeshConfig(nats_server.url, instance_id=f"spec-{i}"), str(tiny_llama)
+        )
+        replicas.append(SpeculatorService(config, build_proposer(config)))
+    executor = Service("executor", MeshConfig(nats_server.url, instance_id="executor-0"))
+    try:
+        for replica in replicas:
+            await replica.start()
+        await executor.connect()
+        seqs = [DraftSeq(rid, [5, 6, 7, 8, 9] * 8, 40, 3, WireSamplingParams()) for rid in "ab"]
+        free = [r.proposer.pages.num_free for r in replicas]
+        for replica in replicas:  # each served a call for both
+            reply = await replica.on_propose(ProposeRequest(seqs))
+            assert sorted(d.request_id for d in reply.drafts) == ["a", "b"]
+        remote = RemoteProposer(executor, timeout_s=1.0)
+        remote.release(["a"])
+        await remote.propose([], {})  # nothing to draft this step: the release still goes
+
+        def freed() -> bool:
+            return all(list(r.proposer.states) == ["b"] for r in replicas)
+
+        await wait_for(freed, 5, "both replicas to free a")
+        for replica, before in zip(replicas, free, strict=True):
+            held = before - replica.proposer.pages.num_free
+            assert held == len(replica.proposer.states["b"].table.pages) > 0
+        assert remote.released == []
+    finally:
+        await executor.close()
+        for replica in replicas:
+            await replica.svc.close()

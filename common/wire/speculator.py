@@ -1,5 +1,5 @@
 """What a speculator receives: an executor's sequences to draft for (``speculator.propose``,
-request/reply).
+request/reply), and the sequences that finished (``speculator.release``, to every replica).
 """
 
 from __future__ import annotations
@@ -25,7 +25,17 @@ class DraftSeq(Message):
 @dataclass(frozen=True)
 class ProposeRequest(Message):
     seqs: list[DraftSeq]
-    released: list[str] = field(default_factory=list)  # finished since the last call: forget
+    # Finished sequences, from executors that send them with their next call (one replica
+    # hears them); executors now publish a ``DraftRelease`` instead.
+    released: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class DraftRelease(Message):
+    """These sequences finished: every replica that holds their draft KV frees it. Published
+    to all replicas because any of them may have served a call for one (queue group)."""
+
+    request_ids: list[str]
 
 
 @dataclass(frozen=True)

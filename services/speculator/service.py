@@ -3,8 +3,10 @@
 Any number of replicas in the ``speculator`` queue group. A replica keeps each sequence's draft
 KV cache between calls (``gpu.proposers.DraftModelProposer``) and extends it incrementally;
 a call for a sequence it does not hold (another replica served it before, or it was evicted)
-is still answered, after a prefill. The model runs on one worker thread, so NATS traffic keeps
-flowing while it computes and calls are served one at a time.
+is still answered, after a prefill. So several replicas may hold one sequence: every replica
+hears ``speculator.release`` (no queue group) and frees the finished ones it holds. The
+model runs on one worker thread, so NATS traffic keeps flowing while it computes and calls
+are served one at a time.
 
 On SIGTERM it just drains: a proposal is an optimisation, and an executor that gets no answer
 decodes without drafts.
@@ -22,7 +24,7 @@ import torch
 from common.config import MeshConfig, device_setting, page_size_setting
 from common.runtime import Service
 from common.settings import parse, setting
-from common.wire.speculator import ProposeReply, ProposeRequest
+from common.wire.speculator import DraftRelease, ProposeReply, ProposeRequest
 from gpu.gguf import resolve_model_path
 from gpu.loader import load_model
 from gpu.proposers import DraftModelProposer
@@ -89,6 +91,13 @@ class SpeculatorService:
             self.on_propose,
             queue="speculator",
         )
+        await self.svc.subscribe(
+            self.svc.subjects.speculator_release, DraftRelease, self.on_release
+        )
+
+    async def on_release(self, msg: DraftRelease) -> None:
+        loop = asyncio.get_running_loop()  # on the worker: the proposer's state is its own
+        await loop.run_in_executor(self.worker, self.proposer.release, msg.request_ids)
 
     async def on_propose(self, req: ProposeRequest) -> ProposeReply:
         requests = []
