@@ -10,7 +10,7 @@ from gpu.engine import Engine, EngineConfig
 from gpu.loader import load_model
 from gpu.runner import ModelRunner
 from gpu.sampling_params import SamplingParams
-from tests.mesh import MeshHarness, openai_client
+from tests.mesh import MeshHarness, openai_client, wait_for
 
 PROMPTS = ["Hello world", "The quick brown fox", "Serving language models fast"]
 
@@ -54,12 +54,20 @@ async def test_speculative_mesh_equals_offline_greedy(tiny_llama, offline, mode)
     try:
         texts = await complete_all(mesh)
         stats = mesh.executor_services[0].engine.spec
+        if mode == "draft":  # every request finished: the speculator frees their drafts
+            from services.speculator.service import SpeculatorService
+
+            spec = next(s for s in mesh.services if isinstance(s, SpeculatorService))
+            states = spec.proposer.states
+            await wait_for(lambda: not states, 5, "the speculator to free finished drafts")
+            held = list(states)
     finally:
         mesh.stop()
     assert texts == [offline(p, 24) for p in PROMPTS]
     if mode == "draft":
         assert stats.num_draft_tokens > 0
         assert stats.num_accepted_tokens == stats.num_draft_tokens
+        assert not held, f"the idle speculator still holds drafts of {held}"
     if mode == "no speculator":
         assert stats.num_draft_tokens == 0
 
@@ -76,7 +84,6 @@ async def test_a_finished_sequence_is_freed_by_every_speculator_replica_that_hol
     from common.wire.tokenizer import WireSamplingParams
     from services.executor.speculation import RemoteProposer
     from services.speculator.service import SpeculatorConfig, SpeculatorService, build_proposer
-    from tests.mesh import wait_for
 
     replicas = []
     for i in range(2):

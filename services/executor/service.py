@@ -397,6 +397,8 @@ class ExecutorService:
             self.kv_events.add(self.engine.drain_kv_events())
             self.snapshot_load()
             if not self.engine.has_unfinished():
+                if self.remote is not None:  # the last ones' drafts are not held while idle
+                    await self.remote.publish_released()
                 # Draining, it keeps stepping until stopped: a submit the scheduler sent
                 # before it saw the draining heartbeat, or a grammar compiled late, still runs.
                 self.wake.clear()
