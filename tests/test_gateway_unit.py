@@ -409,6 +409,12 @@ CMP, CHT = "/v1/completions", "/v1/chat/completions"
         (CMP, {"prompt": "x", "stop": 3}, 400, "stop"),
         (CMP, {"prompt": "x", "stream": "yes"}, 400, "stream"),
         (CMP, {"prompt": "x", "stream_options": {}}, 400, "stream_options"),
+        (
+            CMP,
+            {"prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": 1}},
+            400,
+            "stream_options.continuous_usage_stats",
+        ),
         (CMP, {"prompt": "x", "seed": 1.5}, 400, "seed"),
         (CMP, {"prompt": "x", "user": 7}, 400, "user"),
         (CMP, {"prompt": "x", "echo": True}, 400, "echo"),

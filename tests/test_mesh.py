@@ -102,6 +102,44 @@ async def test_chat_equals_offline_greedy(client, offline):
     assert finishes[-1] == full.choices[0].finish_reason and all(f is None for f in finishes[:-1])
 
 
+@pytest.mark.parametrize("kind", ["chat", "completions"])
+async def test_continuous_usage_stats_give_the_usage_so_far_on_every_chunk(client, kind):
+    """vLLM's ``stream_options.continuous_usage_stats``: it was ignored (usage null until the
+    last chunk). Two choices: their tokens add up, the prompt is counted once."""
+    common = dict(
+        model="tiny",
+        max_tokens=6,
+        n=2,
+        temperature=1.0,
+        seed=3,
+        stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+        extra_body={"ignore_eos": True},
+    )
+    if kind == "chat":
+        messages = [{"role": "user", "content": "Count"}]
+        stream = await client.chat.completions.create(messages=messages, **common)
+    else:
+        stream = await client.completions.create(prompt="Count to ten", **common)
+    chunks = [c async for c in stream]
+    final = chunks[-1].usage
+    assert chunks[-1].choices == [] and final.completion_tokens == 12
+    usages = [c.usage for c in chunks]
+    assert all(u is not None and u.prompt_tokens == final.prompt_tokens > 0 for u in usages)
+    generated = [u.completion_tokens for u in usages]
+    assert generated == sorted(generated) and generated[-2:] == [12, 12]
+    assert all(u.total_tokens == u.prompt_tokens + u.completion_tokens for u in usages)
+    if kind == "chat":  # the role chunks open each choice before anything is generated
+        assert [c.choices[0].delta.role for c in chunks[:2]] == ["assistant"] * 2
+        assert generated[:2] == [0, 0]
+    # without include_usage it is off, as in vLLM
+    del common["stream_options"]
+    stream = await client.completions.create(
+        prompt="Count", stream_options={"continuous_usage_stats": True}, **common
+    )
+    assert [c.usage async for c in stream if c.usage is not None] == []
+
+
 async def test_n_seed_and_logprobs(client):
     kwargs = dict(
         model="tiny",

@@ -37,6 +37,7 @@ class TextDelta(Message):
     request_id: str
     text: str
     finish_reason: str | None = None
+    # On a stream's last delta its usage; on its first, the usage so far (the prompt's).
     usage: Usage | None = None
     logprobs: list[TextLogprob] | None = None
     # 1, 2, ... per stream (0: not numbered): the gateway fails a stream with a gap (a message

@@ -320,16 +320,22 @@ class DetokenizerService:
             return TextDelta(
                 rid,
                 text,
+                # the first: the prompt's usage, for continuous_usage_stats from the start
+                usage=self.usage(stream) if stream.deltas_sent == 1 else None,
                 logprobs=self.logprobs(logprobs_in),
                 seq=stream.deltas_sent,
                 token_ids=self.take_unsent(stream),
             )
         self.end(rid, finish)
-        usage = Usage(stream.prompt_tokens, stream.output_tokens, stream.cached_tokens)
+        usage = self.usage(stream)
         stream.deltas_sent += 1
         logprobs = self.logprobs(logprobs_in)
         unsent = self.take_unsent(stream)
         return TextDelta(rid, text, finish, usage, logprobs, stream.deltas_sent, unsent)
+
+    @staticmethod
+    def usage(stream: Stream) -> Usage:
+        return Usage(stream.prompt_tokens, stream.output_tokens, stream.cached_tokens)
 
     @staticmethod
     def take_unsent(stream: Stream) -> list[int]:

@@ -248,7 +248,7 @@ class Routes:
         response = web.StreamResponse(headers={**SSE_HEADERS, "X-Request-Id": builder.head["id"]})
         try:
             await response.prepare(request)
-            await response.write(encode(builder.opening_chunks() + builder.add(*first)))
+            await response.write(encode(builder.opening_chunks(first[1]) + builder.add(*first)))
             try:
                 async for index, delta in stream:
                     chunks = builder.add(index, delta)

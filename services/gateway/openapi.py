@@ -30,7 +30,10 @@ _COMMON: dict[str, Any] = {
     "stream": {"type": "boolean"},
     "stream_options": {
         "type": "object",
-        "properties": {"include_usage": {"type": "boolean"}},
+        "properties": {
+            "include_usage": {"type": "boolean"},
+            "continuous_usage_stats": {"type": "boolean"},
+        },
     },
     "presence_penalty": {**_NUMBER, "minimum": -2, "maximum": 2},
     "frequency_penalty": {**_NUMBER, "minimum": -2, "maximum": 2},

@@ -91,6 +91,8 @@ class ApiRequest:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: str = ""
+    # stream_options.continuous_usage_stats (vLLM's): every chunk carries the usage so far
+    continuous_usage: bool = False
 
 
 def parse_completion(raw: Any, config: GatewayConfig) -> ApiRequest:
@@ -198,14 +200,14 @@ def finish(
     if body.boolean("echo", False):
         raise bad_request("'echo' is not supported.", "echo", "unsupported_parameter")
     stream = body.boolean("stream", False)
-    include_usage = parse_stream_options(body, stream)
+    include_usage, continuous_usage = parse_stream_options(body, stream)
     body.string("user")  # accepted and ignored, but it must be a string
     params = parse_sampling(body, config, max_tokens, logprobs)
     priority = parse_priority(body, config.max_client_priority)
     unset = [key for key in SAMPLING_KEYS if body.get(key) is None]
     return ApiRequest(
         kind, model, n, stream, include_usage, params, prompt, prompt_token_ids, messages,
-        priority, sampling_unset=unset,
+        priority, sampling_unset=unset, continuous_usage=continuous_usage,
     )  # fmt: skip
 
 
@@ -345,22 +347,26 @@ def parse_text_part(part: Any, where: str) -> str:
     return text
 
 
-def parse_stream_options(body: Body, stream: bool) -> bool:
+def parse_stream_options(body: Body, stream: bool) -> tuple[bool, bool]:
+    """``include_usage`` (a last chunk with the usage) and ``continuous_usage_stats`` (vLLM's:
+    the usage so far on every chunk; with ``include_usage`` only, as vLLM has it)."""
     options = body.get("stream_options")
     if options is None:
-        return False
+        return False, False
     if not stream:
         raise bad_request(
             "'stream_options' is only allowed when 'stream' is true.", "stream_options"
         )
     if not isinstance(options, dict):
         raise wrong_type("stream_options", "an object", options)
-    include_usage = options.get("include_usage")
-    if include_usage is None:
-        return False
-    if not isinstance(include_usage, bool):
-        raise wrong_type("stream_options.include_usage", "a boolean", include_usage)
-    return include_usage
+    flags = []
+    for key in ("include_usage", "continuous_usage_stats"):
+        value = options.get(key)
+        if value is not None and not isinstance(value, bool):
+            raise wrong_type(f"stream_options.{key}", "a boolean", value)
+        flags.append(bool(value))
+    include_usage, continuous = flags
+    return include_usage, include_usage and continuous
 
 
 def parse_stop(body: Body, max_stop: int) -> list[str]:

@@ -127,6 +127,14 @@ class Choice:
     usage: Usage | None = None
     token_chars: int = 0  # characters of the tokens streamed so far (completions text_offset)
     tools: ToolCallParser | None = None  # a chat request with tools: calls out of the text
+    tokens: int = 0  # generated tokens received so far (the deltas' token_ids)
+
+    @property
+    def completion_tokens(self) -> int:
+        """The finished choice's count from its usage; until then what has arrived."""
+        if self.finish_reason is not None and self.usage is not None:
+            return self.usage.completion_tokens
+        return self.tokens
 
 
 class ResponseBuilder:
@@ -153,12 +161,16 @@ class ResponseBuilder:
 
     # --- streaming ---------------------------------------------------------------------------
 
-    def opening_chunks(self) -> list[Json]:
-        """Chat streams open each choice with the assistant role, as OpenAI does."""
+    def opening_chunks(self, first: TextDelta) -> list[Json]:
+        """Chat streams open each choice with the assistant role, as OpenAI does (with
+        continuous usage: the prompt's, nothing generated yet; a stream's first delta carries
+        its prompt's usage)."""
         if not self.chat:
             return []
+        if first.usage is not None:
+            self.choices[0].usage = first.usage  # the prompt, shared by every choice
         return [
-            self.chunk(i, {"delta": {"role": "assistant", "content": ""}})
+            self.chunk(i, {"delta": {"role": "assistant", "content": ""}}, opening=True)
             for i in range(self.api.n)
         ]
 
@@ -166,6 +178,9 @@ class ResponseBuilder:
         """Record ``delta`` for choice ``index``; return the chunks that stream it."""
         choice = self.choices[index]
         chunks = []
+        choice.tokens += len(delta.token_ids)
+        if delta.usage is not None:
+            choice.usage = delta.usage
         text = delta.text
         if choice.tools is not None:
             text, calls = choice.tools.feed(text)
@@ -182,8 +197,6 @@ class ResponseBuilder:
             choice.text.append(text)
             choice.logprobs.extend(entries)
             choice.token_chars += sum(len(e.token) for e in entries)
-        if delta.usage is not None:
-            choice.usage = delta.usage
         if delta.finish_reason is not None:
             reason = delta.finish_reason
             # "tool_calls" for calls the model chose (auto, required); a named tool_choice
@@ -205,10 +218,12 @@ class ResponseBuilder:
             entry["function"]["name"] = call.name
         return self.chunk(index, {"delta": {"tool_calls": [entry]}})
 
-    def chunk(self, index: int, fields: Json) -> Json:
+    def chunk(self, index: int, fields: Json, opening: bool = False) -> Json:
         choice = {"index": index, "logprobs": None, "finish_reason": None, **fields}
         chunk = {**self.head, "choices": [choice]}
-        if self.api.include_usage:
+        if self.api.continuous_usage:  # vLLM's continuous_usage_stats: the usage so far
+            chunk["usage"] = self.usage(generated=not opening)
+        elif self.api.include_usage:
             chunk["usage"] = None  # OpenAI sends null usage on every chunk but the last
         return chunk
 
@@ -217,12 +232,13 @@ class ResponseBuilder:
 
     # --- whole responses -----------------------------------------------------------------------
 
-    def usage(self) -> Json:
-        """Completion tokens summed over choices; the shared prompt is counted once."""
+    def usage(self, generated: bool = True) -> Json:
+        """Completion tokens summed over choices (so far, mid-stream); the shared prompt is
+        counted once. ``generated=False``: the prompt's alone."""
         reported = [c.usage for c in self.choices if c.usage is not None]
         prompt = reported[0].prompt_tokens if reported else 0
         cached = reported[0].cached_tokens if reported else 0
-        completion = sum(u.completion_tokens for u in reported)
+        completion = sum(c.completion_tokens for c in self.choices) if generated else 0
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
