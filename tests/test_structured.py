@@ -305,6 +305,33 @@ async def test_forced_tool_calls(client, choice):
     )
 
 
+async def test_a_required_tool_choice_makes_parallel_calls_unless_turned_off(client, tools_model):
+    """``required`` was held to one call in hermes (and llama3_json). With the stop tokens
+    biased away, the grammar leaves the model a second call to write after its first;
+    ``parallel_tool_calls: false`` allows nothing after one call but a stop token."""
+    stops = {str(t): -100 for t in Tokenizer.from_folder(tools_model).eos_token_ids}
+    kwargs: dict[str, Any] = dict(
+        model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", seed=3
+    )
+    one = await client.chat.completions.create(parallel_tool_calls=False, max_tokens=120, **kwargs)
+    assert one.choices[0].finish_reason == "tool_calls"
+    assert len(one.choices[0].message.tool_calls) == 1
+    cut = one.usage.completion_tokens * 2 + 10  # past two calls of that length: cut in a third
+    more = await client.chat.completions.create(max_tokens=cut, logit_bias=stops, **kwargs)
+    out = more.choices[0]
+    assert out.finish_reason == "length"
+    whole = [c for c in out.message.tool_calls or [] if c.function.arguments.endswith("}")]
+    assert len(whole) >= 2, out.message
+    for call in whole:
+        check_call(call.function.name, call.function.arguments, call.id, None)
+    held = await client.chat.completions.create(
+        parallel_tool_calls=False, max_tokens=cut, logit_bias=stops, **kwargs
+    )
+    # one call, then nothing but a stop token: biased away but still the only one allowed
+    assert held.choices[0].finish_reason == "tool_calls"
+    assert held.usage.completion_tokens == one.usage.completion_tokens
+
+
 async def test_a_conversation_with_a_tool_result(client, tools_model):
     call = {
         "id": "call_1",

@@ -130,3 +130,49 @@ def test_a_forced_mistral_call_is_an_array_of_calls():
     tools = json.dumps([{"type": "function", "function": {"name": "get_time"}}])
     grammar = grammar_for(None, ToolChoice(tools, "required"), MISTRAL)
     assert grammar is not None and '"["' in grammar.ebnf
+
+
+@pytest.mark.parametrize("tool_format", [HERMES, LLAMA3_JSON, MISTRAL])
+def test_a_required_tool_choice_allows_parallel_calls_unless_they_are_turned_off(tool_format):
+    """``required`` forced exactly one call in hermes and llama3_json: a model that wanted the
+    weather in two cities had to leave one out. ``parallel_tool_calls: false`` and a named
+    function keep to one; nothing but calls is allowed either way."""
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from common.tool_formats import arguments_key
+    from common.wire.tokenizer import ToolChoice
+    from services.tokenizer.grammars import grammar_for
+
+    tools = json.dumps(
+        [
+            {"type": "function", "function": {"name": "get_time"}},
+            {"type": "function", "function": {"name": "get_weather"}},
+        ]
+    )
+    key = arguments_key(tool_format)
+    a = f'{{"name": "get_time", "{key}": {{}}}}'
+    b = f'{{"name": "get_weather", "{key}": {{}}}}'
+    if tool_format == HERMES:
+        one, two = (
+            f"<tool_call>\n{a}\n</tool_call>",
+            f"<tool_call>\n{a}\n</tool_call>\n<tool_call>\n{b}\n</tool_call>",
+        )
+    elif tool_format == LLAMA3_JSON:
+        one, two = a, f"{a}; {b}"
+    else:
+        one, two = f"[{a}]", f"[{a}, {b}]"
+
+    def accepts(choice: ToolChoice, text: str) -> bool:
+        grammar = grammar_for(None, choice, tool_format)
+        assert grammar is not None
+        return _is_grammar_accept_string(xgr.Grammar.from_ebnf(grammar.ebnf), text)
+
+    required = ToolChoice(tools, "required")
+    assert accepts(required, one) and accepts(required, two)
+    assert not accepts(required, "") and not accepts(required, one + " and some text")
+    single = ToolChoice(tools, "required", parallel=False)
+    assert accepts(single, one) and not accepts(single, two)
+    named = ToolChoice(tools, "function", "get_time")
+    assert accepts(named, one) and not accepts(named, two)
+    assert not accepts(named, one.replace("get_time", "get_weather"))

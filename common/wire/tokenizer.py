@@ -85,11 +85,14 @@ class ResponseFormat(Message):
 class ToolChoice(Message):
     """The request's ``tools`` (a JSON array of OpenAI function tools, for the chat template)
     and ``tool_choice``: ``none``, ``auto``, ``required`` or ``function`` (named: ``name``).
-    ``required`` and a named function are enforced with a grammar (the tokenizer builds it)."""
+    ``required`` and a named function are enforced with a grammar (the tokenizer builds it):
+    a named function is one call; ``required`` one or more, one when ``parallel`` (OpenAI's
+    ``parallel_tool_calls``) is false."""
 
     tools: str
     mode: str = "auto"
     name: str = ""
+    parallel: bool = True
 
 
 @dataclass(frozen=True)

@@ -128,7 +128,7 @@ def parse_tools(body: Body) -> ToolChoice | None:
             "functions",
             "unsupported_parameter",
         )
-    body.boolean("parallel_tool_calls", True)  # accepted; a forced call is one call
+    parallel = body.boolean("parallel_tool_calls", True)
     tools = body.get("tools")
     choice = body.get("tool_choice")
     if tools is None or tools == []:
@@ -148,7 +148,7 @@ def parse_tools(body: Body) -> ToolChoice | None:
     functions = [parse_tool(tool, f"tools[{i}]") for i, tool in enumerate(tools)]
     names = [f["function"]["name"] for f in functions]
     mode, name = parse_tool_choice(choice, names)
-    return ToolChoice(json.dumps(functions), mode, name)
+    return ToolChoice(json.dumps(functions), mode, name, parallel)
 
 
 def parse_tool(tool: Any, where: str) -> dict[str, Any]:

@@ -33,6 +33,7 @@ import re
 from typing import Any
 
 import xgrammar as xgr
+import xgrammar.structural_tag as st
 
 from common.runtime import RequestError
 from common.tool_formats import HERMES, HERMES_CLOSE, HERMES_OPEN, MISTRAL, arguments_key
@@ -49,7 +50,8 @@ def grammar_for(
     (``required`` or a named function) wins over ``response_format``, which OpenAI applies to
     content only."""
     if tools is not None and tools.mode in ("required", "function"):
-        return _tool_grammar(tools.tools, tools.mode, tools.name, tool_format)
+        several = tools.mode == "required" and tools.parallel
+        return _tool_grammar(tools.tools, tools.name, tool_format, several)
     if response_format is None:
         return None
     kind, text = response_format.kind, response_format.schema
@@ -101,13 +103,15 @@ def _schema_grammar(schema: str, param: str, strict: bool = True) -> WireGrammar
 
 
 @functools.lru_cache(maxsize=CACHE_SIZE)
-def _tool_grammar(tools_json: str, mode: str, name: str, tool_format: str) -> WireGrammar:
-    tools = json.loads(tools_json)
-    functions = [t["function"] for t in tools]
-    if mode == "function":
+def _tool_grammar(tools_json: str, name: str, tool_format: str, several: bool) -> WireGrammar:
+    """Calls in ``tool_format``: of the function ``name`` (one call), else of any of the tools
+    (``several``: one or more, in the format's own list of calls: hermes blocks one per line,
+    llama3_json objects separated by ``"; "``, Mistral's array)."""
+    functions = [t["function"] for t in json.loads(tools_json)]
+    if name:
         functions = [f for f in functions if f["name"] == name]
     key = arguments_key(tool_format)
-    calls = [
+    calls: list[dict[str, Any]] = [
         {
             "type": "object",
             "properties": {
@@ -118,25 +122,27 @@ def _tool_grammar(tools_json: str, mode: str, name: str, tool_format: str) -> Wi
         }
         for f in functions
     ]
-    one = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    one: dict[str, Any] = calls[0] if len(calls) == 1 else {"anyOf": calls}
     # Mistral's calls are a JSON array (its [TOOL_CALLS] marker is a special token: the
-    # grammar starts at the array); one or more calls, as its parser reads them
-    schema = json.dumps(
-        {"type": "array", "items": one, "minItems": 1} if tool_format == MISTRAL else one
-    )
+    # grammar starts at the array)
+    if tool_format == MISTRAL:
+        one = {"type": "array", "items": one, "minItems": 1} | ({} if several else {"maxItems": 1})
     try:
-        call = _from_schema(schema)
+        call = _from_schema(json.dumps(one))
     except (RuntimeError, ValueError, TypeError) as exc:
-        raise _unsupported(schema, "tools", exc) from None
-    if tool_format != HERMES:
+        raise _unsupported(json.dumps(one), "tools", exc) from None
+    if tool_format == MISTRAL or (tool_format != HERMES and not several):
         return _wire(call)
-    return _wire(
-        xgr.Grammar.concat(
-            xgr.Grammar.from_ebnf(f"root ::= {json.dumps(HERMES_OPEN + chr(10))}"),
-            call,
-            xgr.Grammar.from_ebnf(f"root ::= {json.dumps(chr(10) + HERMES_CLOSE)}"),
+    content = st.GrammarFormat(grammar=str(call))  # the layout _from_schema fixes
+    if tool_format == HERMES:
+        block = st.TagFormat(begin=HERMES_OPEN + "\n", content=content, end="\n" + HERMES_CLOSE)
+        calls_format: st.Format = st.TagsWithSeparatorFormat(
+            tags=[block], separator="\n", at_least_one=True, stop_after_first=not several
         )
-    )
+    else:
+        more = st.SequenceFormat(elements=[st.ConstStringFormat(value="; "), content])
+        calls_format = st.SequenceFormat(elements=[content, st.StarFormat(content=more)])
+    return _wire(xgr.Grammar.from_structural_tag(st.StructuralTag(format=calls_format)))
 
 
 # xgrammar's messages start with "[time] /path/file.cc:line: "; the rest is the reason.
