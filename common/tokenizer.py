@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
-from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -66,17 +65,29 @@ def _ids(value: Any) -> list[int]:
     return []
 
 
-def _chat_template(folder: Path, config: Mapping[str, Any]) -> str | None:
+def _chat_templates(folder: Path, config: Mapping[str, Any]) -> dict[str, str]:
+    """The model's chat templates by name, found where transformers looks: template files
+    (``chat_template.jinja``, the default, and ``additional_chat_templates/<name>.jinja``)
+    before ``tokenizer_config.json``'s ``chat_template`` (one string, or a list of named ones)."""
+    files = {}
+    default_file = folder / "chat_template.jinja"  # where transformers >= 4.50 saves it
+    if default_file.is_file():
+        files["default"] = default_file.read_text(encoding="utf-8")
+    extra = folder / "additional_chat_templates"
+    if extra.is_dir():
+        for path in sorted(extra.glob("*.jinja")):
+            files[path.stem] = path.read_text(encoding="utf-8")
+    if files:
+        return files
     template = config.get("chat_template")
     if isinstance(template, list):  # [{"name": "default", "template": "..."}, ...]
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
-        template = named.get("default") or next(iter(named.values()), None)
-    if isinstance(template, str) and template:
-        return template
-    jinja_file = folder / "chat_template.jinja"  # where transformers >= 4.50 saves it
-    if jinja_file.is_file():
-        return jinja_file.read_text(encoding="utf-8")
-    return None
+        return {
+            t["name"]: t["template"]
+            for t in template
+            if isinstance(t, Mapping) and isinstance(t.get("name"), str)
+            and isinstance(t.get("template"), str) and t["template"]
+        }  # fmt: skip
+    return {"default": template} if isinstance(template, str) and template else {}
 
 
 class _GenerationTag(jinja2.ext.Extension):
@@ -138,14 +149,19 @@ class Tokenizer:
         self,
         backend: Any,
         *,
-        chat_template: str | None = None,
+        chat_template: str | Mapping[str, str] | None = None,
         special_tokens: Mapping[str, str | None] | None = None,
         eos_token_ids: Sequence[int] = (),
         name: str = "tokenizer",
     ) -> None:
         self._tok = backend
         self._token_bytes: TokenBytes | None = None  # built on first use (reads the vocab)
-        self.chat_template = chat_template
+        # by name, as transformers keeps several: "tool_use" renders requests with tools
+        self.chat_templates: dict[str, str] = (
+            dict(chat_template) if isinstance(chat_template, Mapping)
+            else {"default": chat_template} if chat_template else {}
+        )  # fmt: skip
+        self._compiled: dict[str, Any] = {}
         self.special_tokens: dict[str, str] = {
             key: value for key, value in (special_tokens or {}).items() if value is not None
         }
@@ -183,7 +199,7 @@ class Tokenizer:
         eos_ids += _ids(_read_json(folder / "config.json").get("eos_token_id"))
         return cls(
             backend,
-            chat_template=_chat_template(folder, config),
+            chat_template=_chat_templates(folder, config),
             special_tokens=special,
             eos_token_ids=eos_ids,
             name=folder.name,
@@ -239,11 +255,32 @@ class Tokenizer:
 
     # ------------------------------------------------------------------ chat
 
-    @cached_property
-    def _template(self) -> Any:
-        if not self.chat_template:
+    def template_name(self, tools: bool = False) -> str | None:
+        """The template a request renders with, chosen as transformers chooses: ``tool_use``
+        for a request with tools where the model has one, else ``default`` (else the only or
+        first one)."""
+        if tools and "tool_use" in self.chat_templates:
+            return "tool_use"
+        if "default" in self.chat_templates:
+            return "default"
+        return next(iter(self.chat_templates), None)
+
+    def chat_template_text(self, tools: bool = False) -> str | None:
+        name = self.template_name(tools)
+        return self.chat_templates[name] if name is not None else None
+
+    @property
+    def chat_template(self) -> str | None:
+        """The template of requests without tools."""
+        return self.chat_template_text(tools=False)
+
+    def _template(self, tools: bool) -> Any:
+        name = self.template_name(tools)
+        if name is None:
             raise TokenizerError(f"tokenizer {self.name!r} has no chat template")
-        return _compile_template(self.chat_template)
+        if name not in self._compiled:
+            self._compiled[name] = _compile_template(self.chat_templates[name])
+        return self._compiled[name]
 
     def apply_chat_template(
         self,
@@ -271,7 +308,7 @@ class Tokenizer:
         )
         context.setdefault("documents", None)
         try:
-            return str(self._template.render(**context))
+            return str(self._template(tools is not None).render(**context))
         except jinja2.exceptions.TemplateError as exc:
             raise TokenizerError(f"chat template error: {exc}") from exc
         except Exception as exc:  # the request's values (chat_template_kwargs) met the template
@@ -303,7 +340,10 @@ class IncrementalDetokenizer:
     multi-byte character cut between tokens) nothing past the last complete character is
     emitted; :meth:`finish` flushes whatever remains at the end of the stream.
 
-    ``prompt_ids`` (optional) seeds the context with the prompt's last few ids.
+    ``prompt_ids`` (optional) seeds the context with the prompt's last few ids, from the first
+    that starts a character: a SentencePiece byte-fallback decoder turns a run of byte tokens
+    that is not valid UTF-8 into U+FFFD as a whole, so a context opening mid-character would
+    spoil the generated bytes that join its run.
     """
 
     CONTEXT_TOKENS = PROMPT_TAIL_TOKENS  # (what an executor sends of the prompt)
@@ -318,6 +358,8 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
         self._ids: list[int] = list(prompt_ids[-self.CONTEXT_TOKENS :]) if prompt_ids else []
+        while self._ids and self._decode(self._ids).startswith(REPLACEMENT_CHAR):
+            self._ids.pop(0)
         self._read = len(self._ids)
         # characters of decode(self._ids) already emitted (or belonging to the prompt)
         self._emitted = len(self._decode(self._ids))
@@ -343,9 +385,13 @@ class IncrementalDetokenizer:
             self._emitted = len(stable)
             self.text += delta
         if complete and len(text) >= self._emitted:
-            # everything up to here is emitted: slide the window, keeping the last ids as context
-            keep = self._ids[self._read :] or self._ids[-1:]
-            self._ids = list(keep)
+            # everything up to here is emitted: slide the window, keeping the last ids as
+            # context, back to ids with text (after a skipped special token, a SentencePiece
+            # decoder would strip the next token's leading space as the start of the text)
+            start = min(self._read, len(self._ids) - 1)
+            while start > 0 and not self._decode(self._ids[start:]):
+                start -= 1
+            self._ids = self._ids[start:]
             self._read = len(self._ids)
             self._emitted = len(self._decode(self._ids))
         return delta

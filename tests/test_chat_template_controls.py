@@ -116,3 +116,23 @@ def test_tools_on_a_template_without_them_join_the_system_turn(
     assert "get_weather" in text and text.endswith("\n\nBe brief.]")
     text = rendered(service, {"messages": messages[1:], "tools": [tool]})  # none of its own
     assert "get_weather" in text and text.startswith("user: Hi\n")
+
+
+def test_a_prefill_the_template_trims_is_continued_where_its_text_ends(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    """Llama 3's template trims each message; a prefill ending in a space was a 400, where
+    transformers (and so vLLM) continue after the trimmed text."""
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_llama, folder)
+    set_chat_template(
+        folder,
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] | trim }}<|eot|>{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}",
+    )
+    service = TokenizerService(TokenizerConfig(MeshConfig(), str(folder)))
+    for prefill in ("The answer is ", " The answer is"):
+        messages = [PREFILL[0], {"role": "assistant", "content": prefill}]
+        body = {"messages": messages, "add_generation_prompt": False}
+        text = rendered(service, {**body, "continue_final_message": True})
+        assert text.endswith("<|assistant|>The answer is"), text

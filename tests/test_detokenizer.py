@@ -135,6 +135,19 @@ def test_stop_matcher_holds_back_partial_matches():
     assert StopMatcher([]).feed("anything") == "anything"
 
 
+def test_a_stop_string_completed_under_min_tokens_ends_nothing_later():
+    """ "\n" is held whole (a prefix of "\nUser:") when it comes under min_tokens; the next
+    feed found it and stopped, where vLLM only matches stop strings that end in new text. One
+    that begins under min_tokens and ends after it still stops."""
+    m = StopMatcher(["\n", "\nUser:"])
+    assert m.feed("Sure\n", may_stop=False) == "Sure"
+    assert m.feed(" here", may_stop=True) == "\n here" and not m.stopped
+    assert m.feed(" now\n") == " now" and m.stopped
+    m = StopMatcher(["\nUser:"])
+    assert m.feed("Sure\nUs", may_stop=False) == "Sure"
+    assert m.feed("er: hi") == "" and m.stopped
+
+
 async def test_a_lost_step_message_fails_the_stream_instead_of_losing_its_text(
     nats_server, tiny_llama
 ):

@@ -539,3 +539,18 @@ def test_smollm2_incremental_detokenizer(smollm2: tuple[Path, Path]) -> None:
         deltas = [detok.add([i]) for i in ids] + [detok.finish()]
         assert "".join(deltas) == text
         assert not any("\ufffd" in d for d in deltas)
+
+
+def test_a_named_tool_use_template_comes_through_conversion(tmp_path: Path, bpe: Any) -> None:
+    """llama.cpp keeps named templates as ``tokenizer.chat_template.<name>``; only the default
+    was converted, so a request with tools never saw the model's tool_use template."""
+    orig = write_tiny_model(tmp_path / "orig", "llama", vocab_size=bpe.get_vocab_size())
+    tool_use = "TOOLS {{ tools | length }}{% for m in messages %} {{ m['content'] }}{% endfor %}"
+    path = write_gguf(
+        orig, tmp_path / "t.gguf", bpe, extra={"tokenizer.chat_template.tool_use": tool_use}
+    )
+    ours = Tokenizer.from_folder(convert_gguf(path, tmp_path / "converted", progress=False))
+    messages = [{"role": "user", "content": "hi"}]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    assert ours.apply_chat_template(messages, tools=tools) == "TOOLS 1 hi"
+    assert ours.chat_template == CHATML

@@ -388,3 +388,64 @@ def test_detokenizer_flushes_an_unfinished_character(byte_level: Path) -> None:
     assert "".join(deltas) == "ab"
     assert detok.finish() == "\ufffd"  # the stream ended mid-character: say so, once
     assert detok.add([]) == ""
+
+
+def test_a_prompt_ending_in_byte_fallback_characters_leaves_the_generated_ones_whole(
+    spm_like: Path,
+) -> None:
+    """The 5-id context taken from the prompt started mid-character ("好" is 3 byte tokens):
+    SentencePiece's byte fallback turned the whole run of bytes, the generated "世界" joined
+    to it, into U+FFFD, and the stream said nothing until a line of U+FFFD at its end."""
+    tok = Tokenizer.from_folder(spm_like)
+    prompt = tok.encode("Translate: 你好", add_special_tokens=False)
+    full = tok.encode("Translate: 你好世界。", add_special_tokens=False)
+    assert full[: len(prompt)] == prompt
+    assert tok.decode(prompt[-IncrementalDetokenizer.CONTEXT_TOKENS :]).startswith("\ufffd")
+    generated = full[len(prompt) :]
+    out, deltas = _stream(tok, generated, [1] * len(generated), prompt_ids=prompt)
+    assert out == "世界。" and not any("\ufffd" in d for d in deltas)
+
+
+def test_the_space_after_a_skipped_special_token_survives_one_token_steps(
+    spm_like: Path,
+) -> None:
+    """The context kept after a step was that step's ids alone: a skipped </s> decodes to
+    nothing, and SentencePiece's decoder then stripped the next token's leading space."""
+    tok = Tokenizer.from_folder(spm_like)
+    prompt = tok.encode("The quick brown fox", add_special_tokens=False)
+    eos = tok.token_to_id("</s>")
+    assert eos is not None
+    ids = [*tok.encode("jumps", add_special_tokens=False), eos]
+    ids += tok.encode("over", add_special_tokens=False)
+    whole = tok.decode(prompt + ids)[len(tok.decode(prompt)) :]
+    assert whole == " jumps over"
+    for chunks in ([1] * len(ids), [len(ids)], [2, 2, 3]):
+        assert _stream(tok, ids, chunks, prompt_ids=prompt)[0] == whole, chunks
+
+
+def test_the_chat_template_is_the_one_transformers_picks(tmp_path: Path) -> None:
+    """Named templates: "tool_use" renders a request with tools (Hermes-2-Pro, Command-R ship
+    one), where the default was used and the tools left out; a chat_template.jinja file wins
+    over tokenizer_config.json's entry, as in transformers."""
+    plain = "PLAIN{% for m in messages %} {{ m['content'] }}{% endfor %}"
+    tool_use = "TOOLS {{ tools | length }}{% for m in messages %} {{ m['content'] }}{% endfor %}"
+    named = [{"name": "default", "template": plain}, {"name": "tool_use", "template": tool_use}]
+    folder = write_tokenizer_folder(tmp_path / "named", train_byte_level_bpe(300))
+    config_file = folder / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config_file.write_text(json.dumps({**config, "chat_template": named}))
+    ours, ref = Tokenizer.from_folder(folder), hf_tokenizer(folder)
+    messages = [{"role": "user", "content": "hi"}]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    for given in (None, tools):
+        expected = ref.apply_chat_template(messages, tokenize=False, tools=given)
+        assert ours.apply_chat_template(messages, tools=given) == expected
+    assert ours.apply_chat_template(messages, tools=tools) == "TOOLS 1 hi"
+    assert ours.chat_template_text(tools=True) == tool_use and ours.chat_template == plain
+
+    (folder / "chat_template.jinja").write_text(
+        "FILE{% for m in messages %} {{ m['content'] }}{% endfor %}"
+    )
+    ours, ref = Tokenizer.from_folder(folder), hf_tokenizer(folder)
+    expected = ref.apply_chat_template(messages, tokenize=False)
+    assert ours.apply_chat_template(messages) == expected == "FILE hi"

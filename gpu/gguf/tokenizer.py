@@ -168,7 +168,16 @@ def build_tokenizer(g: Gguf) -> tuple[Any, dict[str, Any]]:
         "clean_up_tokenization_spaces": False,
         "model_max_length": int(g.get(f"{g.require('general.architecture')}.context_length", 2048)),
     }
+    # the default template, and named ones (llama.cpp's tokenizer.chat_template.<name>, such
+    # as tool_use) in the list form transformers reads
+    prefix = "tokenizer.chat_template."
+    named = {
+        k.removeprefix(prefix): str(v) for k, v in g.meta.items() if k.startswith(prefix) and v
+    }
     template = g.get("tokenizer.chat_template")
-    if template:
+    if named:
+        named = ({"default": str(template)} if template else {}) | named
+        tok_config["chat_template"] = [{"name": k, "template": v} for k, v in named.items()]
+    elif template:
         tok_config["chat_template"] = str(template)
     return tok, tok_config

@@ -20,6 +20,9 @@ class StopMatcher:
     held: str = field(default="")
     stopped: bool = False
     include: bool = False
+    # How much of ``held`` came with may_stop False: a stop string must end after it (one
+    # held whole inside it, a prefix of a longer one, was found at the next feed)
+    unstoppable: int = 0
 
     def feed(self, text: str, may_stop: bool = True) -> str:
         """Add newly decoded text; return what is safe to send now."""
@@ -29,14 +32,20 @@ class StopMatcher:
         if not self.stops:
             self.held = ""
             return pending
-        found = [(i, len(s)) for s in self.stops if (i := pending.find(s)) >= 0]
-        if found and may_stop:
+        fixed = len(pending) if not may_stop else self.unstoppable  # may end no stop string
+        found = [
+            (i, len(s))
+            for s in self.stops
+            if (i := pending.find(s, max(0, fixed - len(s) + 1))) >= 0
+        ]
+        if found:
             cut, length = min(found)
             self.stopped = True
             self.held = ""
             return pending[: cut + length] if self.include else pending[:cut]
         keep = self._partial_suffix(pending)
         self.held = pending[len(pending) - keep :] if keep else ""
+        self.unstoppable = max(0, fixed - (len(pending) - keep))
         return pending[: len(pending) - keep]
 
     def flush(self) -> str:

@@ -75,7 +75,7 @@ class TokenizerService:
         self.svc.facts.page_size = config.page_size
         self.svc.facts.detok_shards = config.detok_shards
         # The gateway parses tool calls in the format this template teaches the model.
-        self.tool_format = detect_tool_format(self.tokenizer.chat_template)
+        self.tool_format = detect_tool_format(self.tokenizer.chat_template_text(tools=True))
         self.svc.facts.tool_format = self.tool_format
         self.sampling_defaults = (
             sampling_defaults(folder) if config.generation_config == "auto" else {}
@@ -135,15 +135,18 @@ class TokenizerService:
             **kwargs,
         )
         if req.continue_final_message:
+            # where the content ends; as transformers, its stripped form if the template trims
+            # it (Llama 3's does)
             final = messages[-1]["content"]
-            end = text.rfind(final) if final else -1
-            if end < 0:
-                raise RequestError(
-                    "The chat template does not render the final message's content as given, "
-                    "so it cannot be continued.",
-                    param="continue_final_message",
-                )
-            text = text[: end + len(final)]
+            for content in (final, final.strip()) if final else ():
+                end = text.rfind(content) if content else -1
+                if end >= 0:
+                    return text[: end + len(content)]
+            raise RequestError(
+                "The chat template does not render the final message's content as given, "
+                "so it cannot be continued.",
+                param="continue_final_message",
+            )
         return text
 
     def chat_input(
@@ -158,7 +161,7 @@ class TokenizerService:
         tools = None
         if req.tools is not None and req.tools.mode != "none":
             tools = json.loads(req.tools.tools)
-            if not renders_tools(self.tokenizer.chat_template):
+            if not renders_tools(self.tokenizer.chat_template_text(tools=True)):
                 preamble = hermes_preamble(tools)
                 if messages and messages[0]["role"] == "system":
                     own = messages[0]["content"]
