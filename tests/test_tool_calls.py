@@ -59,6 +59,21 @@ def test_hermes_calls_split_anywhere_in_the_stream(size):
     assert len({c.id for c in calls}) == 2
 
 
+@pytest.mark.parametrize("size", [1, 2, 5, 1000])
+def test_hermes_text_after_a_call_keeps_its_whitespace_however_it_is_split(size):
+    """Whitespace pieces after a call were dropped per feed: prose after a call lost its
+    spaces and newlines when they came as tokens of their own, and kept them in one chunk.
+    Whitespace between and after calls is still layout."""
+    call = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+    out = f"\n{call}\n{call}\nLine one.\n\nLine two. 42\n\n"
+    text, calls = feed_all(ToolCallParser(HERMES, NAMES), pieces_of(out, size))
+    assert len(calls) == 2 and text == "\nLine one.\n\nLine two. 42"
+    text, calls = feed_all(ToolCallParser(HERMES, NAMES), pieces_of(f"{call} \n", size))
+    assert len(calls) == 1 and text == ""
+    plain = "No call here.\n\n"  # without calls, trailing whitespace is the text's
+    assert feed_all(ToolCallParser(HERMES, NAMES), pieces_of(plain, size)) == (plain, [])
+
+
 def test_hermes_arguments_stream_before_the_call_ends():
     parser = ToolCallParser(HERMES, NAMES)
     _, opened = parser.feed('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa')

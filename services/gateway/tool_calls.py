@@ -155,6 +155,9 @@ class ToolCallParser:
         self.undecided = True  # whole: no text yet that says whether it is a call
         self.plain = False  # whole: it is content, streamed as it comes
         self.calls: list[ToolCall] = []
+        # hermes: whitespace not yet known to be content (text follows it) or layout (a call
+        # follows it, or the output ends after calls)
+        self.held_space = ""
 
     def feed(self, text: str) -> tuple[str, list[CallDelta]]:
         self.buffer += text
@@ -181,16 +184,17 @@ class ToolCallParser:
                 at = self.buffer.find(HERMES_OPEN)
                 if at < 0:
                     keep = 0 if final else held_prefix(self.buffer, HERMES_OPEN)
-                    content.append(self.buffer[: len(self.buffer) - keep])
+                    self._text(self.buffer[: len(self.buffer) - keep], content)
                     self.buffer = self.buffer[len(self.buffer) - keep :]
                     break
-                content.append(self.buffer[:at])
+                self._text(self.buffer[:at], content)
                 self.buffer = self.buffer[at + len(HERMES_OPEN) :]
                 self.inside = True
             if self.scanner is None:
                 head = HERMES_HEAD.match(self.buffer)
                 if head is not None and head.group(1) in self.names:
                     call = ToolCall(new_call_id(self.tool_format), head.group(1), "")
+                    self.held_space = ""  # layout before a call
                     deltas.append(self._add(call))
                     self.scanner = ArgumentsScanner()
                     self.buffer = self.buffer[head.end() :]
@@ -208,15 +212,27 @@ class ToolCallParser:
                 block = self.buffer[: end if end >= 0 else None].strip()
                 parsed = parse_call(block, self.names, self.tool_format)
                 if parsed is None:
-                    content.append(HERMES_OPEN + self.buffer[:taken])
+                    self._text(HERMES_OPEN + self.buffer[:taken], content)
                 else:
+                    self.held_space = ""
                     deltas.append(self._add(parsed))
             self.buffer = self.buffer[taken:]
             self.inside = False
             self.scanner = None
-        if self.calls:  # whitespace between and after calls is layout, not content
-            content = [piece for piece in content if piece.strip()]
+        if final:  # trailing whitespace: the text's own, unless calls came (layout then)
+            content.append("" if self.calls else self.held_space)
+            self.held_space = ""
         return "".join(content), deltas
+
+    def _text(self, piece: str, out: list[str]) -> None:
+        """Content, its trailing whitespace held until text follows it (it is then the
+        text's): the same text whatever the pieces, one token or the whole output."""
+        body = piece.rstrip()
+        if body:
+            out.append(self.held_space + body)
+            self.held_space = piece[len(body) :]
+        else:
+            self.held_space += piece
 
     def _whole(self) -> tuple[str, list[CallDelta]]:
         if self.undecided:
