@@ -255,34 +255,37 @@ class Engine:
     def draft_requests(self) -> list[DraftRequest]:
         """The running sequences that decode next step, each with the draft length it may use
         (its adaptive k, capped so a draft never outruns ``max_tokens`` or the context, and so
-        drafts only take pages that are free now: a draft never preempts a sequence)."""
+        drafts only take pages and batch tokens no running sequence's own step needs: a draft
+        never preempts a sequence nor keeps one out of the step)."""
         if not self.config.num_speculative_tokens:
             return []
         requests = []
         self._draft_limits = {}
+        # What every running sequence's own next step takes first, pages and batch tokens, in
+        # the order the scheduler serves them; drafts get only what is left of both. Pages a
+        # draft took from a later sequence's decode or prompt chunk would preempt it, and batch
+        # tokens it took would keep that sequence out of the step.
         free = self.pages.num_free
-        # The scheduler serves the running sequences in order, decodes and their drafts
-        # before a later one's prompt chunk: pages a draft took there would preempt it.
         budget = self.config.max_num_batched_tokens
         for seq in self.scheduler.running:
-            if seq.num_pending > 1:
-                chunk = seq.num_computed + min(seq.num_pending, budget)
-                free -= self.pages.pages_needed(seq.table, chunk)
+            own = min(seq.num_pending, budget)
+            budget -= own
+            free -= self.pages.pages_needed(seq.table, seq.num_computed + own)
         for seq in self.scheduler.running:
-            if seq.num_pending != 1 or seq.draft_length is None:
+            if seq.num_pending != 1 or seq.draft_length is None or budget <= 0:
                 continue
             k = (
                 seq.draft_length.next()
                 if self.config.adaptive_speculation
                 else seq.draft_length.max_k
             )
-            k = min(k, self._draft_room(seq))
-            decode = self.pages.pages_needed(seq.table, seq.num_tokens)
-            free -= decode  # the sequence's own decode comes first
+            k = min(k, self._draft_room(seq), budget)
+            decode = self.pages.pages_needed(seq.table, seq.num_tokens)  # (counted above)
             while k > 0 and self.pages.pages_needed(seq.table, seq.num_tokens + k) - decode > free:
                 k -= 1
             if k > 0:
                 free -= self.pages.pages_needed(seq.table, seq.num_tokens + k) - decode
+                budget -= k
                 self._draft_limits[seq.request_id] = k
                 requests.append(
                     DraftRequest(

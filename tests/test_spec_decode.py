@@ -359,6 +359,36 @@ def test_a_draft_never_preempts_a_neighbour_mid_prompt(tiny_llama):
     assert drafted > 0  # drafts still ran where pages were left
 
 
+def test_a_draft_never_takes_the_page_a_decoding_neighbour_needs(tiny_llama):
+    """After both prefills one page is free and b, its page full, needs it for its decode;
+    a, served first, drafted into it and b was preempted (each step while a drafted)."""
+    runner = ModelRunner(load_model(tiny_llama, progress=False), 4, 4)
+    config = EngineConfig(64, 4, True, num_speculative_tokens=3, adaptive_speculation=False)
+    engine = Engine(runner, config, eos_token_ids=[2], proposer=AlwaysDraft())
+    engine.add_request("a", [10, 11, 12, 13, 14], greedy(8))
+    engine.add_request("b", [20, 21, 22, 23], greedy(8))
+    engine.step()  # the prefills: a holds 2 pages (room for 8 tokens), b 1 page, full
+    assert engine.pages.num_free == 1
+    assert {r.request_id: r.num_draft for r in engine.draft_requests()} == {"a": 2, "b": 3}
+    engine.step()
+    assert engine.scheduler.num_preempted_for_pages == 0
+
+
+def test_drafts_leave_the_batch_tokens_later_sequences_need(tiny_llama):
+    """A budget of 4 tokens: a's 1 + 3 drafts took it all, every step, and b's prompt waited
+    until a was done; drafts now get only what the running sequences leave."""
+    runner = ModelRunner(load_model(tiny_llama, progress=False), 64, 4)
+    config = EngineConfig(4, 4, True, num_speculative_tokens=3, adaptive_speculation=False)
+    engine = Engine(runner, config, eos_token_ids=[2], proposer=AlwaysDraft())
+    engine.add_request("a", [10, 11, 12], greedy(20))
+    engine.add_request("b", [20, 21, 22], greedy(20))
+    steps = 0
+    while engine.seqs["b"].num_computed < 3:
+        engine.step()
+        steps += 1
+        assert steps <= 3, "b's prompt starved behind a's drafts"
+
+
 def test_drafts_only_take_free_pages(tiny_llama):
     """A draft shrinks to the pages that are free now instead of preempting a neighbour."""
     prompt = prompts_for(9, [7])[0]
