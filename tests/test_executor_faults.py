@@ -6,18 +6,22 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections import defaultdict
+from typing import Any
 
 import nats
 import nats.errors
 import pytest
 
 from common.nats_server import LocalNatsServer
+from common.tokenizer import Tokenizer
 from common.wire.detokenizer import StepTokens
 from common.wire.executor import AbortRequests, TokenizedRequest, WireGrammar
 from common.wire.gateway import ErrorEvent
-from common.wire.tokenizer import WireSamplingParams
+from common.wire.tokenizer import ResponseFormat, WireSamplingParams
 from services.executor.service import ExecutorService
+from services.tokenizer.grammars import grammar_for
 from tests.mesh import tiny_executor
 
 MAX_PAYLOAD = 8192
@@ -291,3 +295,55 @@ async def test_a_constrained_request_withdrawn_and_sent_back_runs_again(executor
     assert "g" not in seen.errors and seen.finished["g"] == "stop"
     await idle(service)
     assert service.compiled == {} and service.compiling == {}
+
+
+async def test_a_duplicate_submit_and_an_abort_between_two_steps_stop_the_running_one(executor):
+    """The abort forgot the duplicate waiting to be added by id, which took the running copy's
+    entry with it, so the engine was never told: the request ran to max_tokens for nobody,
+    holding its pages and a slot."""
+    service, send, seen = executor
+    real_step = service.engine.step
+
+    def slow_step() -> Any:  # (the 240 tokens it may run then take seconds)
+        time.sleep(0.02)
+        return real_step()
+
+    service.engine.step = slow_step
+    await send(request("w", max_tokens=240))
+    async with asyncio.timeout(10):
+        while len(seen.tokens["w"]) < 2:
+            await asyncio.sleep(0.01)
+    import traceback
+
+    real_abort = service.engine.abort
+
+    def traced(rid):
+        traceback.print_stack(limit=6)
+        return real_abort(rid)
+
+    service.engine.abort = traced
+    await service.on_submit(request("w", max_tokens=240))  # a replayed submit
+    await service.on_abort(AbortRequests(["w"], "client left"))  # before the next step
+    await asyncio.sleep(0.3)
+    assert "w" not in service.engine.seqs and "w" not in service.requests
+    await idle(service)
+
+
+async def test_a_constrained_request_withdrawn_while_it_compiles_runs_its_new_submit(
+    executor, tiny_llama
+):
+    """The old submit's compile took the new one's place (by id): the old request ran, from
+    scratch, and the new one with the tokens its client had was lost."""
+    service, _, seen = executor
+    tok = Tokenizer.from_folder(tiny_llama)
+    grammar = grammar_for(ResponseFormat("json_object"), None, "hermes")
+    old = request("g", max_tokens=8, grammar=grammar)
+    streamed = tok.encode('{"', add_special_tokens=False)
+    new = request("g", max_tokens=8, grammar=grammar, output_token_ids=streamed, migrations=1)
+    await service.on_submit(old)  # its compile starts; nothing below waits for it
+    await service.on_abort(AbortRequests(["g"], "moved", executor_id="ex-0"))
+    await service.on_submit(new)
+    await seen.wait_for("g")
+    assert "g" not in seen.errors
+    assert len(seen.tokens["g"]) == 8 - len(streamed)  # the new run, after what it had
+    await idle(service)

@@ -231,16 +231,24 @@ class ExecutorService:
             log.exception("executor: compiling the grammar of %s failed", req.request_id)
             await self.fail_compile(req, 500, f"Compiling the grammar failed: {exc!r}")
             return
-        if self.compiling.pop(req.request_id, None) is None:
-            return  # aborted while it compiled
+        if not self.take_compiling(req):
+            return  # aborted while it compiled (and maybe submitted again since)
         self.compiled[req.request_id] = compiled
         self.pending_adds.append(req)
         self.wake.set()
 
+    def take_compiling(self, req: TokenizedRequest) -> bool:
+        """Is ``req`` itself still compiling (taken out now)? Not when it was aborted, nor when
+        it was withdrawn and its id submitted again: that run has a compile of its own."""
+        if self.compiling.get(req.request_id) is not req:
+            return False
+        del self.compiling[req.request_id]
+        return True
+
     async def fail_compile(self, req: TokenizedRequest, status: int, message: str) -> None:
         """End a request whose grammar did not compile (unless it was aborted meanwhile): its
         client gets the error (the scheduler forgets it by the next heartbeat)."""
-        if self.compiling.pop(req.request_id, None) is None:
+        if not self.take_compiling(req):
             return
         self.timelines.finished(req.request_id, "error")
         if status == 400:
@@ -273,15 +281,15 @@ class ExecutorService:
                     req.reply_to,
                     ErrorEvent(req.request_id, 503, msg.error, "server_error", "stream_lost"),
                 )
+        running = ids.intersection(self.requests)
         kept = []
         for req in self.pending_adds:
-            if req.request_id in ids:
-                self.compiled.pop(req.request_id, None)
-                self.forget(req.request_id)  # (a prefill job's decode side then frees its pages)
-            else:
+            if req.request_id not in ids:
                 kept.append(req)
+            elif req.request_id not in running:  # (else a duplicate submit of a running one:
+                self.compiled.pop(req.request_id, None)  # forgotten once the engine drops it)
+                self.forget(req.request_id)  # (a prefill job's decode side then frees its pages)
         self.pending_adds = kept
-        running = ids.intersection(self.requests)
         if running:
             self.pending_aborts.update(running)
             self.wake.set()
