@@ -107,7 +107,6 @@ class Engine:
         self.pages = PageManager(
             runner.kv.spec.num_pages, runner.page_size, self.config.enable_prefix_caching
         )
-        self.scheduler = Scheduler(self.config.scheduler, self.pages)
         self.sampler = Sampler(logprobs_mode=self.config.logprobs_mode)
         self.eos_token_ids = frozenset(eos_token_ids or runner.config.eos_token_ids)
         self.eos_ids = tuple(sorted(self.eos_token_ids))  # (for the sampler, every step)
@@ -115,6 +114,7 @@ class Engine:
         # Disaggregated decode: sequences whose prompt KV another executor is writing into
         # their pages (``gpu/handoff.py``); not scheduled until it arrives.
         self.reserved: dict[str, Sequence] = {}
+        self.scheduler = Scheduler(self.config.scheduler, self.pages, self.reserved)
         self.num_steps = 0
         self.num_forward_passes = 0  # target forward passes (a step that ran the model)
         self._draft_limits: dict[str, int] = {}  # the last draft_requests' k per sequence

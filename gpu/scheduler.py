@@ -16,6 +16,7 @@ slot one of the region's clients waits for (it resumes, recomputed, when a slot 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from gpu.page_manager import PageManager
@@ -49,11 +50,19 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, pages: PageManager) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        pages: PageManager,
+        reserved: Mapping[str, Sequence] | None = None,
+    ) -> None:
         self.config = config
         self.pages = pages
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # Disaggregated decode: sequences whose prompt another executor computes hold a slot
+        # from their reservation on (``gpu/handoff.py``), though they run only once it is here.
+        self.reserved: Mapping[str, Sequence] = reserved if reserved is not None else {}
         # Since start: sequences preempted for want of pages, and guests that yielded a slot.
         self.num_preempted_for_pages = 0
         self.num_guests_yielded = 0
@@ -83,6 +92,11 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.pages.free(seq.table)
+
+    @property
+    def num_slots_taken(self) -> int:
+        """Of ``max_num_seqs``: the running sequences and the reserved ones."""
+        return len(self.running) + len(self.reserved)
 
     @property
     def num_unfinished(self) -> int:
@@ -122,10 +136,10 @@ class Scheduler:
         """Preempt the newest running guest for each waiting own sequence the full batch has
         no slot for; every guest then waits behind the own ones (module docstring)."""
         yielded: list[Sequence] = []
-        if len(self.running) < self.config.max_num_seqs:
+        if self.num_slots_taken < self.config.max_num_seqs:
             return yielded
         own_waiting = sum(not s.guest for s in self.waiting)
-        while own_waiting > len(yielded) and len(self.running) >= self.config.max_num_seqs:
+        while own_waiting > len(yielded) and self.num_slots_taken >= self.config.max_num_seqs:
             guests = [s for s in self.running if s.guest]
             if not guests:
                 break
@@ -135,7 +149,7 @@ class Scheduler:
         return yielded
 
     def _admit(self, budget: int, scheduled: list[ScheduledSeq]) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and self.num_slots_taken < self.config.max_num_seqs:
             seq = self.waiting[0]
             cached = self.pages.match_prefix(seq.table, seq.all_token_ids)
             seq.num_computed = cached

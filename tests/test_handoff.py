@@ -153,3 +153,19 @@ def test_a_guest_admitted_through_a_handoff_yields_its_slot_and_is_recomputed(ti
         out += [t for o in decode.step() if o.request_id == "g" for t in o.new_token_ids]
     assert out == expected
     decode.pages.check_invariants([])
+
+
+def test_a_reservation_holds_its_slot_in_max_num_seqs(tiny_llama):
+    """Local admissions did not count reservations: with max_num_seqs 2, one reservation and
+    two local requests ran as three sequences once the prompt's KV arrived."""
+    decode = make_engine(tiny_llama, num_pages=64, max_seqs=2)
+    params = SamplingParams(max_tokens=8, **GREEDY)
+    assert handoff.reserve(decode, "r", [5, 6, 7, 8, 9], params) is not None
+    decode.add_request("a", [10, 11, 12], params)
+    decode.add_request("b", [13, 14, 15], params)
+    decode.step()
+    assert [s.request_id for s in decode.scheduler.running] == ["a"]  # b waits for a slot
+    assert handoff.admit_prefilled(decode, "r", 20)
+    while decode.has_unfinished():
+        assert len(decode.scheduler.running) <= 2
+        decode.step()
