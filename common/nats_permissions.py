@@ -182,13 +182,14 @@ def prefix_index(s: Subjects, peers: Sequence[Subjects] = (), region: str = "") 
         region=region,
         subscribe=[s.executor_heartbeat],
         serves=[s.index_match],
-        # ensure_kv_stream, stream_info, then replay()'s ordered push consumer; purge: a
-        # forgotten executor's subject
+        # ensure_kv_stream, stream_info, then replay()'s ordered push consumer (MSG.GET: is
+        # there anything past what it delivered?); purge: a forgotten executor's subject
         jetstream=kv_stream_api(
             s,
             "STREAM.CREATE",
             "STREAM.UPDATE",
             "STREAM.INFO",
+            "STREAM.MSG.GET",
             "STREAM.PURGE",
             "STREAM.NAMES",
             "CONSUMER.CREATE",

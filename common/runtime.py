@@ -410,12 +410,25 @@ class Service:
             created[0] = info.created
             stalled = delivered[0] == delivered[1] and info.state.last_seq > delivered[0]
             delivered[1] = delivered[0]
+            if stalled:  # unless what lies past it was purged (the stream keeps its last_seq)
+                stalled = await self._has_message_after(stream, subject, delivered[0])
             if stalled:
                 log.warning("%s: replay of %s stalled; starting it again", self.name, stream)
                 await self._restart_replays()
 
         if stream:
             self.spawn(self.every(REPLAY_CHECK_S, check), f"replay-check-{stream}")
+
+    async def _has_message_after(self, stream: str, subject: str, seq: int) -> bool:
+        """Does ``stream`` hold a message on ``subject`` past sequence ``seq``? (True when it
+        cannot say: a replay taken for stalled is only started again.)"""
+        try:
+            await self.nc.jetstream().get_msg(stream, seq=seq + 1, subject=subject, next=True)
+        except NotFoundError:
+            return False
+        except Exception as exc:
+            log.debug("%s: could not look past message %d of %s: %s", self.name, seq, stream, exc)
+        return True
 
     async def _restart_replays(self) -> None:
         """After a reconnect (on a cluster: to another server), replay each stream again from

@@ -12,7 +12,14 @@ import pytest
 from nats.js.errors import NotFoundError
 
 from common.config import MeshConfig
-from common.kv_stream import MAX_BYTES, ROLLUP, StreamNameTaken, ensure_kv_stream, kv_stream_config
+from common.kv_stream import (
+    MAX_BYTES,
+    ROLLUP,
+    StreamNameTaken,
+    ensure_kv_stream,
+    kv_stream_config,
+    purge_executor,
+)
 from common.nats_server import LocalNatsServer
 from common.subjects import Subjects
 from common.wire.prefix_index import KVEventBatch
@@ -108,3 +115,38 @@ async def test_a_forgotten_executor_is_purged_from_the_stream(
         for service in (index, fresh):
             if service is not None:
                 await service.svc.close()
+
+
+async def test_a_replay_whose_last_message_was_purged_is_not_taken_for_stalled(
+    nats_server: LocalNatsServer, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A purge leaves the stream's last_seq where it was: an index started after the last
+    message was purged saw last_seq past what it was delivered, forever, and replayed the
+    whole stream again at every check (every 2 s) until some executor published."""
+    monkeypatch.setattr("common.runtime.REPLAY_CHECK_S", 0.1)
+    s = Subjects()
+    nc = await nats.connect(nats_server.url)
+    js = nc.jetstream()
+    await ensure_kv_stream(js, s)
+    await js.publish(s.kv_events("ex-live"), snapshot("ex-live", [(22, 0)]), headers=ROLLUP)
+    await js.publish(s.kv_events("ex-gone"), snapshot("ex-gone", []), headers=ROLLUP)
+    await purge_executor(js, s, "ex-gone")
+    mesh = MeshConfig(nats_server.url, instance_id="index-0")
+    index = PrefixIndexService(PrefixIndexConfig(mesh))
+    try:
+        await index.start()
+        await asyncio.wait_for(index.caught_up.wait(), 10)
+        await asyncio.sleep(0.2)
+        caplog.clear()  # (a check before the first delivery may take it for stalled)
+        await asyncio.sleep(1.0)  # ten checks
+        assert not [r for r in caplog.records if "stalled" in r.getMessage()]
+        assert index.tree.pages_of("ex-live") == {22}
+        # A message that does come after it is still waited for: one published now arrives.
+        await js.publish(s.kv_events("ex-live"), snapshot("ex-live", [(33, 0)]), headers=ROLLUP)
+        deadline = time.monotonic() + 5
+        while index.tree.pages_of("ex-live") != {33}:
+            assert time.monotonic() < deadline, "the new snapshot never arrived"
+            await asyncio.sleep(0.05)
+    finally:
+        await nc.close()
+        await index.svc.close()
