@@ -4,6 +4,8 @@ their request, and one id running once."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import time
 
 import pytest
@@ -344,3 +346,42 @@ async def test_the_watchdogs_question_about_an_unknown_request_is_asked_of_every
     asked.clear()
     reply = await sched.on_status(RequestStatusQuery(["mine", "lost"], from_region="eu-west"))
     assert reply.known == ["mine"] and asked == []
+
+
+async def test_a_heartbeat_is_not_held_behind_a_dispatch_waiting_on_the_index(
+    scheduler, monkeypatch
+):
+    """Heartbeats are handled one after another; one that waited for the dispatch lock while
+    a pass asked a slow index about each queued request held every later one, and the sweep
+    took executors that were beating for lost. It now leaves the running pass to go again."""
+    from common.page_hash import page_hashes
+    from common.wire.prefix_index import IndexMatchReply
+
+    sched, sent = scheduler(router="kv")
+    sched.router.observe(room("a"))
+    sched.router.observe(room("b"))  # two candidates: the index is asked
+    answer = asyncio.Event()
+    asked: list[str] = []
+
+    async def slow_index(subject, message, kind, timeout):
+        asked.append(message.request_id)
+        await answer.wait()
+        return IndexMatchReply({}, 4)
+
+    monkeypatch.setattr(sched.svc, "request", slow_index)
+    tokens = list(range(64))
+    queued = TokenizedRequest(
+        "q", "inbox", WireSamplingParams(), tokens, page_hashes(tokens, 16), 0
+    )
+    submit = asyncio.create_task(sched.on_submit(queued))
+    for _ in range(100):
+        if asked:
+            break
+        await asyncio.sleep(0)
+    assert asked == ["q"]
+    beat = dataclasses.replace(room("a"), sent_at=time.time())
+    await asyncio.wait_for(sched.on_heartbeat(beat), 1)  # not behind the index
+    assert sched.router.executors["a"].heartbeat is beat and sched.dispatch_again
+    answer.set()
+    await submit
+    assert sent == ["q"]

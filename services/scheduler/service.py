@@ -116,6 +116,7 @@ class SchedulerService:
             heartbeat_timeout_s=config.heartbeat_timeout_s,
         )
         self.dispatching = asyncio.Lock()  # dispatch awaits the index between peek and pop
+        self.dispatch_again = False  # something changed while a dispatch pass ran
         self.index_down_until = 0.0
         self.queue: list[tuple[Rank, TokenizedRequest]] = []  # a heap: lowest rank first
         self.queued: set[str] = set()  # the ids in ``queue``
@@ -216,7 +217,7 @@ class SchedulerService:
 
     async def on_heartbeat(self, hb: Heartbeat) -> None:
         if self.router.restarted(hb):  # the old process died; its requests move now
-            old = self.router.executors.pop(hb.executor_id).heartbeat.incarnation
+            old = self.router.forget(hb.executor_id).heartbeat.incarnation
             await self.executor_lost(hb.executor_id, old)
         self.router.observe(hb)
         self.inflight.observe(hb)
@@ -246,8 +247,19 @@ class SchedulerService:
         await self.svc.publish(self.svc.subjects.abort, AbortRequests(request_ids, reason))
 
     async def dispatch(self) -> None:
+        """Route what the queue and the executors' room allow; while a pass is running (it
+        may be waiting on the index), have it make one more instead of waiting behind it.
+        A heartbeat's handler that waited here held every later heartbeat (one subscription's
+        messages are handled one after another): behind a slow index, with many requests
+        queued, executors went unheard past their timeout and were taken for lost."""
+        if self.dispatching.locked():
+            self.dispatch_again = True
+            return
         async with self.dispatching:
-            await self._dispatch()
+            self.dispatch_again = True
+            while self.dispatch_again:
+                self.dispatch_again = False
+                await self._dispatch()
 
     async def _dispatch(self) -> None:
         while self.queue:
