@@ -148,9 +148,13 @@ class Service:
         """Why this service cannot work now, or None when it can (``/health``)."""
         if self.shutdown_requested.is_set():
             return "shutting down"
-        if self._nc is None or not self._nc.is_connected:
+        if not self.connected:
             return "not connected to NATS"
         return None
+
+    @property
+    def connected(self) -> bool:
+        return self._nc is not None and self._nc.is_connected
 
     @property
     def nc(self) -> Client:

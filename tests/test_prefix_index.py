@@ -117,6 +117,43 @@ def test_a_page_that_would_be_its_own_ancestor_is_refused():
 # -- the index against real engines (no NATS) ------------------------------------------------------
 
 
+async def test_an_executor_heard_while_the_expiry_pass_purges_another_is_kept():
+    """The expiry pass judged every executor on the time it started: one that beat and sent a
+    fresh snapshot while the pass purged another was wiped too. Nor does an index cut off
+    from NATS forget anyone (the silence is its own); reconnected, each gets a new timeout."""
+    from types import SimpleNamespace
+
+    from common.wire.scheduler import Heartbeat
+
+    index = PrefixIndexService(PrefixIndexConfig(MeshConfig(instance_id="idx")))
+    link = SimpleNamespace(is_connected=True)
+    index.svc._nc = link  # type: ignore[assignment]
+    for executor, page in (("ex-a", 7), ("ex-b", 8)):
+        await index.on_events(KVEventBatch(executor, 1, True, [], [(page, ROOT_HASH)]), 0)
+        index.last_seen[executor] -= index.config.executor_timeout_s + 1
+    purged: list[str] = []
+
+    async def purge(executor: str) -> None:
+        purged.append(executor)
+        if executor == "ex-a":  # meanwhile ex-b beats again, with a fresh snapshot
+            await index.on_heartbeat(Heartbeat("ex-b", 0, 0, 10, 10, 16, 8, 0))
+            await index.on_events(KVEventBatch("ex-b", 2, True, [], [(8, ROOT_HASH)]), 0)
+
+    index.purge = purge  # type: ignore[method-assign]
+    link.is_connected = False
+    await index.expire_silent()
+    assert purged == [] and index.tree.pages_of("ex-a") == {7}
+    link.is_connected = True
+    await index.heard_again()  # reconnected: a whole timeout for each to be heard
+    await index.expire_silent()
+    assert purged == []
+    index.last_seen["ex-a"] -= index.config.executor_timeout_s + 1
+    index.last_seen["ex-b"] -= index.config.executor_timeout_s + 1
+    await index.expire_silent()
+    assert purged == ["ex-a"] and index.tree.pages_of("ex-b") == {8}
+    assert index.tree.match([8]) == {"ex-b": 1}
+
+
 async def test_index_view_equals_engine_caches_step_by_step(tiny_llama):
     """Two engines under random load with evictions; after every step the index, fed the
     batches an executor would publish, holds exactly each engine's cache."""

@@ -4,6 +4,7 @@ cached across a real mesh, with ``usage.prompt_tokens_details.cached_tokens`` to
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import time
 
@@ -90,6 +91,26 @@ def test_kv_remembers_where_it_just_sent_a_prefix():
     assert r.pick(second, {}) == chosen
     r.recent.prune(time.monotonic() + 11)  # 10 s later it is forgotten: the load decides
     assert r.pick(second, {}) == other
+
+
+async def test_a_restarted_executor_is_not_credited_with_its_old_processs_prefixes():
+    """The prefixes routed lately to an executor id outlived the process under it: restarted
+    with an empty cache, it drew requests for them (and the old process's migrated requests,
+    which carry exactly those pages) on a cache it no longer had."""
+    sched = SchedulerService(SchedulerServiceConfig(MeshConfig(instance_id="t"), router="kv"))
+    r = sched.router
+    r.observe(dataclasses.replace(heartbeat("a"), incarnation="one"))
+    r.observe(heartbeat("b"))
+    first = request([*PROMPT, 7], "first")
+    r.assigned("a", first, {})
+    assert r.overlap("a", request([*PROMPT, 8]), {}) == 40
+
+    async def nothing(executor_id: str, incarnation: str = "") -> None:
+        return None
+
+    sched.executor_lost = nothing  # type: ignore[method-assign]
+    await sched.on_heartbeat(dataclasses.replace(heartbeat("a"), incarnation="two"))
+    assert r.overlap("a", request([*PROMPT, 8]), {}) == 0
 
 
 def test_least_load_and_round_robin_ignore_the_cache():

@@ -84,6 +84,7 @@ class PrefixIndexService:
         await self.svc.serve(s.index_match, IndexMatchRequest, self.on_match, queue="index")
         await self.svc.subscribe(s.executor_heartbeat, Heartbeat, self.on_heartbeat)
         period = self.config.executor_timeout_s / 4
+        self.svc.reconnect_callbacks.append(self.heard_again)
         self.svc.spawn(self.svc.every(period, self.expire_silent), "expire")
 
     # -- handlers -------------------------------------------------------------------------------
@@ -121,15 +122,29 @@ class PrefixIndexService:
         self.last_seen[hb.executor_id] = time.monotonic()
 
     async def expire_silent(self) -> None:
+        """Forget executors silent past the timeout. Not while this index is cut off from
+        NATS (their silence is its own), and each judged on its latest heartbeat: one can
+        arrive while a purge is awaited."""
+        if not self.svc.connected:
+            return
+        for executor in list(self.last_seen):
+            seen = self.last_seen.get(executor)
+            now = time.monotonic()
+            if seen is None or now - seen <= self.config.executor_timeout_s:
+                continue
+            pages = self.tree.clear(executor)
+            del self.last_seen[executor]
+            self.last_seq.pop(executor, None)
+            log.info("forgot executor %s (%d pages): silent for %.0f s",
+                     executor, pages, now - seen)  # fmt: skip
+            await self.purge(executor)
+
+    async def heard_again(self) -> None:
+        """Reconnected: what every executor said meanwhile was lost to us, so each gets a
+        whole timeout from now to be heard again before it is forgotten."""
         now = time.monotonic()
-        for executor, seen in list(self.last_seen.items()):
-            if now - seen > self.config.executor_timeout_s:
-                pages = self.tree.clear(executor)
-                del self.last_seen[executor]
-                self.last_seq.pop(executor, None)
-                log.info("forgot executor %s (%d pages): silent for %.0f s",
-                         executor, pages, now - seen)  # fmt: skip
-                await self.purge(executor)
+        for executor in self.last_seen:
+            self.last_seen[executor] = now
 
     async def purge(self, executor: str) -> None:
         """Drop a forgotten executor's messages from the stream (every replica does it; the

@@ -110,6 +110,12 @@ class RecentRoutes:
                 return depth
         return len(page_hashes)
 
+    def forget(self, executor: str) -> None:
+        """A process gone (dead, or restarted under its id with an empty cache)."""
+        for page_hash, executors in list(self.expiry.items()):
+            if executors.pop(executor, None) is not None and not executors:
+                del self.expiry[page_hash]
+
     def prune(self, now: float) -> None:
         self._pruned_at = now
         for page_hash, executors in list(self.expiry.items()):
@@ -211,6 +217,12 @@ class Router:
             if now - s.last_seen <= self.heartbeat_timeout_s
         ]
 
+    def forget(self, executor_id: str) -> ExecutorState:
+        """Drop an executor's process: its state, and the prefixes routed to it lately (a
+        restarted one under the same id holds none of them)."""
+        self.recent.forget(executor_id)
+        return self.executors.pop(executor_id)
+
     def forget_dead(self, now: float | None = None) -> dict[str, str]:
         """Forget the executors that went silent: {executor id: its incarnation}."""
         living = set(self.alive(now))
@@ -218,7 +230,7 @@ class Router:
             eid: s.heartbeat.incarnation for eid, s in self.executors.items() if eid not in living
         }
         for eid in dead:
-            del self.executors[eid]
+            self.forget(eid)
         if dead:
             self.check_page_sizes()  # the majority page size may have left with them
         return dead
