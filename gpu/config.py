@@ -34,7 +34,11 @@ class RopeScaling:
     original_max_position_embeddings: int = 8192
 
     @classmethod
-    def from_hf(cls, raw: dict[str, Any] | None) -> RopeScaling:
+    def from_hf(
+        cls, raw: dict[str, Any] | None, max_position_embeddings: int = 8192
+    ) -> RopeScaling:
+        """``max_position_embeddings``: the model's, what transformers takes for an unset
+        ``original_max_position_embeddings``."""
         if not raw:
             return cls()
         rope_type = str(raw.get("rope_type", raw.get("type", "default")))
@@ -47,13 +51,22 @@ class RopeScaling:
             factor=float(raw["factor"]),
             low_freq_factor=float(raw.get("low_freq_factor", 1.0)),
             high_freq_factor=float(raw.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(raw.get("original_max_position_embeddings", 8192)),
+            original_max_position_embeddings=int(
+                raw.get("original_max_position_embeddings", max_position_embeddings)
+            ),
         )
 
 
 def _refuse_what_is_not_computed(raw: dict[str, Any]) -> None:
     """Config settings transformers honours and this runtime does not: a clear error, where
     they were read past and the model computed something else (logits off by ~2 at once)."""
+    quantized = raw.get("quantization_config") or raw.get("compression_config")
+    if quantized:
+        method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else "?"
+        raise ModelError(
+            f"pre-quantized checkpoints are not supported (quant_method {method!r}): load "
+            "the unquantized weights and quantize them at load time (--quantization)"
+        )
     act = raw.get("hidden_act", raw.get("hidden_activation", "silu"))
     if act not in ("silu", "swish"):
         raise ModelError(f"unsupported hidden_act {act!r} (supported: silu)")
@@ -64,10 +77,12 @@ def _refuse_what_is_not_computed(raw: dict[str, Any]) -> None:
 
 def _context_length(raw: dict[str, Any]) -> int:
     """``max_position_embeddings``, cut to the attention window where one applies (Mistral
-    v0.1's ``sliding_window: 4096``; Qwen2's only with ``use_sliding_window``): within it
-    a sliding window changes nothing, and attention here is never windowed."""
+    v0.1's ``sliding_window: 4096``, also Mistral's default when the key is missing; Qwen2's
+    only with ``use_sliding_window``): within it a sliding window changes nothing, and
+    attention here is never windowed."""
     length = int(raw.get("max_position_embeddings", 2048))
-    window = raw.get("sliding_window")
+    # (transformers' MistralConfig has a 4096 window unless the config says otherwise)
+    window = raw.get("sliding_window", 4096 if raw.get("model_type") == "mistral" else None)
     windowed = raw.get("use_sliding_window", False) if raw.get("model_type") == "qwen2" else True
     if windowed and isinstance(window, int) and not isinstance(window, bool) and window > 0:
         return min(length, window)
@@ -158,7 +173,9 @@ class ModelConfig:
                 ),
                 head_dim_override=int(raw["head_dim"]) if raw.get("head_dim") else None,
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-                rope_scaling=RopeScaling.from_hf(_rope_scaling_dict(raw)),
+                rope_scaling=RopeScaling.from_hf(
+                    _rope_scaling_dict(raw), int(raw.get("max_position_embeddings", 2048))
+                ),
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=eos_ids,
                 name=name,

@@ -61,6 +61,14 @@ def load_weights(
                         weights[name] = f.get_tensor(name)
         except Exception as exc:  # safetensors raises its own error types
             raise ModelError(f"cannot read weight file {path}: {exc}") from exc
+    for name, tensor in weights.items():
+        if tensor.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            # quantized codes (fp8, int8) whose scales live in other tensors: read as values,
+            # they gave logits of nothing
+            raise ModelError(
+                f"{name} is stored as {tensor.dtype}: a pre-quantized checkpoint, not supported "
+                "(load the unquantized weights; --quantization quantizes them at load time)"
+            )
     return weights
 
 

@@ -106,6 +106,45 @@ def test_llama3_rope_scaling_is_applied(tiny_models):
     assert (a - b).abs().max() > 1e-3
 
 
+def test_llama3_rope_without_its_original_context_matches_transformers(tiny_models, tmp_path):
+    """With original_max_position_embeddings unset, transformers uses the model's
+    max_position_embeddings; 8192 was assumed here (logits off by ~0.5, top-1 ~0.92)."""
+    folder = tmp_path / "llama31"
+    shutil.copytree(tiny_models["llama31"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    for key in ("rope_scaling", "rope_parameters"):
+        if isinstance(config.get(key), dict):
+            config[key].pop("original_max_position_embeddings", None)
+    (folder / "config.json").write_text(json.dumps(config))
+    runner = ModelRunner(load_model(folder), num_pages=256, page_size=PAGE)
+    prompt = random_prompts(runner.config.vocab_size, [200])[0]
+    (logits,), _ = run_chunked(runner, [prompt], [100])
+    with torch.no_grad():
+        ref = hf_model(folder)(torch.tensor([prompt])).logits[0]
+    assert_close(logits, ref, 1e-4)
+
+
+def test_a_checkpoint_of_quantized_codes_is_refused(tmp_path, tiny_llama):
+    """fp8 or int8 weights whose scales sit in other tensors were read as values (logits of
+    nothing, top-1 agreement 0); with or without a quantization_config they are refused."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "fp8"
+    shutil.copytree(tiny_llama, folder)
+    (path,) = folder.glob("*.safetensors")
+    weights = load_file(str(path))
+    name = "model.layers.0.self_attn.q_proj.weight"
+    weights[name] = weights[name].to(torch.float8_e4m3fn)
+    save_file(weights, str(path))
+    with pytest.raises(ModelError, match=f"{name} is stored as torch.float8_e4m3fn"):
+        load_model(folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fbgemm_fp8"}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelError, match="pre-quantized"):
+        load_model(folder)
+
+
 def test_unknown_architecture_is_named(tmp_path, tiny_llama):
     folder = tmp_path / "m"
     shutil.copytree(tiny_llama, folder)

@@ -25,6 +25,8 @@ def test_a_sliding_window_cuts_the_context_to_it() -> None:
     assert (
         ModelConfig.from_hf_dict({**BASE, "sliding_window": None}).max_position_embeddings == 32768
     )
+    # transformers' MistralConfig defaults sliding_window to 4096 when the key is missing
+    assert ModelConfig.from_hf_dict(BASE).max_position_embeddings == 4096
     qwen = {**BASE, "model_type": "qwen2", "sliding_window": 4096}
     assert ModelConfig.from_hf_dict(qwen).max_position_embeddings == 32768  # window unused
     qwen_windowed = {**qwen, "use_sliding_window": True}
@@ -38,6 +40,9 @@ def test_a_sliding_window_cuts_the_context_to_it() -> None:
     ("setting", "message"),
     [
         ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"quantization_config": {"quant_method": "fbgemm_fp8"}}, "pre-quantized.*fbgemm_fp8"),
+        ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, "pre-quantized.*gptq"),
+        ({"compression_config": {"format": "int-quantized"}}, "pre-quantized"),
         ({"model_type": "llama", "attention_bias": True}, "attention_bias"),
         ({"model_type": "llama", "mlp_bias": True}, "mlp_bias"),
     ],
@@ -47,3 +52,16 @@ def test_what_is_not_computed_is_refused(setting: dict[str, Any], message: str) 
         ModelConfig.from_hf_dict({**BASE, **setting})
     ok = {**BASE, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False}
     assert ModelConfig.from_hf_dict(ok).model_type == "mistral"
+
+
+def test_llama3_rope_without_original_max_position_embeddings_takes_the_models() -> None:
+    """transformers fills an unset original_max_position_embeddings in from the model's
+    max_position_embeddings; 8192 was assumed, and a long-context model's frequencies were
+    scaled as if its original context were 8192 (logits off by ~0.5)."""
+    rope = {"rope_type": "llama3", "factor": 8.0}
+    llama = {**BASE, "model_type": "llama", "max_position_embeddings": 131072}
+    config = ModelConfig.from_hf_dict({**llama, "rope_scaling": rope})
+    assert config.rope_scaling.original_max_position_embeddings == 131072
+    given = {**rope, "original_max_position_embeddings": 8192}
+    config = ModelConfig.from_hf_dict({**llama, "rope_scaling": given})
+    assert config.rope_scaling.original_max_position_embeddings == 8192
