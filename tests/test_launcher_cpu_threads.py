@@ -61,6 +61,14 @@ def test_each_executor_takes_its_own_gpus(monkeypatch, tiny_llama) -> None:
         "cuda:0", "cuda:1", "cuda:2", "cuda:0", "cuda:1"
     ]  # fmt: skip
     assert executor_device("cpu", 3, 1) == "cpu"
+    # from an offset that is no multiple of the group: each group still lies on the host
+    # (executor 1 of TP=2 from cuda:1 on 4 GPUs got cuda:3, its rank 1 a cuda:4 that is not)
+    assert [executor_device("cuda:1", i, 2, gpus=4) for i in range(4)] == [
+        "cuda:1", "cuda:0", "cuda:2", "cuda:0"
+    ]  # fmt: skip
+    assert [executor_device("cuda:2", i, 4, gpus=8) for i in range(3)] == [
+        "cuda:2", "cuda:0", "cuda:4"
+    ]  # fmt: skip
 
 
 def test_cpu_executors_share_the_cores(monkeypatch, tmp_path, tiny_llama) -> None:

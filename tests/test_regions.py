@@ -194,6 +194,10 @@ def test_up_stops_its_nats_cluster_when_jetstream_never_answers(monkeypatch, tmp
         (["--executors", "-1"], "--executors must be >= 0"),
         (["--decode-executors", "-2"], "--decode-executors must be >= 0"),
         (["--nats-cluster-size", "0"], "--nats-cluster-size must be >= 1"),
+        (
+            ["--prefill-executors", "1", "--decode-executors", "1", "--tensor-parallel-size", "2"],
+            "for mixed executors only",
+        ),
     ],
 )
 def test_up_refuses_counts_that_could_never_serve(argv: list[str], message: str, capsys) -> None:

@@ -309,17 +309,18 @@ def executor_device(
 ) -> str:
     """Executor ``index``'s first device: on CUDA each executor (its ranks, with tensor
     parallelism) takes the next ``tensor_parallel_size`` GPUs from ``device``'s (executor 1 of
-    TP=2 starts at cuda:2). More executors than ``gpus`` (the host's, by default) wrap round
-    and share them."""
+    TP=2 starts at cuda:2). Executors past the last group that fits on the host's ``gpus``
+    wrap round to groups from cuda:0 and share them; every group lies within the host."""
     if not device.startswith("cuda"):
         return device
     base = int(device.split(":")[1]) if ":" in device else 0
-    first = base + index * tensor_parallel_size
+    tp = tensor_parallel_size
     if gpus is None:
         gpus = cuda_device_count()
-    if gpus >= tensor_parallel_size and first + tensor_parallel_size > gpus:
-        first %= gpus - gpus % tensor_parallel_size
-    return f"cuda:{first}"
+    fit_from_base = max(0, (gpus - base) // tp)
+    if index < fit_from_base or gpus < tp:  # (too few GPUs: the executor says so)
+        return f"cuda:{base + index * tp}"
+    return f"cuda:{(index - fit_from_base) % (gpus // tp) * tp}"
 
 
 def cuda_device_count() -> int:

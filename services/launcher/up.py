@@ -154,6 +154,13 @@ def check_counts(args: argparse.Namespace) -> None:
     mixed = args.executors if args.executors is not None else (0 if disaggregated else 1)
     if mixed + args.decode_executors == 0:
         raise ValueError("no executor would decode: give --executors N or --decode-executors N")
+    if disaggregated and getattr(args, "tensor_parallel_size", 1) > 1:
+        # (each prefill or decode executor refuses it at start, and would be restarted until
+        # its supervisor gave up)
+        raise ValueError(
+            "--tensor-parallel-size > 1 is for mixed executors only, not with "
+            "--prefill-executors/--decode-executors"
+        )
     if args.nats_cluster_size < 1:
         raise ValueError(f"--nats-cluster-size must be >= 1, got {args.nats_cluster_size}")
 
