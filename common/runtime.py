@@ -62,6 +62,7 @@ class PresenceFacts:
     page_size: int | None = None
     detok_shards: int | None = None
     tool_format: str | None = None
+    behind_since: float | None = None  # a tokenizer's backlog (``Presence.behind_since``)
 
 
 class RequestError(Exception):
@@ -239,6 +240,7 @@ class Service:
             page_size=self.facts.page_size,
             detok_shards=self.facts.detok_shards,
             tool_format=self.facts.tool_format,
+            behind_since=self.facts.behind_since,
         )
 
     async def announce(self) -> None:
@@ -279,7 +281,7 @@ class Service:
         handler: Callable[[M], Awaitable[None]],
         queue: str = "",
         span: str | None = None,
-    ) -> None:
+    ) -> Subscription:
         """Deliver decoded ``kind`` messages to ``handler``; errors never kill the service.
 
         The handler runs inside the sender's trace context (from the message headers), in a
@@ -297,7 +299,9 @@ class Service:
                 await self.guarded(decoded, handler)
             self.metrics.handled(kind.__name__, time.perf_counter() - started)
 
-        self._subs.append(await self.nc.subscribe(subject, queue=queue, cb=on_msg))
+        sub = await self.nc.subscribe(subject, queue=queue, cb=on_msg)
+        self._subs.append(sub)
+        return sub
 
     async def serve(
         self,

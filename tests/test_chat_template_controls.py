@@ -4,6 +4,7 @@ always ended with a fresh assistant turn."""
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
 from typing import Any
@@ -136,3 +137,26 @@ def test_a_prefill_the_template_trims_is_continued_where_its_text_ends(
         body = {"messages": messages, "add_generation_prompt": False}
         text = rendered(service, {**body, "continue_final_message": True})
         assert text.endswith("<|assistant|>The answer is"), text
+
+
+async def test_the_tokenizer_says_since_when_it_is_behind_while_requests_wait(
+    service: TokenizerService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Presence carries the arrival time of the request in hand while more wait behind it
+    (the gateway's watchdog then does not take those for lost), and nothing once it is not."""
+    from types import SimpleNamespace
+
+    seen: list[float | None] = []
+
+    async def tokenize(req: GenerateRequest) -> None:
+        seen.append(service.svc.presence().behind_since)
+
+    monkeypatch.setattr(service, "tokenize", tokenize)
+    waiting = SimpleNamespace(pending_msgs=2)
+    monkeypatch.setattr(service, "requests", waiting)
+    request = GenerateRequest("r", "inbox", WireSamplingParams(), prompt="x", arrival_time=1000.0)
+    await service.on_request(request)
+    assert seen == [1000.0] and service.svc.facts.behind_since == 1000.0  # more to do
+    waiting.pending_msgs = 0
+    await service.on_request(dataclasses.replace(request, arrival_time=1001.0))
+    assert seen == [1000.0, 1001.0] and service.svc.presence().behind_since is None

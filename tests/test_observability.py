@@ -393,3 +393,35 @@ async def test_a_taken_metrics_port_is_one_clear_line_not_a_traceback():
         server = MetricsServer(CollectorRegistry(), lambda: None, "127.0.0.1", port)
         with pytest.raises(SystemExit, match=f"cannot serve /metrics on 127.0.0.1:{port}: "):
             await server.start()
+
+
+def test_the_root_span_counts_the_shared_prompt_once() -> None:
+    """n choices share one prompt: the span summed it per choice (n x the prompt, n x the
+    cached tokens) while the response's usage counts it once."""
+    from opentelemetry.trace import INVALID_SPAN_CONTEXT, SpanContext
+
+    from common.metrics import GatewayMetrics, new_registry
+    from common.wire.gateway import TextDelta, Usage
+    from services.gateway.observe import RequestObserver
+
+    class Recorded:
+        def __init__(self) -> None:
+            self.attrs: dict[str, object] = {}
+
+        def get_span_context(self) -> SpanContext:
+            return INVALID_SPAN_CONTEXT
+
+        def set_attribute(self, key: str, value: object) -> None:
+            self.attrs[key] = value
+
+        def set_attributes(self, attributes: dict[str, object]) -> None:
+            self.attrs.update(attributes)
+
+    span = Recorded()
+    observer = RequestObserver(GatewayMetrics(new_registry(), "m"), span)  # type: ignore[arg-type]
+    for index, generated in ((0, 5), (1, 7)):
+        usage = Usage(100, generated, cached_tokens=64)
+        observer.delta(index, TextDelta(f"r-{index}", "x", "length", usage, seq=1))
+    assert span.attrs["gen_ai.usage.prompt_tokens"] == 100
+    assert span.attrs["gen_ai.usage.cached_tokens"] == 64
+    assert span.attrs["gen_ai.usage.completion_tokens"] == 12

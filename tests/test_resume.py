@@ -323,12 +323,12 @@ async def test_an_abandoned_attempt_that_still_sends_is_no_sign_of_life_and_is_a
     stream.put(TextDelta("req-0-r1-0", "a", seq=1, token_ids=[5]))
     assert (await anext(stream))[1].request_id == "req-0-r1-0"
     assert stream.abandoned("req-0") and not stream.abandoned("req-0-r1-0")
-    stream.last_event_at, stream.unknown_checks = 0.0, 1  # the continuation went silent
+    stream.last_event_at, stream.unknown_checks = 0.0, {"req-0-r1-0": 1}  # it went silent
     inbox.deliver(TextDeltas([TextDelta("req-0", "zombie", seq=9, token_ids=[9])]).encode())
-    assert stream.last_event_at == 0.0 and stream.unknown_checks == 1
+    assert stream.last_event_at == 0.0 and stream.unknown_checks == {"req-0-r1-0": 1}
     assert abandoned == ["req-0"]
     inbox.deliver(TextDeltas([TextDelta("req-0-r1-0", "b", seq=2, token_ids=[6])]).encode())
-    assert stream.last_event_at > 0.0 and stream.unknown_checks == 0
+    assert stream.last_event_at > 0.0 and stream.unknown_checks == {}
     assert (await anext(stream))[1].text == "b"  # the zombie's delta never reached the client
 
 
@@ -355,3 +355,61 @@ async def test_the_gateway_aborts_an_abandoned_attempt_again_at_most_every_few_s
     client.inbox.on_abandoned("req-0")  # type: ignore[misc]
     await asyncio.sleep(0)
     assert len(aborted) == 2
+
+
+async def test_a_finished_stream_aborts_the_attempts_it_was_resumed_away_from(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Old attempts were re-aborted only while their stream was open: once the continuation
+    finished, release aborted nothing, and an old attempt whose abort was lost across a
+    partition streamed on, unrouted, to max_tokens."""
+    from services.gateway import GatewayConfig
+    from services.gateway.mesh_client import MeshClient
+
+    client = MeshClient(GatewayConfig())
+    aborted: list[list[str]] = []
+
+    async def publish_abort(ids: list[str], reason: str) -> None:
+        aborted.append(ids)
+
+    monkeypatch.setattr(client, "_publish_abort", publish_abort)
+    stream = opened(client.inbox, Resubmits(client.inbox))
+    lost = "The request was lost in the mesh (a service restarted); retry the request."
+    stream.put(ErrorEvent("req-0", 503, lost, "server_error", "request_lost"))
+    stream.put(TextDelta("req-0-r1-0", "a", finish_reason="stop", seq=1, token_ids=[5]))
+    assert [delta.text async for _, delta in stream] == ["a"]
+    assert stream.unfinished == [] and stream.left_behind == ["req-0"]
+    await client.release(stream)
+    assert aborted == [["req-0"]]
+
+
+async def test_a_continuation_over_the_bus_limit_is_refused_before_it_is_published(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """It carries the delivered tokens on top of the request: past the server's limit with
+    its headers, the server would have cut the gateway's connection and every stream on it."""
+    from types import SimpleNamespace
+
+    from services.gateway import GatewayConfig
+    from services.gateway.mesh_client import MeshClient
+
+    client = MeshClient(GatewayConfig())
+    published: list[str] = []
+
+    async def publish(subject: str, payload: bytes, headers: object = None) -> None:
+        published.append(subject)
+
+    async def nothing(*args: object) -> None:
+        return None
+
+    nc = SimpleNamespace(max_payload=2000, is_connected=True, publish=publish)
+    monkeypatch.setattr(client.service, "_nc", nc)
+    monkeypatch.setattr(client, "_publish_abort", nothing)
+    stream = opened(client.inbox, Resubmits(client.inbox))
+    big = continuation(origin(), 0, list(range(5000)), 1)
+    with pytest.raises(RequestError) as refused:
+        await client.resubmit(stream, big, "req-0")
+    assert (refused.value.status, refused.value.code) == (413, "request_too_large")
+    assert published == []
+    await client.resubmit(stream, continuation(origin(), 0, [5, 6], 1), "req-0")
+    assert published == [client.subjects.tokenizer_encode]

@@ -67,6 +67,24 @@ async def test_every_lost_choice_of_a_stream_is_failed_in_the_same_round():
     assert [e.request_id for e in errors] == ["x-0", "x-1", "x-2"]
 
 
+async def test_one_choices_strike_does_not_count_towards_another():
+    """Strikes were counted per request: choice 0 unknown once, then choice 1 unknown once,
+    and choice 1 was failed as lost on its first miss."""
+    inbox = Inbox()
+    stream = inbox.open(["y-0", "y-1"], 60)
+    scheduler = FakeScheduler(known=["y-1"])
+    stream.last_event_at -= 10
+    assert await check_stalled(scheduler, inbox, stall_s=5) == 0  # y-0: one strike
+    scheduler.known = ["y-0"]
+    stream.last_event_at -= 10
+    assert await check_stalled(scheduler, inbox, stall_s=5) == 0  # y-1: its first
+    assert stream.unknown_checks == {"y-1": 1}
+    stream.last_event_at -= 10
+    assert await check_stalled(scheduler, inbox, stall_s=5) == 1  # y-1's second
+    error = stream._queue.get_nowait()
+    assert isinstance(error, ErrorEvent) and error.request_id == "y-1"
+
+
 @pytest.mark.parametrize("max_resumes", [3, 0])
 async def test_a_request_lost_with_a_restarted_scheduler_is_resumed_or_gets_a_503(
     tiny_llama, max_resumes
@@ -120,3 +138,36 @@ async def test_a_request_lost_with_a_restarted_scheduler_is_resumed_or_gets_a_50
                 assert status == 200
     finally:
         mesh.stop()
+
+
+async def test_a_request_a_backlogged_tokenizer_may_still_hold_is_not_struck():
+    """A tokenizer 10 s behind: the scheduler did not know the request yet, the watchdog took
+    it for lost twice, and it was resubmitted behind the same backlog (3 times, then a 503).
+    While a tokenizer says it is still working through requests older than this one, none is
+    struck; once it is past it (or idle), the usual two strikes apply."""
+    inbox = Inbox()
+    stream = inbox.open(["q-0"], 60)
+    scheduler = FakeScheduler(known=[])
+    for _ in range(3):
+        stream.last_event_at -= 10
+        backlog = stream.submitted_at - 20  # working on a request from 20 s before it
+        assert await check_stalled(scheduler, inbox, stall_s=5, queued_since=backlog) == 0
+    assert stream.unknown_checks == {}
+    past_it = stream.submitted_at + 1
+    for expected in (0, 1):
+        stream.last_event_at -= 10
+        assert await check_stalled(scheduler, inbox, stall_s=5, queued_since=past_it) == expected
+
+
+def test_the_gateway_learns_a_tokenizers_backlog_from_its_presence():
+    from common.wire.presence import Presence
+    from services.gateway.health import MeshLiveness
+
+    liveness = MeshLiveness()
+    liveness.saw(Presence("tokenizer", "tok-0", behind_since=None))
+    assert liveness.tokenizers_behind_since() is None
+    liveness.saw(Presence("tokenizer", "tok-1", behind_since=1000.0))
+    liveness.saw(Presence("tokenizer", "tok-2", behind_since=990.0))
+    assert liveness.tokenizers_behind_since() == 990.0
+    liveness.saw(Presence("tokenizer", "tok-2", draining=True, behind_since=990.0))
+    assert liveness.tokenizers_behind_since() == 1000.0

@@ -36,6 +36,10 @@ class Presence(Message):
     # A tokenizer's: the tool-call format of its chat template (``common.tool_formats``); the
     # gateway parses tool calls out of the text with it.
     tool_format: str | None = None
+    # A tokenizer's backlog: the arrival time (the gateway's wall clock) of the request it
+    # is working on while more wait behind it, or None when it has nothing waiting. A request
+    # that arrived after it may still be queued there (the gateway's watchdog waits for it).
+    behind_since: float | None = None
 
     def __post_init__(self) -> None:
         # The service name is one subject token of ``presence.<service>``: no dots.

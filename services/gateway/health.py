@@ -117,6 +117,13 @@ class MeshLiveness:
             del members[instance]  # gone without a word (killed): forget it
         return [m.presence for m in members.values() if not m.presence.draining]
 
+    def tokenizers_behind_since(self) -> float | None:
+        """The earliest arrival time a live tokenizer is still working through with more
+        waiting behind it (``Presence.behind_since``), or None when none has a backlog: a
+        request that arrived after it may be queued there, unknown to the scheduler yet."""
+        times = [p.behind_since for p in self.live("tokenizer") if p.behind_since is not None]
+        return min(times, default=None)
+
     def tokenizer_page_sizes(self) -> list[int]:
         sizes = [p.page_size for p in self.live("tokenizer") if p.page_size is not None]
         return sizes or ([self.page_size] if self.page_size is not None else [])

@@ -106,7 +106,9 @@ class MeshClient:
         task.add_done_callback(self._aborts.discard)
 
     async def _check_stalled(self) -> None:
-        await check_stalled(self.service, self.inbox)
+        await check_stalled(
+            self.service, self.inbox, queued_since=self.liveness.tokenizers_behind_since()
+        )
 
     async def _fail_in_flight(self) -> None:
         """The bus is gone: messages for in-flight requests may be lost, so end them now with
@@ -244,13 +246,24 @@ class MeshClient:
         events to ``stream``, and publish it as ``submit`` does, in the request's trace."""
         await self._publish_abort([lost_id], "resumed as a continuation")
         await self.connected()
-        self.inbox.route(stream, [request.request_id, *request.choice_ids()])
         span = stream.observer.span if stream.observer is not None else None
         context = trace.set_span_in_context(span) if span is not None else None
-        try:
-            await self.service.nc.publish(
-                self.subjects.tokenizer_encode, request.encode(), headers=inject(None, context)
+        payload, headers = request.encode(), inject(None, context)
+        # Larger than the request (it carries the tokens delivered): past the server's limit,
+        # headers included, it would be refused with the gateway's connection, every stream
+        # on it lost (nats-py checks the payload alone)
+        size = len(payload) + nats_header_bytes(headers)
+        if size > self.service.nc.max_payload:
+            raise RequestError(
+                f"The continuation ({size} bytes) is over the message bus limit "
+                f"({self.service.nc.max_payload} bytes).",
+                413,
+                code="request_too_large",
             )
+        self.inbox.route(stream, [request.request_id, *request.choice_ids()])
+        stream.submitted_at = time.time()
+        try:
+            await self.service.nc.publish(self.subjects.tokenizer_encode, payload, headers=headers)
         except Exception as exc:
             log.exception("gateway: could not publish continuation %s", request.request_id)
             raise mesh_unavailable("The gateway could not reach the mesh.") from exc
@@ -263,7 +276,9 @@ class MeshClient:
         of its own that a second cancellation of the handler cannot interrupt.
         """
         self.inbox.close(stream)
-        unfinished = stream.unfinished
+        # and the attempts choices were resumed away from: their aborts may have been lost
+        # (a partition), and once the stream is closed nothing re-aborts them
+        unfinished = stream.unfinished + stream.left_behind
         if not unfinished:
             return
         if reason is None:

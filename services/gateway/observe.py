@@ -133,9 +133,10 @@ class RequestObserver:
             self.metrics.generation_tokens.observe(tokens)
             if tokens > 1:
                 self.metrics.tpot.observe((now - self.first[index]) / (tokens - 1))
-            self.prompt_tokens += delta.usage.prompt_tokens
+            # the choices share the prompt: counted once, as the response's usage counts it
+            self.prompt_tokens = max(self.prompt_tokens, delta.usage.prompt_tokens)
             self.output_tokens += tokens
-            self.cached_tokens += delta.usage.cached_tokens
+            self.cached_tokens = max(self.cached_tokens, delta.usage.cached_tokens)
         self.span.set_attributes(
             {
                 Attr.PROMPT_TOKENS: self.prompt_tokens,

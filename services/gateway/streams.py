@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 
 from common.runtime import RequestError
@@ -62,10 +63,14 @@ class RequestStream:
         self.origin: GenerateRequest | None = None
         self.resubmitter: Resubmitter | None = None
         self.max_resumes = 0
-        # Event-loop time of the last sign of life (opened, or an event arrived), and how many
-        # checks in a row found it unknown to the scheduler (``watchdog.py``).
+        # Event-loop time of the last sign of life (opened, or an event arrived), and per
+        # sub-request how many checks in a row found it unknown to the scheduler
+        # (``watchdog.py``).
         self.last_event_at = asyncio.get_running_loop().time()
-        self.unknown_checks = 0
+        self.unknown_checks: dict[str, int] = {}
+        # Wall-clock time its latest attempt was sent into the mesh (the first, or a
+        # continuation): a tokenizer still behind on requests older than that may hold it.
+        self.submitted_at = time.time()
 
     @property
     def routed_ids(self) -> list[str]:
@@ -77,6 +82,12 @@ class RequestStream:
     def unfinished(self) -> list[str]:
         """Sub-requests that are still generating (the ones to abort if the client leaves)."""
         return [self._attempt[i][-1] for i in sorted(self._open)]
+
+    @property
+    def left_behind(self) -> list[str]:
+        """The ids of attempts that choices were resumed away from (their aborts may have
+        been lost: they may still generate)."""
+        return [rid for rid in self._choice_of if self.abandoned(rid)]
 
     def abandoned(self, request_id: str) -> bool:
         """An id of an attempt its choice has left (resumed under another id): it may still
@@ -91,7 +102,7 @@ class RequestStream:
         if self.abandoned(event.request_id):
             return False
         self.last_event_at = asyncio.get_running_loop().time()
-        self.unknown_checks = 0
+        self.unknown_checks.clear()
         self._queue.put_nowait(event)
         return True
 

@@ -46,8 +46,13 @@ class Asker(Protocol):
     ) -> M: ...
 
 
-async def check_stalled(service: Asker, inbox: Inbox, stall_s: float = STALL_S) -> int:
-    """One round: returns how many requests (choices) it failed."""
+async def check_stalled(
+    service: Asker, inbox: Inbox, stall_s: float = STALL_S, queued_since: float | None = None
+) -> int:
+    """One round: returns how many requests (choices) it failed. ``queued_since``: a
+    tokenizer is still working through requests that arrived then (wall clock) with more
+    behind (``MeshLiveness.tokenizers_behind_since``); a request sent after it may be
+    waiting there, unknown to the scheduler yet, and gets no strike."""
     now = asyncio.get_running_loop().time()
     stalled = [s for s in inbox.streams() if now - s.last_event_at >= stall_s and s.unfinished]
     if not stalled:
@@ -66,14 +71,19 @@ async def check_stalled(service: Asker, inbox: Inbox, stall_s: float = STALL_S) 
     known = set(reply.known)
     failed = 0
     for stream in stalled:
-        lost = [rid for rid in stream.unfinished if rid not in known]
+        stream.last_event_at = now  # checked: again after another STALL_S
+        strikes = stream.unknown_checks
+        for rid in list(strikes):
+            if rid in known or rid not in stream.unfinished:
+                del strikes[rid]  # alive (queued, or running), or done with
+        unknown = [rid for rid in stream.unfinished if rid not in known]
+        if queued_since is not None and stream.submitted_at >= queued_since:
+            continue  # maybe queued at a tokenizer behind on older requests
+        for rid in unknown:
+            strikes[rid] = strikes.get(rid, 0) + 1
+        # each its own strikes: one choice's do not count towards another's
+        lost = [rid for rid in unknown if strikes[rid] >= STRIKES]
         if not lost:
-            stream.unknown_checks = 0
-            stream.last_event_at = now  # alive (queued, or running): check again later
-            continue
-        stream.unknown_checks += 1
-        stream.last_event_at = now
-        if stream.unknown_checks < STRIKES:
             continue
         log.warning("gateway: %s lost in the mesh", ", ".join(lost))
         # Every lost choice at once: a stream's silence is checked as a whole, and a resumed

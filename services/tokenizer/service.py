@@ -14,6 +14,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Any
 
+from nats.aio.subscription import Subscription
 from opentelemetry import trace
 
 from common.config import MeshConfig, model_setting, page_size_setting
@@ -67,6 +68,7 @@ class TokenizerService:
     def __init__(self, config: TokenizerConfig) -> None:
         folder = resolve_model_path(config.model)
         self.config = config
+        self.requests: Subscription | None = None  # its backlog: messages not yet handled
         self.tokenizer = Tokenizer.from_folder(folder)
         self.max_model_len = ModelConfig.from_folder(folder).max_position_embeddings
         self.svc = Service("tokenizer", config.mesh)
@@ -88,7 +90,7 @@ class TokenizerService:
     async def start(self) -> None:
         await self.svc.connect()
         subjects = self.svc.subjects
-        await self.svc.subscribe(
+        self.requests = await self.svc.subscribe(
             subjects.tokenizer_encode,
             GenerateRequest,
             self.on_request,
@@ -172,6 +174,17 @@ class TokenizerService:
         return messages, tools
 
     async def on_request(self, req: GenerateRequest) -> None:
+        """Requests are handled one after another (one subscription); while more wait behind
+        this one, presence says since when (``Presence.behind_since``): the gateway's watchdog
+        then does not take a request still queued here for lost."""
+        self.svc.facts.behind_since = req.arrival_time or time.time()
+        try:
+            await self.tokenize(req)
+        finally:
+            if self.requests is None or not self.requests.pending_msgs:
+                self.svc.facts.behind_since = None
+
+    async def tokenize(self, req: GenerateRequest) -> None:
         if req.deadline and req.deadline < time.time():
             raise RequestError("The request timed out.", 504, "timeout_error", None, "timeout")
         ids, field = self.encode(req)
