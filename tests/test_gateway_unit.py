@@ -831,3 +831,20 @@ def test_the_body_check_for_lone_surrogates_builds_no_path_per_element() -> None
     with pytest.raises(RequestError) as info:
         check_unicode(body)
     assert info.value.param == "x[0].y[1]"
+
+
+async def test_a_client_that_stops_reading_is_taken_as_gone(monkeypatch) -> None:
+    """Its connection open and its window full, the handler waited on the write forever: the
+    request was never released nor aborted. A write that cannot finish in time now ends the
+    stream as a client leaving does (the handler's release aborts what runs)."""
+    import asyncio
+
+    from services.gateway import app
+
+    class Stuck:
+        async def write(self, data: bytes) -> None:
+            await asyncio.Event().wait()
+
+    monkeypatch.setattr(app, "WRITE_TIMEOUT_S", 0.05)
+    with pytest.raises(ConnectionResetError, match="read nothing"):
+        await app.send(Stuck(), b"data: {}\n\n")  # type: ignore[arg-type]

@@ -132,6 +132,17 @@ def require_api_key(keys: tuple[str, ...]) -> Any:
 # routes do not parse them either)
 SIMPLE_CONTENT_TYPES = ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data")
 BODY_TIMEOUT_S = 60.0  # a body still arriving after this is a 408 (a slow upload holds a slot)
+# A stream the client has stopped reading (its connection open, its window full) for this long
+# is taken as left: the handler waited on the write forever, its request never aborted.
+WRITE_TIMEOUT_S = 60.0
+
+
+async def send(response: web.StreamResponse, data: bytes) -> None:
+    try:
+        async with asyncio.timeout(WRITE_TIMEOUT_S):
+            await response.write(data)
+    except TimeoutError:
+        raise ConnectionResetError(f"the client read nothing for {WRITE_TIMEOUT_S:g} s") from None
 
 
 async def read_json(request: web.Request, limit: int) -> Any:
@@ -248,23 +259,23 @@ class Routes:
         response = web.StreamResponse(headers={**SSE_HEADERS, "X-Request-Id": builder.head["id"]})
         try:
             await response.prepare(request)
-            await response.write(encode(builder.opening_chunks(first[1]) + builder.add(*first)))
+            await send(response, encode(builder.opening_chunks(first[1]) + builder.add(*first)))
             try:
                 async for index, delta in stream:
                     chunks = builder.add(index, delta)
                     if chunks:
-                        await response.write(encode(chunks))
+                        await send(response, encode(chunks))
                 tail = [builder.usage_chunk()] if builder.api.include_usage else []
-                await response.write(encode(tail) + DONE)
+                await send(response, encode(tail) + DONE)
             except RequestError as exc:  # a stage failed mid-stream: the error is a chunk
-                await response.write(sse(error_from(exc)) + DONE)
+                await send(response, sse(error_from(exc)) + DONE)
             except ConnectionResetError:
                 raise  # the client left while we wrote: nothing to tell it
             except Exception as exc:
                 log.exception("gateway: stream %s failed", builder.head["id"])
                 stream.failure = f"gateway error: {exc!r}"
                 body = error_body("The server had an error while streaming.", "server_error")
-                await response.write(sse(body) + DONE)
+                await send(response, sse(body) + DONE)
             await response.write_eof()
         except ConnectionResetError:  # the client went away; release() aborts the rest
             log.info("gateway: client left stream %s", builder.head["id"])
