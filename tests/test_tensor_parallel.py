@@ -262,3 +262,41 @@ async def test_meshserve_up_with_tensor_parallel_size_2(process_mesh, offline) -
             want, _ = offline(prompt, seeded)
             got = await complete(session, base, prompt, max_tokens=16, temperature=0.9, seed=7)
             assert got == want, prompt
+
+
+def test_closing_waits_for_every_rank_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each stuck rank (in a collective with a dead peer) was given 5 s in turn: 35 s at
+    TP=8, as long as the launcher's whole stop stage for executors. One deadline now."""
+    import io
+    import subprocess
+
+    from gpu.parallel import launch
+
+    waited: list[float] = []
+    clock = [100.0]
+
+    class Stuck:
+        stdout = None
+
+        def __init__(self) -> None:
+            self.stdin = io.BytesIO()
+            self.killed = False
+
+        def wait(self, timeout: float | None = None) -> int:
+            if self.killed:
+                return -9
+            waited.append(timeout or 0.0)
+            clock[0] += timeout or 0.0  # it waited that long, in vain
+            raise subprocess.TimeoutExpired("rank", timeout or 0.0)
+
+        def kill(self) -> None:
+            self.killed = True
+
+    group = launch.RankGroup.__new__(launch.RankGroup)
+    workers = [Stuck() for _ in range(7)]
+    group.workers = workers  # type: ignore[assignment]
+    monkeypatch.setattr(launch, "CLOSE_WAIT_S", 1.0)
+    monkeypatch.setattr("gpu.parallel.launch.time.monotonic", lambda: clock[0])
+    group.close()
+    assert all(w.killed for w in workers)
+    assert sum(waited) <= 1.0 + 1e-6  # not 7 x 1.0

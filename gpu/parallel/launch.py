@@ -30,6 +30,8 @@ from gpu.parallel import shm
 from gpu.parallel.group import ParallelGroupLost, TensorParallel
 from gpu.parallel.shard import Shard
 
+CLOSE_WAIT_S = 5.0  # how long closing waits for the ranks, all together, before it kills them
+
 
 @dataclass(frozen=True)
 class RankSpec:
@@ -168,9 +170,12 @@ class RankGroup:
                 worker.stdin.close()
             except (BrokenPipeError, OSError, ValueError):
                 pass
+        # One deadline for all: a rank stuck in a collective with a dead peer does not exit,
+        # and 5 s each, one after another, outlasted the launcher's stop stage at TP=8.
+        deadline = time.monotonic() + CLOSE_WAIT_S
         for worker in self.workers:
             try:
-                worker.wait(timeout=5)
+                worker.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 worker.kill()
                 worker.wait()
