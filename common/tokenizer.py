@@ -361,6 +361,7 @@ class IncrementalDetokenizer:
         while self._ids and self._decode(self._ids).startswith(REPLACEMENT_CHAR):
             self._ids.pop(0)
         self._read = len(self._ids)
+        self._anchor: list[int] = list(self._ids)  # the last context ids that had text
         # characters of decode(self._ids) already emitted (or belonging to the prompt)
         self._emitted = len(self._decode(self._ids))
         self.text = ""
@@ -385,13 +386,16 @@ class IncrementalDetokenizer:
             self._emitted = len(stable)
             self.text += delta
         if complete and len(text) >= self._emitted:
-            # everything up to here is emitted: slide the window, keeping the last ids as
-            # context, back to ids with text (after a skipped special token, a SentencePiece
-            # decoder would strip the next token's leading space as the start of the text)
-            start = min(self._read, len(self._ids) - 1)
-            while start > 0 and not self._decode(self._ids[start:]):
-                start -= 1
-            self._ids = self._ids[start:]
+            # everything up to here is emitted: slide the window, keeping this step's ids as
+            # context, after the last step's that had text when these have none (a skipped
+            # special token: a SentencePiece decoder would strip the next token's leading
+            # space as the start of the text). Bounded: two steps' ids at most.
+            keep = self._ids[self._read :] or self._ids[-1:]
+            if self._decode(keep):
+                self._anchor = keep
+                self._ids = list(keep)
+            else:
+                self._ids = [*self._anchor, *keep]
             self._read = len(self._ids)
             self._emitted = len(self._decode(self._ids))
         return delta

@@ -339,6 +339,7 @@ async def test_the_scheduler_moves_a_lost_executors_requests_with_their_streamed
     # It resumes where the stream stopped, on the next executor with room.
     published.clear()
     await sched.on_heartbeat(beat("b", []))
+    await sched.settled()
     sent = {m.request_id: m for m in submitted(published, s.executor_submit("b"))}
     assert sent["streaming"].output_token_ids == [7, 8, 9]
 
@@ -423,11 +424,14 @@ async def test_a_restarted_executor_under_the_same_id_gives_up_what_the_old_one_
     monkeypatch.setattr(sched.svc, "request", progress)
     old = Heartbeat("a", 0, 0, 100, 100, 16, 8, 0, incarnation="first")
     await sched.on_heartbeat(old)
+    await sched.settled()
     await sched.on_submit(tokenized("r"))
     await sched.on_heartbeat(dataclasses.replace(old, request_ids=["r"]))
+    await sched.settled()
     assert "r" in sched.inflight
     published.clear()
     await sched.on_heartbeat(dataclasses.replace(old, incarnation="second"))
+    await sched.settled()
     s = sched.svc.subjects
     resent = submitted(published, s.executor_submit("a"))
     assert len(resent) == 1 and resent[0].output_token_ids == [7, 8]

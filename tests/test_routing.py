@@ -110,6 +110,7 @@ async def test_a_restarted_executor_is_not_credited_with_its_old_processs_prefix
 
     sched.executor_lost = nothing  # type: ignore[method-assign]
     await sched.on_heartbeat(dataclasses.replace(heartbeat("a"), incarnation="two"))
+    await sched.settled()
     assert r.overlap("a", request([*PROMPT, 8]), {}) == 0
 
 

@@ -55,6 +55,7 @@ def scheduler(monkeypatch):
 async def drain(sched: SchedulerService, n: int) -> None:
     for _ in range(n):
         await sched.on_heartbeat(room())
+        await sched.settled()
 
 
 async def test_lower_priority_values_run_first_then_oldest_first(scheduler, monkeypatch):
@@ -133,10 +134,12 @@ async def test_a_request_from_another_region_waits_behind_ours_and_leaves_the_re
     await sched.on_submit(request("local-1"))
     await sched.on_spilled(request("guest-2"))
     await sched.on_heartbeat(Heartbeat("a", 2, 0, 100, 100, 16, 4, 0))  # 2 of 4 slots free
+    await sched.settled()
     assert sent == ["local-1"]  # the last free slot is the reserve: no guest takes it
     await sched.on_submit(request("local-2"))
     assert sent == ["local-1", "local-2"]  # a local one may
     await sched.on_heartbeat(Heartbeat("a", 1, 0, 100, 100, 16, 4, 0))  # 3 free
+    await sched.settled()
     # Marked as guests for the executor (which preempts them for a local request, if full).
     assert sent == ["local-1", "local-2", "guest-1 (guest)", "guest-2 (guest)"]
     await sched.on_submit(request("local-3"))
@@ -148,11 +151,13 @@ async def test_guests_do_not_count_in_the_wait_our_own_clients_are_estimated(sch
     # every local request, yielding their executor slots to them) are no wait of its.
     sched, sent = scheduler(regions=RegionConfig(spill_reserve_seqs=1, spill_reserve_executors=0))
     await sched.on_heartbeat(Heartbeat("a", 1, 0, 100, 100, 16, 4, 0, guests=1))
+    await sched.settled()
     for i in range(3):
         await sched.on_spilled(request(f"guest-{i}"))
     assert sent == ["guest-0 (guest)", "guest-1 (guest)"] and len(sched.queue) == 1
     assert sched.home_load().queue_ms == 0.0  # room for a local one: it starts now
     await sched.on_heartbeat(Heartbeat("a", 4, 1, 100, 100, 16, 4, 0, guests=0))  # own only
+    await sched.settled()
     assert sched.home_load().queue_ms > 0.0
 
 
@@ -162,7 +167,9 @@ async def test_guests_keep_to_one_executor_of_two_and_our_own_requests_to_the_ot
     # and its own requests go to the other.
     sched, sent = scheduler(regions=RegionConfig(spill_reserve_seqs=1))
     await sched.on_heartbeat(Heartbeat("a", 0, 0, 100, 100, 16, 4, 0))
+    await sched.settled()
     await sched.on_heartbeat(Heartbeat("b", 0, 0, 100, 100, 16, 4, 0))
+    await sched.settled()
     assert sched.home_load().spare_seqs == 4  # one executor's 4 slots (not 4 + 4 - 1)
     for i in range(5):
         await sched.on_spilled(request(f"guest-{i}"))
@@ -335,6 +342,12 @@ async def test_the_watchdogs_question_about_an_unknown_request_is_asked_of_every
         return RequestStatusReply([r for r in holds[subject] if r in message.request_ids])
 
     monkeypatch.setattr(sched.svc, "request", ask)
+    from common.wire.scheduler import RegionStatus
+    from services.scheduler.spill import PeerReport
+
+    for region in ("eu-west", "ap-south", "silent"):  # the last stopped answering our polls
+        at = time.monotonic() - (60 if region == "silent" else 0)
+        sched.spill.peers[region] = PeerReport(RegionStatus(region, 1, 0.0, 4, 1), 5.0, at)
     await sched.on_submit(request("mine"))
     reply = await sched.on_status(RequestStatusQuery(["mine", "guest-west", "lost"]))
     assert sorted(reply.known) == ["guest-west", "mine"]
@@ -385,3 +398,17 @@ async def test_a_heartbeat_is_not_held_behind_a_dispatch_waiting_on_the_index(
     answer.set()
     await submit
     assert sent == ["q"]
+
+    # A heartbeat that finds room and requests queued does not run the pass itself either.
+    answer.clear()
+    sched.push((time.monotonic(), 99), dataclasses.replace(queued, request_id="q2"))
+    sched.router.observe(room("a"))
+    await asyncio.wait_for(sched.on_heartbeat(room("b")), 1)  # both have room: index asked
+    for _ in range(100):
+        if "q2" in asked:
+            break
+        await asyncio.sleep(0)
+    assert "q2" in asked and sent == ["q"]  # the pass waits on the index; the handler did not
+    answer.set()
+    await sched.settled()
+    assert sent == ["q", "q2"]

@@ -421,6 +421,12 @@ def test_the_space_after_a_skipped_special_token_survives_one_token_steps(
     assert whole == " jumps over"
     for chunks in ([1] * len(ids), [len(ids)], [2, 2, 3]):
         assert _stream(tok, ids, chunks, prompt_ids=prompt)[0] == whole, chunks
+    # A long run of them (ignore_eos: EOS after EOS) keeps the context bounded: walking back
+    # to the last id with text made it grow by one id a step, each step slower (O(n^2)).
+    detok = IncrementalDetokenizer(tok, prompt_ids=prompt)
+    run = [*ids[:-2], *[eos] * 1000, *ids[-2:]]
+    assert "".join(detok.add([t]) for t in run) + detok.finish() == whole
+    assert len(detok._ids) <= 4
 
 
 def test_the_chat_template_is_the_one_transformers_picks(tmp_path: Path) -> None:

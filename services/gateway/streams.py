@@ -56,6 +56,7 @@ class RequestStream:
         self._seq: dict[str, int] = {}  # TextDelta.seq of the last delta taken, per id
         self._delivered: list[list[int]] = [[] for _ in request_ids]  # tokens taken, per choice
         self.resumes = [0] * len(request_ids)
+        self._left_behind: list[str] = []  # ``left_behind``
         self._queue: asyncio.Queue[InboxEvent] = asyncio.Queue()
         self.observer: RequestObserver | None = None  # latency metrics, fed as events are taken
         # Resumption (``resume.py``), set by ``MeshClient.submit``: the request as submitted,
@@ -85,9 +86,9 @@ class RequestStream:
 
     @property
     def left_behind(self) -> list[str]:
-        """The ids of attempts that choices were resumed away from (their aborts may have
-        been lost: they may still generate)."""
-        return [rid for rid in self._choice_of if self.abandoned(rid)]
+        """The sub-request ids of attempts that choices were resumed away from (their aborts
+        may have been lost: they may still generate)."""
+        return list(self._left_behind)
 
     def abandoned(self, request_id: str) -> bool:
         """An id of an attempt its choice has left (resumed under another id): it may still
@@ -181,6 +182,7 @@ class RequestStream:
             log.warning("gateway: could not resume %s (%s): %s", lost, why, exc)
             self._attempt[index] = lost_attempt  # what ``release`` then aborts
             return False
+        self._left_behind.append(lost)
         log.info(
             "gateway: resumed %s as %s after %d tokens (%s: %s)",
             lost, ids[-1], len(delivered), code, why,

@@ -101,6 +101,11 @@ class SchedulerServiceConfig:
             raise ValueError("disagg_min_prompt_tokens must be >= 0")
 
 
+def log_failure(task: asyncio.Future[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("scheduler: a dispatch pass failed", exc_info=task.exception())
+
+
 def parse_args(argv: list[str] | None = None) -> SchedulerServiceConfig:
     return parse(SchedulerServiceConfig, argv, "python -m services.scheduler")
 
@@ -117,6 +122,7 @@ class SchedulerService:
         )
         self.dispatching = asyncio.Lock()  # dispatch awaits the index between peek and pop
         self.dispatch_again = False  # something changed while a dispatch pass ran
+        self.pass_task: asyncio.Future[None] | None = None  # ``dispatch_soon``'s
         self.index_down_until = 0.0
         self.queue: list[tuple[Rank, TokenizedRequest]] = []  # a heap: lowest rank first
         self.queued: set[str] = set()  # the ids in ``queue``
@@ -221,11 +227,11 @@ class SchedulerService:
             await self.executor_lost(hb.executor_id, old)
         self.router.observe(hb)
         self.inflight.observe(hb)
-        await self.dispatch()
+        self.dispatch_soon()
 
     async def on_presence(self, presence: Presence) -> None:
         if self.router.observe_presence(presence):  # an executor may be routable again
-            await self.dispatch()
+            self.dispatch_soon()
 
     async def on_abort(self, msg: AbortRequests) -> None:
         if msg.executor_id:
@@ -246,12 +252,25 @@ class SchedulerService:
         self.ended.add_all(request_ids, True)
         await self.svc.publish(self.svc.subjects.abort, AbortRequests(request_ids, reason))
 
+    def dispatch_soon(self) -> None:
+        """``dispatch`` in a task of its own: heartbeats and presence are handled one after
+        another (one subscription each), so a handler that ran the pass (one index question
+        per queued request) held every later heartbeat behind it, and behind a slow index the
+        sweep took executors that were beating for lost."""
+        if self.dispatching.locked() or (self.pass_task is not None and not self.pass_task.done()):
+            self.dispatch_again = True
+            return
+        self.pass_task = asyncio.ensure_future(self.dispatch())
+        self.pass_task.add_done_callback(log_failure)
+
+    async def settled(self) -> None:
+        """Wait for a dispatch pass started by ``dispatch_soon`` (tests, shutdown)."""
+        while self.pass_task is not None and not self.pass_task.done():
+            await asyncio.shield(self.pass_task)
+
     async def dispatch(self) -> None:
         """Route what the queue and the executors' room allow; while a pass is running (it
-        may be waiting on the index), have it make one more instead of waiting behind it.
-        A heartbeat's handler that waited here held every later heartbeat (one subscription's
-        messages are handled one after another): behind a slow index, with many requests
-        queued, executors went unheard past their timeout and were taken for lost."""
+        may be waiting on the index), have it make one more instead of waiting behind it."""
         if self.dispatching.locked():
             self.dispatch_again = True
             return

@@ -205,16 +205,17 @@ class RegionSpill:
         """Which of ``request_ids`` (not held here) a peer region still holds.
 
         A request we spilled is asked of the region we sent it to. One we have no record of
-        is asked of every peer: this scheduler may have restarted (or the record expired)
-        while it ran there as a guest, and a guest that is only slow must not be failed and
-        run again here. A peer that holds it is remembered as where it runs, so its abort goes
-        there."""
+        is asked of every peer that answers our load polls: this scheduler may have restarted
+        (or the record expired) while it ran there as a guest, and a guest that is only slow
+        must not be failed and run again here. A peer that holds it is remembered as where it
+        runs, so its abort goes there."""
         if not self.enabled:
             return []
         by_region: dict[str, list[str]] = {}
+        answering = self.answering_peers()
         for rid in request_ids:
             region = self.spilled.get(rid)
-            for r in (region,) if region is not None else self.config.peer_regions:
+            for r in (region,) if region is not None else answering:
                 by_region.setdefault(r, []).append(rid)
 
         async def ask(region: str, ids: list[str]) -> list[str]:
@@ -234,6 +235,13 @@ class RegionSpill:
         regions = list(by_region)
         answers = await asyncio.gather(*(ask(r, by_region[r]) for r in regions))
         return list(dict.fromkeys(rid for known in answers for rid in known))
+
+    def answering_peers(self) -> list[str]:
+        """Peers whose load report is fresh: a blind question (about a request we have no
+        record of) waits for no region that has stopped answering; the gateway's watchdog
+        waits 1 s for the whole answer."""
+        now = time.monotonic()
+        return [r for r, p in self.peers.items() if now - p.at <= self.config.stale_s]
 
     async def forward_abort(self, msg: AbortRequests, unknown: set[str]) -> None:
         """Send an abort on to the regions running its requests: a spilled one to where it
