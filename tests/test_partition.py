@@ -116,6 +116,10 @@ async def test_a_partition_keeps_each_region_serving_and_spilling_resumes_on_hea
 
     # The stalled gateway connections resume (TCP's next retransmission, seconds away).
     await wait_for(lambda: all(map(regions.sees_peer, REGIONS)), 40, "the link to heal")
+    # (as before the cut: a request spills only where the peer reports a free slot)
+    await wait_for(
+        lambda: any(r.spare_seqs for r in east_sched.spill.remotes(1)), 10, "eu-west idle"
+    )
     spilled_before = regions.spilled("us-east")
     assert await overload(east.base_url) == [short["us-east"]] * 8
     assert regions.spilled("us-east") > spilled_before
