@@ -259,7 +259,8 @@ class Routes:
         response = web.StreamResponse(headers={**SSE_HEADERS, "X-Request-Id": builder.head["id"]})
         try:
             await response.prepare(request)
-            await send(response, encode(builder.opening_chunks(first[1]) + builder.add(*first)))
+            first_chunks = builder.add(*first)  # (its usage first: the opening chunks show it)
+            await send(response, encode(builder.opening_chunks() + first_chunks))
             try:
                 async for index, delta in stream:
                     chunks = builder.add(index, delta)

@@ -161,14 +161,12 @@ class ResponseBuilder:
 
     # --- streaming ---------------------------------------------------------------------------
 
-    def opening_chunks(self, first: TextDelta) -> list[Json]:
+    def opening_chunks(self) -> list[Json]:
         """Chat streams open each choice with the assistant role, as OpenAI does (with
-        continuous usage: the prompt's, nothing generated yet; a stream's first delta carries
-        its prompt's usage)."""
+        continuous usage: the prompt's, nothing generated yet; built after the stream's first
+        delta, which carries the prompt's usage, went through ``add``)."""
         if not self.chat:
             return []
-        if first.usage is not None:
-            self.choices[0].usage = first.usage  # the prompt, shared by every choice
         return [
             self.chunk(i, {"delta": {"role": "assistant", "content": ""}}, opening=True)
             for i in range(self.api.n)

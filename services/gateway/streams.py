@@ -56,7 +56,9 @@ class RequestStream:
         self._seq: dict[str, int] = {}  # TextDelta.seq of the last delta taken, per id
         self._delivered: list[list[int]] = [[] for _ in request_ids]  # tokens taken, per choice
         self.resumes = [0] * len(request_ids)
-        self._left_behind: list[str] = []  # ``left_behind``
+        # The sub-request ids of attempts that choices were resumed away from (their aborts
+        # may have been lost: they may still generate).
+        self.left_behind: list[str] = []
         self._queue: asyncio.Queue[InboxEvent] = asyncio.Queue()
         self.observer: RequestObserver | None = None  # latency metrics, fed as events are taken
         # Resumption (``resume.py``), set by ``MeshClient.submit``: the request as submitted,
@@ -83,12 +85,6 @@ class RequestStream:
     def unfinished(self) -> list[str]:
         """Sub-requests that are still generating (the ones to abort if the client leaves)."""
         return [self._attempt[i][-1] for i in sorted(self._open)]
-
-    @property
-    def left_behind(self) -> list[str]:
-        """The sub-request ids of attempts that choices were resumed away from (their aborts
-        may have been lost: they may still generate)."""
-        return list(self._left_behind)
 
     def abandoned(self, request_id: str) -> bool:
         """An id of an attempt its choice has left (resumed under another id): it may still
@@ -182,7 +178,7 @@ class RequestStream:
             log.warning("gateway: could not resume %s (%s): %s", lost, why, exc)
             self._attempt[index] = lost_attempt  # what ``release`` then aborts
             return False
-        self._left_behind.append(lost)
+        self.left_behind.append(lost)
         log.info(
             "gateway: resumed %s as %s after %d tokens (%s: %s)",
             lost, ids[-1], len(delivered), code, why,

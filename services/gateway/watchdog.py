@@ -72,11 +72,11 @@ async def check_stalled(
     failed = 0
     for stream in stalled:
         stream.last_event_at = now  # checked: again after another STALL_S
-        strikes = stream.unknown_checks
+        strikes, unfinished = stream.unknown_checks, stream.unfinished
         for rid in list(strikes):
-            if rid in known or rid not in stream.unfinished:
+            if rid in known or rid not in unfinished:
                 del strikes[rid]  # alive (queued, or running), or done with
-        unknown = [rid for rid in stream.unfinished if rid not in known]
+        unknown = [rid for rid in unfinished if rid not in known]
         if queued_since is not None and stream.submitted_at >= queued_since:
             continue  # maybe queued at a tokenizer behind on older requests
         for rid in unknown:

@@ -43,7 +43,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from common.mesh_facts import page_size_refusals
@@ -112,15 +112,16 @@ class RecentRoutes:
 
     def forget(self, executor: str) -> None:
         """A process gone (dead, or restarted under its id with an empty cache)."""
-        for page_hash, executors in list(self.expiry.items()):
-            if executors.pop(executor, None) is not None and not executors:
-                del self.expiry[page_hash]
+        self._drop(lambda e, until: e == executor)
 
     def prune(self, now: float) -> None:
         self._pruned_at = now
+        self._drop(lambda e, until: until < now)
+
+    def _drop(self, gone: Callable[[str, float], bool]) -> None:
         for page_hash, executors in list(self.expiry.items()):
             for executor, until in list(executors.items()):
-                if until < now:
+                if gone(executor, until):
                     del executors[executor]
             if not executors:
                 del self.expiry[page_hash]

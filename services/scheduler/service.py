@@ -237,8 +237,8 @@ class SchedulerService:
         if msg.executor_id:
             return  # our own withdrawal of work from one executor
         ids = set(msg.request_ids)
-        known = self.queued | {r for r in ids if r in self.inflight or r in self.ended}
-        await self.spill.forward_abort(msg, ids - known)
+        held = (self.queued, self.inflight, self.ended)
+        await self.spill.forward_abort(msg, {r for r in ids if not any(r in h for h in held)})
         self.ended.add_all(ids, True)
         for req in self.remove_queued(ids):
             self.routes.dropped(req.request_id, "abort")

@@ -145,7 +145,7 @@ class RegionSpill:
     def remotes(self, prompt_tokens: int) -> list[RegionLoad]:
         """Fresh peer reports as loads for a request of ``prompt_tokens`` (cold cache there:
         the index of another region is not asked)."""
-        now = time.monotonic()
+        fresh = {r: self.peers[r] for r in self.answering_peers()}
         return [
             RegionLoad(
                 r,
@@ -156,8 +156,7 @@ class RegionSpill:
                 p.status.spare_seqs,
                 p.status.guest_executors,
             )
-            for r, p in self.peers.items()
-            if now - p.at <= self.config.stale_s
+            for r, p in fresh.items()
         ]
 
     def decide(self, req: TokenizedRequest, cached_tokens: int = 0) -> Decision:
@@ -232,14 +231,13 @@ class RegionSpill:
                 self.spilled.add(rid, region)
             return [rid for rid in reply.known if rid in ids]
 
-        regions = list(by_region)
-        answers = await asyncio.gather(*(ask(r, by_region[r]) for r in regions))
+        answers = await asyncio.gather(*(ask(r, ids) for r, ids in by_region.items()))
         return list(dict.fromkeys(rid for known in answers for rid in known))
 
     def answering_peers(self) -> list[str]:
-        """Peers whose load report is fresh: a blind question (about a request we have no
-        record of) waits for no region that has stopped answering; the gateway's watchdog
-        waits 1 s for the whole answer."""
+        """Peers whose load report is fresh: the ones counted on for a spill, and asked a
+        blind question (about a request we have no record of), which so waits for no region
+        that has stopped answering; the gateway's watchdog waits 1 s for the whole answer."""
         now = time.monotonic()
         return [r for r, p in self.peers.items() if now - p.at <= self.config.stale_s]
 

@@ -127,10 +127,11 @@ def _tool_grammar(tools_json: str, name: str, tool_format: str, several: bool) -
     # grammar starts at the array)
     if tool_format == MISTRAL:
         one = {"type": "array", "items": one, "minItems": 1} | ({} if several else {"maxItems": 1})
+    schema = json.dumps(one)
     try:
-        call = _from_schema(json.dumps(one))
+        call = _from_schema(schema)
     except (RuntimeError, ValueError, TypeError) as exc:
-        raise _unsupported(json.dumps(one), "tools", exc) from None
+        raise _unsupported(schema, "tools", exc) from None
     if tool_format == MISTRAL or (tool_format != HERMES and not several):
         return _wire(call)
     content = st.GrammarFormat(grammar=str(call))  # the layout _from_schema fixes
