@@ -7,10 +7,11 @@ the layer's business, chosen once at load time by :func:`make_linear`:
   blocks (else ``x @ W_t`` with ``W_t`` ``[K, N]``); ``F.linear`` on CUDA.
 - int8 (``Int8Linear``): int8 ``[N, K]`` + one fp32 scale per output channel. CPU: W8A8, the
   activations quantized per block of 32 to int8 and an integer multiply-add (the block kernel
-  of ``gpu.cpu_kernels``; without it, the same math in torch); CUDA: W8A8 too, activations
-  quantized per token and one ``torch._int_mm`` (cuBLASLt int8 tensor cores, int32
-  accumulation; ``int8_int_mm``) where K and N are multiples of 8, else weight-only
-  (``torch._weight_int8pack_mm`` where the torch build has it, else dequantize + matmul).
+  of ``gpu.cpu_kernels``; without it, the same math in torch); CUDA: weight-only (W8A16), the
+  codes read as stored and widened in registers by Triton kernels (``gpu.triton_gemv`` for a
+  few rows, ``gpu.triton_w8a16`` for more), else dequantize + matmul. Activations per token
+  to int8 and one ``torch._int_mm`` (``int8_int_mm``, ``Int8Linear.use_int_mm``) is kept for
+  the GPU check to time against: one scale a row lost too much (``gpu.triton_w8a16``).
 - GGUF blocks (``BlockLinear``): Q4_0 / Q4_1 / Q8_0 rows of 32-weight blocks, as the file has
   them (``gguf``), or quantized to Q4_1 at load (``int4``); activations quantized per block to
   int8 as for int8. Without the CPU kernels (CUDA, no compiler) these dequantize at load.
@@ -25,11 +26,13 @@ activation scales), so a request's output does not depend on what shares its bat
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gpu.attention.rope_append import available as triton_available
 from gpu.config import ModelError
 from gpu.cpu_kernels import CpuKernels, PackedLinear
 from gpu.cpu_kernels.prepared import (
@@ -62,6 +65,10 @@ from gpu.quant import (
     unpack_x8,
     x8_row_index,
 )
+from gpu.triton_gemv import MAX_ROWS as GEMV_MAX_ROWS
+from gpu.triton_gemv import gemv
+from gpu.triton_w8a16 import DTYPES as W8A16_DTYPES
+from gpu.triton_w8a16 import row_buckets, w8a16_matmul
 
 # GGML type name -> the kernels' linear kind (as the file lays it out; 4-bit repacked).
 BLOCK_KINDS = {"Q4_0": LIN_Q4_0, "Q4_1": LIN_Q4_1, "Q8_0": LIN_Q8_0}
@@ -242,14 +249,12 @@ def int8_int_mm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> 
 
 class Int8Linear(Linear):
     """int8, one fp32 scale per output channel (see ``gpu.quant.quantize_int8``): W8A8 on CPU
-    (activations quantized per block of 32) and on CUDA (per token, ``int8_int_mm``) where
-    the shape allows it, weight-only otherwise."""
+    (activations quantized per block of 32), weight-only on CUDA (``cuda_kernel``)."""
 
     format = "int8"
     kind = LIN_INT8
     qweight: torch.Tensor
     scale: torch.Tensor
-    scale_x: torch.Tensor | None
     bias: torch.Tensor | None
 
     def __init__(
@@ -257,7 +262,6 @@ class Int8Linear(Linear):
         weight: torch.Tensor,
         bias: torch.Tensor | None = None,
         kernels: CpuKernels | None = None,
-        dtype: torch.dtype = torch.float32,
         row_amax: torch.Tensor | None = None,
     ) -> None:
         super().__init__(int(weight.shape[1]), int(weight.shape[0]))
@@ -269,31 +273,42 @@ class Int8Linear(Linear):
         self.w8a8 = device.type == "cpu"
         self.register_buffer("scale", scale)
         self.register_buffer("bias", None if bias is None else bias.to(torch.float32))
-        # W8A8 on int8 tensor cores: the weight is read once at half bf16's bytes, and the
-        # GEMM runs on the tensor cores at any batch (the weight-only kernels below run a
-        # matrix-vector product per row, slower than bf16 from batch 2 on).
-        self.int_mm = device.type == "cuda" and int_mm_fits(int(q.shape[0]), int(q.shape[1]))
-        self.int8pack = (
-            device.type == "cuda" and not self.int_mm and _int8pack_mm_works(device, dtype)
-        )
-        # The scale in the activations' dtype, as torch._weight_int8pack_mm wants it.
-        self.register_buffer("scale_x", scale.to(dtype) if self.int8pack else None)
+        # CUDA: "w8a16" (Triton, fp16/bf16 activations), "w8a8" (use_int_mm), or None: the
+        # reference below (dequantize, then a dense matmul). Tests set it on CPU tensors to run
+        # the Triton kernels under the interpreter.
+        self.cuda_kernel: str | None = None
+        if device.type == "cuda" and triton_available():
+            self.cuda_kernel = "w8a16"
         self._prepared: PackedLinear | None = None
+
+    def use_int_mm(self, on: bool = True) -> bool:
+        """W8A8 on int8 tensor cores (activations per token, ``int8_int_mm``) instead of
+        weight-only, where ``torch._int_mm``'s shape rules allow it; the GPU check's
+        comparison. Returns whether this layer switched."""
+        if on and self.qweight.device.type == "cuda" and int_mm_fits(*self.qweight.shape):
+            self.cuda_kernel = "w8a8"
+            return True
+        if not on and self.cuda_kernel == "w8a8":
+            self.cuda_kernel = "w8a16" if triton_available() else None
+        return False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
         prepared = self.packed()
         if prepared is not None and x2.dtype == torch.float32:
             y = prepared(x2)
-        elif self.int_mm:
+        elif self.cuda_kernel == "w8a16" and x2.dtype in W8A16_DTYPES:
+            x2 = x2.contiguous()
+            q = self.int8_weight()
+            if x2.shape[0] <= GEMV_MAX_ROWS:
+                y = gemv(x2, q, self.bias, scale=self.scale)
+            else:
+                y = w8a16_matmul(x2, q, self.scale, self.bias)
+        elif self.cuda_kernel == "w8a8":
             y = int8_int_mm(x2, self.qweight, self.scale)
             if self.bias is not None:
                 y = y + self.bias
             y = y.to(x.dtype)
-        elif self.int8pack and self.scale_x is not None:
-            y = torch._weight_int8pack_mm(x2.contiguous(), self.qweight, self.scale_x)
-            if self.bias is not None:
-                y = y + self.bias.to(y.dtype)
         else:  # reference: dequantize, then a dense matmul (on CPU of W8A8's activations)
             xa = fake_quantize_blocks(x2).to(x2.dtype) if self.w8a8 else x2
             y = F.linear(xa, self.int8_weight().to(x2.dtype)) * self.scale.to(x2.dtype)
@@ -315,6 +330,30 @@ class Int8Linear(Linear):
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         return self.int8_weight()[ids].to(torch.float32) * self.scale[ids, None]
+
+
+def warm_int8(modules: Iterable[nn.Module], max_rows: int, dtype: torch.dtype) -> int:
+    """Run each weight-only int8 CUDA kernel variant the model's ``Int8Linear`` layers can
+    launch in a step of up to ``max_rows`` rows (the matrix-vector kernel at each row block up
+    to 8, the GEMM at each tuning bucket), on zeros: compiled and tuned before the first
+    request or a CUDA graph's capture needs them (the warm-up); ``dtype``: the activations'.
+    Returns how many calls it made."""
+    variants: dict[tuple[int, int, bool], Int8Linear] = {}
+    for module in modules:
+        if isinstance(module, Int8Linear) and module.cuda_kernel == "w8a16":
+            key = (module.out_features, module.in_features, module.bias is not None)
+            variants.setdefault(key, module)
+    if not variants or max_rows < 1:
+        return 0
+    # The matrix-vector kernel is compiled per power-of-two row block, the GEMM tuned per bucket.
+    rows = {min(1 << (m - 1).bit_length(), max_rows) for m in range(1, GEMV_MAX_ROWS + 1)}
+    rows |= {min(b, max_rows) for b in row_buckets(max_rows) if max_rows > GEMV_MAX_ROWS}
+    calls = 0
+    for linear in variants.values():
+        for m in sorted(rows):
+            linear(torch.zeros((m, linear.in_features), dtype=dtype, device=linear.scale.device))
+            calls += 1
+    return calls
 
 
 class BlockLinear(Linear):
@@ -473,7 +512,7 @@ def make_linear(
         dense = blocks.dequantize().to(weight.device, dtype)
         return DenseLinear(dense, None if bias is None else bias.to(dtype), kernels)
     if quantization == "int8":
-        return Int8Linear(weight, bias, kernels, dtype, row_amax)
+        return Int8Linear(weight, bias, kernels, row_amax)
     if quantization == "fp8":
         if not fp8_matmul_supported(weight.device):
             raise ModelError(
@@ -481,27 +520,3 @@ def make_linear(
             )
         return Fp8Linear(weight, None if bias is None else bias.to(dtype), row_amax)
     return DenseLinear(weight.to(dtype), None if bias is None else bias.to(dtype), kernels)
-
-
-_INT8PACK_OK: dict[tuple[str, torch.dtype], bool] = {}
-
-
-def _int8pack_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether this torch build has ``_weight_int8pack_mm`` for ``device`` and ``dtype``
-    (CUDA support arrived after the CPU one); probed once with a tiny call."""
-    key = (str(device), dtype)
-    if key not in _INT8PACK_OK:
-        try:
-            g = torch.Generator().manual_seed(0)
-            x = torch.randint(-4, 5, (3, 64), generator=g).to(device, dtype)
-            w = torch.randint(-127, 128, (48, 64), generator=g, dtype=torch.int8).to(device)
-            s = (torch.rand(48, generator=g) + 0.5).to(device, dtype)
-            got = torch._weight_int8pack_mm(x, w, s).float()
-            want = (x.float() @ w.float().t()) * s.float()
-            ok = bool(torch.allclose(got, want, rtol=2e-2, atol=1e-2 * float(want.abs().max())))
-        except (RuntimeError, NotImplementedError):
-            ok = False
-        if not ok:
-            logger.info("torch._weight_int8pack_mm unavailable on %s: int8 dequantizes", device)
-        _INT8PACK_OK[key] = ok
-    return _INT8PACK_OK[key]

@@ -1,12 +1,16 @@
-"""A matrix-vector kernel for decode steps of a few rows (Triton; CUDA, fp16/bf16 weights).
+"""A matrix-vector kernel for decode steps of a few rows (Triton; CUDA, fp16/bf16 or int8 weights).
 
 At batch 1 a decode step is the weights' read: every linear streams its ``[N, K]`` weight once
 for one or a few activation rows. ``gemv`` gives each program ``BLOCK_N`` output columns and
 walks K in ``BLOCK_K`` slices, all ``M`` rows at once (``M <= MAX_ROWS``), accumulating in fp32;
-the weight is read once whatever ``M`` is. Its block shapes are tuned on the device at first
-use per (N, K, rows) (``triton.autotune``; the executor's warm-up and the graphs' capture
-runs make that first use). Whether it beats cuBLAS on a given GPU is for the GPU check's
-graphs section to say (``CausalLM.use_triton_gemv``, ``--triton-gemv``, off by default).
+the weight is read once whatever ``M`` is. An int8 weight with one scale per output channel
+(``gpu.quant.quantize_int8``) is read as it is stored, half bf16's bytes, and each column's sums
+are scaled at the end: the weight-only int8 decode step of ``Int8Linear`` on CUDA. Its block
+shapes are tuned on the device at first use per (N, K, rows, weight format)
+(``triton.autotune``; the executor's warm-up and the graphs' capture runs make that first use).
+Whether it beats cuBLAS for bf16 weights on a given GPU is for the GPU check's graphs section
+to say (``CausalLM.use_triton_gemv``, ``--triton-gemv``, off by default); int8 weights on
+CUDA always take it.
 
 What a decoder layer does between its matmuls can ride in them, since every program reads
 the whole input row anyway: an RMSNorm before (its scale is one number a row, applied to the
@@ -42,9 +46,9 @@ def _kernel() -> Any:
 
     @triton.jit  # type: ignore[untyped-decorator]
     def gemv_kernel(  # type: ignore[no-untyped-def]
-        x_ptr, w_ptr, b_ptr, norm_ptr, y_ptr, stride_x, stride_w, stride_y, M, N, eps,
-        K: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, SILU: tl.constexpr,
-        ADD_TO_Y: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        x_ptr, w_ptr, s_ptr, b_ptr, norm_ptr, y_ptr, stride_x, stride_w, stride_y, M, N, eps,
+        K: tl.constexpr, SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
+        SILU: tl.constexpr, ADD_TO_Y: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -59,7 +63,7 @@ def _kernel() -> Any:
             w = tl.load(
                 w_ptr + cols[:, None].to(tl.int64) * stride_w + ks[None, :],
                 mask=col_ok[:, None] & k_ok[None, :],
-                other=0.0,
+                other=0,
             ).to(tl.float32)
             x_at = x_ptr + rows[:, None] * stride_x + ks[None, :]
             x_ok = row_ok[:, None] & k_ok[None, :]
@@ -71,6 +75,8 @@ def _kernel() -> Any:
                 sum_sq += tl.sum(x * x, axis=1)
                 x = x * tl.load(norm_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
             acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+        if SCALED:  # int8 codes: each output channel's scale
+            acc = acc * tl.load(s_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         if NORM:
             acc = acc * tl.rsqrt(sum_sq / K + eps)[:, None]
         if HAS_BIAS:
@@ -93,12 +99,12 @@ def _kernel() -> Any:
             (16, 256, 4), (16, 256, 8), (32, 128, 4), (32, 256, 8), (8, 512, 4), (16, 512, 8),
         )
     ]  # fmt: skip
-    # Keyed on the shape alone: the fused variants (norm, SiLU, residual) stream the same weight
-    # and take the plain kernel's tuning. Tuning runs the kernel several times: a residual it
-    # adds into is put back after each run.
+    # Keyed on the shape and the weight's format: the fused variants (norm, SiLU, residual)
+    # stream the same weight and take the plain kernel's tuning. Tuning runs the kernel several
+    # times: a residual it adds into is put back after each run.
     return triton.autotune(
-        configs, key=["N", "K", "BLOCK_M"], prune_configs_by={"early_config_prune": _fits},
-        restore_value=["y_ptr"],
+        configs, key=["N", "K", "BLOCK_M", "SCALED"],
+        prune_configs_by={"early_config_prune": _fits}, restore_value=["y_ptr"],
     )(gemv_kernel), {}  # fmt: skip
 
 
@@ -117,6 +123,7 @@ def gemv(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     *,
+    scale: torch.Tensor | None = None,
     norm: torch.Tensor | None = None,
     eps: float = 1e-6,
     silu: bool = False,
@@ -125,6 +132,8 @@ def gemv(
     """``F.linear(x, weight, bias)`` for ``x`` ``[M, K]`` with ``M <= MAX_ROWS``, with what a
     decoder layer puts around its matmuls done on the way (``gpu.model``'s few-row layers):
 
+    - ``scale``: ``weight`` is int8 codes and this ``[N]`` fp32 tensor their per-channel
+      scales (``F.linear(x, weight * scale[:, None], bias)``);
     - ``norm``: ``x`` is RMS-normalised with this ``[K]`` weight first (``F.rms_norm``);
     - ``silu``: ``x`` is ``[M, 2K]``, gate then up, and the input is ``SiLU(gate) * up``;
     - ``add_to``: the result is added into this ``[M, N]`` tensor (the residual stream), which
@@ -138,7 +147,15 @@ def gemv(
     if not 0 < m <= MAX_ROWS or weight.shape[1] != k or (silu and x.shape[1] != 2 * k):
         wide = f"2 x {weight.shape[1]}" if silu else f"{weight.shape[1]}"
         raise ValueError(f"gemv takes 1..{MAX_ROWS} rows of {wide}, got {tuple(x.shape)}")
-    if weight.dtype not in DTYPES or x.dtype != weight.dtype:
+    if scale is not None:
+        if weight.dtype != torch.int8 or x.dtype not in DTYPES:
+            raise ValueError(
+                f"gemv with scales runs int8 weights on fp16/bf16 rows, got x {x.dtype} and "
+                f"weight {weight.dtype}"
+            )
+        if scale.shape != (n,) or scale.dtype != torch.float32 or not scale.is_contiguous():
+            raise ValueError(f"gemv's scales must be a contiguous fp32 [{n}], got {scale.shape}")
+    elif weight.dtype not in DTYPES or x.dtype != weight.dtype:
         raise ValueError(f"gemv runs fp16/bf16, got x {x.dtype} and weight {weight.dtype}")
     if x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError("gemv needs rows with unit stride")
@@ -160,8 +177,9 @@ def gemv(
 
     with on_device(x):
         kernel[grid](
-            x, weight, bias if bias is not None else y, norm if norm is not None else y, y,
-            x.stride(0), weight.stride(0), y.stride(0), m, n, eps, K=k, HAS_BIAS=bias is not None,
-            NORM=norm is not None, SILU=silu, ADD_TO_Y=add_to is not None, BLOCK_M=block_m, **fixed,
+            x, weight, scale if scale is not None else y, bias if bias is not None else y,
+            norm if norm is not None else y, y, x.stride(0), weight.stride(0), y.stride(0), m, n,
+            eps, K=k, SCALED=scale is not None, HAS_BIAS=bias is not None, NORM=norm is not None,
+            SILU=silu, ADD_TO_Y=add_to is not None, BLOCK_M=block_m, **fixed,
         )  # fmt: skip
     return y

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from gpu.attention.metadata import SeqChunk
+from gpu.linear import warm_int8
 from gpu.page_manager import PageManager, PageTable
 from gpu.runner import ModelRunner
 from gpu.sampling import Sampler, SamplerInput
@@ -39,8 +40,8 @@ PROMPT_PAGES = 1
 class WarmupReport:
     """What the warm-up ran and how long each part took (seconds). ``graphs_s``: capturing
     the decode steps' CUDA graphs and replaying one (None: this runner decodes eagerly);
-    ``triton_s``: the Triton matrix-vector kernels' variants built and tuned (None: the model
-    does not use them, ``--triton-gemv off``)."""
+    ``triton_s``: the Triton matmul kernels' variants built and tuned (None: the model uses
+    none: ``--triton-gemv off`` and no int8 weights on CUDA)."""
 
     prompt_tokens: int
     prefill_s: float
@@ -57,7 +58,7 @@ class WarmupReport:
     def describe(self) -> str:
         graphs = "" if self.graphs_s is None else f", CUDA graphs {self.graphs_s:.2f}s"
         if self.triton_s is not None:
-            graphs += f", Triton matrix-vector kernels {self.triton_s:.2f}s"
+            graphs += f", Triton matmul kernels {self.triton_s:.2f}s"
         return (
             f"{self.total_s:.2f}s (a prompt chunk of {self.prompt_tokens} tokens "
             f"{self.prefill_s:.2f}s, a decode step {self.decode_s:.2f}s, "
@@ -101,11 +102,14 @@ def warm_up(
             f"{pages.pages_needed(PageTable(), n + 2)} pages, {pages.num_free} free"
         )
     try:
-        # First every Triton matrix-vector variant at every row block (compiled and tuned
-        # here, not inside the steps timed below or the graphs' capture).
+        # First every Triton matrix-vector variant at every row block and every int8 GEMM
+        # bucket (compiled and tuned here, not inside the steps timed below or the graphs'
+        # capture).
         started = time.perf_counter()
         triton_s = None
-        if runner.model.warm_triton_gemv():
+        warmed = runner.model.warm_triton_gemv()
+        warmed += warm_int8(runner.model.modules(), max_num_batched_tokens, runner.model.dtype)
+        if warmed:
             _sync(runner.device)
             triton_s = time.perf_counter() - started
             started = time.perf_counter()

@@ -278,10 +278,15 @@ def test_model_section_with_stand_in(tiny_llama):
     backend = fake_backend(fake, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
     runner = ModelRunner(bf16, pages, 16, backend=backend)
     baseline = ModelRunner(bf16, pages, 16)
+    # a quantized runner is reported: its error neither sets the bound nor fails the section
+    int8 = ModelRunner(load_model(tiny_llama, quantization="int8"), pages, 16)
+    runners = {"stand-in": runner, "torch": baseline, "int8": int8}
     result = ma.model_section(
-        ref_runner, {"stand-in": runner, "torch": baseline}, "stand-in", prompts, 5, 5e-2, chunk=16
+        ref_runner, runners, "stand-in", prompts, 5, 5e-2, chunk=16, reported=["int8"]
     )
     assert result["ok"], result["table"]
+    assert result["int8"]["ok"] == "reported" and result["int8"]["rel_max"] > 0
+    assert result["bound"] == max(5e-2, 1.5 * result["torch"]["rel_max"])
     assert result["stand-in"]["steps"]["mixed"] > 0
     assert result["stand-in"]["steps"]["decode_only"] > 0
     assert "FakeDecode" in fake.runs and "FakePrefill" in fake.runs

@@ -253,7 +253,7 @@ def test_warm_up_builds_every_variant_at_every_row_block(
     engine = Engine(ModelRunner(model, num_pages=16, page_size=4), EngineConfig())
     report = engine.warm_up()
     assert report.triton_s is not None and report.triton_s > 0
-    assert "Triton matrix-vector kernels" in report.describe()
+    assert "Triton matmul kernels" in report.describe()
     model.use_triton_gemv(0)
     assert model.warm_triton_gemv() == 0
     assert Engine(ModelRunner(model, 16, 4), EngineConfig()).warm_up().triton_s is None

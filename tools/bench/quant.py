@@ -23,6 +23,10 @@ median), the formats interleaved within each repeat. On CPU, fp8 runs through
 ``--speed-formats``. ``--memory``: the executor's resident memory per speed format
 (``tools.bench.memory``).
 
+``--formats`` also takes CUDA's two int8 paths, ``int8-cuda`` (weight-only, the default there)
+and ``int8-cuda-w8a8`` (activations quantized per token, ``torch._int_mm``): on CPU the same
+math in torch, for their quality (not their speed).
+
 ``--linear`` adds a micro-benchmark of the CPU matmul options for the model's layer shapes.
 ``--device cuda`` runs the same report on a GPU (reference: the bf16 model), fp8 included.
 """
@@ -47,7 +51,7 @@ from gpu.attention.metadata import SeqChunk
 from gpu.cpu_kernels.prepared import LIN_INT8, LIN_Q4_1, LIN_Q8_0
 from gpu.engine import Engine, EngineConfig
 from gpu.gguf import resolve_model_path
-from gpu.linear import BlockLinear, Linear
+from gpu.linear import BlockLinear, Int8Linear, Linear
 from gpu.loader import load_model
 from gpu.model import CausalLM
 from gpu.quant import (
@@ -62,6 +66,9 @@ from gpu.sampling_params import SamplingParams
 from tools.bench.engine import QUESTIONS, chat_prompts, run_decode_only, run_engine
 from tools.bench.memory import measure as measure_memory
 from tools.bench.memory import table as memory_table
+
+# CUDA's int8 paths, emulated on CPU (``load_format``).
+CUDA_INT8 = ("int8-cuda", "int8-cuda-w8a8")
 
 # A fixed prompt set: chat questions (the model is an instruct model) and plain text.
 QUALITY_QUESTIONS = [
@@ -368,7 +375,7 @@ def main(argv: list[str] | None = None) -> None:
     ).split(",")
 
     def load(fmt: str) -> CausalLM:
-        return load_model(Path(folder), device=device, progress=False, quantization=fmt)
+        return load_format(Path(folder), device, fmt)
 
     load_avg = _load_average()
     emit(
@@ -432,6 +439,23 @@ def main(argv: list[str] | None = None) -> None:
             ],
             (1, 32),
         )
+
+
+def load_format(folder: Path, device: torch.device, fmt: str) -> CausalLM:
+    """The model in ``fmt``: a ``--quantization`` name, or one of CUDA's two int8 paths
+    (``int8-cuda``: weight-only, ``int8-cuda-w8a8``: activations per token through
+    ``torch._int_mm``), run as they are on CUDA and as the same math in torch on CPU."""
+    if fmt not in CUDA_INT8:
+        return load_model(folder, device=device, progress=False, quantization=fmt)
+    model = load_model(
+        folder, device=device, progress=False, quantization="int8", cpu_kernels=False
+    )
+    for module in model.modules():
+        if isinstance(module, Int8Linear):
+            module.w8a8 = False  # the CPU reference: the codes times unquantized activations
+            if fmt == "int8-cuda-w8a8" and not module.use_int_mm() and device.type == "cpu":
+                module.cuda_kernel = "w8a8"  # torch._int_mm also runs on CPU
+    return model
 
 
 def _load_average() -> str:

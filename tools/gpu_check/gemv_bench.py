@@ -1,28 +1,37 @@
 """The graphs section's per-shape matmul table: each distinct linear of the model at a few rows,
-cuBLAS (``F.linear``) against the Triton matrix-vector kernel (``gpu/triton_gemv.py``).
+cuBLAS (``F.linear``) against the Triton matrix-vector kernel (``gpu/triton_gemv.py``), and the
+same weights as int8 codes: weight-only (``Int8Linear``'s CUDA path: the matrix-vector kernel
+up to 8 rows, ``gpu/triton_w8a16.py`` above) against activations quantized per token and one
+``torch._int_mm`` (W8A8, ``gpu.linear.int8_int_mm``).
 
 A decode step at batch 1 is the weights' read, so what matters is the bandwidth each matmul
 reaches: per (N, K) shape and row count, both timed as a decode step runs them, from a CUDA
 graph (one call on each layer's weight of that shape, so none is served from the L2 cache;
-median of 10 replays over the calls), the GB/s that is over the weight's bytes, and the
-Triton result's error against cuBLAS's (relative to the largest output). On the CPU it reports
+median of 10 replays over the calls), the GB/s that is over the weight's bytes (int8: the
+codes' and scales'), and each result's error against its reference (relative to the largest
+output): the Triton kernel's against cuBLAS's, the int8 ones against the codes' dequantized
+weight times the activations. On the CPU it reports
 the shapes and skips the rest.
 """
 
 from __future__ import annotations
 
 import statistics
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from gpu.linear import DenseLinear
+from gpu.linear import DenseLinear, int8_int_mm, int_mm_fits
 from gpu.model import CausalLM
+from gpu.quant import quantize_int8
 from tools.gpu_check.common import markdown_table
 
 # bf16 outputs: one rounding of the fp32 sum is 2^-8 relative; the two sum in different orders.
 REL_ERR_TOL = 2e-2
+# W8A8: the activations' int8 rounding too (about 1% of the largest output on random rows).
+W8A8_ERR_TOL = 5e-2
 
 
 def weights_by_shape(model: CausalLM) -> dict[tuple[int, int], list[torch.Tensor]]:
@@ -35,7 +44,7 @@ def weights_by_shape(model: CausalLM) -> dict[tuple[int, int], list[torch.Tensor
     return shapes
 
 
-def _graph_us(fn: Any, x: torch.Tensor, weights: list[torch.Tensor], replays: int) -> float:
+def _graph_us(fn: Any, x: torch.Tensor, weights: Sequence[Any], replays: int) -> float:
     """Microseconds a call: the calls over every weight of the shape captured in one CUDA
     graph (as a decode step replays them: no host launch cost in the number), replayed."""
     stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
@@ -60,39 +69,77 @@ def _graph_us(fn: Any, x: torch.Tensor, weights: list[torch.Tensor], replays: in
     return float(statistics.median(samples))
 
 
-def time_shape(weights: list[torch.Tensor], m: int, replays: int = 10) -> dict[str, float]:
-    """cuBLAS and the Triton kernel on ``m`` random rows against weights of one shape."""
-    from gpu.triton_gemv import gemv
+def time_shape(
+    weights: list[torch.Tensor],
+    codes: list[tuple[torch.Tensor, torch.Tensor]],
+    m: int,
+    replays: int = 10,
+) -> dict[str, float]:
+    """cuBLAS, the Triton kernel (up to its row limit) and the two int8 paths (``codes``: each
+    weight's int8 codes and scales) on ``m`` random rows against weights of one shape."""
+    from gpu.triton_gemv import MAX_ROWS, gemv
+    from gpu.triton_w8a16 import w8a16_matmul
 
     x = torch.randn((m, weights[0].shape[1]), device=weights[0].device, dtype=weights[0].dtype)
     ref = F.linear(x, weights[0]).float()
-    err = (gemv(x, weights[0]).float() - ref).abs().max() / ref.abs().max()
-    row = {"rel_err": float(err)}
+    row: dict[str, float] = {}
     nbytes = weights[0].numel() * weights[0].element_size()
-    for name, fn in (("cublas", F.linear), ("triton", gemv)):
+    timed: list[tuple[str, Any]] = [("cublas", F.linear)]
+    if m <= MAX_ROWS:
+        err = (gemv(x, weights[0]).float() - ref).abs().max() / ref.abs().max()
+        row["rel_err"] = float(err)
+        timed.append(("triton", gemv))
+    for name, fn in timed:
         us = _graph_us(fn, x, weights, replays)
         row[f"{name}_us"] = us
         row[f"{name}_gb_s"] = nbytes / us / 1e3
+    q0, s0 = codes[0]
+    int8_bytes = q0.numel() + s0.numel() * 4
+    exact = F.linear(x.float(), q0.float() * s0[:, None])
+
+    def weight_only(xs: torch.Tensor, c: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        if m <= MAX_ROWS:
+            return gemv(xs, c[0], scale=c[1])
+        return w8a16_matmul(xs, c[0], c[1])
+
+    int8_paths: list[tuple[str, Any]] = [("w8a16", weight_only)]
+    if int_mm_fits(*q0.shape):
+        int8_paths.append(("w8a8", lambda xs, c: int8_int_mm(xs, c[0], c[1])))
+    for name, fn in int8_paths:
+        err = (fn(x, codes[0]).float() - exact).abs().max() / exact.abs().max()
+        row[f"{name}_err"] = float(err)
+        us = _graph_us(fn, x, codes, replays)
+        row[f"{name}_us"] = us
+        row[f"{name}_gb_s"] = int8_bytes / us / 1e3
     return row
 
 
-def gemv_section(model: CausalLM, rows: tuple[int, ...] = (1, 8)) -> dict[str, Any]:
+def gemv_section(model: CausalLM, rows: tuple[int, ...] = (1, 8, 64)) -> dict[str, Any]:
     shapes = weights_by_shape(model)
     results: list[dict[str, Any]] = []
     cuda = model.device.type == "cuda"
     for (n, k), weights in shapes.items():
+        codes = [quantize_int8(w) for w in weights] if cuda else []
         for m in rows:
             row: dict[str, Any] = {"n": n, "k": k, "rows": m, "layers": len(weights)}
             if not cuda:
                 results.append(row | {"skipped": "needs CUDA"})
                 continue
-            row |= time_shape(weights, m)
+            row |= time_shape(weights, codes, m)
             results.append(row)
+        del codes
+    columns: tuple[str, ...] = ("cublas_us", "cublas_gb_s", "triton_us", "triton_gb_s", "rel_err")
+    columns += ("w8a16_us", "w8a16_gb_s", "w8a16_err", "w8a8_us", "w8a8_gb_s", "w8a8_err")
     table_rows = [
-        [r["n"], r["k"], r["rows"], r.get("cublas_us", "-"), r.get("cublas_gb_s", "-"),
-         r.get("triton_us", "-"), r.get("triton_gb_s", "-"), r.get("rel_err", r.get("skipped"))]
+        [r["n"], r["k"], r["rows"], *(r.get(c, r.get("skipped", "-")) for c in columns)]
         for r in results
-    ]  # fmt: skip
+    ]
     headers = ["N", "K", "rows", "cuBLAS us", "cuBLAS GB/s", "Triton us", "Triton GB/s", "err"]
-    ok = all(r.get("rel_err", 0.0) <= REL_ERR_TOL for r in results)
+    headers += ["int8 W8A16 us", "GB/s", "err", "int8 W8A8 us", "GB/s", "err"]
+    ok = all(
+        r.get("rel_err", 0.0) <= REL_ERR_TOL
+        and r.get("w8a16_err", 0.0) <= REL_ERR_TOL
+        and r.get("w8a8_err", 0.0) <= W8A8_ERR_TOL
+        for r in results
+    )
     return {"results": results, "ok": ok, "table": markdown_table(headers, table_rows)}
