@@ -14,7 +14,9 @@ the layer's business, chosen once at load time by :func:`make_linear`:
   the GPU check to time against: one scale a row lost too much (``gpu.triton_w8a16``).
 - GGUF blocks (``BlockLinear``): Q4_0 / Q4_1 / Q8_0 rows of 32-weight blocks, as the file has
   them (``gguf``), or quantized to Q4_1 at load (``int4``); activations quantized per block to
-  int8 as for int8. Without the CPU kernels (CUDA, no compiler) these dequantize at load.
+  int8 as for int8. On CUDA the file's rows go to the Triton block matmul
+  (``gpu.triton_blocks``, activations unquantized); without either kernel they dequantize at
+  load.
 - fp8 (``Fp8Linear``): e4m3 ``[N, K]`` + one fp32 scale per output channel, activations cast
   to e4m3 per token, ``torch._scaled_mm`` with row-wise scales (Ada/Hopper tensor cores; torch
   also runs it on CPU, slowly: tests and quality reports).
@@ -65,6 +67,8 @@ from gpu.quant import (
     unpack_x8,
     x8_row_index,
 )
+from gpu.triton_blocks import QTYPES as BLOCK_QTYPES
+from gpu.triton_blocks import block_matmul
 from gpu.triton_gemv import MAX_ROWS as GEMV_MAX_ROWS
 from gpu.triton_gemv import gemv
 from gpu.triton_w8a16 import DTYPES as W8A16_DTYPES
@@ -89,6 +93,10 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.buffers()).device
 
     def weight_bytes(self) -> int:
         """Bytes read from memory per forward pass for the weight (and its scales)."""
@@ -332,35 +340,53 @@ class Int8Linear(Linear):
         return self.int8_weight()[ids].to(torch.float32) * self.scale[ids, None]
 
 
-def warm_int8(modules: Iterable[nn.Module], max_rows: int, dtype: torch.dtype) -> int:
-    """Run each weight-only int8 CUDA kernel variant the model's ``Int8Linear`` layers can
-    launch in a step of up to ``max_rows`` rows (the matrix-vector kernel at each row block up
-    to 8, the GEMM at each tuning bucket), on zeros: compiled and tuned before the first
-    request or a CUDA graph's capture needs them (the warm-up); ``dtype``: the activations'.
-    Returns how many calls it made."""
-    variants: dict[tuple[int, int, bool], Int8Linear] = {}
+def blocks_run_on(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether GGUF blocks stay blocks on ``device`` for activations of ``dtype``: the CPU's
+    own kernels (fp32), or the Triton block matmul on CUDA (fp16/bf16); elsewhere they are
+    dequantized at load."""
+    if device.type == "cpu":
+        return dtype == torch.float32
+    return device.type == "cuda" and dtype in W8A16_DTYPES and triton_available()
+
+
+def warm_triton_linears(modules: Iterable[nn.Module], max_rows: int, dtype: torch.dtype) -> int:
+    """Run each Triton matmul variant the model's quantized CUDA linears can launch in a step
+    of up to ``max_rows`` rows (int8: the matrix-vector kernel at each row block up to 8 and
+    the W8A16 GEMM at each tuning bucket; GGUF blocks: the block matmul at each bucket), on
+    zeros: compiled and tuned before the first request or a CUDA graph's capture needs them
+    (the warm-up); ``dtype``: the activations'. Returns how many calls it made."""
+    variants: dict[tuple[str, int, int, bool], Int8Linear | BlockLinear] = {}
     for module in modules:
         if isinstance(module, Int8Linear) and module.cuda_kernel == "w8a16":
-            key = (module.out_features, module.in_features, module.bias is not None)
-            variants.setdefault(key, module)
-    if not variants or max_rows < 1:
+            kind = "int8"
+        elif isinstance(module, BlockLinear) and module.triton:
+            kind = module.qtype
+        else:
+            continue
+        key = (kind, module.out_features, module.in_features, module.bias is not None)
+        variants.setdefault(key, module)
+    if max_rows < 1:
         return 0
-    # The matrix-vector kernel is compiled per power-of-two row block, the GEMM tuned per bucket.
-    rows = {min(1 << (m - 1).bit_length(), max_rows) for m in range(1, GEMV_MAX_ROWS + 1)}
-    rows |= {min(b, max_rows) for b in row_buckets(max_rows) if max_rows > GEMV_MAX_ROWS}
+    # The matrix-vector kernel is compiled per power-of-two row block, the GEMMs tuned per
+    # bucket (a bucket's last row count stands for it).
+    buckets = {min(b, max_rows) for b in row_buckets(max_rows)}
+    few = {min(1 << (m - 1).bit_length(), max_rows) for m in range(1, GEMV_MAX_ROWS + 1)}
     calls = 0
-    for linear in variants.values():
+    for (kind, _, k, _), linear in variants.items():
+        rows = few | {m for m in buckets if m > GEMV_MAX_ROWS} if kind == "int8" else buckets
         for m in sorted(rows):
-            linear(torch.zeros((m, linear.in_features), dtype=dtype, device=linear.scale.device))
+            linear(torch.zeros((m, k), dtype=dtype, device=linear.device))
             calls += 1
     return calls
 
 
 class BlockLinear(Linear):
     """A weight in GGUF blocks of 32 (Q4_0, Q4_1, Q8_0: ``gpu.quant.BlockWeight``) on the CPU
-    block kernels, activations quantized per block to int8. ``format`` is ``gguf-<type>`` for
-    a file's own blocks, ``int4`` for weights quantized to Q4_1 at load. Without kernels (a
-    reference for tests) it multiplies the dequantized weight by the quantized activations."""
+    block kernels, activations quantized per block to int8; on CUDA through the Triton block
+    matmul (``gpu.triton_blocks``: the file's rows as they are, activations unquantized).
+    ``format`` is ``gguf-<type>`` for a file's own blocks, ``int4`` for weights quantized to
+    Q4_1 at load. Without either (a reference for tests) it multiplies the dequantized weight
+    by the block-quantized activations."""
 
     blocks: torch.Tensor
     bias: torch.Tensor | None
@@ -389,12 +415,20 @@ class BlockLinear(Linear):
         self.register_buffer("blocks", stored)
         self.register_buffer("bias", None if bias is None else bias.to(torch.float32))
         self._prepared: PackedLinear | None = None
+        # CUDA: the Triton block matmul for fp16/bf16 activations (tests set it on CPU tensors
+        # to run it under the interpreter).
+        self.triton = (
+            stored.device.type == "cuda" and not self.grouped and weight.qtype in BLOCK_QTYPES
+            and triton_available()
+        )  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
         prepared = self.packed()
         if prepared is not None and x2.dtype == torch.float32:
             y = prepared(x2)
+        elif self.triton and x2.dtype in W8A16_DTYPES:
+            y = block_matmul(x2.contiguous(), self.blocks, self.qtype, self.bias)
         else:
             y = F.linear(fake_quantize_blocks(x2), self.dequantized_weight(), self.bias)
             y = y.to(x.dtype)
@@ -509,6 +543,8 @@ def make_linear(
         blocks = BlockWeight(qtype, quantize(weight.to("cpu")), int(weight.shape[1]))
         if kernels is not None and weight.device.type == "cpu":
             return BlockLinear(blocks, bias, kernels, "int4")
+        if weight.device.type == "cuda" and blocks_run_on(weight.device, dtype):
+            return BlockLinear(blocks.to(weight.device), bias, None, "int4")
         dense = blocks.dequantize().to(weight.device, dtype)
         return DenseLinear(dense, None if bias is None else bias.to(dtype), kernels)
     if quantization == "int8":

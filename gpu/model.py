@@ -29,7 +29,7 @@ from gpu.attention.torch_backend import TorchPagedAttention
 from gpu.config import ModelConfig, ModelError
 from gpu.cpu_kernels import CpuKernels, FusedDecoder
 from gpu.cpu_kernels.decoder import DecoderShape, LayerWeights, ReduceFailed
-from gpu.linear import DenseLinear, Linear, make_linear
+from gpu.linear import DenseLinear, Linear, blocks_run_on, make_linear
 from gpu.ops import RopeStep, TorchOps, make_ops
 from gpu.parallel.group import TensorParallel
 from gpu.parallel.shard import shard_config, shard_weights
@@ -37,6 +37,7 @@ from gpu.quant import BlockWeight
 from gpu.rope import RotaryEmbedding
 
 Weight = torch.Tensor | BlockWeight
+EMBEDDING = "model.embed_tokens.weight"
 
 
 def stacked(parts: list[Weight]) -> Weight:
@@ -217,11 +218,14 @@ class CausalLM(nn.Module):
         device = torch.device(device)
         if device.type != "cpu":
             kernels = None
-        # GGUF blocks run on the CPU kernels; on another device they are dequantized here.
-        keep_blocks = device.type == "cpu" and dtype == torch.float32
+        # GGUF blocks run on the CPU kernels or CUDA's Triton block matmul; elsewhere they are
+        # dequantized here, as is an untied embedding in blocks (read by rows, not multiplied)
+        # on CUDA.
+        keep_blocks = blocks_run_on(device, dtype)
+        cuda_embedding = "" if device.type == "cpu" or config.tie_word_embeddings else EMBEDDING
         w: dict[str, Weight] = {
-            name: t if isinstance(t, BlockWeight) and keep_blocks
-            else dense(t).to(device=device, dtype=dtype)
+            name: t.to(device) if isinstance(t, BlockWeight) and keep_blocks
+            and name != cuda_embedding else dense(t).to(device=device, dtype=dtype)
             for name, t in weights.items()
         }  # fmt: skip
         self.config = config

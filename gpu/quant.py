@@ -309,6 +309,10 @@ class BlockWeight:
     def dequantize(self) -> torch.Tensor:
         return dequantize_block_rows(self.qtype, self.rows, self.k)
 
+    def to(self, device: torch.device) -> BlockWeight:
+        """The same blocks on ``device``."""
+        return BlockWeight(self.qtype, self.rows.to(device), self.k)
+
     def row_slice(self, start: int, stop: int) -> BlockWeight:
         """Output rows ``[start, stop)``."""
         return BlockWeight(self.qtype, self.rows[start:stop].contiguous(), self.k)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from gpu.attention.metadata import SeqChunk
-from gpu.linear import warm_int8
+from gpu.linear import warm_triton_linears
 from gpu.page_manager import PageManager, PageTable
 from gpu.runner import ModelRunner
 from gpu.sampling import Sampler, SamplerInput
@@ -108,7 +108,9 @@ def warm_up(
         started = time.perf_counter()
         triton_s = None
         warmed = runner.model.warm_triton_gemv()
-        warmed += warm_int8(runner.model.modules(), max_num_batched_tokens, runner.model.dtype)
+        warmed += warm_triton_linears(
+            runner.model.modules(), max_num_batched_tokens, runner.model.dtype
+        )
         if warmed:
             _sync(runner.device)
             triton_s = time.perf_counter() - started

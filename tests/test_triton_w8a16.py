@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from gpu import triton_gemv, triton_w8a16
 from gpu.attention import rope_append
-from gpu.linear import Int8Linear, make_linear, warm_int8
+from gpu.linear import Int8Linear, make_linear, warm_triton_linears
 from gpu.quant import quantize_int8
 
 pytestmark = pytest.mark.skipif(not rope_append.available(), reason="needs triton")
@@ -160,10 +160,12 @@ def test_int8_linear_on_cuda_is_weight_only(rows: int, monkeypatch: pytest.Monke
     assert 1e-3 < rel_err(per_token, want) < 3e-2
 
 
-def test_warm_int8_runs_every_variant_once(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_warm_triton_linears_runs_every_variant_once(monkeypatch: pytest.MonkeyPatch) -> None:
     layers = [int8_layer(48, 64, False, 1), int8_layer(48, 64, False, 2)]
     layers += [int8_layer(40, 64, True, 3), int8_layer(64, 48, False, 4)]
-    assert warm_int8(layers, 40, torch.float16) == 0  # CPU layers: no CUDA kernels to warm
+    assert (
+        warm_triton_linears(layers, 40, torch.float16) == 0
+    )  # CPU layers: no CUDA kernels to warm
     for layer in layers:
         layer.cuda_kernel = "w8a16"
     seen: list[tuple[int, int, int, bool]] = []
@@ -174,12 +176,16 @@ def test_warm_int8_runs_every_variant_once(monkeypatch: pytest.MonkeyPatch) -> N
         return x.new_zeros((x.shape[0], self.out_features))
 
     monkeypatch.setattr(Int8Linear, "forward", forward)
-    assert warm_int8(layers, 40, torch.float16) == len(seen) == 3 * 7
+    assert warm_triton_linears(layers, 40, torch.float16) == len(seen) == 3 * 7
     # the 4 matrix-vector row blocks, then the GEMM's buckets 16, 32 and 64 (its last, 40 rows)
     assert sorted({s[0] for s in seen}) == [1, 2, 4, 8, 16, 32, 40]
     assert {s[1:] for s in seen} == {(48, 64, False), (40, 64, True), (64, 48, False)}
     seen.clear()
-    assert warm_int8(layers, 4, torch.float16) == 3 * 3 and {s[0] for s in seen} == {1, 2, 4}
+    assert warm_triton_linears(layers, 4, torch.float16) == 3 * 3 and {s[0] for s in seen} == {
+        1,
+        2,
+        4,
+    }
 
 
 def test_int8_model_on_the_cuda_kernels_tracks_the_dequantized_model(tiny_llama: Path) -> None:

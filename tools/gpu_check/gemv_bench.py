@@ -2,7 +2,8 @@
 cuBLAS (``F.linear``) against the Triton matrix-vector kernel (``gpu/triton_gemv.py``), and the
 same weights as int8 codes: weight-only (``Int8Linear``'s CUDA path: the matrix-vector kernel
 up to 8 rows, ``gpu/triton_w8a16.py`` above) against activations quantized per token and one
-``torch._int_mm`` (W8A8, ``gpu.linear.int8_int_mm``).
+``torch._int_mm`` (W8A8, ``gpu.linear.int8_int_mm``), and as Q4_1 blocks of 32 (``int4``) through
+the Triton block matmul (``gpu/triton_blocks.py``).
 
 A decode step at batch 1 is the weights' read, so what matters is the bandwidth each matmul
 reaches: per (N, K) shape and row count, both timed as a decode step runs them, from a CUDA
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 
 from gpu.linear import DenseLinear, int8_int_mm, int_mm_fits
 from gpu.model import CausalLM
-from gpu.quant import quantize_int8
+from gpu.quant import dequantize_block_rows, quantize_int8, quantize_q4_1
 from tools.gpu_check.common import markdown_table
 
 # bf16 outputs: one rounding of the fp32 sum is 2^-8 relative; the two sum in different orders.
@@ -72,11 +73,14 @@ def _graph_us(fn: Any, x: torch.Tensor, weights: Sequence[Any], replays: int) ->
 def time_shape(
     weights: list[torch.Tensor],
     codes: list[tuple[torch.Tensor, torch.Tensor]],
+    blocks: list[torch.Tensor],
     m: int,
     replays: int = 10,
 ) -> dict[str, float]:
-    """cuBLAS, the Triton kernel (up to its row limit) and the two int8 paths (``codes``: each
-    weight's int8 codes and scales) on ``m`` random rows against weights of one shape."""
+    """cuBLAS, the Triton kernel (up to its row limit), the two int8 paths (``codes``: each
+    weight's int8 codes and scales) and the Q4_1 block matmul (``blocks``: each weight's rows
+    of blocks) on ``m`` random rows against weights of one shape."""
+    from gpu.triton_blocks import block_matmul
     from gpu.triton_gemv import MAX_ROWS, gemv
     from gpu.triton_w8a16 import w8a16_matmul
 
@@ -111,6 +115,13 @@ def time_shape(
         us = _graph_us(fn, x, codes, replays)
         row[f"{name}_us"] = us
         row[f"{name}_gb_s"] = int8_bytes / us / 1e3
+    k = weights[0].shape[1]
+    exact = F.linear(x.float(), dequantize_block_rows("Q4_1", blocks[0], k))
+    err = (block_matmul(x, blocks[0], "Q4_1").float() - exact).abs().max() / exact.abs().max()
+    row["q4_1_err"] = float(err)
+    us = _graph_us(lambda xs, b: block_matmul(xs, b, "Q4_1"), x, blocks, replays)
+    row["q4_1_us"] = us
+    row["q4_1_gb_s"] = blocks[0].numel() / us / 1e3
     return row
 
 
@@ -120,26 +131,30 @@ def gemv_section(model: CausalLM, rows: tuple[int, ...] = (1, 8, 64)) -> dict[st
     cuda = model.device.type == "cuda"
     for (n, k), weights in shapes.items():
         codes = [quantize_int8(w) for w in weights] if cuda else []
+        blocks = [quantize_q4_1(w) for w in weights] if cuda else []
         for m in rows:
             row: dict[str, Any] = {"n": n, "k": k, "rows": m, "layers": len(weights)}
             if not cuda:
                 results.append(row | {"skipped": "needs CUDA"})
                 continue
-            row |= time_shape(weights, codes, m)
+            row |= time_shape(weights, codes, blocks, m)
             results.append(row)
-        del codes
+        del codes, blocks
     columns: tuple[str, ...] = ("cublas_us", "cublas_gb_s", "triton_us", "triton_gb_s", "rel_err")
     columns += ("w8a16_us", "w8a16_gb_s", "w8a16_err", "w8a8_us", "w8a8_gb_s", "w8a8_err")
+    columns += ("q4_1_us", "q4_1_gb_s", "q4_1_err")
     table_rows = [
         [r["n"], r["k"], r["rows"], *(r.get(c, r.get("skipped", "-")) for c in columns)]
         for r in results
     ]
     headers = ["N", "K", "rows", "cuBLAS us", "cuBLAS GB/s", "Triton us", "Triton GB/s", "err"]
     headers += ["int8 W8A16 us", "GB/s", "err", "int8 W8A8 us", "GB/s", "err"]
+    headers += ["Q4_1 us", "GB/s", "err"]
     ok = all(
         r.get("rel_err", 0.0) <= REL_ERR_TOL
         and r.get("w8a16_err", 0.0) <= REL_ERR_TOL
         and r.get("w8a8_err", 0.0) <= W8A8_ERR_TOL
+        and r.get("q4_1_err", 0.0) <= REL_ERR_TOL
         for r in results
     )
     return {"results": results, "ok": ok, "table": markdown_table(headers, table_rows)}

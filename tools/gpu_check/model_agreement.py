@@ -244,7 +244,7 @@ def run_model_section(
     paths and the torch backend against ``folder``'s model on the CPU in fp32; the result
     goes to ``report``."""
     from gpu.attention.flashinfer_backend import FlashInferPagedAttention
-    from gpu.linear import Int8Linear, warm_int8
+    from gpu.linear import Int8Linear, warm_triton_linears
     from gpu.loader import load_model
 
     cfg = gpu_model.config
@@ -269,16 +269,19 @@ def run_model_section(
             runner.capture_graphs(len(prompts))
         runners[name] = runner
     # The same weights as int8 codes on CUDA's two int8 paths, with graphs: weight-only (the
-    # default) and activations per token (W8A8, torch._int_mm); their top-1 agreement is the
-    # format's quality on this model.
+    # default) and activations per token (W8A8, torch._int_mm); and as Q4_1 blocks (int4, the
+    # Triton block matmul). Their top-1 agreement is the format's quality on this model.
     int8_model = load_model(folder, device=gpu_model.device, progress=False, quantization="int8")
-    warm_int8(int8_model.modules(), 64 + len(prompts), int8_model.dtype)
+    warm_triton_linears(int8_model.modules(), 64 + len(prompts), int8_model.dtype)
     w8a8_model = load_model(folder, device=gpu_model.device, progress=False, quantization="int8")
     for module in w8a8_model.modules():
         if isinstance(module, Int8Linear):
             module.use_int_mm()
+    int4_model = load_model(folder, device=gpu_model.device, progress=False, quantization="int4")
+    warm_triton_linears(int4_model.modules(), 64 + len(prompts), int4_model.dtype)
     quantized = {"cuda int8 W8A16, cuda graphs": int8_model}
     quantized["cuda int8 W8A8 (_int_mm), cuda graphs"] = w8a8_model
+    quantized["cuda int4 (Q4_1 blocks), cuda graphs"] = int4_model
     for name, model in quantized.items():
         runners[name] = ModelRunner(model, pages, PAGE_SIZE, cuda_graphs=True)
         runners[name].capture_graphs(len(prompts))

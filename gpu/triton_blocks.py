@@ -1,0 +1,171 @@
+"""GGUF blocks of 32 on CUDA: a matmul that reads Q4_0 / Q4_1 / Q8_0 rows as the file has them.
+
+``BlockLinear`` keeps a weight as the file's rows of blocks (``gpu.quant.BlockWeight``): per
+block of 32 weights an fp16 scale ``d`` (Q4_1: and a minimum ``m``), then 16 bytes of 4-bit
+codes (weight ``j`` in the low nibble of byte ``j``, weight ``j + 16`` in its high nibble) or
+32 int8 codes (Q8_0). On the CPU its own kernels run them; before this kernel CUDA dequantized
+them to bf16 at load, four times a Q4 file's bytes. Here each program loads a tile of
+``BLOCK_B`` blocks for ``BLOCK_N`` output rows, dequantizes it in registers with ggml's
+formulas (``d * (q - 8)``, ``d * q + m``, ``d * q``: the values ``gpu.quant`` dequantizes to,
+rounded to the activations' dtype as the load-time path rounded them) and multiplies it on the
+tensor cores by the matching activation columns (4-bit: the low nibbles' columns and the high
+nibbles' in two ``tl.dot``), accumulating in fp32. The activations are not quantized (W4A16 /
+W8A16). The weight crosses memory once, at the file's size: 0.56 bytes a weight for Q4_0, 0.63
+for Q4_1, 1.06 for Q8_0, against bf16's 2.
+
+One kernel serves every step: a step of a few rows takes the smallest row tile (16), and the
+block shapes are tuned on the device per (N, K, type, power-of-two row bucket)
+(``triton.autotune``; the warm-up runs every bucket, ``gpu.linear.warm_triton_linears``). The
+CPU tests run it under Triton's interpreter with one fixed configuration.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import torch
+
+from gpu.quant import BLOCK_BYTES, QK
+from gpu.triton_launch import on_device
+from gpu.triton_w8a16 import DTYPES, MAX_BUCKET, row_bucket
+
+# The kernel's QTYPE by GGML type name.
+QTYPES = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}
+
+
+@functools.cache
+def _kernel() -> Any:
+    import triton
+    import triton.language as tl
+
+    @triton.jit  # type: ignore[untyped-decorator]
+    def blocks_kernel(  # type: ignore[no-untyped-def]
+        x_ptr, w_ptr, b_ptr, y_ptr, M, N, stride_x, stride_w, stride_y, BUCKET,
+        K: tl.constexpr, NB: tl.constexpr, QTYPE: tl.constexpr, HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
+        GROUP_M: tl.constexpr,
+    ):  # fmt: skip
+        pid = tl.program_id(0)
+        tiles_m = tl.cdiv(M, BLOCK_M)
+        tiles_n = tl.cdiv(N, BLOCK_N)
+        in_group = GROUP_M * tiles_n
+        first_m = (pid // in_group) * GROUP_M
+        group_m = tl.minimum(tiles_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % in_group) % group_m
+        pid_n = (pid % in_group) // group_m
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < M
+        col_ok = cols < N
+        x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_x
+        w_rows = w_ptr + cols[None, :].to(tl.int64) * stride_w  # each output row's blocks
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if QTYPE == 2:  # Q8_0: d, then 32 int8 codes (34 bytes)
+            for b0 in range(0, NB, BLOCK_B):
+                r = tl.arange(0, BLOCK_B * 32)
+                blk = b0 + r // 32
+                ks = blk * 32 + r % 32
+                ok = (blk < NB)[:, None] & col_ok[None, :]
+                at = w_rows + (blk * 34)[:, None]  # [BLOCK_B * 32, BLOCK_N] block starts
+                d = tl.load(at.to(tl.pointer_type(tl.float16)), mask=ok, other=0.0)
+                q = tl.load((at + 2 + (r % 32)[:, None]).to(tl.pointer_type(tl.int8)), mask=ok)
+                w = d.to(tl.float32) * q.to(tl.float32)
+                x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & (ks < K)[None, :])
+                acc = tl.dot(x, w.to(x.dtype), acc)
+        else:  # Q4_0: d, 16 code bytes (18); Q4_1: d, m, 16 code bytes (20)
+            size: tl.constexpr = 20 if QTYPE == 1 else 18
+            head: tl.constexpr = 4 if QTYPE == 1 else 2
+            for b0 in range(0, NB, BLOCK_B):
+                r = tl.arange(0, BLOCK_B * 16)
+                blk = b0 + r // 16
+                j = r % 16
+                ok = (blk < NB)[:, None] & col_ok[None, :]
+                at = w_rows + (blk * size)[:, None]
+                d = tl.load(at.to(tl.pointer_type(tl.float16)), mask=ok, other=0.0)
+                d = d.to(tl.float32)
+                codes = tl.load(at + head + j[:, None], mask=ok, other=0)
+                lo = (codes & 15).to(tl.float32)
+                hi = (codes >> 4).to(tl.float32)
+                if QTYPE == 1:
+                    m = tl.load((at + 2).to(tl.pointer_type(tl.float16)), mask=ok, other=0.0)
+                    w_lo = d * lo + m.to(tl.float32)
+                    w_hi = d * hi + m.to(tl.float32)
+                else:
+                    w_lo = d * (lo - 8.0)
+                    w_hi = d * (hi - 8.0)
+                k_lo = blk * 32 + j
+                x_lo = tl.load(x_rows + k_lo[None, :], mask=row_ok[:, None] & (k_lo < K)[None, :])
+                k_hi = k_lo + 16
+                x_hi = tl.load(x_rows + k_hi[None, :], mask=row_ok[:, None] & (k_hi < K)[None, :])
+                acc = tl.dot(x_lo, w_lo.to(x_lo.dtype), acc)
+                acc = tl.dot(x_hi, w_hi.to(x_hi.dtype), acc)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        out = y_ptr + rows[:, None].to(tl.int64) * stride_y + cols[None, :]
+        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return blocks_kernel, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_B": 2, "GROUP_M": 4}
+    configs = [
+        triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_B": b, "GROUP_M": 8},
+                      num_warps=w, num_stages=s)
+        for m, n, b, w, s in (
+            (16, 32, 2, 4, 3), (16, 64, 2, 4, 3), (16, 64, 4, 4, 3), (32, 64, 2, 4, 3),
+            (64, 64, 2, 4, 3), (64, 128, 2, 4, 3), (128, 128, 2, 8, 3), (128, 64, 4, 8, 3),
+        )
+    ]  # fmt: skip
+    return triton.autotune(
+        configs, key=["N", "K", "QTYPE", "BUCKET"],
+        prune_configs_by={"early_config_prune": _fits},
+    )(blocks_kernel), {}  # fmt: skip
+
+
+def _fits(configs: list[Any], named_args: dict[str, Any], **kwargs: Any) -> list[Any]:
+    """Row tiles no taller than the bucket (a decode step gains nothing from 128-row tiles)."""
+    bucket = int(named_args.get("BUCKET", kwargs.get("BUCKET", MAX_BUCKET)))
+    fits = [c for c in configs if c.kwargs["BLOCK_M"] <= bucket]
+    return fits or configs[:1]
+
+
+def block_matmul(
+    x: torch.Tensor, blocks: torch.Tensor, qtype: str, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``F.linear(x, dequantize_block_rows(qtype, blocks, K), bias)`` for ``x`` ``[M, K]``
+    fp16/bf16 and ``blocks`` the file's rows ``uint8 [N, ceil(K/32) * bytes]``; ``[M, N]`` in
+    ``x``'s dtype."""
+    m, k = x.shape
+    if qtype not in QTYPES:
+        raise ValueError(f"block_matmul runs {', '.join(QTYPES)}, got {qtype}")
+    row_bytes = -(-k // QK) * BLOCK_BYTES[qtype]
+    if x.dtype not in DTYPES or blocks.dtype != torch.uint8 or blocks.dim() != 2:
+        raise ValueError(
+            f"block_matmul takes fp16/bf16 rows and uint8 blocks, got x {x.dtype}, "
+            f"blocks {blocks.dtype}"
+        )
+    if blocks.shape[1] != row_bytes:
+        raise ValueError(
+            f"{qtype} rows of {blocks.shape[1]} bytes do not hold the {k} inputs of x "
+            f"({row_bytes} bytes)"
+        )
+    n = blocks.shape[0]
+    if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()):
+        raise ValueError(f"the bias must be a contiguous [{n}], got {bias.shape}")
+    if x.stride(1) != 1 or blocks.stride(1) != 1 or blocks.stride(0) % 2:
+        raise ValueError("block_matmul needs rows with unit stride (blocks: an even row stride)")
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y
+    kernel, fixed = _kernel()
+
+    def grid(meta: dict[str, int]) -> tuple[int]:
+        return (-(-m // meta["BLOCK_M"]) * -(-n // meta["BLOCK_N"]),)
+
+    with on_device(x):
+        kernel[grid](
+            x, blocks, bias if bias is not None else y, y, m, n, x.stride(0), blocks.stride(0),
+            y.stride(0), row_bucket(m), K=k, NB=-(-k // QK), QTYPE=QTYPES[qtype],
+            HAS_BIAS=bias is not None, **fixed,
+        )  # fmt: skip
+    return y
