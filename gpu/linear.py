@@ -308,7 +308,7 @@ class Int8Linear(Linear):
         elif self.cuda_kernel == "w8a16" and x2.dtype in W8A16_DTYPES:
             x2 = x2.contiguous()
             q = self.int8_weight()
-            if x2.shape[0] <= GEMV_MAX_ROWS:
+            if 0 < x2.shape[0] <= GEMV_MAX_ROWS:
                 y = gemv(x2, q, self.bias, scale=self.scale)
             else:
                 y = w8a16_matmul(x2, q, self.scale, self.bias)
@@ -365,7 +365,7 @@ def warm_triton_linears(modules: Iterable[nn.Module], max_rows: int, dtype: torc
             continue
         key = (kind, module.out_features, module.in_features, module.bias is not None)
         variants.setdefault(key, module)
-    if max_rows < 1:
+    if max_rows < 1 or dtype not in W8A16_DTYPES:  # (other dtypes dequantize: nothing to build)
         return 0
     # The matrix-vector kernel is compiled per power-of-two row block, the GEMMs tuned per
     # bucket (a bucket's last row count stands for it).

@@ -53,6 +53,7 @@ def build_runner(
     cuda_graphs: bool = False,
     fused_rope_append: bool = False,
     triton_gemv: str = "off",
+    max_num_batched_tokens: int = 0,
 ) -> ModelRunner:
     """The runner for ``folder``; ``tensor_parallel_size`` > 1 starts that many ranks (one
     device each: ``cuda:0..N-1`` from ``device``'s index, or the CPU's cores shared: each
@@ -62,7 +63,10 @@ def build_runner(
     ``cuda_graphs``: decode steps from CUDA graphs once captured (one CUDA device only: a
     split replica decodes eagerly). ``fused_rope_append``: ``ModelRunner``'s option.
     ``triton_gemv`` (``TRITON_GEMV_MODES``): steps of a few tokens through
-    ``gpu.triton_gemv`` (``CausalLM.use_triton_gemv``; CUDA on one device only)."""
+    ``gpu.triton_gemv`` (``CausalLM.use_triton_gemv``; CUDA on one device only).
+    ``max_num_batched_tokens``: the engine's longest step, for which the other ranks of a
+    split replica build their Triton matmuls before they say they are ready (rank 0's
+    ``Engine.warm_up`` builds its own)."""
     if triton_gemv not in TRITON_GEMV_MODES:
         raise ValueError(f"triton_gemv is one of {', '.join(TRITON_GEMV_MODES)}, not {triton_gemv}")
     if triton_gemv != "off" and (torch.device(device).type != "cuda" or tensor_parallel_size > 1):
@@ -86,6 +90,7 @@ def build_runner(
         model=str(folder), world=tensor_parallel_size, device=str(device),
         quantization=quantization, kv_cache_dtype=kv_cache, num_pages=num_pages,
         page_size=page_size, threads=threads, timeout_s=timeout_s, shared_memory=shared_memory,
+        warm_rows=max_num_batched_tokens,
     )  # fmt: skip
     group = RankGroup(spec)
     try:

@@ -40,7 +40,8 @@ def _kernel() -> Any:
     import triton
     import triton.language as tl
 
-    @triton.jit  # type: ignore[untyped-decorator]
+    # Not specialised on M, so the warm-up's one call per bucket covers every step length.
+    @triton.jit(do_not_specialize=["M"])  # type: ignore[untyped-decorator]
     def blocks_kernel(  # type: ignore[no-untyped-def]
         x_ptr, w_ptr, b_ptr, y_ptr, M, N, stride_x, stride_w, stride_y, BUCKET,
         K: tl.constexpr, NB: tl.constexpr, QTYPE: tl.constexpr, HAS_BIAS: tl.constexpr,

@@ -9,6 +9,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -300,3 +301,65 @@ def test_closing_waits_for_every_rank_at_once(monkeypatch: pytest.MonkeyPatch) -
     group.close()
     assert all(w.killed for w in workers)
     assert sum(waited) <= 1.0 + 1e-6  # not 7 x 1.0
+
+
+def test_every_rank_builds_its_triton_matmuls_before_it_is_ready(
+    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 0's warm-up builds only its own kernels: a rank that built its Triton matmuls in
+    its first steps would hold the others at the next all-reduce. The executor's step budget
+    reaches every rank's spec, and a rank warms up before it writes its ready byte."""
+    import gpu.parallel.worker as worker
+    import gpu.replica as replica
+    from gpu.parallel.launch import RankSpec
+
+    specs: list[RankSpec] = []
+
+    class Refused(Exception):
+        pass
+
+    def group(spec: RankSpec) -> None:
+        specs.append(spec)
+        raise Refused
+
+    monkeypatch.setattr(replica, "RankGroup", group)
+    with pytest.raises(Refused):
+        build_runner(tiny_llama, tensor_parallel_size=2, max_num_batched_tokens=96, **POOL)
+    assert specs[0].warm_rows == 96
+    assert RankSpec.from_json(specs[0].to_json()).warm_rows == 96
+
+    events: list[Any] = []
+    model = object()
+
+    class FakeModel:
+        dtype = torch.float16
+
+        def modules(self) -> list[object]:
+            return [model]
+
+    from gpu.parallel.group import TensorParallel
+
+    monkeypatch.setattr(TensorParallel, "connect", lambda *a, **k: FakeGroup())
+    monkeypatch.setattr(worker, "load_model", lambda *a, **k: FakeModel())
+    monkeypatch.setattr(worker, "ModelRunner", lambda *a, **k: "runner")
+    monkeypatch.setattr(
+        worker, "warm_triton_linears", lambda mods, rows, dtype: events.append((mods, rows, dtype))
+    )
+    monkeypatch.setattr(worker, "run_steps", lambda *a: events.append("steps"))
+
+    class FakeGroup:
+        def close(self) -> None:
+            events.append("closed")
+
+    read_fd, write_fd = os.pipe()
+    real_write = os.write
+
+    def write(fd: int, data: bytes) -> int:
+        if fd == write_fd:
+            events.append(data)
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", write)
+    worker.serve(replace(specs[0], device="cpu"), 1, write_fd)
+    os.close(read_fd)
+    assert events == [([model], 96, torch.float16), b"R", "steps", "closed"]

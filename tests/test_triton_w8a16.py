@@ -105,12 +105,14 @@ def test_gemv_reads_int8_codes_with_their_scales(
     b = torch.randn(n, generator=gen)
     y = triton_gemv.gemv(x, q, b, scale=scale)
     assert y.dtype == dtype
-    assert rel_err(y, dequantized_linear(x, q, scale, b)) < 1e-2
+    # one rounding of an fp32 sum to the output's dtype (bf16: 2^-8, fp16: 2^-11 relative)
+    tol = 5e-3 if dtype == torch.bfloat16 else 1e-3
+    assert rel_err(y, dequantized_linear(x, q, scale, b)) < tol
     # the fused residual add takes the scales too
     residual = torch.randn((m, n), generator=gen).to(dtype)
     want = dequantized_linear(x, q, scale) + residual.double()
     got = triton_gemv.gemv(x, q, scale=scale, add_to=residual.clone())
-    assert rel_err(got, want) < 1e-2
+    assert rel_err(got, want) < tol
 
 
 def test_gemv_refuses_int8_without_fitting_scales() -> None:
@@ -155,6 +157,8 @@ def test_int8_linear_on_cuda_is_weight_only(rows: int, monkeypatch: pytest.Monke
     y = layer(x.view(rows, 1, 64)).view(rows, 48)
     assert launched == ["gemv" if rows <= triton_gemv.MAX_ROWS else "w8a16_matmul"]
     assert rel_err(y, want) < 1e-2
+    # no rows (a step with no logits rows): an empty result, as every other path gives
+    assert layer(x[:0]).shape == (0, 48)
     layer.cuda_kernel = "w8a8"  # the check's comparison: activations per token, _int_mm
     per_token = layer(x)
     assert 1e-3 < rel_err(per_token, want) < 3e-2

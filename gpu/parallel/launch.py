@@ -50,6 +50,7 @@ class RankSpec:
     timeout_s: float = 30.0
     shared_memory: bool = True  # CPU all-reduces through gpu.parallel.shm (False: Gloo)
     shm_path: str = ""  # that mapping, made by rank 0
+    warm_rows: int = 0  # the longest step: each rank builds its Triton matmuls for it first
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

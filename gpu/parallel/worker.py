@@ -16,6 +16,7 @@ import sys
 import torch
 
 from common.parent_death import end_with_parent
+from gpu.linear import warm_triton_linears
 from gpu.loader import load_model
 from gpu.parallel.group import ParallelGroupLost, TensorParallel
 from gpu.parallel.launch import RankSpec
@@ -59,6 +60,9 @@ def serve(spec: RankSpec, rank: int, ready_fd: int) -> None:
         spec.page_size,
         kv_dtype=kv_cache_dtype(spec.kv_cache_dtype, model.dtype),
     )
+    # Rank 0's warm-up builds its own Triton matmuls; each rank builds its own before it says
+    # it is ready (built inside a step, they would hold every rank at the next all-reduce).
+    warm_triton_linears(model.modules(), spec.warm_rows, model.dtype)
     os.write(ready_fd, b"R")
     os.close(ready_fd)
     try:

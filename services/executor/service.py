@@ -735,6 +735,7 @@ def build_engine(config: ExecutorConfig) -> Engine:
         cuda_graphs=config.cuda_graphs,
         fused_rope_append=config.fused_rope_append,
         triton_gemv=config.triton_gemv,
+        max_num_batched_tokens=config.max_num_batched_tokens,
     )
     engine_config = EngineConfig(
         max_num_batched_tokens=config.max_num_batched_tokens,
