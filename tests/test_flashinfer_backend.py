@@ -280,12 +280,21 @@ def test_model_section_with_stand_in(tiny_llama):
     baseline = ModelRunner(bf16, pages, 16)
     # a quantized runner is reported: its error neither sets the bound nor fails the section
     int8 = ModelRunner(load_model(tiny_llama, quantization="int8"), pages, 16)
-    runners = {"stand-in": runner, "torch": baseline, "int8": int8}
+    # and one whose kernels fail is a row of its own, not the section's end
+    broken = ModelRunner(load_model(tiny_llama, quantization="int8"), pages, 16)
+
+    def fail(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("no kernel image")
+
+    broken.execute = fail  # type: ignore[method-assign,assignment]
+    runners = {"stand-in": runner, "torch": baseline, "int8": int8, "broken": broken}
     result = ma.model_section(
-        ref_runner, runners, "stand-in", prompts, 5, 5e-2, chunk=16, reported=["int8"]
+        ref_runner, runners, "stand-in", prompts, 5, 5e-2, chunk=16, reported=["int8", "broken"]
     )
     assert result["ok"], result["table"]
     assert result["int8"]["ok"] == "reported" and result["int8"]["rel_max"] > 0
+    assert result["broken"] == {"error": "RuntimeError: no kernel image", "ok": "failed"}
+    assert "no kernel image" in result["table"]
     assert result["bound"] == max(5e-2, 1.5 * result["torch"]["rel_max"])
     assert result["stand-in"]["steps"]["mixed"] > 0
     assert result["stand-in"]["steps"]["decode_only"] > 0

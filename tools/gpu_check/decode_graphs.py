@@ -253,7 +253,10 @@ def graphs_section(
     good = {m: p for m, p in profiles.items() if "error" not in p}
     if good:
         table += "\n\nbatch 1, kernels by kind:\n\n" + breakdown_table(good)
-    matmuls = gemv_section(model)
+    try:  # new kernels: their failure must not take the timings above with it
+        matmuls = gemv_section(model)
+    except Exception as exc:
+        matmuls = {"ok": False, "error": repr(exc)[:500], "table": f"failed: {exc!r}"[:500]}
     table += "\n\nper-shape matmuls (weights rotated over the layers):\n\n" + matmuls["table"]
     return {
         "results": results,

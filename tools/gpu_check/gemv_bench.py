@@ -70,13 +70,37 @@ def _graph_us(fn: Any, x: torch.Tensor, weights: Sequence[Any], replays: int) ->
     return float(statistics.median(samples))
 
 
+def _measure(
+    row: dict[str, Any],
+    name: str,
+    fn: Any,
+    x: torch.Tensor,
+    operands: Sequence[Any],
+    nbytes: int,
+    exact: torch.Tensor | None,
+    replays: int,
+) -> None:
+    """One path's error against ``exact`` (``<name>_err``; none for cuBLAS, the reference),
+    time and GB/s over ``nbytes`` into ``row``; a path that fails records why
+    (``<name>_error``) and the others still run."""
+    try:
+        if exact is not None:
+            err = (fn(x, operands[0]).float() - exact).abs().max() / exact.abs().max()
+            row[f"{name}_err"] = float(err)
+        us = _graph_us(fn, x, operands, replays)
+        row[f"{name}_us"] = us
+        row[f"{name}_gb_s"] = nbytes / us / 1e3
+    except Exception as exc:
+        row[f"{name}_error"] = f"{type(exc).__name__}: {exc}"[:300]
+
+
 def time_shape(
     weights: list[torch.Tensor],
     codes: list[tuple[torch.Tensor, torch.Tensor]],
     blocks: list[torch.Tensor],
     m: int,
     replays: int = 10,
-) -> dict[str, float]:
+) -> dict[str, Any]:
     """cuBLAS, the Triton kernel (up to its row limit), the two int8 paths (``codes``: each
     weight's int8 codes and scales) and the Q4_1 block matmul (``blocks``: each weight's rows
     of blocks) on ``m`` random rows against weights of one shape."""
@@ -85,18 +109,14 @@ def time_shape(
     from gpu.triton_w8a16 import w8a16_matmul
 
     x = torch.randn((m, weights[0].shape[1]), device=weights[0].device, dtype=weights[0].dtype)
-    ref = F.linear(x, weights[0]).float()
-    row: dict[str, float] = {}
+    row: dict[str, Any] = {}
     nbytes = weights[0].numel() * weights[0].element_size()
-    timed: list[tuple[str, Any]] = [("cublas", F.linear)]
+    _measure(row, "cublas", F.linear, x, weights, nbytes, None, replays)
     if m <= MAX_ROWS:
-        err = (gemv(x, weights[0]).float() - ref).abs().max() / ref.abs().max()
-        row["rel_err"] = float(err)
-        timed.append(("triton", gemv))
-    for name, fn in timed:
-        us = _graph_us(fn, x, weights, replays)
-        row[f"{name}_us"] = us
-        row[f"{name}_gb_s"] = nbytes / us / 1e3
+        ref = F.linear(x, weights[0]).float()
+        _measure(row, "triton", gemv, x, weights, nbytes, ref, replays)
+        if "triton_err" in row:
+            row["rel_err"] = row.pop("triton_err")
     q0, s0 = codes[0]
     int8_bytes = q0.numel() + s0.numel() * 4
     exact = F.linear(x.float(), q0.float() * s0[:, None])
@@ -106,22 +126,13 @@ def time_shape(
             return gemv(xs, c[0], scale=c[1])
         return w8a16_matmul(xs, c[0], c[1])
 
-    int8_paths: list[tuple[str, Any]] = [("w8a16", weight_only)]
+    _measure(row, "w8a16", weight_only, x, codes, int8_bytes, exact, replays)
     if int_mm_fits(*q0.shape):
-        int8_paths.append(("w8a8", lambda xs, c: int8_int_mm(xs, c[0], c[1])))
-    for name, fn in int8_paths:
-        err = (fn(x, codes[0]).float() - exact).abs().max() / exact.abs().max()
-        row[f"{name}_err"] = float(err)
-        us = _graph_us(fn, x, codes, replays)
-        row[f"{name}_us"] = us
-        row[f"{name}_gb_s"] = int8_bytes / us / 1e3
-    k = weights[0].shape[1]
-    exact = F.linear(x.float(), dequantize_block_rows("Q4_1", blocks[0], k))
-    err = (block_matmul(x, blocks[0], "Q4_1").float() - exact).abs().max() / exact.abs().max()
-    row["q4_1_err"] = float(err)
-    us = _graph_us(lambda xs, b: block_matmul(xs, b, "Q4_1"), x, blocks, replays)
-    row["q4_1_us"] = us
-    row["q4_1_gb_s"] = blocks[0].numel() / us / 1e3
+        w8a8 = lambda xs, c: int8_int_mm(xs, c[0], c[1])  # noqa: E731
+        _measure(row, "w8a8", w8a8, x, codes, int8_bytes, exact, replays)
+    exact = F.linear(x.float(), dequantize_block_rows("Q4_1", blocks[0], weights[0].shape[1]))
+    q4_1 = lambda xs, b: block_matmul(xs, b, "Q4_1")  # noqa: E731
+    _measure(row, "q4_1", q4_1, x, blocks, blocks[0].numel(), exact, replays)
     return row
 
 
@@ -144,17 +155,24 @@ def gemv_section(model: CausalLM, rows: tuple[int, ...] = (1, 8, 64)) -> dict[st
     columns += ("w8a16_us", "w8a16_gb_s", "w8a16_err", "w8a8_us", "w8a8_gb_s", "w8a8_err")
     columns += ("q4_1_us", "q4_1_gb_s", "q4_1_err")
     table_rows = [
-        [r["n"], r["k"], r["rows"], *(r.get(c, r.get("skipped", "-")) for c in columns)]
+        [
+            r["n"],
+            r["k"],
+            r["rows"],
+            *(r.get(c, r.get("skipped", "-")) for c in columns),
+            ", ".join(k.removesuffix("_error") for k in r if k.endswith("_error")) or "-",
+        ]
         for r in results
     ]
     headers = ["N", "K", "rows", "cuBLAS us", "cuBLAS GB/s", "Triton us", "Triton GB/s", "err"]
     headers += ["int8 W8A16 us", "GB/s", "err", "int8 W8A8 us", "GB/s", "err"]
-    headers += ["Q4_1 us", "GB/s", "err"]
+    headers += ["Q4_1 us", "GB/s", "err", "failed (see JSON)"]
     ok = all(
         r.get("rel_err", 0.0) <= REL_ERR_TOL
         and r.get("w8a16_err", 0.0) <= REL_ERR_TOL
         and r.get("w8a8_err", 0.0) <= W8A8_ERR_TOL
         and r.get("q4_1_err", 0.0) <= REL_ERR_TOL
+        and not any(k.endswith("_error") for k in r)
         for r in results
     )
     return {"results": results, "ok": ok, "table": markdown_table(headers, table_rows)}

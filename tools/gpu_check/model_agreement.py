@@ -176,14 +176,24 @@ def model_section(
     results: dict[str, Any] = {"reference_seconds": time.perf_counter() - started}
     rows = []
     for name, runner in runners.items():
-        forced = run_schedule(runner, prompts, new_tokens, chunk, forced=ref.tokens)
-        free = run_schedule(runner, prompts, new_tokens, chunk)
+        try:
+            forced = run_schedule(runner, prompts, new_tokens, chunk, forced=ref.tokens)
+            free = run_schedule(runner, prompts, new_tokens, chunk)
+        except Exception as exc:
+            if name not in reported:
+                raise
+            # a reported runner's failure is its row's result, not the section's end
+            results[name] = {"error": f"{type(exc).__name__}: {exc}"[:500], "ok": "failed"}
+            rows.append([name, *["-"] * 7, results[name]["error"][:80]])
+            continue
         results[name] = compare_traces(ref, forced, free) | {"steps": forced.steps}
     checked = [primary, *also_checked]
     baseline = [results[n]["rel_max"] for n in runners if n not in [*checked, *reported]]
     bound = max([tol] + [1.5 * b for b in baseline])
     for name in runners:
         r = results[name]
+        if "error" in r:
+            continue
         r["ok"] = r["rel_max"] <= bound and r["unexplained_disagreements"] == 0
         if name in reported:
             r["ok"] = "reported"
@@ -271,20 +281,32 @@ def run_model_section(
     # The same weights as int8 codes on CUDA's two int8 paths, with graphs: weight-only (the
     # default) and activations per token (W8A8, torch._int_mm); and as Q4_1 blocks (int4, the
     # Triton block matmul). Their top-1 agreement is the format's quality on this model.
-    int8_model = load_model(folder, device=gpu_model.device, progress=False, quantization="int8")
-    warm_triton_linears(int8_model.modules(), 64 + len(prompts), int8_model.dtype)
-    w8a8_model = load_model(folder, device=gpu_model.device, progress=False, quantization="int8")
-    for module in w8a8_model.modules():
-        if isinstance(module, Int8Linear):
-            module.use_int_mm()
-    int4_model = load_model(folder, device=gpu_model.device, progress=False, quantization="int4")
-    warm_triton_linears(int4_model.modules(), 64 + len(prompts), int4_model.dtype)
-    quantized = {"cuda int8 W8A16, cuda graphs": int8_model}
-    quantized["cuda int8 W8A8 (_int_mm), cuda graphs"] = w8a8_model
-    quantized["cuda int4 (Q4_1 blocks), cuda graphs"] = int4_model
-    for name, model in quantized.items():
-        runners[name] = ModelRunner(model, pages, PAGE_SIZE, cuda_graphs=True)
-        runners[name].capture_graphs(len(prompts))
+    quantized: dict[str, ModelRunner] = {}
+    quantized_error = ""
+    try:  # new kernels: their failure must not take the bf16 rows with it
+        int8_model = load_model(
+            folder, device=gpu_model.device, progress=False, quantization="int8"
+        )
+        w8a8_model = load_model(
+            folder, device=gpu_model.device, progress=False, quantization="int8"
+        )
+        for module in w8a8_model.modules():
+            if isinstance(module, Int8Linear):
+                module.use_int_mm()
+        int4_model = load_model(
+            folder, device=gpu_model.device, progress=False, quantization="int4"
+        )
+        models = {"cuda int8 W8A16, cuda graphs": int8_model}
+        models["cuda int8 W8A8 (_int_mm), cuda graphs"] = w8a8_model
+        models["cuda int4 (Q4_1 blocks), cuda graphs"] = int4_model
+        for name, model in models.items():
+            warm_triton_linears(model.modules(), 64 + len(prompts), model.dtype)
+            runner = ModelRunner(model, pages, PAGE_SIZE, cuda_graphs=True)
+            runner.capture_graphs(len(prompts))
+            quantized[name] = runner
+    except Exception as exc:
+        quantized_error = f"{type(exc).__name__}: {exc}"[:500]
+    runners.update(quantized)
     result = model_section(
         ref_runner,
         runners,
@@ -301,6 +323,8 @@ def run_model_section(
         result[name]["graph_replays"] = replays
         if graphs and not replays:
             result[name]["ok"] = result["ok"] = False
+    if quantized_error:
+        result["quantized_error"] = quantized_error
     result["prompt_kind"] = prompt_kind
     result["prompt_lengths"] = [len(p) for p in prompts]
     report.section("model", result)
