@@ -527,8 +527,9 @@ def make_linear(
 
     ``dtype`` is the activations' (and, for ``none``, the weight's) dtype; quantized formats
     take ``weight`` in any float dtype and quantize it from fp32. A ``BlockWeight`` (GGUF
-    blocks, ``gguf`` / ``auto``) runs as it is on the CPU kernels, else dequantized; any
-    other format dequantizes it first.
+    blocks, ``gguf`` / ``auto``) runs as it is on the CPU kernels or CUDA's block matmul
+    (``blocks_run_on``; else the same math in torch); any other format dequantizes it first,
+    except ``int4``, which quantizes into blocks again.
     """
     check_quantization(quantization)
     if isinstance(weight, BlockWeight):

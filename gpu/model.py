@@ -50,6 +50,18 @@ def stacked(parts: list[Weight]) -> Weight:
     return torch.cat([p.dequantize() if isinstance(p, BlockWeight) else p for p in parts])
 
 
+def stays_blocks(
+    name: str, weight: Weight, device: torch.device, dtype: torch.dtype, config: ModelConfig
+) -> bool:
+    """Whether a weight read as GGUF blocks is kept so on ``device``: where the CPU kernels or
+    CUDA's Triton block matmul run them (``blocks_run_on``), except an untied embedding off
+    the CPU (read by rows, never multiplied: it is dequantized to the model's dtype there).
+    Everything else is dequantized at load."""
+    if not isinstance(weight, BlockWeight) or not blocks_run_on(device, dtype):
+        return False
+    return device.type == "cpu" or name != EMBEDDING or config.tie_word_embeddings
+
+
 def dense(weight: Weight) -> torch.Tensor:
     return weight.dequantize() if isinstance(weight, BlockWeight) else weight
 
@@ -218,14 +230,9 @@ class CausalLM(nn.Module):
         device = torch.device(device)
         if device.type != "cpu":
             kernels = None
-        # GGUF blocks run on the CPU kernels or CUDA's Triton block matmul; elsewhere they are
-        # dequantized here, as is an untied embedding in blocks (read by rows, not multiplied)
-        # on CUDA.
-        keep_blocks = blocks_run_on(device, dtype)
-        cuda_embedding = "" if device.type == "cpu" or config.tie_word_embeddings else EMBEDDING
         w: dict[str, Weight] = {
-            name: t.to(device) if isinstance(t, BlockWeight) and keep_blocks
-            and name != cuda_embedding else dense(t).to(device=device, dtype=dtype)
+            name: t.to(device) if stays_blocks(name, t, device, dtype, config)
+            else dense(t).to(device=device, dtype=dtype)
             for name, t in weights.items()
         }  # fmt: skip
         self.config = config

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from gpu.config import ModelConfig
+from gpu.engine import EngineConfig
 from gpu.formats import TRITON_GEMV_MODES
 from gpu.loader import load_model
 from gpu.model import CausalLM
@@ -53,7 +54,7 @@ def build_runner(
     cuda_graphs: bool = False,
     fused_rope_append: bool = False,
     triton_gemv: str = "off",
-    max_num_batched_tokens: int = 0,
+    max_num_batched_tokens: int = EngineConfig.max_num_batched_tokens,
 ) -> ModelRunner:
     """The runner for ``folder``; ``tensor_parallel_size`` > 1 starts that many ranks (one
     device each: ``cuda:0..N-1`` from ``device``'s index, or the CPU's cores shared: each

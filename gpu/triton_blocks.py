@@ -63,43 +63,60 @@ def _kernel() -> Any:
         x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_x
         w_rows = w_ptr + cols[None, :].to(tl.int64) * stride_w  # each output row's blocks
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        # A tile is BLOCK_B blocks of every output row: the scales load once a block
+        # ([BLOCK_B, BLOCK_N]) and are broadcast over the block's code rows; the codes load as
+        # [BLOCK_B, bytes, BLOCK_N] (each block's bytes contiguous) and are flattened to the
+        # tile's K rows. Masked activations read 0: padding weights (K not a multiple of 32,
+        # or past the last block) then add nothing, whatever their codes.
+        blks = tl.arange(0, BLOCK_B)
         if QTYPE == 2:  # Q8_0: d, then 32 int8 codes (34 bytes)
+            r = tl.arange(0, BLOCK_B * 32)
             for b0 in range(0, NB, BLOCK_B):
-                r = tl.arange(0, BLOCK_B * 32)
-                blk = b0 + r // 32
-                ks = blk * 32 + r % 32
-                ok = (blk < NB)[:, None] & col_ok[None, :]
-                at = w_rows + (blk * 34)[:, None]  # [BLOCK_B * 32, BLOCK_N] block starts
+                ok = ((b0 + blks) < NB)[:, None] & col_ok[None, :]
+                at = w_rows + ((b0 + blks) * 34)[:, None]  # [BLOCK_B, BLOCK_N] block starts
                 d = tl.load(at.to(tl.pointer_type(tl.float16)), mask=ok, other=0.0)
-                q = tl.load((at + 2 + (r % 32)[:, None]).to(tl.pointer_type(tl.int8)), mask=ok)
-                w = d.to(tl.float32) * q.to(tl.float32)
-                x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & (ks < K)[None, :])
+                byte = at[:, None, :] + 2 + tl.arange(0, 32)[None, :, None]
+                q = tl.load(byte.to(tl.pointer_type(tl.int8)), mask=ok[:, None, :], other=0)
+                w = d.to(tl.float32)[:, None, :] * q.to(tl.float32)
+                w = tl.reshape(w, (BLOCK_B * 32, BLOCK_N))
+                ks = b0 * 32 + r
+                x = tl.load(
+                    x_rows + ks[None, :], mask=row_ok[:, None] & (ks < K)[None, :], other=0.0
+                )
                 acc = tl.dot(x, w.to(x.dtype), acc)
         else:  # Q4_0: d, 16 code bytes (18); Q4_1: d, m, 16 code bytes (20)
             size: tl.constexpr = 20 if QTYPE == 1 else 18
             head: tl.constexpr = 4 if QTYPE == 1 else 2
+            r = tl.arange(0, BLOCK_B * 16)
+            k_lo = (r // 16) * 32 + r % 16  # byte j of a block: weights j (low) and j + 16
             for b0 in range(0, NB, BLOCK_B):
-                r = tl.arange(0, BLOCK_B * 16)
-                blk = b0 + r // 16
-                j = r % 16
-                ok = (blk < NB)[:, None] & col_ok[None, :]
-                at = w_rows + (blk * size)[:, None]
+                ok = ((b0 + blks) < NB)[:, None] & col_ok[None, :]
+                at = w_rows + ((b0 + blks) * size)[:, None]
                 d = tl.load(at.to(tl.pointer_type(tl.float16)), mask=ok, other=0.0)
-                d = d.to(tl.float32)
-                codes = tl.load(at + head + j[:, None], mask=ok, other=0)
+                d = d.to(tl.float32)[:, None, :]
+                byte = at[:, None, :] + head + tl.arange(0, 16)[None, :, None]
+                codes = tl.load(byte, mask=ok[:, None, :], other=0)
                 lo = (codes & 15).to(tl.float32)
                 hi = (codes >> 4).to(tl.float32)
                 if QTYPE == 1:
                     m = tl.load((at + 2).to(tl.pointer_type(tl.float16)), mask=ok, other=0.0)
-                    w_lo = d * lo + m.to(tl.float32)
-                    w_hi = d * hi + m.to(tl.float32)
+                    m = m.to(tl.float32)[:, None, :]
+                    w_lo = d * lo + m
+                    w_hi = d * hi + m
                 else:
                     w_lo = d * (lo - 8.0)
                     w_hi = d * (hi - 8.0)
-                k_lo = blk * 32 + j
-                x_lo = tl.load(x_rows + k_lo[None, :], mask=row_ok[:, None] & (k_lo < K)[None, :])
-                k_hi = k_lo + 16
-                x_hi = tl.load(x_rows + k_hi[None, :], mask=row_ok[:, None] & (k_hi < K)[None, :])
+                w_lo = tl.reshape(w_lo, (BLOCK_B * 16, BLOCK_N))
+                w_hi = tl.reshape(w_hi, (BLOCK_B * 16, BLOCK_N))
+                ks = b0 * 32 + k_lo
+                x_lo = tl.load(
+                    x_rows + ks[None, :], mask=row_ok[:, None] & (ks < K)[None, :], other=0.0
+                )
+                x_hi = tl.load(
+                    x_rows + ks[None, :] + 16,
+                    mask=row_ok[:, None] & (ks + 16 < K)[None, :],
+                    other=0.0,
+                )
                 acc = tl.dot(x_lo, w_lo.to(x_lo.dtype), acc)
                 acc = tl.dot(x_hi, w_hi.to(x_hi.dtype), acc)
         if HAS_BIAS:
@@ -153,8 +170,9 @@ def block_matmul(
     n = blocks.shape[0]
     if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()):
         raise ValueError(f"the bias must be a contiguous [{n}], got {bias.shape}")
-    if x.stride(1) != 1 or blocks.stride(1) != 1 or blocks.stride(0) % 2:
-        raise ValueError("block_matmul needs rows with unit stride (blocks: an even row stride)")
+    if x.stride(1) != 1 or blocks.stride(1) != 1 or blocks.stride(0) % 2 or blocks.data_ptr() % 2:
+        # (the fp16 scales are read in place: every block must start on an even address)
+        raise ValueError("block_matmul needs rows with unit stride (blocks: even rows and start)")
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y

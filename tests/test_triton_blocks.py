@@ -170,3 +170,36 @@ def test_a_gguf_model_on_the_block_matmul_tracks_the_dequantized_file(
         want = greedy_positions(ModelRunner(ref_model, 16, 16), prompt).double()
         assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
         assert rel_err(got, want) < 2e-2
+
+
+def test_what_stays_blocks_on_which_device() -> None:
+    """Blocks stay blocks where a kernel runs them; an untied embedding in blocks is read by
+    rows only, so off the CPU it is dequantized to the model's dtype like any vector table."""
+    from gpu.config import ModelConfig
+    from gpu.model import EMBEDDING, stays_blocks
+
+    def config(tied: bool) -> ModelConfig:
+        return ModelConfig(
+            model_type="llama", vocab_size=4, hidden_size=64, intermediate_size=128,
+            num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+            max_position_embeddings=64, tie_word_embeddings=tied,
+        )  # fmt: skip
+
+    blocks = BlockWeight("Q8_0", random_blocks("Q8_0", 4, 64, 0), 64)
+    tied, untied = config(True), config(False)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    bf16, fp32 = torch.bfloat16, torch.float32
+    layer = "model.layers.0.mlp.down_proj.weight"
+    assert stays_blocks(layer, blocks, cuda, bf16, untied)
+    assert stays_blocks(EMBEDDING, blocks, cuda, bf16, tied)  # the LM head's weight too
+    assert not stays_blocks(EMBEDDING, blocks, cuda, bf16, untied)
+    assert stays_blocks(EMBEDDING, blocks, cpu, fp32, untied)  # the CPU reads rows of blocks
+    assert not stays_blocks(layer, blocks, cuda, fp32, untied)  # no kernel: dequantized
+    assert not stays_blocks(layer, blocks, cpu, bf16, untied)
+    assert not stays_blocks(layer, torch.zeros(4, 64), cuda, bf16, untied)
+
+
+def test_block_matmul_of_no_rows() -> None:
+    rows = random_blocks("Q4_1", 24, 64, 0)
+    y = triton_blocks.block_matmul(torch.zeros((0, 64), dtype=torch.float16), rows, "Q4_1")
+    assert y.shape == (0, 24) and y.dtype == torch.float16

@@ -212,3 +212,53 @@ def test_int8_model_on_the_cuda_kernels_tracks_the_dequantized_model(tiny_llama:
         ref, got = run(None, prompt), run("w8a16", prompt)
         assert (ref.argmax(-1) == got.argmax(-1)).float().mean() >= 0.9
         assert rel_err(got, ref.double()) < 2e-2
+
+
+def test_tuning_prunes_row_tiles_taller_than_the_bucket() -> None:
+    """The autotuners' prune functions (the interpreter runs one fixed configuration, so
+    they run on the device only): a bucket keeps the configurations whose row tiles are no
+    taller than it, and one always remains."""
+    triton = pytest.importorskip("triton")
+    from gpu import triton_blocks
+
+    configs = [
+        triton.Config({"BLOCK_M": m, "BLOCK_N": 64, "BLOCK_K": 64, "BLOCK_B": 2}, num_warps=4)
+        for m in (16, 32, 64, 128)
+    ]
+    for prune in (triton_w8a16._fits, triton_blocks._fits):
+        for bucket, tallest in ((16, 16), (32, 32), (64, 64), (4096, 128)):
+            kept = prune(configs, {"BUCKET": bucket, "N": 64, "K": 64})
+            assert max(c.kwargs["BLOCK_M"] for c in kept) == tallest
+            assert len(kept) == [16, 32, 64, 128].index(tallest) + 1
+        assert prune(configs[1:], {"BUCKET": 16}) == configs[1:2]  # none fits: the first
+
+
+def test_the_engine_warm_up_builds_the_quantized_matmuls(
+    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Engine.warm_up builds every Triton matmul a step of up to the step budget can launch,
+    before its first step (and so before any CUDA graph's capture)."""
+    import gpu.warmup
+    from gpu.engine import Engine, EngineConfig
+    from gpu.loader import load_model
+    from gpu.runner import ModelRunner
+
+    model = load_model(tiny_llama, progress=False, quantization="int8")
+    runner = ModelRunner(model, num_pages=16, page_size=4)
+    calls: list[tuple[int, int, torch.dtype]] = []
+    steps_before: list[int] = []
+    real_execute = runner.execute
+
+    def execute(*args: object, **kwargs: object) -> torch.Tensor:
+        steps_before.append(len(calls))
+        return real_execute(*args, **kwargs)  # type: ignore[arg-type]
+
+    def warm(modules: object, rows: int, dtype: torch.dtype) -> int:
+        calls.append((len(list(modules)), rows, dtype))  # type: ignore[call-overload]
+        return 0
+
+    monkeypatch.setattr(gpu.warmup, "warm_triton_linears", warm)
+    monkeypatch.setattr(runner, "execute", execute)
+    Engine(runner, EngineConfig(max_num_batched_tokens=48)).warm_up()
+    assert calls == [(len(list(model.modules())), 48, model.dtype)]
+    assert steps_before and all(n == 1 for n in steps_before)  # after it, not before

@@ -283,29 +283,25 @@ def run_model_section(
     # Triton block matmul). Their top-1 agreement is the format's quality on this model.
     quantized: dict[str, ModelRunner] = {}
     quantized_error = ""
-    try:  # new kernels: their failure must not take the bf16 rows with it
-        int8_model = load_model(
-            folder, device=gpu_model.device, progress=False, quantization="int8"
-        )
-        w8a8_model = load_model(
-            folder, device=gpu_model.device, progress=False, quantization="int8"
-        )
-        for module in w8a8_model.modules():
-            if isinstance(module, Int8Linear):
-                module.use_int_mm()
-        int4_model = load_model(
-            folder, device=gpu_model.device, progress=False, quantization="int4"
-        )
-        models = {"cuda int8 W8A16, cuda graphs": int8_model}
-        models["cuda int8 W8A8 (_int_mm), cuda graphs"] = w8a8_model
-        models["cuda int4 (Q4_1 blocks), cuda graphs"] = int4_model
-        for name, model in models.items():
+    formats = {
+        "cuda int8 W8A16, cuda graphs": ("int8", False),
+        "cuda int8 W8A8 (_int_mm), cuda graphs": ("int8", True),
+        "cuda int4 (Q4_1 blocks), cuda graphs": ("int4", False),
+    }
+    for name, (quantization, int_mm) in formats.items():
+        try:  # a new kernel's (Python-level) failure must not take the bf16 rows with it
+            model = load_model(
+                folder, device=gpu_model.device, progress=False, quantization=quantization
+            )
+            for module in model.modules():
+                if int_mm and isinstance(module, Int8Linear):
+                    module.use_int_mm()
             warm_triton_linears(model.modules(), 64 + len(prompts), model.dtype)
             runner = ModelRunner(model, pages, PAGE_SIZE, cuda_graphs=True)
             runner.capture_graphs(len(prompts))
             quantized[name] = runner
-    except Exception as exc:
-        quantized_error = f"{type(exc).__name__}: {exc}"[:500]
+        except Exception as exc:
+            quantized_error += f"{name}: {type(exc).__name__}: {exc}"[:500] + "\n"
     runners.update(quantized)
     result = model_section(
         ref_runner,
