@@ -137,3 +137,34 @@ def test_the_check_s_row_limit_is_the_kernel_s():
     from gpu.triton_gemv import MAX_ROWS
 
     assert dg.TRITON_ROWS == MAX_ROWS
+
+
+def test_formats_section_runs_each_format_and_keeps_a_part_s_failure_its_own(
+    tiny_llama, tmp_path, monkeypatch
+):
+    """The ``formats`` section on the CPU: the model part runs every format against the CPU
+    reference with the bf16 baseline row (here all on the CPU paths); the matmul part needs
+    CUDA, fails, and is reported as that part's error while the model part stands."""
+    import argparse
+    import json
+
+    from tools.gpu_check import model_agreement as ma
+    from tools.gpu_check.common import Report
+    from tools.gpu_check.quant_formats import MODEL_FORMATS, run_formats_section
+
+    # the check's text prompts run past the tiny model's context: short random ones
+    monkeypatch.setattr(
+        ma, "model_prompts", lambda folder, vocab, seed: (ma.random_prompts(vocab, (3, 20)), "")
+    )
+
+    args = argparse.Namespace(seed=0, new_tokens=4, logits_tol=5e-2)
+    report = Report(tmp_path / "check.json")
+    run_formats_section(args, tiny_llama, torch.device("cpu"), report)
+    section = json.loads((tmp_path / "check.json").read_text())["sections"]["formats"]
+    model = section["model"]
+    assert model["build_errors"] == {}
+    for name, _, _ in MODEL_FORMATS:
+        assert model[name]["ok"] == "reported" and model[name]["positions"] > 0
+    assert model["cuda bf16 flashinfer"]["positions"] > 0 and model["ok"]
+    assert "error" in section["matmuls"] and not section["ok"]
+    assert "whole model:" in section["table"] and "matmuls: " in section["table"]

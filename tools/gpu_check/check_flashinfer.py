@@ -1,6 +1,6 @@
 """Check the FlashInfer attention backend on a CUDA host, and time decode steps.
 
-Seven sections, each independent (one failing does not stop the others):
+Eight sections, each independent (one failing does not stop the others):
 
 - kernels: FlashInferPagedAttention (bf16) against TorchPagedAttention (fp32, same device) on
   random paged batches that mix prompt chunks and decodes, pure-decode batches (tensor-core and
@@ -27,6 +27,9 @@ Seven sections, each independent (one failing does not stop the others):
 - quant: activation rows quantized to fp8 / int8 by one Triton kernel against the torch kernels
   it replaces: the same bytes, and the time of each (``row_quant.py``).
 - sampling: a mixed batch sampled with no host wait inside the sampler (``sampler_waits.py``).
+- formats, last (its Triton kernels tune for minutes the first time): the section model in
+  int8 (weight-only and W8A8) and int4 against the CPU reference, and the Llama-3-8B shapes'
+  matmuls in bf16, int8 (both paths) and Q4_1 blocks (``quant_formats.py``).
 
 The default model is SmolLM2-135M (``gpu.gguf.resolve_model_path(None)``); where it is not
 installed (an offline GPU host) a random model of SmolLM2's exact shape stands in, which checks
@@ -66,6 +69,8 @@ from tools.gpu_check.kernel_cases import (
 )
 from tools.gpu_check.model_agreement import LOGITS_TOL, run_model_section
 from tools.gpu_check.prebuild import export_aot, prebuild_kernels
+
+SECTIONS = ("kernels", "model", "timing", "overlap", "quant", "sampling", "graphs", "formats")
 
 
 def environment() -> dict[str, Any]:
@@ -107,7 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model", default="default", help='"default" (SmolLM2), "synthetic", a folder or .gguf'
     )
-    p.add_argument("--sections", default="kernels,model,timing,overlap,quant,sampling,graphs")
+    p.add_argument(
+        "--sections", default="kernels,model,timing,overlap,quant,sampling,graphs,formats"
+    )
     p.add_argument("--head-configs", default="9/3,32/8", help="q/kv head pairs")
     p.add_argument("--head-dims", default="64")
     p.add_argument("--kernel-tol", type=float, default=KERNEL_TOL)
@@ -172,7 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         builder.start()
 
     folder: Path | None = None
-    if sections & {"model", "timing"}:
+    if sections & {"model", "timing", "formats"}:
         try:  # converting a GGUF overlaps with the kernel build
             folder, description = resolve_model(args.model, workdir)
         except Exception as exc:  # recorded (the run fails), then go on with the stand-in
@@ -252,13 +259,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         except Exception as exc:
             report.error("graphs", exc)
 
+    if "formats" in sections:  # last: its kernels tune for minutes the first time
+        torch.cuda.empty_cache()
+        try:
+            from tools.gpu_check.quant_formats import run_formats_section
+
+            run_formats_section(args, folder, device, report)
+        except Exception as exc:
+            report.error("formats", exc)
+
     shutil.rmtree(workdir, ignore_errors=True)
-    wanted = {"kernels", "model", "timing", "overlap", "quant", "sampling", "graphs"} & sections
+    wanted = set(SECTIONS) & sections
     results = report.data["sections"]
     ok = not report.data["errors"] and all(results.get(s, {}).get("ok") for s in wanted)
     report.set("ok", ok)
     print("\n## Summary\n", flush=True)
-    for name in ("kernels", "model", "timing", "overlap", "quant", "sampling", "graphs"):
+    for name in SECTIONS:
         if name in results:
             body = results[name].get("table") or f"error: {results[name].get('error')}"
             print(f"### {name}\n\n{body}\n", flush=True)

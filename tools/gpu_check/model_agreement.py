@@ -254,7 +254,6 @@ def run_model_section(
     paths and the torch backend against ``folder``'s model on the CPU in fp32; the result
     goes to ``report``."""
     from gpu.attention.flashinfer_backend import FlashInferPagedAttention
-    from gpu.linear import Int8Linear, warm_triton_linears
     from gpu.loader import load_model
 
     cfg = gpu_model.config
@@ -278,31 +277,6 @@ def run_model_section(
         if graphs:
             runner.capture_graphs(len(prompts))
         runners[name] = runner
-    # The same weights as int8 codes on CUDA's two int8 paths, with graphs: weight-only (the
-    # default) and activations per token (W8A8, torch._int_mm); and as Q4_1 blocks (int4, the
-    # Triton block matmul). Their top-1 agreement is the format's quality on this model.
-    quantized: dict[str, ModelRunner] = {}
-    quantized_error = ""
-    formats = {
-        "cuda int8 W8A16, cuda graphs": ("int8", False),
-        "cuda int8 W8A8 (_int_mm), cuda graphs": ("int8", True),
-        "cuda int4 (Q4_1 blocks), cuda graphs": ("int4", False),
-    }
-    for name, (quantization, int_mm) in formats.items():
-        try:  # a new kernel's (Python-level) failure must not take the bf16 rows with it
-            model = load_model(
-                folder, device=gpu_model.device, progress=False, quantization=quantization
-            )
-            for module in model.modules():
-                if int_mm and isinstance(module, Int8Linear):
-                    module.use_int_mm()
-            warm_triton_linears(model.modules(), 64 + len(prompts), model.dtype)
-            runner = ModelRunner(model, pages, PAGE_SIZE, cuda_graphs=True)
-            runner.capture_graphs(len(prompts))
-            quantized[name] = runner
-        except Exception as exc:
-            quantized_error += f"{name}: {type(exc).__name__}: {exc}"[:500] + "\n"
-    runners.update(quantized)
     result = model_section(
         ref_runner,
         runners,
@@ -311,7 +285,6 @@ def run_model_section(
         args.new_tokens,
         args.logits_tol,
         also_checked=[name for name, _, _ in FAST_PATH_RUNNERS],
-        reported=list(quantized),
     )
     for name, graphs, _ in FAST_PATH_RUNNERS:  # a graph runner that never replayed
         captured = runners[name].graphs
@@ -319,8 +292,6 @@ def run_model_section(
         result[name]["graph_replays"] = replays
         if graphs and not replays:
             result[name]["ok"] = result["ok"] = False
-    if quantized_error:
-        result["quantized_error"] = quantized_error
     result["prompt_kind"] = prompt_kind
     result["prompt_lengths"] = [len(p) for p in prompts]
     report.section("model", result)
