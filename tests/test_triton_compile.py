@@ -35,10 +35,15 @@ def test_every_kernel_builds_for_sm90(tmp_path: Path) -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
-    built = [line.split()[1] for line in lines if line.startswith("ok ")]
-    # gemv: bf16, int8 codes, with the norm, with SiLU and the residual add; the W8A16 GEMM
-    # with and without a bias; the block matmul per block type; fp8 and int8 row quantization
-    assert built == ["gemv"] * 4 + ["w8a16"] * 2 + ["blocks"] * 3 + ["quantize_rows"] * 2 + [
-        "rope_append"
-    ], done.stdout
-    assert not any(line.startswith("FAIL") for line in lines)
+    assert not any(line.startswith("FAIL") for line in lines), done.stdout
+    built: dict[str, int] = {}
+    for line in lines:
+        if line.startswith("ok "):
+            built[line.split()[1]] = built.get(line.split()[1], 0) + 1
+    # every launch the wrappers make, each in every configuration its autotuner would try:
+    # gemv (bf16, int8 with and without a bias, norm + bias, SiLU + add, fp16), the W8A16
+    # GEMM (bias or not, fp16), the block matmul (3 types, a bias, fp16), fp8 and int8 row
+    # quantization, the fused rotary + KV append
+    assert set(built) == {"gemv", "w8a16", "blocks", "quantize_rows", "rope_append"}
+    assert built["quantize_rows"] == 2 and built["rope_append"] == 1
+    assert built["w8a16"] >= 3 and built["blocks"] >= 5 and built["gemv"] >= 6

@@ -63,9 +63,12 @@ class Round:
     collectives: float
 
 
+STEP_BUDGET = 2048
+
+
 def decode_round(runner: ModelRunner, threads: int, batch: int, steps: int) -> Round:
     torch.set_num_threads(threads)
-    engine = Engine(runner, EngineConfig(max_num_batched_tokens=2048, max_num_seqs=batch))
+    engine = Engine(runner, EngineConfig(max_num_batched_tokens=STEP_BUDGET, max_num_seqs=batch))
     params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
     for i in range(batch):
         engine.add_request(str(i), [3 + (i * 7 + j) % 1000 for j in range(32)], params)
@@ -104,6 +107,7 @@ def main(argv: list[str] | None = None) -> None:
         folder = args.model or write_model(Path(tmp) / "llama-135m-12h")
         pages: dict[str, Any] = dict(num_pages=max(batches) * 8, page_size=16)
         pages["device"] = args.device
+        pages["max_num_batched_tokens"] = STEP_BUDGET  # the other ranks' warm-up covers it
         one = build_runner(folder, quantization=args.quantization, progress=False, **pages)
         torch.set_num_threads(args.threads)  # build_runner gives each rank its share
         two = build_runner(

@@ -10,11 +10,15 @@ Triton's bundled ``ptxas``, for the launches the runtime makes: each wrapper
 ``gpu.triton_blocks.block_matmul`` per block type, ``gpu.triton_quant.quantize_rows``,
 ``gpu.attention.rope_append.rope_append_``) is called on small CPU tensors with its kernel
 replaced by a recorder, and each recorded launch is compiled with ``triton.compile`` against
-``GPUTarget("cuda", arch, 32)``: the first autotuning configuration, or every one with
-``--all-configs`` (on the device the autotuner skips a configuration that fails to build, so
-only a failure of all of them stops a kernel). Prints one line per build; exit status 1 if
-any failed. Must run without ``TRITON_INTERPRET`` (``tests/test_triton_compile.py`` runs it in
-a subprocess).
+``GPUTarget("cuda", arch, 32)``, specialised as Triton's launcher would (an int equal to 1 a
+constant, ints and pointers divisible by 16 marked so, unless the kernel says not to), in
+every autotuning configuration its prune function keeps for the launch
+(``--first-config``: the first only; on the device the
+autotuner skips a configuration only for running out of resources or ``ptxas`` errors,
+any other failure stops the launch). A build whose shared memory exceeds the architecture's
+per-block limit fails here too (on the device that shows only when the kernel loads).
+Prints one line per build; exit status 1 if any failed. Must run without
+``TRITON_INTERPRET`` (``tests/test_triton_compile.py`` runs it in a subprocess).
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ import torch
 
 from gpu.quant import quantize_int8, quantize_q4_1, quantize_q8_0
 
+# Shared memory a block may use (bytes), by compute capability x10 (CUDA's programming guide).
+SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448, 120: 101376}
 TYPES = {
     torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int8: "i8",
     torch.uint8: "u8", torch.int32: "i32", torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv",
@@ -102,20 +108,28 @@ def record_launches() -> list[Launch]:
     w = torch.randn((n, k), generator=gen)
     x1, x64 = torch.randn((1, k)).to(bf16), torch.randn((64, k)).to(bf16)
     codes, scales = quantize_int8(w)
+    bias = torch.zeros(n, dtype=bf16)
     with recording(triton_gemv, "gemv", launches):
         triton_gemv.gemv(x1, w.to(bf16))
         triton_gemv.gemv(x1, codes, scale=scales)
-        triton_gemv.gemv(torch.randn((8, k)).to(bf16), w.to(bf16), norm=torch.ones(k, dtype=bf16))
+        triton_gemv.gemv(x1, codes, torch.zeros(n), scale=scales)  # Int8Linear's fp32 bias
+        x8 = torch.randn((8, k)).to(bf16)
+        # a Qwen2 layer's qkv: the norm and the bias
+        triton_gemv.gemv(x8, w.to(bf16), bias, norm=torch.ones(k, dtype=bf16))
         gate_up = torch.randn((8, 2 * k)).to(bf16)
         triton_gemv.gemv(gate_up, w.to(bf16), silu=True, add_to=torch.zeros((8, n), dtype=bf16))
+        triton_gemv.gemv(x8.half(), w.half())  # an fp16 model
     with recording(triton_w8a16, "w8a16", launches):
         triton_w8a16.w8a16_matmul(x64, codes, scales)
-        triton_w8a16.w8a16_matmul(x64, codes, scales, torch.zeros(n))
+        triton_w8a16.w8a16_matmul(x64, codes, scales, torch.zeros(n))  # the fp32 bias
+        triton_w8a16.w8a16_matmul(x64.half(), codes, scales)
     with recording(triton_blocks, "blocks", launches):
         for qtype, rows in (
             ("Q4_0", _q4_0(w)), ("Q4_1", quantize_q4_1(w)), ("Q8_0", quantize_q8_0(w)),
         ):  # fmt: skip
             triton_blocks.block_matmul(x64, rows, qtype)
+        triton_blocks.block_matmul(x64, quantize_q4_1(w), "Q4_1", torch.zeros(n))  # fp32 bias
+        triton_blocks.block_matmul(x64.half(), quantize_q4_1(w), "Q4_1")
     with recording(triton_quant, "quantize_rows", launches):
         for fp8 in (True, False):
             triton_quant.quantize_rows(x64, fp8)
@@ -175,12 +189,16 @@ def compile_launch(launch: Launch, arch: int, config: Any | None) -> Any:
             constants[param.name] = value
         elif isinstance(value, torch.Tensor):
             signature[param.name] = "*" + TYPES[value.dtype]
-            attrs[(i,)] = [["tt.divisibility", 16]]  # device allocations are 256-byte aligned
+            if value.data_ptr() % 16 == 0:  # (a view may start anywhere, as on the device)
+                attrs[(i,)] = [["tt.divisibility", 16]]
         elif isinstance(value, bool):
             signature[param.name] = "i1"
+        elif isinstance(value, int) and value == 1 and param.name not in no_special:
+            signature[param.name] = "constexpr"  # Triton's launcher makes a 1 a constant
+            constants[param.name] = 1
         elif isinstance(value, int):
             signature[param.name] = "i64" if abs(value) >= 2**31 else "i32"
-            if value % 16 == 0 and value and param.name not in no_special:
+            if value % 16 == 0 and param.name not in no_special:
                 attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             signature[param.name] = "fp32"
@@ -188,18 +206,30 @@ def compile_launch(launch: Launch, arch: int, config: Any | None) -> Any:
     return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
 
 
+def kept_configs(launch: Launch) -> list[Any]:
+    """The autotuning configurations the device would try for this launch (after the
+    kernel's prune function), or ``[None]`` for a kernel that is not autotuned."""
+    configs = getattr(launch.kernel, "configs", None)
+    if configs is None:
+        return [None]
+    prune = getattr(launch.kernel, "early_config_prune", None)
+    return list(prune(configs, launch.args, **launch.args)) if prune else list(configs)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--arch", type=int, default=90, help="compute capability x10 (90: H100)")
-    parser.add_argument("--all-configs", action="store_true", help="every autotuning config")
+    parser.add_argument(
+        "--first-config", action="store_true", help="each kernel's first autotuning config only"
+    )
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("unset TRITON_INTERPRET: the interpreter does not compile", file=sys.stderr)
         return 2
     failed = 0
     for launch in record_launches():
-        configs = getattr(launch.kernel, "configs", [None])
-        for config in configs if args.all_configs else configs[:1]:
+        configs = kept_configs(launch)
+        for config in configs[:1] if args.first_config else configs:
             started = time.perf_counter()
             what = f"{launch.name} {'' if config is None else config}"
             try:
@@ -207,6 +237,9 @@ def main(argv: list[str] | None = None) -> int:
                 seconds = time.perf_counter() - started
                 cubin = len(compiled.asm["cubin"])
                 shared = compiled.metadata.shared
+                limit = SHARED_LIMIT.get(args.arch)
+                if limit is not None and shared > limit:
+                    raise RuntimeError(f"{shared} B of shared memory, the limit is {limit} B")
                 print(f"ok   {what} ({seconds:.1f}s, cubin {cubin} B, shared {shared} B)")
             except Exception as exc:
                 failed += 1
