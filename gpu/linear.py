@@ -351,8 +351,8 @@ def blocks_run_on(device: torch.device, dtype: torch.dtype) -> bool:
 
 def warm_triton_linears(modules: Iterable[nn.Module], max_rows: int, dtype: torch.dtype) -> int:
     """Run each Triton matmul variant the model's quantized CUDA linears can launch in a step
-    of up to ``max_rows`` rows (int8: the matrix-vector kernel at each row block up to 8 and
-    the W8A16 GEMM at each tuning bucket; GGUF blocks: the block matmul at each bucket), on
+    of up to ``max_rows`` rows (the matrix-vector kernels at each row block up to 8, the
+    int8 W8A16 or block GEMM at each tuning bucket above), on
     zeros: compiled and tuned before the first request or a CUDA graph's capture needs them
     (the warm-up); ``dtype``: the activations'. Returns how many calls it made."""
     variants: dict[tuple[str, int, int, bool], Int8Linear | BlockLinear] = {}
@@ -367,14 +367,13 @@ def warm_triton_linears(modules: Iterable[nn.Module], max_rows: int, dtype: torc
         variants.setdefault(key, module)
     if max_rows < 1 or dtype not in W8A16_DTYPES:  # (other dtypes dequantize: nothing to build)
         return 0
-    # The matrix-vector kernel is compiled per power-of-two row block, the GEMMs tuned per
+    # The matrix-vector kernels are compiled per power-of-two row block, the GEMMs tuned per
     # bucket (a bucket's last row count stands for it).
     buckets = {min(b, max_rows) for b in row_buckets(max_rows)}
     few = {min(1 << (m - 1).bit_length(), max_rows) for m in range(1, GEMV_MAX_ROWS + 1)}
     calls = 0
-    for (kind, _, k, _), linear in variants.items():
-        rows = few | {m for m in buckets if m > GEMV_MAX_ROWS} if kind == "int8" else buckets
-        for m in sorted(rows):
+    for (_, _, k, _), linear in variants.items():
+        for m in sorted(few | {m for m in buckets if m > GEMV_MAX_ROWS}):
             linear(torch.zeros((m, k), dtype=dtype, device=linear.device))
             calls += 1
     return calls

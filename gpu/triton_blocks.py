@@ -13,10 +13,12 @@ nibbles' in two ``tl.dot``), accumulating in fp32. The activations are not quant
 W8A16). The weight crosses memory once, at the file's size: 0.56 bytes a weight for Q4_0, 0.63
 for Q4_1, 1.06 for Q8_0, against bf16's 2.
 
-One kernel serves every step: a step of a few rows takes the smallest row tile (16), and the
-block shapes are tuned on the device per (N, K, type, power-of-two row bucket)
-(``triton.autotune``; the warm-up runs every bucket, ``gpu.linear.warm_triton_linears``). The
-CPU tests run it under Triton's interpreter with one fixed configuration.
+Steps of up to ``FEW_ROWS`` rows (decode) take a matrix-vector kernel instead: no tensor
+cores, but N / BLOCK_N programs streaming their rows' blocks, where 16-row tiles would leave
+one program per SM on a 4096-wide layer. Block shapes are tuned on the device per (N, K,
+type, power-of-two row bucket or row block) (``triton.autotune``; the warm-up runs every one,
+``gpu.linear.warm_triton_linears``). The CPU tests run both under Triton's interpreter with
+one fixed configuration each.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any
 import torch
 
 from gpu.quant import BLOCK_BYTES, QK
+from gpu.triton_gemv import MAX_ROWS as FEW_ROWS  # the int8 decode kernel's limit, too
 from gpu.triton_launch import on_device
 from gpu.triton_w8a16 import DTYPES, MAX_BUCKET, row_bucket
 
@@ -140,6 +143,105 @@ def _kernel() -> Any:
     )(blocks_kernel), {}  # fmt: skip
 
 
+@functools.cache
+def _gemv_kernel() -> Any:
+    """Few rows (a decode step): a tiled GEMM's 16-row tiles over N would leave one program
+    per SM on a 4096-wide layer. Here each program takes ``BLOCK_N`` output rows' blocks (each
+    row's blocks lie contiguous in memory) for every activation row at once, multiplying and
+    summing in registers (no ``tl.dot``), so a layer runs on N / BLOCK_N programs."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit  # type: ignore[untyped-decorator]
+    def blocks_gemv_kernel(  # type: ignore[no-untyped-def]
+        x_ptr, w_ptr, b_ptr, y_ptr, M, N, stride_x, stride_w, stride_y,
+        K: tl.constexpr, NB: tl.constexpr, QTYPE: tl.constexpr, HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
+    ):  # fmt: skip
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows = tl.arange(0, BLOCK_M)
+        col_ok = cols < N
+        row_ok = rows < M
+        w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_w  # [BLOCK_N, 1]
+        x_rows = x_ptr + rows[:, None, None].to(tl.int64) * stride_x  # [BLOCK_M, 1, 1]
+        blks = tl.arange(0, BLOCK_B)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if QTYPE == 2:  # Q8_0: d, then 32 int8 codes (34 bytes)
+            j = tl.arange(0, 32)
+            for b0 in range(0, NB, BLOCK_B):
+                ok = col_ok[:, None] & ((b0 + blks) < NB)[None, :]  # [BLOCK_N, BLOCK_B]
+                at = w_rows + ((b0 + blks) * 34)[None, :]
+                d = tl.load(at.to(tl.pointer_type(tl.float16)), mask=ok, other=0.0)
+                byte = at[:, :, None] + 2 + j[None, None, :]  # [BLOCK_N, BLOCK_B, 32]
+                q = tl.load(byte.to(tl.pointer_type(tl.int8)), mask=ok[:, :, None], other=0)
+                w = d.to(tl.float32)[:, :, None] * q.to(tl.float32)
+                ks = ((b0 + blks) * 32)[:, None] + j[None, :]  # [BLOCK_B, 32]
+                x = tl.load(
+                    x_rows + ks[None, :, :],
+                    mask=row_ok[:, None, None] & (ks < K)[None, :, :],
+                    other=0.0,
+                ).to(tl.float32)  # [BLOCK_M, BLOCK_B, 32]
+                acc += tl.sum(tl.sum(x[:, None, :, :] * w[None, :, :, :], axis=3), axis=2)
+        else:  # Q4_0 (18 bytes: d, 16 code bytes), Q4_1 (20: d, m, 16)
+            size: tl.constexpr = 20 if QTYPE == 1 else 18
+            head: tl.constexpr = 4 if QTYPE == 1 else 2
+            j = tl.arange(0, 16)
+            for b0 in range(0, NB, BLOCK_B):
+                ok = col_ok[:, None] & ((b0 + blks) < NB)[None, :]
+                at = w_rows + ((b0 + blks) * size)[None, :]
+                d = tl.load(at.to(tl.pointer_type(tl.float16)), mask=ok, other=0.0)
+                d = d.to(tl.float32)[:, :, None]
+                codes = tl.load(at[:, :, None] + head + j[None, None, :], mask=ok[:, :, None])
+                lo = (codes & 15).to(tl.float32)
+                hi = (codes >> 4).to(tl.float32)
+                if QTYPE == 1:
+                    m = tl.load((at + 2).to(tl.pointer_type(tl.float16)), mask=ok, other=0.0)
+                    m = m.to(tl.float32)[:, :, None]
+                    w_lo = d * lo + m
+                    w_hi = d * hi + m
+                else:
+                    w_lo = d * (lo - 8.0)
+                    w_hi = d * (hi - 8.0)
+                ks = ((b0 + blks) * 32)[:, None] + j[None, :]  # byte j: weights j and j + 16
+                x_ok = row_ok[:, None, None] & (ks < K)[None, :, :]
+                x_lo = tl.load(x_rows + ks[None, :, :], mask=x_ok, other=0.0).to(tl.float32)
+                x_ok = row_ok[:, None, None] & (ks + 16 < K)[None, :, :]
+                x_hi = tl.load(x_rows + ks[None, :, :] + 16, mask=x_ok, other=0.0).to(tl.float32)
+                both = x_lo[:, None, :, :] * w_lo[None, :, :, :]
+                both += x_hi[:, None, :, :] * w_hi[None, :, :, :]
+                acc += tl.sum(tl.sum(both, axis=3), axis=2)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        out = y_ptr + rows[:, None].to(tl.int64) * stride_y + cols[None, :]
+        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return blocks_gemv_kernel, {"BLOCK_N": 8, "BLOCK_B": 2}
+    # No tl.dot: the product tile [BLOCK_M, BLOCK_N, BLOCK_B, 16 or 32] is held in registers
+    # (pruned to 64 fp32 a thread for the step's BLOCK_M, as gpu.triton_gemv does).
+    configs = [
+        triton.Config({"BLOCK_N": n, "BLOCK_B": b}, num_warps=w, num_stages=2)
+        for n, b, w in (
+            (4, 4, 2), (8, 2, 4), (8, 4, 4), (16, 2, 4), (16, 4, 8), (32, 2, 8), (32, 4, 8),
+        )
+    ]  # fmt: skip
+    return triton.autotune(
+        configs, key=["N", "K", "QTYPE", "BLOCK_M"],
+        prune_configs_by={"early_config_prune": _gemv_fits},
+    )(blocks_gemv_kernel), {}  # fmt: skip
+
+
+def _gemv_fits(configs: list[Any], named_args: dict[str, Any], **kwargs: Any) -> list[Any]:
+    """The configs whose product tile stays within 64 fp32 values a thread (Q8_0's blocks
+    hold 32 codes a row where 4-bit ones hold 16 bytes, two products each: the same)."""
+    block_m = int(kwargs.get("BLOCK_M", named_args.get("BLOCK_M", 1)))
+    fits = [
+        c for c in configs
+        if block_m * c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_B"] * 32 <= 64 * 32 * c.num_warps
+    ]  # fmt: skip
+    return fits or configs[:1]
+
+
 def _fits(configs: list[Any], named_args: dict[str, Any], **kwargs: Any) -> list[Any]:
     """Row tiles no taller than the bucket (a decode step gains nothing from 128-row tiles)."""
     bucket = int(named_args.get("BUCKET", kwargs.get("BUCKET", MAX_BUCKET)))
@@ -175,6 +277,19 @@ def block_matmul(
         raise ValueError("block_matmul needs rows with unit stride (blocks: even rows and start)")
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
+        return y
+    if m <= FEW_ROWS:
+        kernel, fixed = _gemv_kernel()
+
+        def few_grid(meta: dict[str, int]) -> tuple[int]:
+            return (-(-n // meta["BLOCK_N"]),)
+
+        with on_device(x):
+            kernel[few_grid](
+                x, blocks, bias if bias is not None else y, y, m, n, x.stride(0),
+                blocks.stride(0), y.stride(0), K=k, NB=-(-k // QK), QTYPE=QTYPES[qtype],
+                HAS_BIAS=bias is not None, BLOCK_M=1 << (m - 1).bit_length(), **fixed,
+            )  # fmt: skip
         return y
     kernel, fixed = _kernel()
 

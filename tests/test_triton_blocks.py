@@ -29,11 +29,12 @@ pytestmark = pytest.mark.skipif(not rope_append.available(), reason="needs trito
 @pytest.fixture(autouse=True)
 def interpreted() -> Iterator[None]:
     assert os.environ.get("TRITON_INTERPRET") == "1"  # (tests/conftest.py turned it on)
-    for module in (triton_blocks, triton_w8a16):
-        module._kernel.cache_clear()
+    kernels = (triton_blocks._kernel, triton_blocks._gemv_kernel, triton_w8a16._kernel)
+    for kernel in kernels:
+        kernel.cache_clear()
     yield
-    for module in (triton_blocks, triton_w8a16):
-        module._kernel.cache_clear()
+    for kernel in kernels:
+        kernel.cache_clear()
 
 
 def random_blocks(qtype: str, n: int, k: int, seed: int) -> torch.Tensor:
@@ -137,12 +138,14 @@ def test_warm_up_runs_every_bucket_of_each_block_variant(monkeypatch: pytest.Mon
         return x.new_zeros((x.shape[0], self.out_features))
 
     monkeypatch.setattr(BlockLinear, "forward", forward)
-    # one kernel for every step: the buckets 16, 32, 64 (40 rows: the last), no row blocks
-    assert warm_triton_linears(layers, 40, torch.float16) == 3 * 3
-    assert sorted({s[0] for s in seen}) == [16, 32, 40]
+    # the matrix-vector kernel's row blocks, then the GEMM's buckets 16, 32, 64 (40: the last)
+    assert warm_triton_linears(layers, 40, torch.float16) == 3 * 7
+    assert sorted({s[0] for s in seen}) == [1, 2, 4, 8, 16, 32, 40]
     assert {s[1:] for s in seen} == {("Q4_0", False), ("Q4_1", False), ("Q4_1", True)}
     seen.clear()
     assert warm_triton_linears(layers, 1, torch.float16) == 3 and {s[0] for s in seen} == {1}
+    seen.clear()
+    assert warm_triton_linears(layers, 12, torch.float16) == 3 * 5  # 1, 2, 4, 8 and 12
 
 
 def test_a_gguf_model_on_the_block_matmul_tracks_the_dequantized_file(

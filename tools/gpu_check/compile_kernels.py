@@ -78,21 +78,23 @@ def jit_function(kernel: Any) -> Any:
 
 
 @contextmanager
-def recording(module: ModuleType, name: str, launches: list[Launch]) -> Iterator[None]:
-    """``module._kernel()`` answers a recorder of its real kernel (with no fixed block sizes:
-    the configurations are the autotuner's)."""
-    built = module._kernel()
-    real = module._kernel
+def recording(
+    module: ModuleType, name: str, launches: list[Launch], attr: str = "_kernel"
+) -> Iterator[None]:
+    """``module.<attr>()`` (``_kernel``) answers a recorder of its real kernel (with no fixed
+    block sizes: the configurations are the autotuner's)."""
+    real = getattr(module, attr)
+    built = real()
     if isinstance(built, tuple):  # (kernel, fixed block sizes): only the interpreter fixes any
         recorder = Recorder(name, built[0], launches)
-        module._kernel = lambda: (recorder, {})  # type: ignore[attr-defined]
+        setattr(module, attr, lambda: (recorder, {}))
     else:
         recorder = Recorder(name, built, launches)
-        module._kernel = lambda: recorder  # type: ignore[attr-defined]
+        setattr(module, attr, lambda: recorder)
     try:
         yield
     finally:
-        module._kernel = real  # type: ignore[attr-defined]
+        setattr(module, attr, real)
 
 
 def record_launches() -> list[Launch]:
@@ -123,13 +125,17 @@ def record_launches() -> list[Launch]:
         triton_w8a16.w8a16_matmul(x64, codes, scales)
         triton_w8a16.w8a16_matmul(x64, codes, scales, torch.zeros(n))  # the fp32 bias
         triton_w8a16.w8a16_matmul(x64.half(), codes, scales)
+    per_type = (("Q4_0", _q4_0(w)), ("Q4_1", quantize_q4_1(w)), ("Q8_0", quantize_q8_0(w)))
     with recording(triton_blocks, "blocks", launches):
-        for qtype, rows in (
-            ("Q4_0", _q4_0(w)), ("Q4_1", quantize_q4_1(w)), ("Q8_0", quantize_q8_0(w)),
-        ):  # fmt: skip
+        for qtype, rows in per_type:
             triton_blocks.block_matmul(x64, rows, qtype)
         triton_blocks.block_matmul(x64, quantize_q4_1(w), "Q4_1", torch.zeros(n))  # fp32 bias
         triton_blocks.block_matmul(x64.half(), quantize_q4_1(w), "Q4_1")
+    with recording(triton_blocks, "blocks_gemv", launches, "_gemv_kernel"):
+        for qtype, rows in per_type:
+            triton_blocks.block_matmul(x1, rows, qtype)
+            triton_blocks.block_matmul(torch.randn((8, k)).to(bf16), rows, qtype, torch.zeros(n))
+        triton_blocks.block_matmul(x1.half(), quantize_q4_1(w), "Q4_1")
     with recording(triton_quant, "quantize_rows", launches):
         for fp8 in (True, False):
             triton_quant.quantize_rows(x64, fp8)
