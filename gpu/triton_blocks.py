@@ -14,8 +14,8 @@ W8A16). The weight crosses memory once, at the file's size: 0.56 bytes a weight 
 for Q4_1, 1.06 for Q8_0, against bf16's 2.
 
 Steps of up to ``FEW_ROWS`` rows (decode) take a matrix-vector kernel instead: no tensor
-cores, but N / BLOCK_N programs streaming their rows' blocks, where 16-row tiles would leave
-one program per SM on a 4096-wide layer. Block shapes are tuned on the device per (N, K,
+cores, narrow tiles (BLOCK_N down to 4, so many programs stream a layer's rows) and the
+weights kept in fp32 after dequantizing. Block shapes are tuned on the device per (N, K,
 type, power-of-two row bucket or row block) (``triton.autotune``; the warm-up runs every one,
 ``gpu.linear.warm_triton_linears``). The CPU tests run both under Triton's interpreter with
 one fixed configuration each.
@@ -145,10 +145,12 @@ def _kernel() -> Any:
 
 @functools.cache
 def _gemv_kernel() -> Any:
-    """Few rows (a decode step): a tiled GEMM's 16-row tiles over N would leave one program
-    per SM on a 4096-wide layer. Here each program takes ``BLOCK_N`` output rows' blocks (each
-    row's blocks lie contiguous in memory) for every activation row at once, multiplying and
-    summing in registers (no ``tl.dot``), so a layer runs on N / BLOCK_N programs."""
+    """Few rows (a decode step): the GEMM's tiles are at least 16 rows tall and BLOCK_N wide,
+    tensor-core work a decode step does not need. Here each program takes ``BLOCK_N`` output
+    rows' blocks (each row's blocks lie contiguous in memory) for every activation row at
+    once, dequantizing to fp32 (not rounded to the activations' dtype as the GEMM's tiles
+    are) and multiplying and summing in registers, with BLOCK_N down to 4: a 4096-wide layer
+    on up to 1024 programs."""
     import triton
     import triton.language as tl
 
@@ -165,9 +167,12 @@ def _gemv_kernel() -> Any:
         w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_w  # [BLOCK_N, 1]
         x_rows = x_ptr + rows[:, None, None].to(tl.int64) * stride_x  # [BLOCK_M, 1, 1]
         blks = tl.arange(0, BLOCK_B)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        # The products add up per (row, column, block, byte) across the loop and are summed
+        # once at the end: a reduction each iteration cost more shuffles and barriers than
+        # multiplies.
         if QTYPE == 2:  # Q8_0: d, then 32 int8 codes (34 bytes)
             j = tl.arange(0, 32)
+            acc4 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_B, 32), dtype=tl.float32)
             for b0 in range(0, NB, BLOCK_B):
                 ok = col_ok[:, None] & ((b0 + blks) < NB)[None, :]  # [BLOCK_N, BLOCK_B]
                 at = w_rows + ((b0 + blks) * 34)[None, :]
@@ -181,11 +186,13 @@ def _gemv_kernel() -> Any:
                     mask=row_ok[:, None, None] & (ks < K)[None, :, :],
                     other=0.0,
                 ).to(tl.float32)  # [BLOCK_M, BLOCK_B, 32]
-                acc += tl.sum(tl.sum(x[:, None, :, :] * w[None, :, :, :], axis=3), axis=2)
+                acc4 += x[:, None, :, :] * w[None, :, :, :]
+            acc = tl.sum(tl.sum(acc4, axis=3), axis=2)
         else:  # Q4_0 (18 bytes: d, 16 code bytes), Q4_1 (20: d, m, 16)
             size: tl.constexpr = 20 if QTYPE == 1 else 18
             head: tl.constexpr = 4 if QTYPE == 1 else 2
             j = tl.arange(0, 16)
+            acc4 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_B, 16), dtype=tl.float32)
             for b0 in range(0, NB, BLOCK_B):
                 ok = col_ok[:, None] & ((b0 + blks) < NB)[None, :]
                 at = w_rows + ((b0 + blks) * size)[None, :]
@@ -207,9 +214,9 @@ def _gemv_kernel() -> Any:
                 x_lo = tl.load(x_rows + ks[None, :, :], mask=x_ok, other=0.0).to(tl.float32)
                 x_ok = row_ok[:, None, None] & (ks + 16 < K)[None, :, :]
                 x_hi = tl.load(x_rows + ks[None, :, :] + 16, mask=x_ok, other=0.0).to(tl.float32)
-                both = x_lo[:, None, :, :] * w_lo[None, :, :, :]
-                both += x_hi[:, None, :, :] * w_hi[None, :, :, :]
-                acc += tl.sum(tl.sum(both, axis=3), axis=2)
+                acc4 += x_lo[:, None, :, :] * w_lo[None, :, :, :]
+                acc4 += x_hi[:, None, :, :] * w_hi[None, :, :, :]
+            acc = tl.sum(tl.sum(acc4, axis=3), axis=2)
         if HAS_BIAS:
             acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         out = y_ptr + rows[:, None].to(tl.int64) * stride_y + cols[None, :]
@@ -217,12 +224,14 @@ def _gemv_kernel() -> Any:
 
     if os.environ.get("TRITON_INTERPRET") == "1":
         return blocks_gemv_kernel, {"BLOCK_N": 8, "BLOCK_B": 2}
-    # No tl.dot: the product tile [BLOCK_M, BLOCK_N, BLOCK_B, 16 or 32] is held in registers
-    # (pruned to 64 fp32 a thread for the step's BLOCK_M, as gpu.triton_gemv does).
+    # No tl.dot, so no software pipelining: one stage. The accumulator [BLOCK_M, BLOCK_N,
+    # BLOCK_B, 16 or 32] and a step's products live in registers (pruned to 64 fp32 a thread
+    # for the step's BLOCK_M); wide BLOCK_B puts more bytes in flight a program.
     configs = [
-        triton.Config({"BLOCK_N": n, "BLOCK_B": b}, num_warps=w, num_stages=2)
+        triton.Config({"BLOCK_N": n, "BLOCK_B": b}, num_warps=w, num_stages=1)
         for n, b, w in (
-            (4, 4, 2), (8, 2, 4), (8, 4, 4), (16, 2, 4), (16, 4, 8), (32, 2, 8), (32, 4, 8),
+            (4, 4, 2), (4, 16, 4), (4, 32, 4), (8, 4, 4), (8, 8, 4), (8, 16, 8), (16, 4, 4),
+            (16, 8, 8), (32, 4, 8),
         )
     ]  # fmt: skip
     return triton.autotune(

@@ -53,6 +53,7 @@ class Launch:
     name: str
     kernel: Any
     args: dict[str, Any] = field(default_factory=dict)
+    keywords: frozenset[str] = frozenset()  # the args passed by keyword (constexprs, mostly)
 
 
 class Recorder:
@@ -65,7 +66,7 @@ class Recorder:
         def launch(*args: Any, **kwargs: Any) -> None:
             fn = jit_function(self.kernel)
             named = dict(zip(fn.arg_names, args, strict=False)) | kwargs
-            self.launches.append(Launch(self.name, self.kernel, named))
+            self.launches.append(Launch(self.name, self.kernel, named, frozenset(kwargs)))
 
         return launch
 
@@ -219,7 +220,12 @@ def kept_configs(launch: Launch) -> list[Any]:
     if configs is None:
         return [None]
     prune = getattr(launch.kernel, "early_config_prune", None)
-    return list(prune(configs, launch.args, **launch.args)) if prune else list(configs)
+    if prune is None:
+        return list(configs)
+    # as Triton's autotuner calls it: the positional arguments by name, then the keywords
+    positional = {k: v for k, v in launch.args.items() if k not in launch.keywords}
+    keywords = {k: v for k, v in launch.args.items() if k in launch.keywords}
+    return list(prune(configs, positional, **keywords))
 
 
 def main(argv: list[str] | None = None) -> int:
