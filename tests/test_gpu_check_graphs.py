@@ -163,6 +163,11 @@ def test_formats_section_runs_each_format_and_keeps_a_part_s_failure_its_own(
     section = json.loads((tmp_path / "check.json").read_text())["sections"]["formats"]
     model = section["model"]
     assert model["build_errors"] == {}
+    # on the CPU every format runs its CPU path (on CUDA a path other than the format's own
+    # is a build error): the int8 layers and head, int4's Q4_1 layers and Q8_0 head
+    paths = model["linear_paths"]
+    assert set(paths["cuda int8 W8A16, cuda graphs"]) == {"int8"}
+    assert set(paths["cuda int4 (Q4_1 blocks), cuda graphs"]) == {"Q4_1", "Q8_0"}
     for name, _, _ in MODEL_FORMATS:
         assert model[name]["ok"] == "reported" and model[name]["positions"] > 0
     assert model["cuda bf16 flashinfer"]["positions"] > 0 and model["ok"]

@@ -43,16 +43,48 @@ MODEL_FORMATS = (
 )
 
 
+def linear_paths(model: torch.nn.Module) -> dict[str, int]:
+    """How many of the model's linears run each path: ``int8 w8a16`` / ``int8 w8a8`` (CUDA's
+    int8 kernels), ``int8`` (the CPU's or the dequantizing reference), ``<type> triton`` /
+    ``<type>`` (GGUF blocks on the Triton block matmul or not), else the class's format. A
+    format that quietly fell back to another path shows here."""
+    from gpu.linear import BlockLinear, Linear
+
+    paths: dict[str, int] = {}
+    for module in model.modules():
+        if isinstance(module, Int8Linear):
+            path = f"int8 {module.cuda_kernel}" if module.cuda_kernel else "int8"
+        elif isinstance(module, BlockLinear):
+            path = f"{module.qtype} triton" if module.triton else module.qtype
+        elif isinstance(module, Linear):
+            path = module.format
+        else:
+            continue
+        paths[path] = paths.get(path, 0) + 1
+    return paths
+
+
+# On CUDA, the path every linear of each format must take (``linear_paths``): the LM head of
+# int4 is Q8_0, its layers Q4_1.
+CUDA_PATHS = {
+    "int8": {"int8 w8a16"},
+    "int8 w8a8": {"int8 w8a8"},
+    "int4": {"Q4_1 triton", "Q8_0 triton"},
+}
+
+
 def format_runners(
     folder: Path, device: torch.device, pages: int, batch: int, max_rows: int
-) -> tuple[dict[str, Any], dict[str, str]]:
-    """A CUDA-graph runner per ``MODEL_FORMATS`` row, its Triton kernels built first; a
-    format that fails to load, build or capture is an error of its own."""
+) -> tuple[dict[str, Any], dict[str, str], dict[str, dict[str, int]]]:
+    """A CUDA-graph runner per ``MODEL_FORMATS`` row, its Triton kernels built first, and the
+    paths its linears take; a format that fails to load, build or capture, or (on CUDA) runs
+    a linear on another path than its own, is an error of its own."""
     from gpu.loader import load_model
     from gpu.runner import ModelRunner
 
     runners: dict[str, Any] = {}
     errors: dict[str, str] = {}
+    paths: dict[str, dict[str, int]] = {}
     for name, quantization, int_mm in MODEL_FORMATS:
         try:
             model = load_model(folder, device=device, progress=False, quantization=quantization)
@@ -60,13 +92,17 @@ def format_runners(
                 for module in model.modules():
                     if isinstance(module, Int8Linear):
                         module.use_int_mm()
+            paths[name] = linear_paths(model)
+            wanted = CUDA_PATHS[f"{quantization} w8a8" if int_mm else quantization]
+            if device.type == "cuda" and not set(paths[name]) <= wanted:
+                raise RuntimeError(f"linears off the format's CUDA path: {paths[name]}")
             warm_triton_linears(model.modules(), max_rows, model.dtype)
             runner = ModelRunner(model, pages, PAGE_SIZE, cuda_graphs=True)
             runner.capture_graphs(batch)
             runners[name] = runner
         except Exception as exc:
             errors[name] = f"{type(exc).__name__}: {exc}"[:500]
-    return runners, errors
+    return runners, errors, paths
 
 
 def formats_model(args: argparse.Namespace, folder: Path, device: torch.device) -> dict[str, Any]:
@@ -79,7 +115,9 @@ def formats_model(args: argparse.Namespace, folder: Path, device: torch.device) 
     pages = pages_needed(prompts, args.new_tokens)
     chunk = 64
     baseline = ModelRunner(load_model(folder, device=device, progress=False), pages, PAGE_SIZE)
-    runners, errors = format_runners(folder, device, pages, len(prompts), chunk + len(prompts))
+    runners, errors, paths = format_runners(
+        folder, device, pages, len(prompts), chunk + len(prompts)
+    )
     result = model_section(
         ModelRunner(cpu_model, pages, PAGE_SIZE),
         {"cuda bf16 flashinfer": baseline, **runners},
@@ -91,6 +129,7 @@ def formats_model(args: argparse.Namespace, folder: Path, device: torch.device) 
         reported=list(runners),
     )
     result["build_errors"] = errors
+    result["linear_paths"] = paths
     # The section is about the formats: every one built and ran (the bf16 row is the baseline
     # shown beside them, judged in the model section).
     result["ok"] = not errors and all(result[n].get("ok") == "reported" for n in runners)
