@@ -70,7 +70,7 @@ from gpu.quant import (
 from gpu.triton_blocks import QTYPES as BLOCK_QTYPES
 from gpu.triton_blocks import block_matmul
 from gpu.triton_gemv import MAX_ROWS as GEMV_MAX_ROWS
-from gpu.triton_gemv import gemv
+from gpu.triton_gemv import gemv, row_blocks
 from gpu.triton_w8a16 import DTYPES as W8A16_DTYPES
 from gpu.triton_w8a16 import row_buckets, w8a16_matmul
 
@@ -289,15 +289,13 @@ class Int8Linear(Linear):
             self.cuda_kernel = "w8a16"
         self._prepared: PackedLinear | None = None
 
-    def use_int_mm(self, on: bool = True) -> bool:
+    def use_int_mm(self) -> bool:
         """W8A8 on int8 tensor cores (activations per token, ``int8_int_mm``) instead of
         weight-only, where ``torch._int_mm``'s shape rules allow it; the GPU check's
         comparison. Returns whether this layer switched."""
-        if on and self.qweight.device.type == "cuda" and int_mm_fits(*self.qweight.shape):
+        if self.qweight.device.type == "cuda" and int_mm_fits(*self.qweight.shape):
             self.cuda_kernel = "w8a8"
             return True
-        if not on and self.cuda_kernel == "w8a8":
-            self.cuda_kernel = "w8a16" if triton_available() else None
         return False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -370,10 +368,10 @@ def warm_triton_linears(modules: Iterable[nn.Module], max_rows: int, dtype: torc
     # The matrix-vector kernels are compiled per power-of-two row block, the GEMMs tuned per
     # bucket (a bucket's last row count stands for it).
     buckets = {min(b, max_rows) for b in row_buckets(max_rows)}
-    few = {min(1 << (m - 1).bit_length(), max_rows) for m in range(1, GEMV_MAX_ROWS + 1)}
+    few = row_blocks(min(max_rows, GEMV_MAX_ROWS))
     calls = 0
     for (_, _, k, _), linear in variants.items():
-        for m in sorted(few | {m for m in buckets if m > GEMV_MAX_ROWS}):
+        for m in sorted({*few, *(m for m in buckets if m > GEMV_MAX_ROWS)}):
             linear(torch.zeros((m, k), dtype=dtype, device=linear.device))
             calls += 1
     return calls

@@ -310,7 +310,7 @@ class CausalLM(nn.Module):
         ones, the head's normed and plain ones), once at each row block (1, 2, 4, 8 up to
         the limit), on zeros: compiled and, on CUDA, tuned before the first request needs
         them (the warm-up). Returns how many calls it made."""
-        from gpu.triton_gemv import gemv
+        from gpu.triton_gemv import gemv, row_blocks
 
         linears = [m for m in self.modules() if isinstance(m, DenseLinear) and m.triton_rows]
         rows = max((m.triton_rows for m in linears), default=0)  # (few_row_layers: the same)
@@ -330,9 +330,7 @@ class CausalLM(nn.Module):
                 key = (linear.out_features, linear.in_features, linear.bias is not None, kind)
                 variants.setdefault(key, cast(DenseLinear, linear))
         calls = 0
-        # The kernel is compiled per row block (rows rounded up to a power of two).
-        for block in sorted({1 << (r - 1).bit_length() for r in range(1, rows + 1)}):
-            m = min(block, rows)
+        for m in row_blocks(rows):  # (the kernel is compiled per row block)
             for (n, k, _, kind), linear in variants.items():
                 w, b = linear.weight, linear.bias
                 x = torch.zeros(

@@ -32,7 +32,7 @@ import torch
 from gpu.quant import BLOCK_BYTES, QK
 from gpu.triton_gemv import MAX_ROWS as FEW_ROWS  # the int8 decode kernel's limit, too
 from gpu.triton_launch import on_device
-from gpu.triton_w8a16 import DTYPES, MAX_BUCKET, row_bucket
+from gpu.triton_w8a16 import DTYPES, prune_to_bucket, row_bucket
 
 # The kernel's QTYPE by GGML type name.
 QTYPES = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}
@@ -139,7 +139,7 @@ def _kernel() -> Any:
     ]  # fmt: skip
     return triton.autotune(
         configs, key=["N", "K", "QTYPE", "BUCKET"],
-        prune_configs_by={"early_config_prune": _fits},
+        prune_configs_by={"early_config_prune": prune_to_bucket},
     )(blocks_kernel), {}  # fmt: skip
 
 
@@ -248,13 +248,6 @@ def _gemv_fits(configs: list[Any], named_args: dict[str, Any], **kwargs: Any) ->
         c for c in configs
         if block_m * c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_B"] * 32 <= 64 * 32 * c.num_warps
     ]  # fmt: skip
-    return fits or configs[:1]
-
-
-def _fits(configs: list[Any], named_args: dict[str, Any], **kwargs: Any) -> list[Any]:
-    """Row tiles no taller than the bucket (a decode step gains nothing from 128-row tiles)."""
-    bucket = int(named_args.get("BUCKET", kwargs.get("BUCKET", MAX_BUCKET)))
-    fits = [c for c in configs if c.kwargs["BLOCK_M"] <= bucket]
     return fits or configs[:1]
 
 

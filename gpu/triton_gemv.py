@@ -108,6 +108,12 @@ def _kernel() -> Any:
     )(gemv_kernel), {}  # fmt: skip
 
 
+def row_blocks(rows: int) -> list[int]:
+    """The row counts that build every variant a step of 1..``rows`` rows can launch: the
+    kernel is compiled per power-of-two row block (``BLOCK_M``), the last one cut to ``rows``."""
+    return sorted({min(1 << (r - 1).bit_length(), rows) for r in range(1, rows + 1)})
+
+
 def _fits(configs: list[Any], named_args: dict[str, Any], **kwargs: Any) -> list[Any]:
     """The configs whose product tile stays within 64 fp32 values a thread for this BLOCK_M."""
     block_m = int(kwargs.get("BLOCK_M", named_args.get("BLOCK_M", 1)))

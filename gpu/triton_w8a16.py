@@ -105,12 +105,14 @@ def _kernel() -> Any:
         )
     ]  # fmt: skip
     return triton.autotune(
-        configs, key=["N", "K", "BUCKET"], prune_configs_by={"early_config_prune": _fits},
+        configs, key=["N", "K", "BUCKET"],
+        prune_configs_by={"early_config_prune": prune_to_bucket},
     )(w8a16_kernel), {}  # fmt: skip
 
 
-def _fits(configs: list[Any], named_args: dict[str, Any], **kwargs: Any) -> list[Any]:
-    """Row tiles no taller than the bucket (a 16-row step gains nothing from 128-row tiles)."""
+def prune_to_bucket(configs: list[Any], named_args: dict[str, Any], **kwargs: Any) -> list[Any]:
+    """Row tiles no taller than the bucket (a 16-row step gains nothing from 128-row tiles):
+    the autotuning prune of this GEMM and of ``gpu.triton_blocks``'."""
     bucket = int(named_args.get("BUCKET", kwargs.get("BUCKET", MAX_BUCKET)))
     fits = [c for c in configs if c.kwargs["BLOCK_M"] <= bucket]
     return fits or configs[:1]

@@ -215,22 +215,21 @@ def test_int8_model_on_the_cuda_kernels_tracks_the_dequantized_model(tiny_llama:
 
 
 def test_tuning_prunes_row_tiles_taller_than_the_bucket() -> None:
-    """The autotuners' prune functions (the interpreter runs one fixed configuration, so
-    they run on the device only): a bucket keeps the configurations whose row tiles are no
-    taller than it, and one always remains."""
+    """The GEMMs' autotuning prune (this one's and gpu.triton_blocks'; the interpreter runs
+    one fixed configuration, so it runs on the device only): a bucket keeps the
+    configurations whose row tiles are no taller than it, and one always remains."""
     triton = pytest.importorskip("triton")
-    from gpu import triton_blocks
 
     configs = [
         triton.Config({"BLOCK_M": m, "BLOCK_N": 64, "BLOCK_K": 64, "BLOCK_B": 2}, num_warps=4)
         for m in (16, 32, 64, 128)
     ]
-    for prune in (triton_w8a16._fits, triton_blocks._fits):
-        for bucket, tallest in ((16, 16), (32, 32), (64, 64), (4096, 128)):
-            kept = prune(configs, {"BUCKET": bucket, "N": 64, "K": 64})
-            assert max(c.kwargs["BLOCK_M"] for c in kept) == tallest
-            assert len(kept) == [16, 32, 64, 128].index(tallest) + 1
-        assert prune(configs[1:], {"BUCKET": 16}) == configs[1:2]  # none fits: the first
+    prune = triton_w8a16.prune_to_bucket
+    for bucket, tallest in ((16, 16), (32, 32), (64, 64), (4096, 128)):
+        kept = prune(configs, {"BUCKET": bucket, "N": 64, "K": 64})
+        assert max(c.kwargs["BLOCK_M"] for c in kept) == tallest
+        assert len(kept) == [16, 32, 64, 128].index(tallest) + 1
+    assert prune(configs[1:], {"BUCKET": 16}) == configs[1:2]  # none fits: the first
 
 
 def test_the_engine_warm_up_builds_the_quantized_matmuls(
