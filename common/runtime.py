@@ -375,7 +375,9 @@ class Service:
         one of a stream that is gone or new (a nats-server back without its store: its
         sequence numbers start again), after ``ensure()`` creates it if need be; it also runs
         before the first subscribe."""
-        delivered = [0, 0]  # stream sequence of the last message delivered; at the last check
+        # Stream sequence of the last message delivered; at the last check (-1: none yet, so
+        # a replay is judged only against an earlier look, never on its first).
+        delivered = [0, -1]
         created: list[Any] = [None]  # the stream's creation time, as last seen
 
         async def on_msg(msg: Msg) -> None:
@@ -411,7 +413,7 @@ class Service:
                 info = None
             if info is None or created[0] not in (None, info.created):
                 log.warning("%s: stream %s is gone or new; replaying it", self.name, stream)
-                delivered[:] = [0, 0]
+                delivered[:] = [0, -1]
                 created[0] = None
                 await self._restart_replays()
                 return

@@ -4,6 +4,7 @@ handlers and JetStream replays too, and their error replies."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import nats
 import pytest
@@ -62,5 +63,62 @@ async def test_served_and_replayed_messages_count_as_handled(nats_server: LocalN
                 break
             await asyncio.sleep(0.05)
         assert handled(svc, "KVEventBatch") == 1
+    finally:
+        await svc.close()
+
+
+async def test_a_replay_is_not_taken_for_stalled_before_its_first_delivery(
+    nats_server: LocalNatsServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The watch's first look comes as the replay starts: with the first message not yet
+    delivered (a loaded machine) it was taken for stalled and the replay started again, so
+    every message was handled twice. A stall is judged against an earlier look only."""
+    from nats.js.client import JetStreamContext
+
+    checks: list[Any] = []
+    gate = asyncio.Event()
+    real_subscribe = JetStreamContext.subscribe
+
+    async def every(self: Service, seconds: float, fn: Any) -> None:
+        checks.append(fn)  # the test runs the watch's looks itself
+
+    async def gated(self: JetStreamContext, *args: Any, **kw: Any) -> Any:
+        cb = kw.pop("cb")
+
+        async def later(msg: Any) -> None:  # deliveries wait for the gate
+            await gate.wait()
+            await cb(msg)
+
+        return await real_subscribe(self, *args, **(kw | {"cb": later}))
+
+    monkeypatch.setattr(Service, "every", every)
+    monkeypatch.setattr(JetStreamContext, "subscribe", gated)
+    svc = Service("prefix-index", MeshConfig(nats_server.url, instance_id="t"))
+    await svc.connect()
+    try:
+        s = svc.subjects
+        await ensure_kv_stream(svc.nc.jetstream(), s)
+        await svc.nc.jetstream().publish(
+            s.kv_events("ex"), KVEventBatch("ex", 1, True, [], []).encode(), headers=ROLLUP
+        )
+        got: list[KVEventBatch] = []
+
+        async def on_events(batch: KVEventBatch, pending: int) -> None:
+            got.append(batch)
+
+        await svc.replay(s.kv_events_all, KVEventBatch, on_events, s.kv_events_stream)
+        subscription = svc._replays[s.kv_events_all][0]
+        while not checks:  # (the watch's task has not run yet)
+            await asyncio.sleep(0)
+        await checks[0]()  # the first look, before any delivery
+        assert svc._replays[s.kv_events_all][0] is subscription  # not started again
+        gate.set()
+        for _ in range(100):
+            if got:
+                break
+            await asyncio.sleep(0.05)
+        await checks[0]()  # delivered up to the stream's end: not stalled either
+        assert svc._replays[s.kv_events_all][0] is subscription
+        assert len(got) == 1 and handled(svc, "KVEventBatch") == 1
     finally:
         await svc.close()
