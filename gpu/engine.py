@@ -183,11 +183,16 @@ class Engine:
             )
         if len(output_token_ids) >= params.max_tokens:
             raise ValueError("the request already generated max_tokens tokens")
-        if params.logit_bias:
+        listed = {
+            "logit_bias": [t for t, _ in params.logit_bias],
+            "allowed_token_ids": params.allowed_token_ids,
+            "bad_words": [t for word in params.bad_words_token_ids for t in word],
+        }
+        for name, token_ids in listed.items():
             try:
-                self.runner.check_token_ids([t for t, _ in params.logit_bias])
+                self.runner.check_token_ids(token_ids)
             except ModelError as exc:
-                raise ValueError(f"logit_bias: {exc}") from None
+                raise ValueError(f"{name}: {exc}") from None
         seq = Sequence(request_id, list(prompt_token_ids), params)
         seq.output_token_ids = list(output_token_ids)
         if grammar is not None:

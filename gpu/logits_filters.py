@@ -119,6 +119,20 @@ def apply_logit_bias(
         )
 
 
+def keep_only(logits: torch.Tensor, params: Sequence[SamplingParams], rows: Sequence[int]) -> None:
+    """Each listed row keeps only its ``allowed_token_ids`` (ids past the LM head are dropped),
+    every other logit -inf, in place on contiguous fp32 ``logits``: the kept values are
+    gathered, the rows filled, the values put back (no host wait)."""
+    vocab = logits.shape[1]
+    flat = [i * vocab + t for i in rows for t in params[i].allowed_token_ids if t < vocab]
+    device = logits.device
+    flat_logits = logits.view(-1)
+    index = to_device(flat, torch.int64, device)
+    kept = flat_logits.index_select(0, index)
+    logits.index_fill_(0, to_device(list(rows), torch.int64, device), -math.inf)
+    flat_logits.index_copy_(0, index, kept)
+
+
 def ban_tokens(logits: torch.Tensor, banned: dict[int, tuple[int, ...]]) -> None:
     """Set ``logits[row, token]`` to -inf for each row's listed tokens (ids past the LM head
     are dropped), in place on contiguous fp32 ``logits``: one scatter."""

@@ -11,11 +11,13 @@ own a seeded ``torch.Generator``.
 
 Pipeline (all math in fp32, the order vLLM and Hugging Face use):
 
-0. **Logit bias, grammar and min_tokens**, only on rows that have them: OpenAI's
+0. **Allowed tokens, logit bias, grammar and bans**, only on rows that have them: a row with
+   vLLM's ``allowed_token_ids`` keeps only those logits (the rest -inf), OpenAI's
    ``logit_bias`` is added (a scatter over the listed ids), then a constrained row's token
    bitmask (``gpu.grammar``, filled by the engine) sets every token its grammar does not allow
-   to -inf, and a row short of its ``min_tokens`` gets -inf on its stop tokens. Rows without
-   any are not touched, so an unconstrained request in a constrained batch pays nothing.
+   to -inf, and a row gets -inf on its stop tokens while short of its ``min_tokens`` and on
+   each token that would complete one of its ``bad_words``. Rows without any are not touched,
+   so an unconstrained request in a constrained batch pays nothing.
 
 1. **Penalties**, only on rows that set one (``repetition_penalty != 1`` or a non-zero
    presence/frequency penalty), vectorised as gather/scatter on one concatenated tensor of
@@ -84,7 +86,13 @@ from dataclasses import dataclass, field
 import torch
 
 from gpu.formats import LOGPROBS_MODES
-from gpu.logits_filters import apply_logit_bias, apply_penalties, ban_tokens, filter_cutoffs
+from gpu.logits_filters import (
+    apply_logit_bias,
+    apply_penalties,
+    ban_tokens,
+    filter_cutoffs,
+    keep_only,
+)
 from gpu.sampling_params import SamplingParams
 from gpu.transfers import HostCopy, to_device
 
@@ -124,6 +132,15 @@ class SamplerInput:
                 and (ids := p.stop_ids_banned(self.eos_token_ids, len(self.output_token_ids[i])))
             ):
                 out[i] = ids
+        return out
+
+    def banned_tokens(self) -> dict[int, tuple[int, ...]]:
+        """Row -> every token it may not sample now: its stop tokens under min_tokens
+        (``banned_stops``) and the tokens that would complete one of its bad words."""
+        out = self.banned_stops()
+        for i, p in enumerate(self.params):
+            if p.bad_words_token_ids and (ends := p.bad_word_ends(self.output_token_ids[i])):
+                out[i] = out.get(i, ()) + ends
         return out
 
 
@@ -247,7 +264,7 @@ class Sampler:
             not pen_rows
             and not sampled_rows
             and not inp.masked_rows
-            and all(p.logprobs is None and not p.logit_bias and not p.min_tokens for p in params)
+            and all(p.logprobs is None and not p.edits_logits for p in params)
         ):
             # Fast path: all greedy, nothing to compute but an argmax (a bf16 -> fp32 cast is
             # exact and monotone, so no cast either). max(dim)'s indices are argmax's (the
@@ -292,11 +309,14 @@ class Sampler:
         params = inp.params
         pen_rows = any(p.has_penalties for p in params)
         bias_rows = [i for i, p in enumerate(params) if p.logit_bias]
-        banned = inp.banned_stops()
-        written = pen_rows or bool(bias_rows) or bool(inp.masked_rows) or bool(banned)
+        allowed_rows = [i for i, p in enumerate(params) if p.allowed_token_ids]
+        banned = inp.banned_tokens()
+        written = pen_rows or any((bias_rows, allowed_rows, inp.masked_rows, banned))
         # The only full copy, and only when something must be written.
         work = logits.to(torch.float32, copy=copy or written, memory_format=torch.contiguous_format)
         owned = copy or written or logits.dtype != torch.float32
+        if allowed_rows:
+            keep_only(work, params, allowed_rows)
         if bias_rows:
             apply_logit_bias(work, params, bias_rows)
         if inp.masked_rows:

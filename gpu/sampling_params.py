@@ -4,6 +4,7 @@ generator a seeded request owns; ``gpu.sampling`` samples with them."""
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +50,12 @@ class SamplingParams:
     # vLLM's: no stop token (EOS, ``stop_token_ids``) may end it before this many output
     # tokens; the sampler gives them -inf (``SamplerInput.eos_token_ids`` names the EOS)
     min_tokens: int = 0
+    # vLLM's: only these token ids may be sampled (empty: any), and these token sequences may
+    # not be completed (the tokenizer encodes ``bad_words``: each word with and without a
+    # leading space). The sampler gives the rest, and a bad word's last token after its
+    # prefix, -inf.
+    allowed_token_ids: tuple[int, ...] = ()
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         def real_in(name: str, lo: float, hi: float, lo_open: bool = False) -> None:
@@ -101,6 +108,19 @@ class SamplingParams:
                 f"{self.logit_bias!r}"
             )
         object.__setattr__(self, "logit_bias", bias)
+        allowed = tuple(self.allowed_token_ids)
+        if not all(_is_int(t) and t >= 0 for t in allowed):
+            raise ValueError(
+                f"allowed_token_ids must be non-negative integers, got {self.allowed_token_ids!r}"
+            )
+        object.__setattr__(self, "allowed_token_ids", allowed)
+        words = tuple(tuple(word) for word in self.bad_words_token_ids)
+        if not all(word and all(_is_int(t) and t >= 0 for t in word) for word in words):
+            raise ValueError(
+                "bad_words_token_ids must be non-empty sequences of non-negative integers, got "
+                f"{self.bad_words_token_ids!r}"
+            )
+        object.__setattr__(self, "bad_words_token_ids", words)
 
     @property
     def is_greedy(self) -> bool:
@@ -113,6 +133,27 @@ class SamplingParams:
         if generated >= self.min_tokens:
             return ()
         return self.stop_token_ids + (() if self.ignore_eos else eos_token_ids)
+
+    def bad_word_ends(self, output_token_ids: Sequence[int]) -> tuple[int, ...]:
+        """The tokens that would complete a bad word after ``output_token_ids``: each word's
+        last token, where the output ends with the rest of it (a one-token word always). As
+        vLLM, only the output counts, not the prompt."""
+        ends = []
+        for word in self.bad_words_token_ids:
+            prefix = len(word) - 1
+            if prefix > len(output_token_ids):
+                continue
+            if not prefix or tuple(output_token_ids[-prefix:]) == word[:-1]:
+                ends.append(word[-1])
+        return tuple(ends)
+
+    @property
+    def edits_logits(self) -> bool:
+        """Whether the sampler changes this row's logits before penalties (step 0: a bias, a
+        ban or a whitelist), which rules out its all-greedy fast path."""
+        return bool(
+            self.logit_bias or self.min_tokens or self.allowed_token_ids or self.bad_words_token_ids
+        )
 
     @property
     def has_penalties(self) -> bool:

@@ -359,6 +359,31 @@ async def test_chat_default_max_tokens_is_rest_of_context(env: Env) -> None:
     assert env.fake.requests[0].params.max_tokens == 63  # max_model_len 64 - 1
 
 
+async def test_vllm_output_controls_reach_the_mesh(env: Env) -> None:
+    """allowed_token_ids (deduplicated), bad_words and truncate_prompt_tokens travel to the
+    tokenizer; a token prompt longer than the context fits once truncated (-1: the context)."""
+    await env.client.completions.create(
+        model="smollm2",
+        prompt=[1] * 60,
+        max_tokens=4,
+        extra_body={
+            "allowed_token_ids": [7, 3, 7],
+            "bad_words": ["no way"],
+            "truncate_prompt_tokens": 40,
+        },
+    )
+    await env.client.chat.completions.create(
+        model="smollm2",
+        messages=[{"role": "user", "content": "hi"}],
+        max_completion_tokens=2,
+        extra_body={"truncate_prompt_tokens": -1},
+    )
+    first, second = env.fake.requests
+    assert first.params.allowed_token_ids == [3, 7] and first.bad_words == ["no way"]
+    assert first.truncate_prompt_tokens == 40 and first.prompt_token_ids == [1] * 60
+    assert second.truncate_prompt_tokens == 64 and second.params.allowed_token_ids == []
+
+
 async def test_chat_logprobs_format(env: Env) -> None:
     result = await env.client.chat.completions.create(
         model="smollm2",
@@ -425,8 +450,16 @@ CMP, CHT = "/v1/completions", "/v1/chat/completions"
         (CMP, {"prompt": "x", "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens"),
         (CMP, {"prompt": "x", "min_tokens": -1}, 400, "min_tokens"),
         (CMP, {"prompt": "x", "include_stop_str_in_output": 1}, 400, "include_stop_str_in_output"),
-        (CMP, {"prompt": "x", "allowed_token_ids": [5]}, 400, "allowed_token_ids"),
-        (CMP, {"prompt": "x", "bad_words": ["no"]}, 400, "bad_words"),
+        (CMP, {"prompt": "x", "allowed_token_ids": []}, 400, "allowed_token_ids"),
+        (CMP, {"prompt": "x", "allowed_token_ids": [-1]}, 400, "allowed_token_ids"),
+        (CMP, {"prompt": "x", "allowed_token_ids": "5"}, 400, "allowed_token_ids"),
+        (CMP, {"prompt": "x", "bad_words": "no"}, 400, "bad_words"),
+        (CMP, {"prompt": "x", "bad_words": [" "]}, 400, "bad_words"),
+        (CMP, {"prompt": "x", "bad_words": ["w"] * 129}, 400, "bad_words"),
+        (CMP, {"prompt": "x", "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens"),
+        (CMP, {"prompt": "x", "truncate_prompt_tokens": -2}, 400, "truncate_prompt_tokens"),
+        (CMP, {"prompt": "x", "truncate_prompt_tokens": 10**6}, 400, "truncate_prompt_tokens"),
+        (CMP, {"prompt": [1] * 60, "truncate_prompt_tokens": 60}, 400, "max_tokens"),
         (CHT, {"messages": CHAT, "prompt_logprobs": 1}, 400, "prompt_logprobs"),
         (CHT, {}, 400, "messages"),
         (CHT, {"messages": "hi"}, 400, "messages"),

@@ -16,7 +16,7 @@ from gpu.engine import Engine, EngineConfig
 from gpu.loader import load_model
 from gpu.runner import ModelRunner
 from gpu.sampling_params import SamplingParams
-from services.tokenizer.service import TokenizerService
+from services.tokenizer.service import TokenizerService, bad_words_token_ids
 from tests.mesh import MeshHarness, openai_client
 
 PROMPTS = ["Hello world", "The quick brown fox", "Serving language models", "café 你好"]
@@ -39,8 +39,10 @@ def offline(tiny_llama):
         tok.eos_token_ids,
     )
 
-    def greedy(prompt_ids: list[int], max_tokens: int) -> str:
-        out = engine.generate([prompt_ids], SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    def greedy(prompt_ids: list[int], max_tokens: int, **params: Any) -> str:
+        out = engine.generate(
+            [prompt_ids], SamplingParams(temperature=0.0, max_tokens=max_tokens, **params)
+        )
         return tok.decode(out[0])
 
     return tok, greedy
@@ -162,6 +164,37 @@ async def test_n_seed_and_logprobs(client):
     assert len(info.tokens) == len(info.token_logprobs) == lp.usage.completion_tokens
     assert all(v <= 0 for v in info.token_logprobs)
     assert all(len(top) >= 1 for top in info.top_logprobs)
+
+
+async def test_vllm_allowed_token_ids_bad_words_and_truncation(client, offline):
+    """vLLM's allowed_token_ids, bad_words (encoded by the tokenizer as vLLM encodes them) and
+    truncate_prompt_tokens through the mesh give what the engine gives with the same settings,
+    and each changes the output it is meant to change."""
+    tok, greedy = offline
+    prompt = "The quick brown fox"
+    ids = tok.encode(prompt)
+    kwargs: dict[str, Any] = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0}
+    free = greedy(ids, 8, ignore_eos=True)
+    free_ids = tok.encode(free, add_special_tokens=False)
+    allowed = sorted({tok.encode(w, add_special_tokens=False)[0] for w in ("a", " the", "x")})
+    only = await client.completions.create(
+        **kwargs, extra_body={"allowed_token_ids": allowed, "ignore_eos": True}
+    )
+    expected = greedy(ids, 8, ignore_eos=True, allowed_token_ids=tuple(allowed))
+    assert only.choices[0].text == expected != free
+    assert set(tok.encode(expected, add_special_tokens=False)) <= set(allowed)
+
+    word = tok.decode(free_ids[:1])  # the free run's first token, as text
+    banned = bad_words_token_ids(tok, [word])
+    avoided = await client.completions.create(
+        **kwargs, extra_body={"bad_words": [word], "ignore_eos": True}
+    )
+    expected = greedy(ids, 8, ignore_eos=True, bad_words_token_ids=banned)
+    assert avoided.choices[0].text == expected and not expected.startswith(word)
+
+    cut = await client.completions.create(**kwargs, extra_body={"truncate_prompt_tokens": 2})
+    assert cut.usage.prompt_tokens == 2
+    assert cut.choices[0].text == greedy(ids[-2:], 8)
 
 
 async def test_n_choices_share_one_encode(mesh, client, monkeypatch):

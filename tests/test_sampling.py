@@ -167,6 +167,48 @@ def test_min_tokens_bans_the_stop_tokens_until_reached() -> None:
     assert 0 not in inp.banned_stops() and 1 in inp.banned_stops()
 
 
+def test_allowed_token_ids_keep_only_theirs() -> None:
+    """vLLM's allowed_token_ids: greedy takes the best allowed token, sampling draws only
+    allowed ones with their renormalised probabilities; other rows are untouched, and the
+    model's own (raw) logprobs ignore the whitelist, as vLLM's do."""
+    allowed = (0, 2, 5)  # LOGITS: 2.0, 0.4, 0.9; the overall best is id 3 (3.1)
+    greedy = SamplingParams(temperature=0.0, allowed_token_ids=allowed, logprobs=1)
+    sampled = SamplingParams(temperature=1.0, allowed_token_ids=allowed)
+    free = SamplingParams(temperature=0.0)
+    rows = [greedy, free] + [sampled] * 3000
+    logits = LOGITS.expand(len(rows), V).contiguous()
+    sampler = Sampler(torch.Generator().manual_seed(3))
+    out = sampler(logits, inp_for(rows)).to_host()
+    assert out.token_ids[0] == 0 and out.token_ids[1] == 3
+    assert out.logprobs is not None
+    assert out.logprobs[0] == pytest.approx(float(torch.log_softmax(LOGITS, -1)[0]), abs=1e-6)
+    counts = np.bincount(out.token_ids[2:], minlength=V)
+    assert set(np.flatnonzero(counts)) <= set(allowed)
+    expected = torch.softmax(LOGITS[list(allowed)].double(), -1).numpy() * 3000
+    assert chisquare(counts[list(allowed)], expected).pvalue > 1e-3
+
+
+def test_bad_words_ban_their_last_token_after_their_prefix() -> None:
+    """vLLM's bad_words: a one-token word is never sampled; a longer one's last token only
+    where the output ends with the rest of it (the prompt does not count), greedy or sampled,
+    in spec decoding's distributions too."""
+    words = ((3,), (6, 0))  # 3 and 6 are the two best tokens; 0 the third
+    greedy = SamplingParams(temperature=0.0, bad_words_token_ids=words)
+    sampled = SamplingParams(temperature=0.5, bad_words_token_ids=words, seed=2)
+    rows = [greedy, greedy, greedy, sampled]
+    outputs = [[], [6], [6, 1], [6]]
+    prompts = [[6], [], [], []]
+    logits = LOGITS.expand(4, V).contiguous()
+    inp = inp_for(rows, [make_generator(p) for p in rows], prompts=prompts, outputs=outputs)
+    out = Sampler()(logits, inp).to_host()
+    assert out.token_ids == [6, 6, 6, 6]  # 3 is never sampled
+    processed, _ = Sampler().distributions(logits, inp)
+    assert processed[1, 3] == -math.inf and processed[1, 0] == -math.inf  # after [6]
+    assert processed[3, 3] == -math.inf and processed[3, 0] == -math.inf
+    assert processed[0, 0] == LOGITS[0] and processed[2, 0] == LOGITS[0]
+    assert SamplingParams(bad_words_token_ids=words).bad_word_ends([1, 6]) == (3, 0)
+
+
 def test_filtered_tokens_never_sampled_large_vocab() -> None:
     torch.manual_seed(0)
     logits = torch.randn(64, 5000) * 3

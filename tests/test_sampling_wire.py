@@ -32,6 +32,8 @@ WIRE = WireSamplingParams(
     logit_bias=[(5, -100.0), (9, 2.5)],
     min_tokens=4,
     include_stop_str_in_output=True,
+    allowed_token_ids=[1, 2, 3],
+    bad_words_token_ids=[[4, 5], [6]],
 )
 
 
@@ -59,8 +61,13 @@ def test_conversion_copies_every_engine_field() -> None:
     params = sampling_params(WIRE)
     for f in dataclasses.fields(SamplingParams):
         wire = getattr(WIRE, f.name)
-        assert getattr(params, f.name) == (tuple(wire) if isinstance(wire, list) else wire), f.name
+        assert getattr(params, f.name) == (tuples(wire) if isinstance(wire, list) else wire), f.name
     assert params.stop_token_ids == (2, 7) and params.logprobs == 3
+    assert params.bad_words_token_ids == ((4, 5), (6,))
+
+
+def tuples(value: object) -> object:
+    return tuple(tuples(v) for v in value) if isinstance(value, list | tuple) else value
 
 
 def test_the_speculator_gets_the_same_params_as_the_executor() -> None:

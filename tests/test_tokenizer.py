@@ -455,3 +455,22 @@ def test_the_chat_template_is_the_one_transformers_picks(tmp_path: Path) -> None
     ours, ref = Tokenizer.from_folder(folder), hf_tokenizer(folder)
     expected = ref.apply_chat_template(messages, tokenize=False)
     assert ours.apply_chat_template(messages) == expected == "FILE hi"
+
+
+def test_bad_words_encode_as_vllm_encodes_them(byte_level: Path) -> None:
+    """Each bad word as a text's start, and with a leading space where that gives another
+    first token in as many tokens (vLLM's rule); more than 1,024 tokens in all is a 400."""
+    from common.runtime import RequestError
+    from services.tokenizer.service import bad_words_token_ids
+
+    tok = Tokenizer.from_folder(byte_level)
+
+    def enc(text: str) -> list[int]:
+        return tok.encode(text, add_special_tokens=False)
+
+    assert len(enc(" fox")) != len(enc("fox"))  # the spaced form is not kept for "fox"
+    assert len(enc(" world")) == len(enc("world")) and enc(" world")[0] != enc("world")[0]
+    assert bad_words_token_ids(tok, ["fox", " world"]) == [enc("fox"), enc("world"), enc(" world")]
+    with pytest.raises(RequestError, match="1024 tokens") as info:
+        bad_words_token_ids(tok, ["quick brown fox jumps over the lazy dog " * 20] * 3)
+    assert info.value.param == "bad_words"

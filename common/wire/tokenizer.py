@@ -52,6 +52,10 @@ class WireSamplingParams(Message):
     # stop string (or stop token) that ended it in the text.
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
+    # vLLM's allowed_token_ids (empty: any token), and its bad_words as the tokenizer encodes
+    # them (``GenerateRequest.bad_words``): the sampler bans what would complete one.
+    allowed_token_ids: list[int] = field(default_factory=list)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -132,6 +136,10 @@ class GenerateRequest(Message):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: str = ""
+    # vLLM's: words the output may not contain (the tokenizer encodes them into
+    # ``params.bad_words_token_ids``), and a prompt cut to its last this many tokens.
+    bad_words: list[str] = field(default_factory=list)
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         require(
@@ -140,6 +148,8 @@ class GenerateRequest(Message):
                 f"n must be within 1..{MAX_CHOICES}": 1 <= self.n <= MAX_CHOICES,
                 "a continuation (output_token_ids) has n = 1": self.n == 1
                 or not self.output_token_ids,
+                "truncate_prompt_tokens is >= 1": self.truncate_prompt_tokens is None
+                or self.truncate_prompt_tokens >= 1,
             },
         )
 

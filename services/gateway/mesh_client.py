@@ -207,6 +207,8 @@ class MeshClient:
             add_generation_prompt=api.add_generation_prompt,
             continue_final_message=api.continue_final_message,
             chat_template_kwargs=api.chat_template_kwargs,
+            bad_words=api.bad_words,
+            truncate_prompt_tokens=api.truncate_prompt_tokens,
         )
         payload = request.encode()
         headers = inject(None)  # the trace context of gateway.request

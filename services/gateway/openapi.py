@@ -55,6 +55,20 @@ _COMMON: dict[str, Any] = {
         "additionalProperties": {**_NUMBER, "minimum": -100, "maximum": 100},
         "maxProperties": 1024,
     },
+    "allowed_token_ids": {
+        "type": "array",
+        "items": {"type": "integer", "minimum": 0},
+        "minItems": 1,
+        "maxItems": 65536,
+    },
+    "bad_words": {
+        "type": "array",
+        "items": {"type": "string", "minLength": 1, "maxLength": 256, "pattern": "\\S"},
+        "maxItems": 128,
+    },
+    "truncate_prompt_tokens": {
+        "oneOf": [{"const": -1}, {"type": "integer", "minimum": 1, "maximum": 8192}]
+    },
 }
 _TOOL = {
     "type": "object",

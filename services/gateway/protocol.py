@@ -35,12 +35,7 @@ TEMPLATE_VARIABLES = frozenset(
     {"messages", "tools", "add_generation_prompt", "continue_final_message", "documents"}
 )
 # vLLM sampling extensions this server does not implement (a non-empty value is a 400)
-UNSUPPORTED_SAMPLING = (
-    "allowed_token_ids",
-    "bad_words",
-    "prompt_logprobs",
-    "truncate_prompt_tokens",
-)
+UNSUPPORTED_SAMPLING = ("prompt_logprobs",)
 MAX_INT = 2**31 - 1
 SEED_RANGE = (-(2**63), 2**63 - 1)
 
@@ -65,6 +60,13 @@ MAX_STOP_TOKEN_IDS = 256
 # logit_bias: OpenAI's bounds on each bias; the entry count bounds the per-step scatter.
 LOGIT_BIAS_RANGE = (-100.0, 100.0)
 MAX_LOGIT_BIAS = 1024
+# allowed_token_ids: a whitelist is gathered and put back each step, O(its length); this bounds
+# that and the message while admitting any real restriction (a vocabulary's digits, a class).
+MAX_ALLOWED_TOKEN_IDS = 65536
+# bad_words: each is matched against the output's tail every step; vLLM's own bounds on the
+# count (its tokens: MAX_BAD_WORDS_TOKENS, checked by the tokenizer once it encodes them).
+MAX_BAD_WORDS = 128
+MAX_BAD_WORD_CHARS = 256
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,9 @@ class ApiRequest:
     chat_template_kwargs: str = ""
     # stream_options.continuous_usage_stats (vLLM's): every chunk carries the usage so far
     continuous_usage: bool = False
+    # vLLM's: words the output may not contain; the prompt cut to its last N tokens
+    bad_words: list[str] = dataclasses.field(default_factory=list)
+    truncate_prompt_tokens: int | None = None
 
 
 def parse_completion(raw: Any, config: GatewayConfig) -> ApiRequest:
@@ -107,7 +112,9 @@ def parse_completion(raw: Any, config: GatewayConfig) -> ApiRequest:
         raise bad_request("'best_of' is only supported equal to 'n'.", "best_of")
     max_tokens = body.integer("max_tokens", 16, 1, config.max_completion_tokens)
     if token_ids is not None:
-        check_context(len(token_ids), max_tokens, "max_tokens", config)
+        truncate = parse_truncation(body, config)
+        kept = len(token_ids) if truncate is None else min(len(token_ids), truncate)
+        check_context(kept, max_tokens, "max_tokens", config)
     logprobs = body.optional_integer("logprobs", 0, 5)
     response_format = parse_structured_output(body)  # (vLLM's completions take it too)
     api = finish(body, "completion", model, n, max_tokens, logprobs, config, prompt, token_ids)
@@ -208,6 +215,7 @@ def finish(
     return ApiRequest(
         kind, model, n, stream, include_usage, params, prompt, prompt_token_ids, messages,
         priority, sampling_unset=unset, continuous_usage=continuous_usage,
+        bad_words=parse_bad_words(body), truncate_prompt_tokens=parse_truncation(body, config),
     )  # fmt: skip
 
 
@@ -422,6 +430,70 @@ def parse_token_ids(body: Body, name: str) -> list[int]:
     return list(value)
 
 
+def parse_allowed_token_ids(body: Body) -> list[int]:
+    """vLLM's whitelist; ids are checked against the vocabulary by the executor. An empty list
+    would allow nothing: a 400, as in vLLM."""
+    value = body.get("allowed_token_ids")
+    if value is None:
+        return []
+    ok = isinstance(value, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_TOKEN_ID for t in value
+    )
+    if not ok:
+        raise wrong_type("allowed_token_ids", "an array of token ids", value)
+    if not value or len(value) > MAX_ALLOWED_TOKEN_IDS:
+        raise bad_request(
+            f"'allowed_token_ids' must hold 1 to {MAX_ALLOWED_TOKEN_IDS} token ids, got "
+            f"{len(value)}.",
+            "allowed_token_ids",
+            "invalid_value",
+        )
+    return sorted(set(value))
+
+
+def parse_bad_words(body: Body) -> list[str]:
+    """vLLM's ``bad_words``: non-blank strings (the tokenizer encodes them)."""
+    value = body.get("bad_words")
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(w, str) for w in value):
+        raise wrong_type("bad_words", "an array of strings", value)
+    if len(value) > MAX_BAD_WORDS:
+        raise bad_request(
+            f"'bad_words' may hold at most {MAX_BAD_WORDS} words, got {len(value)}.",
+            "bad_words",
+            "invalid_value",
+        )
+    for word in value:
+        if not word.strip() or len(word) > MAX_BAD_WORD_CHARS:
+            raise bad_request(
+                f"Each of 'bad_words' must be 1 to {MAX_BAD_WORD_CHARS} characters and not "
+                f"blank, got {word!r}.",
+                "bad_words",
+                "invalid_value",
+            )
+        unicode_text(word, "bad_words")
+    return list(value)
+
+
+def parse_truncation(body: Body, config: GatewayConfig) -> int | None:
+    """vLLM's ``truncate_prompt_tokens``: keep the prompt's last N tokens (-1: as many as the
+    context holds); more than the context is a 400, as in vLLM."""
+    value = body.optional_int("truncate_prompt_tokens")
+    if value is None:
+        return None
+    if value == -1:
+        return config.max_model_len
+    if not 1 <= value <= config.max_model_len:
+        raise bad_request(
+            f"'truncate_prompt_tokens' must be -1 (the context length) or within 1.."
+            f"{config.max_model_len} (this server's context length), got {value}.",
+            "truncate_prompt_tokens",
+            "invalid_value",
+        )
+    return value
+
+
 def parse_logit_bias(body: Body) -> list[tuple[int, float]]:
     """OpenAI's ``{"<token id>": bias}`` with biases in [-100, 100]; ids are checked against
     the vocabulary by the executor (the gateway does not know it)."""
@@ -487,6 +559,7 @@ def parse_sampling(
         logit_bias=logit_bias,
         min_tokens=body.integer("min_tokens", 0, 0, max_tokens),
         include_stop_str_in_output=body.boolean("include_stop_str_in_output", False),
+        allowed_token_ids=parse_allowed_token_ids(body),
     )
 
 

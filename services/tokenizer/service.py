@@ -33,6 +33,9 @@ from services.tokenizer.grammars import grammar_for
 
 log = logging.getLogger("meshserve.tokenizer")
 
+# vLLM's bound on all of a request's bad words, encoded (each is matched every step).
+MAX_BAD_WORDS_TOKENS = 1024
+
 
 @dataclass(frozen=True)
 class TokenizerConfig:
@@ -188,6 +191,8 @@ class TokenizerService:
         if req.deadline and req.deadline < time.time():
             raise RequestError("The request timed out.", 504, "timeout_error", None, "timeout")
         ids, field = self.encode(req)
+        if req.truncate_prompt_tokens is not None:
+            ids = ids[-req.truncate_prompt_tokens :]  # vLLM's: the prompt's last N tokens
         trace.get_current_span().set_attribute(Attr.PROMPT_TOKENS, len(ids))
         if not ids:
             raise RequestError("the prompt is empty", param=field)
@@ -200,6 +205,11 @@ class TokenizerService:
             )
         if defaults := {k: v for k, v in self.sampling_defaults.items() if k in req.sampling_unset}:
             req = dataclasses.replace(req, params=dataclasses.replace(req.params, **defaults))
+        if req.bad_words:
+            words = bad_words_token_ids(self.tokenizer, req.bad_words)
+            req = dataclasses.replace(
+                req, params=dataclasses.replace(req.params, bad_words_token_ids=words)
+            )
         grammar = grammar_for(req.response_format, req.tools, self.tool_format)
         room = self.max_model_len - len(ids)
         if req.params.max_tokens > room:
@@ -237,6 +247,26 @@ class TokenizerService:
                     grammar=grammar,
                 ),
             )
+
+
+def bad_words_token_ids(tokenizer: Tokenizer, words: list[str]) -> list[list[int]]:
+    """vLLM's encoding of ``bad_words``: each word as it starts a text, and with a leading
+    space as it follows another word, the second kept only where the space makes another first
+    token of the same length (a SentencePiece tokenizer gives both forms one encoding)."""
+    out: list[list[int]] = []
+    for word in words:
+        alone = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        if not alone:  # (the gateway admits no blank word)
+            continue
+        out.append(alone)
+        if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
+            out.append(spaced)
+    if sum(len(ids) for ids in out) > MAX_BAD_WORDS_TOKENS:
+        raise RequestError(
+            f"'bad_words' encode to more than {MAX_BAD_WORDS_TOKENS} tokens.", param="bad_words"
+        )
+    return out
 
 
 def chat_turn(message: ChatMessage) -> dict[str, Any]:

@@ -2,17 +2,18 @@
 sampler, its results read back with one.
 
 The batch mixes every path a serving step takes (greedy, temperature, top-k, top-p, min-p,
-penalties, logit bias, seeded rows, logprobs with top-N). On CUDA the sampler runs under
-``torch.cuda.set_sync_debug_mode("error")``, which raises at any operation that waits for the
-device (``.item()``, ``.tolist()``, a boolean-mask index, a blocking copy), so the section
-reports the first such operation or none. The results are then checked against the CPU: greedy
-rows equal the argmax, every sampled token is one its row's filters keep, and the logprobs
-equal a float64 log-softmax of the same logits. On the CPU the same rows are checked and timed;
-``host_waits`` says the wait check needs CUDA.
+penalties, logit bias, allowed tokens, bad words, seeded rows, logprobs with top-N). On CUDA
+the sampler runs under ``torch.cuda.set_sync_debug_mode("error")``, which raises at any
+operation that waits for the device (``.item()``, ``.tolist()``, a boolean-mask index, a
+blocking copy), so the section reports the first such operation or none. The results are then
+checked against the CPU: greedy rows equal the argmax, every sampled token is one its row's
+filters keep, and the logprobs equal a float64 log-softmax of the same logits. On the CPU the
+same rows are checked and timed; ``host_waits`` says the wait check needs CUDA.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -31,6 +32,8 @@ ROW_KINDS: tuple[SamplingParams, ...] = (
     SamplingParams(temperature=1.0, top_p=0.95, top_k=200, repetition_penalty=1.2),
     SamplingParams(temperature=0.9, frequency_penalty=0.5, presence_penalty=0.3, logprobs=3),
     SamplingParams(temperature=1.0, logit_bias=((3, 5.0), (11, -100.0))),
+    SamplingParams(temperature=0.9, allowed_token_ids=(1, 5, 9, 200), logprobs=2),
+    SamplingParams(temperature=0.0, bad_words_token_ids=((7,), (4, 2))),
 )
 
 
@@ -81,6 +84,8 @@ def check_rows(logits: torch.Tensor, inp: SamplerInput, host: SampledOnHost) -> 
         token = host.token_ids[i]
         if p.is_greedy and token != int(ref[i].argmax()):
             problems.append(f"row {i}: greedy token {token}, argmax {int(ref[i].argmax())}")
+        if ref[i, token] == -math.inf:
+            problems.append(f"row {i}: token {token} is banned (allowed_token_ids, bad_words)")
         if p.top_k > 0 and int((ref[i] > ref[i, token]).sum()) >= p.top_k:
             problems.append(f"row {i}: token {token} is outside the top {p.top_k}")
         if p.logprobs is None:
