@@ -1,9 +1,10 @@
 """The wire codec: typed, versioned, msgpack-encoded messages, validated on decode.
 
-A message is a frozen dataclass; on the wire it is a msgpack map with its fields plus ``"t"``
-(type name) and ``"v"`` (schema version). ``decode`` checks the tag, the version and every
-field's type (nested messages included) and raises ``MessageError`` naming the bad field, so a
-malformed message is a clear error for the receiver, never a crash deep in a handler.
+A message is a frozen dataclass; on the wire it is a msgpack map with its fields (those that
+differ from their defaults) plus ``"t"`` (type name) and ``"v"`` (schema version). ``decode``
+checks the tag, the version and every field's type (nested messages included) and raises
+``MessageError`` naming the bad field, so a malformed message is a clear error for the
+receiver, never a crash deep in a handler.
 
 The decoder resolves a class's field types with ``typing.get_type_hints`` in the globals of
 the module that defines it: a message whose fields name a message class of another module must
@@ -39,7 +40,14 @@ class Message:
     VERSION: ClassVar[int] = SCHEMA_VERSION
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}  # type: ignore[arg-type]
+        """The fields that differ from their defaults (the decoder fills in the rest): a field
+        a message rarely sets costs nothing on the wire."""
+        out = {}
+        for name, has_default, default in _defaults(cast(Any, type(self))):
+            value = getattr(self, name)
+            if not has_default or value != default:
+                out[name] = _plain(value)
+        return out
 
     def encode(self) -> bytes:
         payload = self.to_dict()
@@ -120,6 +128,20 @@ def _plain(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}
     return value
+
+
+@functools.cache
+def _defaults(cls: Any) -> tuple[tuple[str, bool, Any], ...]:  # a Message subclass
+    """Each field's name, whether it has a default, and that default (a factory's value)."""
+    out = []
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            out.append((f.name, True, f.default))
+        elif f.default_factory is not dataclasses.MISSING:
+            out.append((f.name, True, f.default_factory()))
+        else:
+            out.append((f.name, False, None))
+    return tuple(out)
 
 
 # Decoding is on every hop of a request, so each message class's field types are turned into
