@@ -29,6 +29,7 @@ from gpu.attention.metadata import SeqChunk
 from gpu.config import ModelError
 from gpu.overlap import OverlappedSteps, overlap_blocker
 from gpu.page_manager import KVEvent, PageManager
+from gpu.prompt_logprobs import PromptLogprobs, PromptScoring
 from gpu.runner import ModelRunner
 from gpu.sampling import SampledOnHost, Sampler, SamplerInput, SamplerOutput
 from gpu.sampling_params import SamplingParams, make_generator, skip_draws
@@ -88,6 +89,8 @@ class StepOutput:
     # The last new token is a stop token (an EOS, or one of ``stop_token_ids``) that ended the
     # sequence: counted and kept, but its text is not part of the completion (as in vLLM).
     stop_token: bool = False
+    # With the first token of a request that asked for them (``gpu.prompt_logprobs``)
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class Engine:
@@ -195,6 +198,9 @@ class Engine:
                 raise ValueError(f"{name}: {exc}") from None
         seq = Sequence(request_id, list(prompt_token_ids), params)
         seq.output_token_ids = list(output_token_ids)
+        if params.prompt_logprobs is not None and not output_token_ids:
+            # (a continuation's client has them: they came with its first token)
+            seq.prompt_scoring = PromptScoring(params.prompt_logprobs)
         if grammar is not None:
             # gpu.grammar loads xgrammar (~0.6 s more than torch): only an engine that meets
             # a constrained request pays it, not every process that imports the engine.
@@ -341,11 +347,23 @@ class Engine:
     @staticmethod
     def _logits_rows(seq: Sequence, num_new: int) -> int:
         """Logits rows a scheduled chunk needs: its last token's, plus one per draft token the
-        chunk reaches (verified this step; a draft cut short by the budget is truncated)."""
+        chunk reaches (verified this step; a draft cut short by the budget is truncated), or
+        one per prompt position it scores (``gpu.prompt_logprobs``)."""
+        if seq.prompt_scoring is not None:
+            return seq.prompt_scoring.rows(seq.num_computed, num_new, len(seq.prompt_token_ids))
         end = seq.num_computed + num_new
         if seq.draft is None or end < seq.num_tokens:
             return 1
         return end - seq.num_tokens + 1
+
+    @staticmethod
+    def _score_prompt(seq: Sequence, num_new: int, logits: torch.Tensor, first_row: int) -> None:
+        """Queue the prompt logprobs of a scoring sequence's chunk (before ``num_computed``
+        moves past it)."""
+        if seq.prompt_scoring is not None:
+            seq.prompt_scoring.queue(
+                logits, first_row, seq.num_computed, num_new, seq.prompt_token_ids
+            )
 
     def _forward(self, plan: SchedulerOutput) -> torch.Tensor:
         chunks = []
@@ -356,9 +374,9 @@ class Engine:
             chunks.append(SeqChunk(tuple(seq.table.pages), seq.num_computed, item.num_new))
             tokens.append(seq.token_ids_at(seq.num_computed, item.num_new))
             rows.append(self._logits_rows(seq, item.num_new))
-        spec = any(n > 1 for n in rows)
+        several = any(n > 1 for n in rows)
         self.num_forward_passes += 1
-        return self.runner.execute(chunks, tokens, num_logits=rows if spec else None)
+        return self.runner.execute(chunks, tokens, num_logits=rows if several else None)
 
     def _postprocess(self, plan: SchedulerOutput, logits: torch.Tensor) -> list[StepOutput]:
         # Only sequences that caught up with their real tokens sample (or verify their draft);
@@ -369,6 +387,7 @@ class Engine:
         for item in plan.scheduled:
             seq = item.seq
             num_rows = self._logits_rows(seq, item.num_new)
+            self._score_prompt(seq, item.num_new, logits, row)
             seq.num_computed += item.num_new
             self.pages.commit_full_pages(
                 seq.table, seq.all_token_ids, min(seq.num_computed, seq.num_tokens)
@@ -542,6 +561,10 @@ class Engine:
                 tokens = tokens[:n]
                 logprobs = logprobs[:n] if logprobs is not None else None
                 break
+        prompt_logprobs = None
+        if seq.prompt_scoring is not None:
+            prompt_logprobs = seq.prompt_scoring.result(seq.prompt_token_ids)
+            seq.prompt_scoring = None
         output = StepOutput(
             request_id=seq.request_id,
             new_token_ids=tokens,
@@ -551,6 +574,7 @@ class Engine:
             cached_tokens=seq.num_cached_prompt_tokens,
             logprobs=logprobs,
             stop_token=reason is not None and self._is_stop_token(seq.params, tokens[-1]),
+            prompt_logprobs=prompt_logprobs,
         )
         if reason is not None:
             seq.status = SeqStatus.FINISHED

@@ -137,13 +137,22 @@ class OverlappedSteps:
         if positions:
             assert prev is not None  # only its samplers hold a token in flight
             feed = TokenFeed(prev.sampled.token_ids, positions, rows)
+        # One logits row per chunk, or one per prompt position a scoring sequence scores
+        # (gpu/prompt_logprobs): no drafts here.
+        num_rows = [engine._logits_rows(item.seq, item.num_new) for item in plan.scheduled]
+        several = any(n > 1 for n in num_rows)
         engine.num_forward_passes += 1
-        logits = engine.runner.execute(chunks, tokens, feed=feed)
+        logits = engine.runner.execute(
+            chunks, tokens, feed=feed, num_logits=num_rows if several else None
+        )
         samplers = []
-        for row, item in enumerate(plan.scheduled):
+        row = 0
+        for item, n in zip(plan.scheduled, num_rows, strict=True):
+            engine._score_prompt(item.seq, item.num_new, logits, row)
             item.seq.num_computed += item.num_new
             if item.seq.num_computed >= item.seq.num_tokens:
-                samplers.append((item.seq, row))
+                samplers.append((item.seq, row + n - 1))
+            row += n
         return _Launched([item.seq for item in plan.scheduled], samplers, logits)
 
     def _finish(self, prev: _InFlight) -> list[StepOutput]:

@@ -56,6 +56,8 @@ class SamplingParams:
     # prefix, -inf.
     allowed_token_ids: tuple[int, ...] = ()
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    # vLLM's: each prompt token's logprob, rank and top-N alternatives (gpu.prompt_logprobs)
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         def real_in(name: str, lo: float, hi: float, lo_open: bool = False) -> None:
@@ -95,12 +97,12 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", stop)  # accept a list, store a tuple
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
-        if self.logprobs is not None and (
-            not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
-        ):
-            raise ValueError(
-                f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"
-            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(
+                    f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {value!r}"
+                )
         bias = tuple((pair[0], pair[1]) for pair in self.logit_bias)
         if not all(_is_int(t) and t >= 0 and _is_real(b) and -100.0 <= b <= 100.0 for t, b in bias):
             raise ValueError(

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from gpu.page_manager import PageManager
+from gpu.prompt_logprobs import PROMPT_CHUNK_TOKENS
 from gpu.sequence import SeqStatus, Sequence
 
 
@@ -113,7 +114,7 @@ class Scheduler:
             if seq.num_pending == 0:  # its in-flight token ends it (gpu/overlap.py): nothing to run
                 i += 1
                 continue
-            num_new = min(seq.num_pending, budget)
+            num_new = self._chunk(seq, budget)
             while not self.pages.allocate(seq.table, seq.num_computed + num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -151,11 +152,13 @@ class Scheduler:
     def _admit(self, budget: int, scheduled: list[ScheduledSeq]) -> int:
         while self.waiting and budget > 0 and self.num_slots_taken < self.config.max_num_seqs:
             seq = self.waiting[0]
-            cached = self.pages.match_prefix(seq.table, seq.all_token_ids)
+            # A cached position has no logits to score the prompt with (gpu/prompt_logprobs)
+            scoring = seq.prompt_scoring is not None
+            cached = 0 if scoring else self.pages.match_prefix(seq.table, seq.all_token_ids)
             seq.num_computed = cached
             if not seq.admitted:
                 seq.num_cached_prompt_tokens = min(cached, len(seq.prompt_token_ids))
-            num_new = min(seq.num_pending, budget)
+            num_new = self._chunk(seq, budget)
             if not self.pages.allocate(seq.table, seq.num_computed + num_new):
                 # Let go of the matched prefix: a waiting sequence holds no pages. Held, they
                 # could lock out a sequence preempted ahead of it, with nothing left running.
@@ -171,6 +174,13 @@ class Scheduler:
             scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
         return budget
+
+    @staticmethod
+    def _chunk(seq: Sequence, budget: int) -> int:
+        """Tokens to compute for ``seq`` this step: what it has pending, within the budget
+        (and ``PROMPT_CHUNK_TOKENS`` while it scores its prompt: a logits row each)."""
+        limit = budget if seq.prompt_scoring is None else min(budget, PROMPT_CHUNK_TOKENS)
+        return min(seq.num_pending, limit)
 
     def _preempt(self, seq: Sequence) -> None:
         self.pages.free(seq.table)

@@ -15,6 +15,7 @@ from gpu.spec_decode import DraftLength, Proposal
 
 if TYPE_CHECKING:  # xgrammar (~0.9 s to import) loads with the first constrained request
     from gpu.grammar import GrammarState
+    from gpu.prompt_logprobs import PromptScoring
 
 
 # Stands for a token the device has sampled and the host not yet read (the overlapped step
@@ -63,6 +64,8 @@ class Sequence:
     # 1 while the token sampled last step is still on the device (counted in ``num_tokens``,
     # not in ``output_token_ids``: ``token_ids_at`` gives INFLIGHT_TOKEN for it).
     num_inflight: int = 0
+    # vLLM's prompt_logprobs, scored by the prefill chunks until the first token carries them
+    prompt_scoring: PromptScoring | None = None
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -10,11 +10,15 @@ import signal
 import time
 
 import aiohttp
+import pytest
+import torch
 
 from common.nats_server import free_port_range
+from common.tokenizer import Tokenizer
 from gpu.sampling_params import SamplingParams
 from services.launcher.mesh import LocalMesh
 from tests.mesh import metric_value
+from tests.models import hf_model
 from tests.test_reliability import pid_of, stream_outcome, until_running
 
 PROMPTS = ["Hello world", "The quick brown fox jumps over", "Serving language models " * 6]
@@ -68,10 +72,24 @@ async def wait_idle(mesh: LocalMesh, executors: list[str], timeout: float = 20) 
         await asyncio.sleep(0.2)
 
 
-async def test_pair_equals_mixed_engine_and_transformers(process_mesh, offline):
+async def test_pair_equals_mixed_engine_and_transformers(process_mesh, offline, tiny_llama):
     mesh = start_pair(process_mesh)
     base = mesh.base_url + "/v1"
     async with aiohttp.ClientSession() as session:
+        # The prefill executor scores the prompt (echo, logprobs: vLLM's prompt_logprobs) and
+        # sends its logprobs with the first token; the decode executor goes on from there.
+        body = {"model": "tiny", "prompt": PROMPTS[2], "echo": True, "logprobs": 1}
+        async with session.post(f"{base}/completions", json={**body, "max_tokens": 3}) as resp:
+            echoed = (await resp.json())["choices"][0]
+        assert echoed["text"].startswith(PROMPTS[2])
+        ids = Tokenizer.from_folder(tiny_llama).encode(PROMPTS[2])
+        with torch.no_grad():
+            logits = hf_model(tiny_llama)(torch.tensor([ids])).logits[0, :-1].float()
+        want = torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:]).unsqueeze(1))
+        scored = echoed["logprobs"]["token_logprobs"]
+        assert len(scored) == len(ids) + 3 and scored[0] is None
+        assert scored[1 : len(ids)] == pytest.approx(want.squeeze(1).tolist(), abs=2e-4)
+        assert metric(mesh, "prefill-0", "meshserve:kv_transfer_bytes_total") > 0
         for prompt in PROMPTS:
             greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
             ours, hf = offline(prompt, greedy)

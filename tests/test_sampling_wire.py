@@ -34,6 +34,8 @@ WIRE = WireSamplingParams(
     include_stop_str_in_output=True,
     allowed_token_ids=[1, 2, 3],
     bad_words_token_ids=[[4, 5], [6]],
+    prompt_logprobs=2,
+    echo=True,
 )
 
 
@@ -41,7 +43,7 @@ def test_every_wire_field_is_carried_or_the_detokenizers() -> None:
     """Adding a field to one type and not the other fails here (and at import)."""
     wire = {f.name for f in dataclasses.fields(WireSamplingParams)}
     engine = {f.name for f in dataclasses.fields(SamplingParams)}
-    text_only = {"stop", "skip_special_tokens", "include_stop_str_in_output"}
+    text_only = {"stop", "skip_special_tokens", "include_stop_str_in_output", "echo"}
     assert wire - engine == WireSamplingParams.DETOKENIZER_ONLY == text_only
     assert engine <= wire, f"engine fields the wire cannot carry: {engine - wire}"
     assert sampling.unmatched_fields() == (set(), set())

@@ -22,6 +22,18 @@ class WireTokenLogprob(Message):
 
 
 @dataclass(frozen=True)
+class WirePromptLogprobs(Message):
+    """The engine's ``gpu.prompt_logprobs.PromptLogprobs`` (vLLM's ``prompt_logprobs``):
+    ``logprobs[i]``, ``ranks[i]`` and ``top[i]`` (the top-N ``(token id, logprob)``) are those
+    of ``token_ids[i + 1]``, the first prompt token having none."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    ranks: list[int]
+    top: list[list[tuple[int, float]]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
 class StreamStart(Message):
     """What the detokenizer needs to know about a request, sent once with its first tokens
     from an executor (per-request fields never ride along in every step's message)."""
@@ -52,6 +64,9 @@ class StreamStart(Message):
     # stream; ``include_stop_str_in_output`` keeps the stop string (or stop token) that ends it.
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
+    # Completions' echo with a prompt of token ids: the detokenizer decodes them for the first
+    # delta (``TextDelta.prompt_text``); empty otherwise, and for a continuation.
+    echo_prompt_ids: list[int] = field(default_factory=list)
 
 
 PROMPT_TAIL_TOKENS = 5  # (common.tokenizer.IncrementalDetokenizer's context)
@@ -71,6 +86,8 @@ class SeqTokens(Message):
     # The last token is the stop token that ended the request (``StepOutput.stop_token``):
     # counted, recorded and given its logprob, but no text.
     stop_token: bool = False
+    # With a request's first token, when it asked for them
+    prompt_logprobs: WirePromptLogprobs | None = None
 
 
 @dataclass(frozen=True)

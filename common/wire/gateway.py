@@ -26,6 +26,18 @@ class TextLogprob(Message):
 
 
 @dataclass(frozen=True)
+class TextPromptLogprobs(Message):
+    """A ``WirePromptLogprobs`` with its tokens' text: ``texts[id]`` for every token id in it
+    (the prompt's and the alternatives')."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    ranks: list[int]
+    top: list[list[tuple[int, float]]]
+    texts: dict[int, str]
+
+
+@dataclass(frozen=True)
 class Usage(Message):
     prompt_tokens: int
     completion_tokens: int
@@ -48,6 +60,10 @@ class TextDelta(Message):
     # text is still held back (half a character, a possible stop string) included. The gateway
     # keeps them as the record of what its client has, and resumes a lost stream from them.
     token_ids: list[int] = field(default_factory=list)
+    # On a stream's first delta, when asked for: the prompt's logprobs, and (completions'
+    # echo of a prompt of token ids) the prompt decoded
+    prompt_logprobs: TextPromptLogprobs | None = None
+    prompt_text: str | None = None
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ class WireSamplingParams(Message):
     # Applied to text by the detokenizer (it gets them in ``StreamStart``); the engine never
     # sees them.
     DETOKENIZER_ONLY: ClassVar[frozenset[str]] = frozenset(
-        {"stop", "skip_special_tokens", "include_stop_str_in_output"}
+        {"stop", "skip_special_tokens", "include_stop_str_in_output", "echo"}
     )
 
     max_tokens: int = 16
@@ -56,6 +56,10 @@ class WireSamplingParams(Message):
     # them (``GenerateRequest.bad_words``): the sampler bans what would complete one.
     allowed_token_ids: list[int] = field(default_factory=list)
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    # vLLM's prompt_logprobs (top-N per prompt token); completions' echo: the first delta
+    # carries the prompt's text (decoded by the detokenizer for a prompt of token ids)
+    prompt_logprobs: int | None = None
+    echo: bool = False
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from opentelemetry.trace import Span
 
@@ -35,10 +36,18 @@ from common.wire.detokenizer import (
     StepTokens,
     StreamProgressReply,
     StreamProgressRequest,
+    WirePromptLogprobs,
     WireTokenLogprob,
 )
 from common.wire.executor import AbortRequests
-from common.wire.gateway import ErrorEvent, TextDelta, TextDeltas, TextLogprob, Usage
+from common.wire.gateway import (
+    ErrorEvent,
+    TextDelta,
+    TextDeltas,
+    TextLogprob,
+    TextPromptLogprobs,
+    Usage,
+)
 from gpu.gguf import resolve_model_path
 from services.detokenizer.stops import StopMatcher
 
@@ -103,6 +112,9 @@ class Stream:
     deltas_sent: int = 0  # TextDelta.seq of the last delta sent
     unsent_ids: list[int] = field(default_factory=list)  # received since the last delta sent
     min_tokens: int = 0  # output tokens no stop string may end it within (vLLM's min_tokens)
+    # for the first delta sent, when asked for: the prompt's logprobs and its echoed text
+    prompt_logprobs: TextPromptLogprobs | None = None
+    prompt_text: str | None = None
 
 
 class DetokenizerService:
@@ -266,6 +278,10 @@ class DetokenizerService:
             ),
             source=source,
         )
+        if start.echo_prompt_ids:
+            stream.prompt_text = self.tokenizer.decode(
+                start.echo_prompt_ids, skip_special_tokens=start.skip_special_tokens
+            )
         if start.output_token_ids:
             self.replay(stream, start.output_token_ids)
         self.streams[rid] = stream
@@ -285,6 +301,8 @@ class DetokenizerService:
     def advance(self, stream: Stream, seq: SeqTokens) -> TextDelta | None:
         rid = seq.request_id
         ids, logprobs_in = seq.token_ids, seq.logprobs
+        if seq.prompt_logprobs is not None:
+            stream.prompt_logprobs = self.prompt_logprobs(seq.prompt_logprobs)
         # The stop token that ended it (an EOS, a stop_token_ids entry) has no text in the
         # completion, as in vLLM: "<|im_end|>" with skip_special_tokens off, say.
         # (include_stop_str_in_output keeps it, as it keeps a stop string)
@@ -325,13 +343,17 @@ class DetokenizerService:
                 logprobs=self.logprobs(logprobs_in),
                 seq=stream.deltas_sent,
                 token_ids=self.take_unsent(stream),
+                **self.take_prompt(stream),
             )
         self.end(rid, finish)
         usage = self.usage(stream)
         stream.deltas_sent += 1
         logprobs = self.logprobs(logprobs_in)
         unsent = self.take_unsent(stream)
-        return TextDelta(rid, text, finish, usage, logprobs, stream.deltas_sent, unsent)
+        return TextDelta(
+            rid, text, finish, usage, logprobs, stream.deltas_sent, unsent,
+            **self.take_prompt(stream),
+        )  # fmt: skip
 
     @staticmethod
     def usage(stream: Stream) -> Usage:
@@ -341,6 +363,13 @@ class DetokenizerService:
     def take_unsent(stream: Stream) -> list[int]:
         ids, stream.unsent_ids = stream.unsent_ids, []
         return ids
+
+    @staticmethod
+    def take_prompt(stream: Stream) -> dict[str, Any]:
+        """The prompt's logprobs and echoed text, for the first delta sent (then gone)."""
+        taken = {"prompt_logprobs": stream.prompt_logprobs, "prompt_text": stream.prompt_text}
+        stream.prompt_logprobs = stream.prompt_text = None
+        return taken
 
     def end(self, request_id: str, reason: str) -> None:
         """Forget a stream (its tokens still on the way are dropped) and close its span."""
@@ -382,6 +411,11 @@ class DetokenizerService:
                 self.end(rid, "timeout")
         self.ended.prune()
         self.withdrawn.prune()
+
+    def prompt_logprobs(self, wire: WirePromptLogprobs) -> TextPromptLogprobs:
+        ids = set(wire.token_ids) | {t for top in wire.top for t, _ in top}
+        texts = {t: self.tokenizer.token_text(t) for t in ids}
+        return TextPromptLogprobs(wire.token_ids, wire.logprobs, wire.ranks, wire.top, texts)
 
     def logprobs(self, entries: list[WireTokenLogprob] | None) -> list[TextLogprob] | None:
         if entries is None:

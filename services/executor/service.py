@@ -38,6 +38,7 @@ from common.wire.detokenizer import (
     SeqTokens,
     StepTokens,
     StreamStart,
+    WirePromptLogprobs,
     WireTokenLogprob,
 )
 from common.wire.executor import (
@@ -600,6 +601,14 @@ class ExecutorService:
                     migrations=req.migrations,
                     min_tokens=req.params.min_tokens,
                     include_stop_str_in_output=req.params.include_stop_str_in_output,
+                    echo_prompt_ids=req.prompt_token_ids
+                    if req.params.echo and not req.output_token_ids
+                    else [],
+                )
+            prompt_logprobs = None
+            if (plp := out.prompt_logprobs) is not None:
+                prompt_logprobs = WirePromptLogprobs(
+                    plp.token_ids, plp.logprobs, plp.ranks, plp.top
                 )
             logprobs = None
             if out.logprobs is not None:
@@ -618,6 +627,7 @@ class ExecutorService:
                     if self.prefill_side is not None
                     else None,
                     stop_token=out.stop_token,
+                    prompt_logprobs=prompt_logprobs,
                 )
             )
         limit = self.svc.nc.max_payload - PAYLOAD_HEADROOM
@@ -627,14 +637,17 @@ class ExecutorService:
             )
             messages, too_large = encode_within(seqs, step, limit)
             for seq in too_large:
+                what, param = ("prompt logprobs", "prompt_logprobs")
+                if seq.prompt_logprobs is None:
+                    what, param = ("stop strings", "stop")
                 await self.fail_request(
                     seq.request_id,
                     ErrorEvent(
                         seq.request_id,
                         400,
-                        "The request's stop strings are too large to stream "
+                        f"The request's {what} are too large to stream "
                         f"(over the message bus's {limit}-byte payload limit).",
-                        param="stop",
+                        param=param,
                     ),
                 )
             for data, in_message in messages:

@@ -66,6 +66,7 @@ _COMMON: dict[str, Any] = {
         "items": {"type": "string", "minLength": 1, "maxLength": 256, "pattern": "\\S"},
         "maxItems": 128,
     },
+    "prompt_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
     "truncate_prompt_tokens": {
         "oneOf": [{"const": -1}, {"type": "integer", "minimum": 1, "maximum": 8192}]
     },
@@ -143,6 +144,7 @@ SPEC: dict[str, Any] = {
                             ]
                         },
                         "logprobs": {"type": "integer", "minimum": 0, "maximum": 5},
+                        "echo": {"type": "boolean"},
                     },
                     ["prompt"],
                 ),

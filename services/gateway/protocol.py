@@ -3,8 +3,8 @@
 Validation follows the OpenAI API (and vLLM where OpenAI is silent): optional fields may be
 absent or null; a wrong type or an out-of-range value is a 400 whose ``param`` names the field;
 an unknown ``model`` is a 404 ``model_not_found``. Unknown fields are ignored (clients send
-extras), but known features the mesh does not implement (echo, suffix, functions, ...) are
-rejected rather than silently dropped. ``tools``/``tool_choice``/``response_format`` are read
+extras), but known features the mesh does not implement (chat's echo, suffix, functions, ...)
+are rejected rather than silently dropped. ``tools``/``tool_choice``/``response_format`` are read
 by ``services.gateway.structured``. ``model`` may be omitted (it defaults to the served
 model, as in vLLM).
 """
@@ -34,8 +34,6 @@ MAX_TOKEN_ID = 2**31 - 1
 TEMPLATE_VARIABLES = frozenset(
     {"messages", "tools", "add_generation_prompt", "continue_final_message", "documents"}
 )
-# vLLM sampling extensions this server does not implement (a non-empty value is a 400)
-UNSUPPORTED_SAMPLING = ("prompt_logprobs",)
 MAX_INT = 2**31 - 1
 SEED_RANGE = (-(2**63), 2**63 - 1)
 
@@ -67,6 +65,8 @@ MAX_ALLOWED_TOKEN_IDS = 65536
 # count (its tokens: MAX_BAD_WORDS_TOKENS, checked by the tokenizer once it encodes them).
 MAX_BAD_WORDS = 128
 MAX_BAD_WORD_CHARS = 256
+# prompt_logprobs: vLLM's -1 (the whole vocabulary) is not offered; the engine's own bound.
+MAX_PROMPT_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
@@ -98,6 +98,8 @@ class ApiRequest:
     # vLLM's: words the output may not contain; the prompt cut to its last N tokens
     bad_words: list[str] = dataclasses.field(default_factory=list)
     truncate_prompt_tokens: int | None = None
+    # completions' echo: each choice's text (and logprobs) start with the prompt's
+    echo: bool = False
 
 
 def parse_completion(raw: Any, config: GatewayConfig) -> ApiRequest:
@@ -118,7 +120,13 @@ def parse_completion(raw: Any, config: GatewayConfig) -> ApiRequest:
     logprobs = body.optional_integer("logprobs", 0, 5)
     response_format = parse_structured_output(body)  # (vLLM's completions take it too)
     api = finish(body, "completion", model, n, max_tokens, logprobs, config, prompt, token_ids)
-    return dataclasses.replace(api, response_format=response_format)
+    echo = body.boolean("echo", False)
+    params = api.params
+    if echo:
+        # the prompt's logprobs head the choice's (vLLM: prompt_logprobs defaults to logprobs)
+        prompt_logprobs = logprobs if params.prompt_logprobs is None else params.prompt_logprobs
+        params = dataclasses.replace(params, echo=True, prompt_logprobs=prompt_logprobs)
+    return dataclasses.replace(api, response_format=response_format, echo=echo, params=params)
 
 
 def parse_chat(raw: Any, config: GatewayConfig) -> ApiRequest:
@@ -142,6 +150,8 @@ def parse_chat(raw: Any, config: GatewayConfig) -> ApiRequest:
     if top_logprobs is not None and not want_logprobs:
         raise bad_request("'logprobs' must be true when 'top_logprobs' is set.", "top_logprobs")
     logprobs = (top_logprobs or 0) if want_logprobs else None
+    if body.boolean("echo", False):  # (vLLM's chat echo repeats the last message)
+        raise bad_request("'echo' is not supported.", "echo", "unsupported_parameter")
     api = finish(body, "chat", model, n, max_tokens, logprobs, config, messages=messages)
     return dataclasses.replace(
         api,
@@ -204,12 +214,11 @@ def finish(
     messages: list[ChatMessage] | None = None,
 ) -> ApiRequest:
     """The fields both endpoints share: streaming and sampling."""
-    if body.boolean("echo", False):
-        raise bad_request("'echo' is not supported.", "echo", "unsupported_parameter")
     stream = body.boolean("stream", False)
     include_usage, continuous_usage = parse_stream_options(body, stream)
     body.string("user")  # accepted and ignored, but it must be a string
     params = parse_sampling(body, config, max_tokens, logprobs)
+    params = dataclasses.replace(params, prompt_logprobs=parse_prompt_logprobs(body, stream))
     priority = parse_priority(body, config.max_client_priority)
     unset = [key for key in SAMPLING_KEYS if body.get(key) is None]
     return ApiRequest(
@@ -494,6 +503,19 @@ def parse_truncation(body: Body, config: GatewayConfig) -> int | None:
     return value
 
 
+def parse_prompt_logprobs(body: Body, stream: bool) -> int | None:
+    """vLLM's ``prompt_logprobs``: top-N alternatives per prompt token, in the response (not
+    in a stream, as vLLM; completions' echo streams them within the logprobs)."""
+    value = body.optional_integer("prompt_logprobs", 0, MAX_PROMPT_LOGPROBS)
+    if value is not None and stream:
+        raise bad_request(
+            "'prompt_logprobs' are not available when 'stream' is true.",
+            "prompt_logprobs",
+            "unsupported_value",
+        )
+    return value
+
+
 def parse_logit_bias(body: Body) -> list[tuple[int, float]]:
     """OpenAI's ``{"<token id>": bias}`` with biases in [-100, 100]; ids are checked against
     the vocabulary by the executor (the gateway does not know it)."""
@@ -536,9 +558,6 @@ def parse_sampling(
     body: Body, config: GatewayConfig, max_tokens: int, logprobs: int | None
 ) -> WireSamplingParams:
     logit_bias = parse_logit_bias(body)
-    for name in UNSUPPORTED_SAMPLING:  # vLLM's, not done here: refused, never dropped
-        if body.get(name):
-            raise bad_request(f"'{name}' is not supported.", name, "unsupported_parameter")
     top_k = body.integer("top_k", -1, -1, MAX_INT)
     return WireSamplingParams(
         max_tokens=max_tokens,

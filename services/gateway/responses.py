@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common.runtime import RequestError
-from common.wire.gateway import TextDelta, TextLogprob, Usage
+from common.wire.gateway import TextDelta, TextLogprob, TextPromptLogprobs, Usage
 from services.gateway.protocol import ApiRequest
 from services.gateway.tool_calls import CallDelta, ToolCallParser
 
@@ -94,6 +94,53 @@ def completion_logprobs(entries: list[TextLogprob], text_offset: int) -> Json:
     }
 
 
+def echo_logprobs(prompt: TextPromptLogprobs, num_top: int) -> Json:
+    """The prompt's part of completions' logprobs under ``echo``, as vLLM gives it: the first
+    prompt token has no logprob nor alternatives (null), each other one its own and its top
+    ``num_top``; offsets count token characters from the prompt's start."""
+    tokens = [prompt.texts[t] for t in prompt.token_ids]
+    offsets, chars = [], 0
+    for token in tokens:
+        offsets.append(chars)
+        chars += len(token)
+    scored = zip(tokens[1:], prompt.logprobs, prompt.top, strict=True)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [None] + [clamp(lp) for lp in prompt.logprobs],
+        "top_logprobs": [None]
+        + [
+            {prompt.texts[t]: clamp(v) for t, v in top[:num_top]} | {token: clamp(lp)}
+            for token, lp, top in scored
+        ],
+        "text_offset": offsets,
+    }
+
+
+def joined(head: Json | None, tail: Json) -> Json:
+    """Completions' logprobs of the echoed prompt, then of the generated tokens."""
+    if head is None:
+        return tail
+    return {key: head[key] + tail[key] for key in tail}
+
+
+def prompt_logprobs_json(prompt: TextPromptLogprobs) -> list[Json | None]:
+    """vLLM's ``prompt_logprobs``: null for the first prompt token, then for each other one a
+    map from token id to its logprob, rank and text: the prompt token's own, then its top-N."""
+    out: list[Json | None] = [None]
+    for token, lp, rank, top in zip(
+        prompt.token_ids[1:], prompt.logprobs, prompt.ranks, prompt.top, strict=True
+    ):
+        entry = {
+            str(token): {"logprob": clamp(lp), "rank": rank, "decoded_token": prompt.texts[token]}
+        }
+        for r, (t, v) in enumerate(top, start=1):
+            entry.setdefault(
+                str(t), {"logprob": clamp(v), "rank": r, "decoded_token": prompt.texts[t]}
+            )
+        out.append(entry)
+    return out
+
+
 def chat_logprobs(entries: list[TextLogprob]) -> Json:
     return {
         "content": [
@@ -128,6 +175,9 @@ class Choice:
     token_chars: int = 0  # characters of the tokens streamed so far (completions text_offset)
     tools: ToolCallParser | None = None  # a chat request with tools: calls out of the text
     tokens: int = 0  # generated tokens received so far (the deltas' token_ids)
+    prompt: TextPromptLogprobs | None = None  # prompt_logprobs (with the first delta)
+    echoed: bool = False  # completions' echo: the prompt's text (and logprobs) went first
+    echo_logprobs: Json | None = None  # the prompt's part of the choice's logprobs
 
     @property
     def completion_tokens(self) -> int:
@@ -180,6 +230,17 @@ class ResponseBuilder:
         if delta.usage is not None:
             choice.usage = delta.usage
         text = delta.text
+        if delta.prompt_logprobs is not None:
+            choice.prompt = delta.prompt_logprobs
+        head = None  # the echoed prompt's logprobs, on its first chunk
+        if self.api.echo and not choice.echoed:
+            choice.echoed = True
+            prompt = self.api.prompt if self.api.prompt is not None else delta.prompt_text
+            text = (prompt or "") + text
+            num_top = self.api.params.logprobs
+            if num_top is not None and choice.prompt is not None:
+                head = choice.echo_logprobs = echo_logprobs(choice.prompt, num_top)
+                choice.token_chars = sum(len(t) for t in head["tokens"])
         if choice.tools is not None:
             text, calls = choice.tools.feed(text)
             if delta.finish_reason is not None:
@@ -190,7 +251,7 @@ class ResponseBuilder:
             entries = delta.logprobs or []
             content: Json = {"delta": {"content": text}} if self.chat else {"text": text}
             if self.api.params.logprobs is not None:
-                content["logprobs"] = self.logprobs(entries, choice.token_chars)
+                content["logprobs"] = joined(head, self.logprobs(entries, choice.token_chars))
             chunks.append(self.chunk(index, content))
             choice.text.append(text)
             choice.logprobs.extend(entries)
@@ -258,12 +319,19 @@ class ResponseBuilder:
                 body["message"]["tool_calls"] = [c.to_json() for c in choice.tools.calls]
             logprobs = None
             if self.api.params.logprobs is not None:
-                logprobs = self.logprobs(choice.logprobs, 0)
+                head = choice.echo_logprobs
+                start = sum(len(t) for t in head["tokens"]) if head is not None else 0
+                logprobs = joined(head, self.logprobs(choice.logprobs, start))
             choices.append(
                 {"index": i, **body, "logprobs": logprobs, "finish_reason": choice.finish_reason}
             )
+            if not self.chat and choice.prompt is not None:
+                choices[-1]["prompt_logprobs"] = prompt_logprobs_json(choice.prompt)
         kind = "chat.completion" if self.chat else "text_completion"
-        return {**self.head, "object": kind, "choices": choices, "usage": self.usage()}
+        out = {**self.head, "object": kind, "choices": choices, "usage": self.usage()}
+        if self.chat and self.choices[0].prompt is not None:  # (vLLM's: one for the response)
+            out["prompt_logprobs"] = prompt_logprobs_json(self.choices[0].prompt)
+        return out
 
     def logprobs(self, entries: list[TextLogprob], text_offset: int) -> Json:
         return chat_logprobs(entries) if self.chat else completion_logprobs(entries, text_offset)

@@ -35,6 +35,9 @@ log = logging.getLogger("meshserve.tokenizer")
 
 # vLLM's bound on all of a request's bad words, encoded (each is matched every step).
 MAX_BAD_WORDS_TOKENS = 1024
+# (top-N + 1) x (prompt tokens - 1) prompt logprobs at most: they travel in one message of
+# the bus (its 1 MiB default payload holds them with their texts) and one response.
+MAX_PROMPT_LOGPROB_ENTRIES = 16384
 
 
 @dataclass(frozen=True)
@@ -196,6 +199,15 @@ class TokenizerService:
         trace.get_current_span().set_attribute(Attr.PROMPT_TOKENS, len(ids))
         if not ids:
             raise RequestError("the prompt is empty", param=field)
+        if (top := req.params.prompt_logprobs) is not None and (
+            entries := (top + 1) * (len(ids) - 1)
+        ) > MAX_PROMPT_LOGPROB_ENTRIES:
+            raise RequestError(
+                f"prompt_logprobs (or echo with logprobs) of {top} for {len(ids)} prompt tokens "
+                f"would be {entries} entries; at most {MAX_PROMPT_LOGPROB_ENTRIES} are sent "
+                "(ask for fewer alternatives, or a shorter prompt).",
+                param="prompt_logprobs",
+            )
         if len(ids) >= self.max_model_len:
             raise RequestError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, "
