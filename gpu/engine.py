@@ -196,6 +196,13 @@ class Engine:
                 self.runner.check_token_ids(token_ids)
             except ModelError as exc:
                 raise ValueError(f"{name}: {exc}") from None
+        banned = set(params.stop_ids_banned(self.eos_ids, len(output_token_ids)))
+        banned |= {word[0] for word in params.bad_words_token_ids if len(word) == 1}
+        if params.allowed_token_ids and set(params.allowed_token_ids) <= banned:
+            raise ValueError(
+                "allowed_token_ids: every allowed token is banned (a stop token under "
+                "min_tokens, or a bad word), so nothing could be generated"
+            )
         seq = Sequence(request_id, list(prompt_token_ids), params)
         seq.output_token_ids = list(output_token_ids)
         if params.prompt_logprobs is not None and not output_token_ids:

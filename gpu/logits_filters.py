@@ -133,6 +133,22 @@ def keep_only(logits: torch.Tensor, params: Sequence[SamplingParams], rows: Sequ
     flat_logits.index_copy_(0, index, kept)
 
 
+def stop_dead_rows(logits: torch.Tensor, rows: Sequence[int], eos_token_ids: Sequence[int]) -> None:
+    """A listed row left no token at all (every logit -inf: its allowed ids, bans and grammar
+    exclude each other) gets its EOS instead, in place: the request ends with "stop" rather
+    than sample from NaN (garbage, and an error in speculative verification's multinomial,
+    which would end the step). On the device, no wait; O(rows x V)."""
+    device = logits.device
+    index = to_device(list(rows), torch.int64, device)
+    sub = logits.index_select(0, index)
+    dead = torch.isneginf(sub).all(dim=-1, keepdim=True)
+    vocab = logits.shape[1]
+    fallback = torch.full((vocab,), -math.inf, device=device)
+    stops = [t for t in eos_token_ids if t < vocab] or [0]
+    fallback.index_fill_(0, to_device(stops, torch.int64, device), 0.0)
+    logits.index_copy_(0, index, torch.where(dead, fallback, sub))
+
+
 def ban_tokens(logits: torch.Tensor, banned: dict[int, tuple[int, ...]]) -> None:
     """Set ``logits[row, token]`` to -inf for each row's listed tokens (ids past the LM head
     are dropped), in place on contiguous fp32 ``logits``: one scatter."""

@@ -16,8 +16,9 @@ Pipeline (all math in fp32, the order vLLM and Hugging Face use):
    ``logit_bias`` is added (a scatter over the listed ids), then a constrained row's token
    bitmask (``gpu.grammar``, filled by the engine) sets every token its grammar does not allow
    to -inf, and a row gets -inf on its stop tokens while short of its ``min_tokens`` and on
-   each token that would complete one of its ``bad_words``. Rows without any are not touched,
-   so an unconstrained request in a constrained batch pays nothing.
+   each token that would complete one of its ``bad_words``. A row these leave no token gets
+   its EOS (it ends). Rows without any are not touched, so an unconstrained request in a
+   constrained batch pays nothing.
 
 1. **Penalties**, only on rows that set one (``repetition_penalty != 1`` or a non-zero
    presence/frequency penalty), vectorised as gather/scatter on one concatenated tensor of
@@ -92,6 +93,7 @@ from gpu.logits_filters import (
     ban_tokens,
     filter_cutoffs,
     keep_only,
+    stop_dead_rows,
 )
 from gpu.sampling_params import SamplingParams
 from gpu.transfers import HostCopy, to_device
@@ -327,6 +329,8 @@ class Sampler:
             apply_bitmask(work, inp.token_bitmask, inp.masked_rows)
         if banned:
             ban_tokens(work, banned)
+        if guarded := sorted(set(allowed_rows) | set(banned)):
+            stop_dead_rows(work, guarded, inp.eos_token_ids)
         if pen_rows:
             apply_penalties(work, params, inp.prompt_token_ids, inp.output_token_ids)
         # Temperature (greedy rows divide by 1, which is exact).

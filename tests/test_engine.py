@@ -13,8 +13,10 @@ from gpu.config import ModelError
 from gpu.engine import Engine, EngineConfig
 from gpu.loader import load_model
 from gpu.runner import ModelRunner
+from gpu.sampling import Sampler, SamplerInput
 from gpu.sampling_params import SamplingParams
 from gpu.sequence import FinishReason
+from gpu.spec_decode import Proposal, verify
 from tests.models import hf_model
 
 
@@ -194,6 +196,31 @@ def test_bad_requests_are_rejected_clearly(tiny_llama):
     while engine.has_unfinished():
         outs.extend(engine.step())
     assert len(outs) == 2
+
+
+def test_a_request_its_own_settings_leave_no_token_is_refused_or_ends(tiny_llama):
+    """allowed_token_ids that min_tokens' stop ban or one-token bad words take away entirely
+    are a clear error; a row left no token mid-run (a bad word's prefix completed) ends with
+    its EOS, greedy or sampled with speculation's multinomial, never an error in the step."""
+    engine = make_engine(tiny_llama)
+    for params in (
+        SamplingParams(allowed_token_ids=(2,), min_tokens=2, max_tokens=4),  # 2: the EOS
+        SamplingParams(allowed_token_ids=(5, 6), bad_words_token_ids=((5,), (6,))),
+    ):
+        with pytest.raises(ValueError, match="every allowed token is banned"):
+            engine.add_request("none", [5, 6], params)
+    # After 7 the only allowed token, 7, completes the bad word "7 7": nothing is left.
+    for temperature in (0.0, 0.8):
+        params = SamplingParams(
+            temperature=temperature, allowed_token_ids=(7,), bad_words_token_ids=((7, 7),)
+        )
+        assert engine.generate([[5, 6]], dataclasses.replace(params, max_tokens=5))[0] == [7, 2]
+    inp = SamplerInput([params], [[5, 6]], [[7]], [None], eos_token_ids=(2,))
+    processed, probs = Sampler().distributions(torch.zeros(1, 50), inp)
+    assert processed[0].argmax() == 2 and probs is not None and probs[0, 2] == 1.0
+    # Speculative verification of a draft [7] after [7]: both positions are left nothing.
+    result = verify(Sampler(), torch.zeros(2, 50), [Proposal([7], [[7]], [[1.0]])], inp)
+    assert result.token_ids == [[2]]
 
 
 def test_seeded_sampling_is_batch_invariant(tiny_llama):
