@@ -601,6 +601,10 @@ class Engine:
         params = seq.params
         if self._is_stop_token(params, token):
             return FinishReason.STOP
+        if params.allowed_token_ids and token not in params.allowed_set:
+            # Sampled only where the row was left no token at all (the sampler's EOS then,
+            # gpu.logits_filters.stop_dead_rows): nothing more can follow, ignore_eos or not.
+            return FinishReason.STOP
         if seq.grammar is not None and (not seq.grammar.accept([token]) or seq.grammar.terminated):
             # Terminated: the document is complete, nothing may follow it. Not accepted cannot
             # happen (the mask allowed only grammar tokens); ending beats an invalid document.

@@ -124,10 +124,13 @@ def keep_only(logits: torch.Tensor, params: Sequence[SamplingParams], rows: Sequ
     every other logit -inf, in place on contiguous fp32 ``logits``: the kept values are
     gathered, the rows filled, the values put back (no host wait)."""
     vocab = logits.shape[1]
-    flat = [i * vocab + t for i in rows for t in params[i].allowed_token_ids if t < vocab]
+    flat = []
+    for i in rows:
+        ids = params[i].allowed_ids  # (a tensor built once per request)
+        flat.append(ids[ids < vocab] + i * vocab)
     device = logits.device
     flat_logits = logits.view(-1)
-    index = to_device(flat, torch.int64, device)
+    index = move(torch.cat(flat), device)
     kept = flat_logits.index_select(0, index)
     logits.index_fill_(0, to_device(list(rows), torch.int64, device), -math.inf)
     flat_logits.index_copy_(0, index, kept)

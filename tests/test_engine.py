@@ -210,11 +210,15 @@ def test_a_request_its_own_settings_leave_no_token_is_refused_or_ends(tiny_llama
         with pytest.raises(ValueError, match="every allowed token is banned"):
             engine.add_request("none", [5, 6], params)
     # After 7 the only allowed token, 7, completes the bad word "7 7": nothing is left.
-    for temperature in (0.0, 0.8):
+    for temperature, ignore_eos in ((0.0, False), (0.8, False), (0.0, True)):
         params = SamplingParams(
-            temperature=temperature, allowed_token_ids=(7,), bad_words_token_ids=((7, 7),)
+            temperature=temperature,
+            allowed_token_ids=(7,),
+            bad_words_token_ids=((7, 7),),
+            ignore_eos=ignore_eos,  # (the EOS is no stop token then: the fallback still ends it)
         )
         assert engine.generate([[5, 6]], dataclasses.replace(params, max_tokens=5))[0] == [7, 2]
+    params = dataclasses.replace(params, temperature=0.8)
     inp = SamplerInput([params], [[5, 6]], [[7]], [None], eos_token_ids=(2,))
     processed, probs = Sampler().distributions(torch.zeros(1, 50), inp)
     assert processed[0].argmax() == 2 and probs is not None and probs[0, 2] == 1.0

@@ -474,3 +474,26 @@ def test_bad_words_encode_as_vllm_encodes_them(byte_level: Path) -> None:
     with pytest.raises(RequestError, match="1024 tokens") as info:
         bad_words_token_ids(tok, ["quick brown fox jumps over the lazy dog " * 20] * 3)
     assert info.value.param == "bad_words"
+
+
+def test_truncating_a_text_prompt_keeps_its_bos_as_vllm_does() -> None:
+    """truncate_prompt_tokens on a text prompt whose encoding adds a BOS: the BOS and the last
+    N - 1 tokens (transformers' left truncation, vLLM's); token prompts and chat: the last N."""
+    from types import SimpleNamespace
+
+    from common.wire.tokenizer import GenerateRequest, WireSamplingParams
+    from services.tokenizer.service import TokenizerService
+
+    class WithBos:
+        def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+            ids = [10 + ord(c) - ord("a") for c in text]
+            return [1, *ids] if add_special_tokens else ids
+
+    service = SimpleNamespace(tokenizer=WithBos())
+    text = GenerateRequest("r", "i", WireSamplingParams(), prompt="abcdef")
+    ids = WithBos().encode("abcdef")  # [1, 10, 11, 12, 13, 14, 15]
+    assert TokenizerService.truncated(service, text, ids, 3) == [1, 14, 15]  # type: ignore[arg-type]
+    assert TokenizerService.truncated(service, text, ids, 1) == [1]  # type: ignore[arg-type]
+    assert TokenizerService.truncated(service, text, ids, 9) == ids  # type: ignore[arg-type]
+    by_ids = GenerateRequest("r", "i", WireSamplingParams(), prompt_token_ids=ids)
+    assert TokenizerService.truncated(service, by_ids, ids, 3) == [13, 14, 15]  # type: ignore[arg-type]

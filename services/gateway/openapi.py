@@ -59,7 +59,7 @@ _COMMON: dict[str, Any] = {
         "type": "array",
         "items": {"type": "integer", "minimum": 0},
         "minItems": 1,
-        "maxItems": 65536,
+        "maxItems": 16384,
     },
     "bad_words": {
         "type": "array",

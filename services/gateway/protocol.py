@@ -58,9 +58,10 @@ MAX_STOP_TOKEN_IDS = 256
 # logit_bias: OpenAI's bounds on each bias; the entry count bounds the per-step scatter.
 LOGIT_BIAS_RANGE = (-100.0, 100.0)
 MAX_LOGIT_BIAS = 1024
-# allowed_token_ids: a whitelist is gathered and put back each step, O(its length); this bounds
-# that and the message while admitting any real restriction (a vocabulary's digits, a class).
-MAX_ALLOWED_TOKEN_IDS = 65536
+# allowed_token_ids: a whitelist is gathered and put back each step, O(its length), and rides
+# in every message about the request (each step's drafts, with speculation: ~5 bytes an id);
+# this bounds both while admitting any real restriction (labels, digits, a script's tokens).
+MAX_ALLOWED_TOKEN_IDS = 16384
 # bad_words: each is matched against the output's tail every step; vLLM's own bounds on the
 # count (its tokens: MAX_BAD_WORDS_TOKENS, checked by the tokenizer once it encodes them).
 MAX_BAD_WORDS = 128

@@ -125,6 +125,20 @@ class TokenizerService:
             raise RequestError(str(exc), param="messages") from exc
         raise RequestError("the request has neither a prompt nor messages", param="prompt")
 
+    def truncated(self, req: GenerateRequest, ids: list[int], keep: int) -> list[int]:
+        """vLLM's ``truncate_prompt_tokens``: the prompt's last ``keep`` tokens. A text prompt
+        keeps the special tokens its encoding adds (a Llama BOS), as transformers' left
+        truncation to ``max_length`` does in vLLM: BOS and the last ``keep - 1``."""
+        if req.prompt is None or req.messages is not None or len(ids) <= keep:
+            return ids[-keep:]
+        core = self.tokenizer.encode(req.prompt, add_special_tokens=False)
+        for start in range(len(ids) - len(core) + 1):
+            if ids[start : start + len(core)] == core:
+                head, tail = ids[:start], ids[start + len(core) :]
+                room = max(0, keep - len(head) - len(tail))
+                return head + core[len(core) - room :] + tail
+        return ids[-keep:]
+
     def render_chat(self, req: GenerateRequest) -> str:
         """The chat template's prompt text, with vLLM's controls: ``add_generation_prompt``,
         ``chat_template_kwargs`` (never over the template's own variables), and
@@ -195,7 +209,7 @@ class TokenizerService:
             raise RequestError("The request timed out.", 504, "timeout_error", None, "timeout")
         ids, field = self.encode(req)
         if req.truncate_prompt_tokens is not None:
-            ids = ids[-req.truncate_prompt_tokens :]  # vLLM's: the prompt's last N tokens
+            ids = self.truncated(req, ids, req.truncate_prompt_tokens)
         trace.get_current_span().set_attribute(Attr.PROMPT_TOKENS, len(ids))
         if not ids:
             raise RequestError("the prompt is empty", param=field)
