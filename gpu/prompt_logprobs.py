@@ -6,11 +6,12 @@ for the rows of every position it computes (``PromptScoring.rows``) rather than 
 and position ``p``'s row scores prompt token ``p + 1``. They are the model's own logprobs (a
 ``log_softmax`` of the logits, whatever the sampler's ``logprobs_mode``: no penalty, bias or
 temperature applies to a prompt, as in vLLM). The scheduler gives a scoring sequence no prefix
-cache hit (a cached position has no logits; vLLM does the same) and chunks of at most
-``PROMPT_CHUNK_TOKENS`` (each row is a vocabulary of floats, twice: the logits and their
-``log_softmax``). A sequence preempted midway is recomputed from its first token, and the
-positions already scored are not scored again. Each chunk's results are copied to the host
-without a wait (``gpu.transfers.HostCopy``) and read once, with the first token.
+cache hit (a cached position has no logits; vLLM does the same), and every scoring sequence of
+a step together at most ``PROMPT_CHUNK_TOKENS`` positions (each row is a vocabulary of floats,
+more than once: the logits, in fp32, and their ``log_softmax``). A sequence preempted midway is
+recomputed from its first token, and the positions already scored are not scored again. Each
+chunk's results are copied to the host without a wait (``gpu.transfers.HostCopy``) and read
+once, with the first token.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ import torch
 
 from gpu.transfers import HostCopy, to_device
 
-# The most prompt tokens a scoring sequence computes in one step: with a 152k vocabulary its
-# rows then take ~0.6 GB in fp32 (logits and log_softmax), whatever the step budget.
+# The most prompt positions the scoring sequences of one step compute together: with a 152k
+# vocabulary their rows then take ~0.8 GB (bf16 logits, fp32 copy, log_softmax), whatever the
+# step budget (an 8k-token prompt scores in 16 steps).
 PROMPT_CHUNK_TOKENS = 512
 
 

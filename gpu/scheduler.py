@@ -66,6 +66,7 @@ class Scheduler:
         self.reserved: Mapping[str, Sequence] = reserved if reserved is not None else {}
         # Since start: sequences preempted for want of pages, and guests that yielded a slot.
         self.num_preempted_for_pages = 0
+        self._scoring_left = PROMPT_CHUNK_TOKENS  # (reset by each schedule)
         self.num_guests_yielded = 0
 
     def add(self, seq: Sequence) -> None:
@@ -105,6 +106,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
+        # prompt positions scored this step, over every scoring sequence (a logits row each)
+        self._scoring_left = PROMPT_CHUNK_TOKENS
         scheduled: list[ScheduledSeq] = []
         yielded = self._yield_guests()
         preempted: list[Sequence] = []
@@ -115,6 +118,9 @@ class Scheduler:
                 i += 1
                 continue
             num_new = self._chunk(seq, budget)
+            if num_new == 0:  # a scoring sequence, this step's scoring rows taken by others
+                i += 1
+                continue
             while not self.pages.allocate(seq.table, seq.num_computed + num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -124,6 +130,7 @@ class Scheduler:
             else:
                 scheduled.append(ScheduledSeq(seq, num_new))
                 budget -= num_new
+                self._take_scoring(seq, num_new)
                 i += 1
                 continue
             break  # seq itself was preempted: nothing after it remains in running
@@ -159,7 +166,7 @@ class Scheduler:
             if not seq.admitted:
                 seq.num_cached_prompt_tokens = min(cached, len(seq.prompt_token_ids))
             num_new = self._chunk(seq, budget)
-            if not self.pages.allocate(seq.table, seq.num_computed + num_new):
+            if num_new == 0 or not self.pages.allocate(seq.table, seq.num_computed + num_new):
                 # Let go of the matched prefix: a waiting sequence holds no pages. Held, they
                 # could lock out a sequence preempted ahead of it, with nothing left running.
                 self.pages.free(seq.table)
@@ -173,14 +180,19 @@ class Scheduler:
             self.running.append(seq)
             scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
+            self._take_scoring(seq, num_new)
         return budget
 
-    @staticmethod
-    def _chunk(seq: Sequence, budget: int) -> int:
+    def _chunk(self, seq: Sequence, budget: int) -> int:
         """Tokens to compute for ``seq`` this step: what it has pending, within the budget
-        (and ``PROMPT_CHUNK_TOKENS`` while it scores its prompt: a logits row each)."""
-        limit = budget if seq.prompt_scoring is None else min(budget, PROMPT_CHUNK_TOKENS)
+        (and, while it scores its prompt, within the step's ``PROMPT_CHUNK_TOKENS`` scoring
+        rows that other scoring sequences left: a logits row each)."""
+        limit = budget if seq.prompt_scoring is None else min(budget, self._scoring_left)
         return min(seq.num_pending, limit)
+
+    def _take_scoring(self, seq: Sequence, num_new: int) -> None:
+        if seq.prompt_scoring is not None:
+            self._scoring_left -= num_new
 
     def _preempt(self, seq: Sequence) -> None:
         self.pages.free(seq.table)

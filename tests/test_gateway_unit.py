@@ -428,7 +428,7 @@ CMP, CHT = "/v1/completions", "/v1/chat/completions"
         (CMP, {"prompt": "x", "frequency_penalty": 2.1}, 400, "frequency_penalty"),
         (CMP, {"prompt": "x", "n": 0}, 400, "n"),
         (CMP, {"prompt": "x", "n": 9}, 400, "n"),
-        (CMP, {"prompt": "x", "logprobs": 6}, 400, "logprobs"),
+        (CMP, {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
         (CMP, {"prompt": "x", "logprobs": True}, 400, "logprobs"),
         (CMP, {"prompt": "x", "stop": ["s"] * 17}, 400, "stop"),
         (CMP, {"prompt": "x", "stop": 3}, 400, "stop"),

@@ -136,6 +136,28 @@ def test_a_sequence_preempted_midway_scores_each_position_once(
     assert_matches_transformers(result["first"]["b"].prompt_logprobs, b, oracle)
 
 
+def test_the_scoring_sequences_of_a_step_share_its_scoring_rows(model: CausalLM) -> None:
+    """Four scoring prompts and a budget of 1,000: a step computes at most 512 scoring
+    positions in all (a logits row each), not 512 each; a plain prompt beside them is not held
+    to that, and whatever waits behind the scoring rows waits its turn."""
+    engine = engine_for(model, budget=1000, num_pages=1024)
+    scored = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    engine.add_request("plain", prompt(20, 250), SamplingParams(temperature=0.0, max_tokens=1))
+    for i in range(4):
+        engine.add_request(f"s{i}", prompt(10 + i, 200), scored)
+    plan = engine.scheduler.schedule()
+    assert [(item.seq.request_id, item.num_new) for item in plan.scheduled] == [
+        ("plain", 250),
+        ("s0", 200),
+        ("s1", 200),
+        ("s2", 112),
+    ]
+    while engine.has_unfinished():  # and every prompt is scored whole
+        for out in engine.step():
+            if out.request_id != "plain":
+                assert out.prompt_logprobs is not None and len(out.prompt_logprobs.ranks) == 199
+
+
 def test_rows_and_positions_of_each_chunk() -> None:
     """Each chunk asks for one row per position not yet scored (one at least), and a chunk
     recomputed after a preemption scores nothing again; position p's row scores token p + 1,

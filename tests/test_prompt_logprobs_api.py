@@ -77,6 +77,25 @@ async def test_echo_with_logprobs_is_lm_evals_loglikelihood(client, reference) -
     assert "prompt_logprobs" not in (plain.choices[0].model_extra or {})
 
 
+async def test_max_tokens_0_with_echo_scores_the_prompt_alone(client, reference) -> None:
+    """vLLM's prompt-only scoring: the text is the prompt, the logprobs the prompt's, no token
+    counted as generated, finish_reason "length"; streamed the same; logprobs up to 20."""
+    tok, lsm = reference
+    ids = tok.encode(PROMPT)
+    kwargs: dict[str, Any] = dict(model="tiny", prompt=PROMPT, echo=True, max_tokens=0)
+    out = await client.completions.create(logprobs=10, **kwargs)
+    (choice,) = out.choices
+    assert choice.text == PROMPT and choice.finish_reason == "length"
+    assert out.usage.completion_tokens == 0 and out.usage.prompt_tokens == len(ids)
+    lp = choice.logprobs
+    assert lp.tokens == [tok.token_text(t) for t in ids] and len(lp.top_logprobs[1]) >= 10
+    want = lsm(ids).gather(1, torch.tensor(ids[1:]).unsqueeze(1)).squeeze(1).tolist()
+    assert lp.token_logprobs[1:] == pytest.approx(want, abs=2e-4)
+    chunks = [c async for c in await client.completions.create(stream=True, **kwargs)]
+    assert "".join(c.choices[0].text for c in chunks) == PROMPT
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
 async def test_echo_streams_the_prompt_first_and_echoes_token_prompts(client, reference) -> None:
     tok, _ = reference
     ids = tok.encode(PROMPT)

@@ -56,8 +56,9 @@ class WireSamplingParams(Message):
     # them (``GenerateRequest.bad_words``): the sampler bans what would complete one.
     allowed_token_ids: list[int] = field(default_factory=list)
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
-    # vLLM's prompt_logprobs (top-N per prompt token); completions' echo: the first delta
-    # carries the prompt's text (decoded by the detokenizer for a prompt of token ids)
+    # vLLM's prompt_logprobs (top-N per prompt token); completions' echo of a prompt of token
+    # ids: the first delta carries the prompt decoded by the detokenizer (the gateway has a
+    # text prompt's own text)
     prompt_logprobs: int | None = None
     echo: bool = False
 

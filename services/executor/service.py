@@ -637,16 +637,18 @@ class ExecutorService:
             )
             messages, too_large = encode_within(seqs, step, limit)
             for seq in too_large:
-                what, param = ("prompt logprobs", "prompt_logprobs")
-                if seq.prompt_logprobs is None:
-                    what, param = ("stop strings", "stop")
+                what, param = ("stop strings", "stop")
+                if seq.prompt_logprobs is not None:
+                    what, param = ("prompt logprobs", "prompt_logprobs")
+                elif seq.start is not None and seq.start.echo_prompt_ids:
+                    what, param = ("echoed prompt", "echo")
                 await self.fail_request(
                     seq.request_id,
                     ErrorEvent(
                         seq.request_id,
                         400,
-                        f"The request's {what} are too large to stream "
-                        f"(over the message bus's {limit}-byte payload limit).",
+                        f"Too large to stream: the request's {what} (over the message "
+                        f"bus's {limit}-byte payload limit).",
                         param=param,
                     ),
                 )

@@ -143,7 +143,7 @@ SPEC: dict[str, Any] = {
                                 {"type": "array", "items": {"type": "integer", "minimum": 0}},
                             ]
                         },
-                        "logprobs": {"type": "integer", "minimum": 0, "maximum": 5},
+                        "logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
                         "echo": {"type": "boolean"},
                     },
                     ["prompt"],

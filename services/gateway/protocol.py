@@ -99,8 +99,10 @@ class ApiRequest:
     # vLLM's: words the output may not contain; the prompt cut to its last N tokens
     bad_words: list[str] = dataclasses.field(default_factory=list)
     truncate_prompt_tokens: int | None = None
-    # completions' echo: each choice's text (and logprobs) start with the prompt's
+    # completions' echo: each choice's text (and logprobs) start with the prompt's; with
+    # max_tokens 0 (echo_only) nothing else
     echo: bool = False
+    echo_only: bool = False
 
 
 def parse_completion(raw: Any, config: GatewayConfig) -> ApiRequest:
@@ -113,21 +115,30 @@ def parse_completion(raw: Any, config: GatewayConfig) -> ApiRequest:
     best_of = body.optional_integer("best_of", 1, config.max_n)
     if best_of is not None and best_of != n:
         raise bad_request("'best_of' is only supported equal to 'n'.", "best_of")
-    max_tokens = body.integer("max_tokens", 16, 1, config.max_completion_tokens)
+    echo = body.boolean("echo", False)
+    # max_tokens 0 with echo (vLLM's): the prompt scored, nothing generated (one token is, and
+    # left out of the response)
+    max_tokens = body.integer("max_tokens", 16, 0 if echo else 1, config.max_completion_tokens)
+    echo_only, max_tokens = max_tokens == 0, max(max_tokens, 1)
     if token_ids is not None:
         truncate = parse_truncation(body, config)
         kept = len(token_ids) if truncate is None else min(len(token_ids), truncate)
         check_context(kept, max_tokens, "max_tokens", config)
-    logprobs = body.optional_integer("logprobs", 0, 5)
+    # (OpenAI's completions allow 5; vLLM, and harnesses written for it, up to 20)
+    logprobs = body.optional_integer("logprobs", 0, MAX_PROMPT_LOGPROBS)
     response_format = parse_structured_output(body)  # (vLLM's completions take it too)
     api = finish(body, "completion", model, n, max_tokens, logprobs, config, prompt, token_ids)
-    echo = body.boolean("echo", False)
     params = api.params
     if echo:
-        # the prompt's logprobs head the choice's (vLLM: prompt_logprobs defaults to logprobs)
+        # The prompt's logprobs head the choice's (vLLM: prompt_logprobs defaults to logprobs);
+        # a prompt of token ids is decoded for the echo by the detokenizer.
         prompt_logprobs = logprobs if params.prompt_logprobs is None else params.prompt_logprobs
-        params = dataclasses.replace(params, echo=True, prompt_logprobs=prompt_logprobs)
-    return dataclasses.replace(api, response_format=response_format, echo=echo, params=params)
+        params = dataclasses.replace(
+            params, echo=token_ids is not None, prompt_logprobs=prompt_logprobs
+        )
+    return dataclasses.replace(
+        api, response_format=response_format, echo=echo, echo_only=echo_only, params=params
+    )
 
 
 def parse_chat(raw: Any, config: GatewayConfig) -> ApiRequest:

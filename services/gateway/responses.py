@@ -7,6 +7,7 @@ paths share one formatting of text, finish reasons, usage and logprobs.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -178,10 +179,13 @@ class Choice:
     prompt: TextPromptLogprobs | None = None  # prompt_logprobs (with the first delta)
     echoed: bool = False  # completions' echo: the prompt's text (and logprobs) went first
     echo_logprobs: Json | None = None  # the prompt's part of the choice's logprobs
+    echo_only: bool = False  # max_tokens 0 with echo: nothing generated counts
 
     @property
     def completion_tokens(self) -> int:
         """The finished choice's count from its usage; until then what has arrived."""
+        if self.echo_only:
+            return 0
         if self.finish_reason is not None and self.usage is not None:
             return self.usage.completion_tokens
         return self.tokens
@@ -203,7 +207,7 @@ class ResponseBuilder:
             "created": created,
             "model": api.model,
         }
-        self.choices = [Choice() for _ in range(api.n)]
+        self.choices = [Choice(echo_only=api.echo_only) for _ in range(api.n)]
         if api.tools is not None and api.tools.mode != "none":
             names = {t["function"]["name"] for t in json.loads(api.tools.tools)}
             for choice in self.choices:
@@ -226,6 +230,14 @@ class ResponseBuilder:
         """Record ``delta`` for choice ``index``; return the chunks that stream it."""
         choice = self.choices[index]
         chunks = []
+        if self.api.echo_only:  # max_tokens 0: the one token generated is not the client's
+            delta = dataclasses.replace(
+                delta,
+                text="",
+                logprobs=None,
+                token_ids=[],
+                finish_reason=delta.finish_reason and "length",
+            )
         choice.tokens += len(delta.token_ids)
         if delta.usage is not None:
             choice.usage = delta.usage

@@ -36,7 +36,9 @@ log = logging.getLogger("meshserve.tokenizer")
 # vLLM's bound on all of a request's bad words, encoded (each is matched every step).
 MAX_BAD_WORDS_TOKENS = 1024
 # (top-N + 1) x (prompt tokens - 1) prompt logprobs at most: they travel in one message of
-# the bus (its 1 MiB default payload holds them with their texts) and one response.
+# the bus and one response. With their texts that is ~0.5-0.9 MB at ids over 65,535 and 4-16
+# bytes a token: within the 1 MiB default payload, unless the tokens are longer still (the
+# stream then ends with a clear error, the detokenizer's for a delta that cannot fit).
 MAX_PROMPT_LOGPROB_ENTRIES = 16384
 
 
