@@ -161,7 +161,8 @@ def gateway(s: Subjects, peers: Sequence[Subjects] = (), region: str = "") -> Pe
         region=region,
         publish=[s.tokenizer_encode, s.abort, s.presence_probe],
         subscribe=[every(s.gateway_inbox), s.executor_heartbeat, s.presence_all],
-        requests=[s.scheduler_status],  # the watchdog: are these silent requests alive?
+        # the watchdog (are these silent requests alive?), and /tokenize and /detokenize
+        requests=[s.scheduler_status, s.tokenizer_tokenize, s.tokenizer_detokenize],
     )
 
 
@@ -172,6 +173,7 @@ def tokenizer(s: Subjects, peers: Sequence[Subjects] = (), region: str = "") -> 
         region=region,
         publish=[s.scheduler_submit, every(s.gateway_inbox)],  # the inbox: error replies
         subscribe=[s.tokenizer_encode],
+        serves=[s.tokenizer_tokenize, s.tokenizer_detokenize],
     )
 
 

@@ -326,6 +326,8 @@ class Service:
                     answer = await handler(decoded)
             except MessageError as exc:
                 answer = ErrorEvent("", 400, str(exc))
+            except RequestError as exc:  # the asker's request is at fault: its own status
+                answer = exc.event("")
             except Exception as exc:
                 log.exception("%s: handler for %s failed", self.name, subject)
                 answer = ErrorEvent("", 500, f"internal error: {exc}", "server_error")
@@ -338,9 +340,15 @@ class Service:
         self._subs.append(await self.nc.subscribe(subject, queue=queue, cb=on_msg))
 
     async def request(
-        self, subject: str, message: Message, reply_kind: type[M], timeout: float
+        self,
+        subject: str,
+        message: Message,
+        reply_kind: type[M],
+        timeout: float,
+        raise_errors: bool = False,
     ) -> M:
-        """Ask and wait; ``NoAnswer`` on timeout, no responder, or a bad or error reply."""
+        """Ask and wait; ``NoAnswer`` on timeout, no responder, or a bad or error reply (an
+        error reply is raised as its ``RequestError`` with ``raise_errors``)."""
         try:
             msg = await self.nc.request(
                 subject, message.encode(), timeout=timeout, headers=inject(None)
@@ -351,6 +359,10 @@ class Service:
             answer = decode_any(msg.data, reply_kind, ErrorEvent)
         except MessageError as exc:
             raise NoAnswer(f"{subject}: {exc}") from exc
+        if isinstance(answer, ErrorEvent) and raise_errors:
+            raise RequestError(
+                answer.message, answer.status, answer.type, answer.param, answer.code
+            )
         if not isinstance(answer, reply_kind):
             raise NoAnswer(f"{subject}: {getattr(answer, 'message', answer)}")
         return answer

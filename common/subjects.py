@@ -20,6 +20,16 @@ class Subjects:
     def tokenizer_encode(self) -> str:
         return f"{self.prefix}.tokenizer.encode"
 
+    # gateway -> tokenizer (request/reply, queue group "tokenizer"): vLLM's /tokenize and
+    # /detokenize
+    @property
+    def tokenizer_tokenize(self) -> str:
+        return f"{self.prefix}.tokenizer.tokenize"
+
+    @property
+    def tokenizer_detokenize(self) -> str:
+        return f"{self.prefix}.tokenizer.detokenize"
+
     # tokenizer -> scheduler (queue group "scheduler")
     @property
     def scheduler_submit(self) -> str:

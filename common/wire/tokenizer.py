@@ -1,4 +1,5 @@
-"""What the tokenizer receives: a request from the gateway (``tokenizer.encode``).
+"""What the tokenizer receives: a request from the gateway (``tokenizer.encode``), and the
+gateway's ``/tokenize`` and ``/detokenize`` questions (request/reply).
 
 ``WireSamplingParams`` rides along in ``TokenizedRequest`` (scheduler, executor) and
 ``DraftSeq`` (speculator) too.
@@ -172,3 +173,38 @@ class GenerateRequest(Message):
             (cid, self.params if seed is None or i == 0 else replace(self.params, seed=seed + i))
             for i, cid in enumerate(self.choice_ids())
         ]
+
+
+@dataclass(frozen=True)
+class TokenizeRequest(Message):
+    """vLLM's ``/tokenize``: a prompt, or messages rendered by the chat template with vLLM's
+    controls, encoded as a request's would be; ``add_special_tokens`` as the client says (vLLM's
+    defaults: on for a prompt, off for messages, whose template holds them)."""
+
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: str = ""
+    tools: ToolChoice | None = None
+    return_token_strs: bool = False  # each token's own vocabulary entry too
+
+
+@dataclass(frozen=True)
+class TokenizeReply(Message):
+    tokens: list[int]
+    max_model_len: int  # the model's context length
+    token_strs: list[str] | None = None
+
+
+@dataclass(frozen=True)
+class DetokenizeRequest(Message):
+    """vLLM's ``/detokenize``: token ids back to text, special tokens included."""
+
+    tokens: list[int]
+
+
+@dataclass(frozen=True)
+class DetokenizeReply(Message):
+    prompt: str

@@ -22,9 +22,11 @@ from typing import Any
 from aiohttp import web
 
 from common.metrics import metrics_handler
-from common.runtime import RequestError, serve_until_shutdown
+from common.runtime import NoAnswer, RequestError, serve_until_shutdown
 from common.telemetry import Attr
+from common.wire.codec import M, Message
 from common.wire.gateway import TextDelta
+from common.wire.tokenizer import DetokenizeReply, TokenizeReply
 from services.gateway.body import check_unicode
 from services.gateway.config import GatewayConfig
 from services.gateway.mesh_client import MeshClient
@@ -41,6 +43,13 @@ from services.gateway.responses import (
     sse,
 )
 from services.gateway.streams import RequestStream
+from services.gateway.tokenize import (
+    TOKENIZE_TIMEOUT_S,
+    detokenize_response,
+    parse_detokenize,
+    parse_tokenize,
+    tokenize_response,
+)
 
 log = logging.getLogger("meshserve.gateway")
 
@@ -109,6 +118,11 @@ def bearer_token(header: str) -> bytes | None:
         return None
 
 
+# Paths outside /v1/ that need the API key too (vLLM leaves /tokenize open; here it spends the
+# mesh's tokenizers, so it is the key holders')
+PROTECTED = frozenset({"/metrics", "/tokenize", "/detokenize"})
+
+
 def require_api_key(keys: tuple[str, ...]) -> Any:
     accepted = [key.encode() for key in keys]
 
@@ -116,7 +130,7 @@ def require_api_key(keys: tuple[str, ...]) -> Any:
     async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
         # /metrics too: its labels and counts describe the traffic (Prometheus in compose
         # scrapes the unpublished --metrics-port instead); /health stays open for probes.
-        if request.path.startswith("/v1/") or request.path == "/metrics":
+        if request.path.startswith("/v1/") or request.path in PROTECTED:
             given = bearer_token(request.headers.get("Authorization", ""))
             # Compare with every key even after a match: the time taken says nothing.
             matches = [given is not None and hmac.compare_digest(given, key) for key in accepted]
@@ -208,6 +222,29 @@ class Routes:
         self.config = config
         self.mesh = mesh
         self.started = int(time.time())
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's ``/tokenize``, answered by a tokenizer service."""
+        ask = parse_tokenize(await read_json(request, self.config.max_body_bytes), self.config)
+        subject = self.mesh.service.subjects.tokenizer_tokenize
+        return json_response(
+            tokenize_response(await self.ask(subject, ask, TokenizeReply), self.config)
+        )
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        ask = parse_detokenize(await read_json(request, self.config.max_body_bytes), self.config)
+        subject = self.mesh.service.subjects.tokenizer_detokenize
+        return json_response(detokenize_response(await self.ask(subject, ask, DetokenizeReply)))
+
+    async def ask(self, subject: str, message: Message, kind: type[M]) -> M:
+        try:
+            return await self.mesh.service.request(
+                subject, message, kind, TOKENIZE_TIMEOUT_S, raise_errors=True
+            )
+        except NoAnswer as exc:
+            raise RequestError(
+                "No tokenizer answered; retry.", 503, "server_error", None, "service_unavailable"
+            ) from exc
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self.generate(request, parse_completion, "cmpl")
@@ -324,6 +361,8 @@ def build_app(config: GatewayConfig, mesh: MeshClient) -> web.Application:
     app.router.add_post("/v1/chat/completions", routes.chat)
     app.router.add_get("/v1/models", routes.models)
     app.router.add_get("/v1/models/{model:.+}", routes.model)  # (names hold a "/")
+    app.router.add_post("/tokenize", routes.tokenize)
+    app.router.add_post("/detokenize", routes.detokenize)
     app.router.add_get("/health", routes.health)
     app.router.add_get("/metrics", metrics_handler(mesh.service.registry))
     app.router.add_get("/openapi.json", openapi)

@@ -215,6 +215,34 @@ SPEC: dict[str, Any] = {
                 "responses": _RESPONSES,
             }
         },
+        "/tokenize": {
+            "post": {
+                "operationId": "tokenize",
+                "requestBody": _body(
+                    {
+                        "model": {"type": "string"},
+                        "prompt": {"type": "string"},
+                        "add_special_tokens": {"type": "boolean"},
+                        "return_token_strs": {"type": "boolean"},
+                    },
+                    ["prompt"],
+                ),
+                "responses": _RESPONSES,
+            }
+        },
+        "/detokenize": {
+            "post": {
+                "operationId": "detokenize",
+                "requestBody": _body(
+                    {
+                        "model": {"type": "string"},
+                        "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+                    },
+                    ["tokens"],
+                ),
+                "responses": _RESPONSES,
+            }
+        },
         "/v1/models": {
             "get": {
                 "operationId": "listModels",

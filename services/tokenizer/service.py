@@ -26,7 +26,15 @@ from common.telemetry import Attr
 from common.tokenizer import Tokenizer, TokenizerError
 from common.tool_formats import detect_tool_format, renders_tools
 from common.wire.executor import TokenizedRequest
-from common.wire.tokenizer import ChatMessage, GenerateRequest
+from common.wire.tokenizer import (
+    ChatMessage,
+    DetokenizeReply,
+    DetokenizeRequest,
+    GenerateRequest,
+    TokenizeReply,
+    TokenizeRequest,
+    WireSamplingParams,
+)
 from gpu.config import ModelConfig
 from gpu.gguf import resolve_model_path
 from services.tokenizer.grammars import grammar_for
@@ -105,6 +113,44 @@ class TokenizerService:
             queue="tokenizer",
             span="tokenizer.encode",
         )
+        await self.svc.serve(
+            subjects.tokenizer_tokenize, TokenizeRequest, self.on_tokenize, queue="tokenizer"
+        )
+        await self.svc.serve(
+            subjects.tokenizer_detokenize, DetokenizeRequest, self.on_detokenize, queue="tokenizer"
+        )
+
+    async def on_tokenize(self, ask: TokenizeRequest) -> TokenizeReply:
+        """vLLM's ``/tokenize``: what a request with this prompt or these messages would be
+        encoded as (the chat template with the same controls and tools)."""
+        req = GenerateRequest(
+            "tokenize",
+            "",
+            WireSamplingParams(),
+            prompt=ask.prompt,
+            messages=ask.messages,
+            tools=ask.tools,
+            add_generation_prompt=ask.add_generation_prompt,
+            continue_final_message=ask.continue_final_message,
+            chat_template_kwargs=ask.chat_template_kwargs,
+        )
+        try:
+            text = self.render_chat(req) if ask.messages is not None else ask.prompt or ""
+            ids = self.tokenizer.encode(text, add_special_tokens=ask.add_special_tokens)
+        except TokenizerError as exc:
+            raise RequestError(str(exc), param="messages") from exc
+        strs = None
+        if ask.return_token_strs:
+            strs = [self.tokenizer.id_to_token(t) or "" for t in ids]
+        return TokenizeReply(ids, self.max_model_len, strs)
+
+    async def on_detokenize(self, ask: DetokenizeRequest) -> DetokenizeReply:
+        """vLLM's ``/detokenize``: the text of these ids, special tokens included."""
+        vocab = self.tokenizer.vocab_size
+        bad = [t for t in ask.tokens if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"token ids out of range [0, {vocab}): {bad[:5]}", param="tokens")
+        return DetokenizeReply(self.tokenizer.decode(ask.tokens, skip_special_tokens=False))
 
     def encode(self, req: GenerateRequest) -> tuple[list[int], str]:
         """The prompt's token ids, and the request field they came from (for error params)."""
