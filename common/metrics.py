@@ -259,15 +259,19 @@ class GatewayMetrics:
             "Output length of finished requests.",
             TOKEN_COUNT_BUCKETS,
         ).labels(model_name)
+        # Both count choices (each of a request's n): a choice ends once, as a success (its
+        # finish reason, "abort" when its client left first, as vLLM counts those) or a failure.
         self.success = Counter(
             PREFIX + "request_success",
-            "Requests that finished, by finish reason.",
+            "Choices (each of a request's n) that finished, by finish reason; abort: the "
+            "client left first.",
             ["model_name", "finished_reason"],
             registry=registry,
         )
         self.failure = Counter(
             PREFIX + "request_failure",
-            "Requests that failed after they were accepted, by HTTP status.",
+            "Choices (each of a request's n) that failed after the request was accepted, by "
+            "HTTP status.",
             ["model_name", "status"],
             registry=registry,
         )
@@ -280,14 +284,14 @@ class GatewayMetrics:
         )
         self.model_name = model_name
 
-    def finished(self, reason: str) -> None:
-        self.success.labels(self.model_name, reason).inc()
+    def finished(self, reason: str, choices: int = 1) -> None:
+        self.success.labels(self.model_name, reason).inc(choices)
 
     def resumed_after(self, reason: str) -> None:
         self.resumed.labels(self.model_name, reason).inc()
 
-    def failed(self, status: int) -> None:
-        self.failure.labels(self.model_name, str(status)).inc()
+    def failed(self, status: int, choices: int = 1) -> None:
+        self.failure.labels(self.model_name, str(status)).inc(choices)
 
 
 # --- scheduler ---------------------------------------------------------------------------------

@@ -650,6 +650,19 @@ async def test_error_before_first_token_is_the_http_status(env: Env, stream: boo
     # stage may have dropped it already, but a loss in transit would leave it running).
     await env.wait_for(lambda: len(env.fake.aborts) == 1)
     assert env.fake.aborts[0].request_ids == env.fake.requests[0].choice_ids()
+    # Each choice is counted once: both failed with the request.
+    assert choices_counted(env) == {("failure", "429"): 2}
+
+
+def choices_counted(env: Env) -> dict[tuple[str, str], float]:
+    """The gateway's request_success/request_failure counts by (kind, label), nonzero ones."""
+    out = {}
+    for metric in env.server.mesh.service.registry.collect():
+        for sample in metric.samples:
+            for kind, label in (("success", "finished_reason"), ("failure", "status")):
+                if sample.name == f"meshserve:request_{kind}_total" and sample.value:
+                    out[(kind, sample.labels[label])] = sample.value
+    return out
 
 
 async def test_an_error_for_the_whole_request_fails_every_choice(env: Env) -> None:
@@ -711,6 +724,7 @@ async def test_client_disconnect_aborts_the_request(env: Env, stream: bool) -> N
     assert sorted(abort.request_ids) == sorted(request.choice_ids())
     assert abort.reason == "client disconnected"
     assert len(env.server.mesh.inbox) == 0  # nothing left routed to the dead request
+    assert choices_counted(env) == {("success", "abort"): 2}  # vLLM's count of a client gone
 
 
 async def test_a_write_to_a_client_that_just_left_is_a_disconnect_not_an_error(

@@ -216,7 +216,7 @@ class MeshClient:
         if size > nc.max_payload:
             raise too_large_for_the_bus(size, nc.max_payload, api)
         stream = self.inbox.open(request.choice_ids(), self.config.request_timeout_s, base_id)
-        stream.observer = RequestObserver(self.metrics, span)
+        stream.observer = RequestObserver(self.metrics, span, api.n)
         stream.origin, stream.resubmitter = request, self
         stream.max_resumes = self.config.max_resumes
         try:
@@ -278,6 +278,8 @@ class MeshClient:
         of its own that a second cancellation of the handler cannot interrupt.
         """
         self.inbox.close(stream)
+        if stream.observer is not None and stream.unfinished:
+            stream.observer.left(stream.failure)
         # and the attempts choices were resumed away from: their aborts may have been lost
         # (a partition), and once the stream is closed nothing re-aborts them
         unfinished = stream.unfinished + stream.left_behind

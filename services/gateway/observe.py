@@ -95,9 +95,14 @@ def request_span(tracer: Tracer, http_headers: Mapping[str, str], route: str) ->
 
 
 class RequestObserver:
-    def __init__(self, metrics: GatewayMetrics, span: Span) -> None:
+    """A request's metrics and span attributes. Each of its ``n`` choices is counted once:
+    finished (its reason), failed with the request, or aborted when the client left."""
+
+    def __init__(self, metrics: GatewayMetrics, span: Span, n: int = 1) -> None:
         self.metrics = metrics
         self.span = span
+        self.n = n
+        self.ended = False  # failed or left: the choices still open were counted then
         self.started = time.perf_counter()
         trace_id = trace_id_hex(span)
         self.exemplar = {"trace_id": trace_id} if trace_id else None
@@ -147,6 +152,17 @@ class RequestObserver:
             }
         )
 
+    def left(self, failure: str | None) -> None:
+        """The request ends with choices open and no failure counted: its client left (or
+        the gateway shuts down), "abort" as vLLM counts those; a failure of the gateway's own
+        (``failure``: a 500) counts as one."""
+        if not self.ended and self.open_choices:
+            if failure is None:
+                self.metrics.finished("abort", self.open_choices)
+            else:
+                self.metrics.failed(500, self.open_choices)
+        self.ended = True
+
     def resumed(self, index: int, reason: str, delivered: int, attempt: int) -> None:
         """Choice ``index`` lost tokens in transit and goes on as a continuation."""
         self.metrics.resumed_after(reason)
@@ -160,8 +176,15 @@ class RequestObserver:
             },
         )
 
+    @property
+    def open_choices(self) -> int:
+        return self.n - len(self.finish_reasons)
+
     def failed(self, error: RequestError) -> None:
-        """A stage failed the request (or it timed out) after it entered the mesh."""
-        self.metrics.failed(error.status)
+        """A stage failed the request (or it timed out) after it entered the mesh: every
+        choice still open fails with it."""
+        if not self.ended and self.open_choices:
+            self.metrics.failed(error.status, self.open_choices)
+        self.ended = True
         self.span.set_attribute("error.type", error.code or error.type)
         self.span.set_status(Status(StatusCode.ERROR, str(error)))
