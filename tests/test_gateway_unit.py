@@ -414,7 +414,11 @@ CMP, CHT = "/v1/completions", "/v1/chat/completions"
     [
         (CMP, {}, 400, "prompt"),
         (CMP, {"prompt": 5}, 400, "prompt"),
-        (CMP, {"prompt": ["a", "b"]}, 400, "prompt"),
+        (CMP, {"prompt": ["a", 5]}, 400, "prompt[1]"),
+        (CMP, {"prompt": ["a", []]}, 400, "prompt[1]"),
+        (CMP, {"prompt": [[1], ["x"]]}, 400, "prompt[1][0]"),
+        (CMP, {"prompt": ["a"] * 65}, 400, "prompt"),
+        (CMP, {"prompt": [[1], [1] * 60], "max_tokens": 10}, 400, "max_tokens"),
         (CMP, {"prompt": [1, -2]}, 400, "prompt[1]"),
         (CMP, {"prompt": [1] * 60, "max_tokens": 10}, 400, "max_tokens"),
         (CMP, {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),

@@ -16,6 +16,7 @@ from gpu.engine import Engine, EngineConfig
 from gpu.loader import load_model
 from gpu.runner import ModelRunner
 from gpu.sampling_params import SamplingParams
+from services.gateway.mesh_client import MeshClient
 from services.tokenizer.service import TokenizerService, bad_words_token_ids
 from tests.mesh import MeshHarness, openai_client
 
@@ -195,6 +196,53 @@ async def test_vllm_allowed_token_ids_bad_words_and_truncation(client, offline):
     cut = await client.completions.create(**kwargs, extra_body={"truncate_prompt_tokens": 2})
     assert cut.usage.prompt_tokens == 2
     assert cut.choices[0].text == greedy(ids[-2:], 8)
+
+
+async def test_a_batch_of_prompts_is_one_request_per_prompt(mesh, client, offline, monkeypatch):
+    """OpenAI's batched prompts (strings or token ids): prompt k's n choices are k * n ...,
+    each what the prompt alone gives; the usage sums the prompts; streamed alike; echo gives
+    each choice its own prompt; one bad prompt fails the batch with nothing left running."""
+    tok, greedy = offline
+    prompts = ["Hello world", "The quick brown fox", "café 你好"]
+    kwargs: dict[str, Any] = {
+        "model": "tiny", "max_tokens": 6, "temperature": 0, "extra_body": {"ignore_eos": True}
+    }  # fmt: skip
+    out = await client.completions.create(prompt=prompts, n=2, **kwargs)
+    expected = [greedy(tok.encode(p), 6, ignore_eos=True) for p in prompts]
+    assert [c.index for c in out.choices] == list(range(6))
+    assert [c.text for c in out.choices] == [e for e in expected for _ in range(2)]
+    assert out.usage.prompt_tokens == sum(len(tok.encode(p)) for p in prompts)
+    assert out.usage.completion_tokens == 6 * 6
+
+    by_ids = [tok.encode(p) for p in prompts]
+    stream = await client.completions.create(prompt=by_ids, stream=True, echo=True, **kwargs)
+    texts = [""] * 3
+    async for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts == [tok.decode(ids) + e for ids, e in zip(by_ids, expected, strict=True)]
+
+    aborted: list[list[str]] = []
+    publish_abort = MeshClient._publish_abort
+
+    async def spy(self: MeshClient, request_ids: list[str], reason: str) -> None:
+        aborted.append(list(request_ids))
+        await publish_abort(self, request_ids, reason)
+
+    monkeypatch.setattr(MeshClient, "_publish_abort", spy)
+    with pytest.raises(openai.BadRequestError):  # the second prompt is past the context
+        await client.completions.create(prompt=["hi", "word " * 400], **kwargs)
+    # every choice of both prompts is aborted (the first may be generating)
+    assert sorted(rid.rsplit("-", 2)[-2:][0] for ids in aborted for rid in ids) == ["0", "1"]
+    for _ in range(100):
+        if not any(e.engine.has_unfinished() for e in mesh.executor_services):
+            break
+        await asyncio.sleep(0.05)
+    for ex in mesh.executor_services:
+        assert not ex.engine.has_unfinished()
+        assert ex.engine.pages.num_free == ex.engine.pages.num_pages
+    ok = await client.completions.create(prompt="still alive", max_tokens=2, model="tiny")
+    assert ok.choices[0].finish_reason in ("stop", "length")
 
 
 async def test_n_choices_share_one_encode(mesh, client, monkeypatch):

@@ -42,7 +42,7 @@ from services.gateway.responses import (
     error_from,
     sse,
 )
-from services.gateway.streams import RequestStream
+from services.gateway.streams import BatchedStreams, RequestStream
 from services.gateway.tokenize import (
     TOKENIZE_TIMEOUT_S,
     detokenize_response,
@@ -267,7 +267,7 @@ class Routes:
         api = parse(await read_json(request, self.config.max_body_bytes), self.config)
         response_id = f"{id_prefix}-{uuid.uuid4().hex}"
         created = int(time.time())
-        stream = await self.mesh.submit(api, response_id)
+        stream = await self.submit(api, response_id)
         try:
             # The tool-call format is the tokenizer's: read after submit, which waits (in the
             # start-up grace) until a tokenizer has announced itself.
@@ -286,11 +286,25 @@ class Routes:
         finally:  # cancelled (client gone, shutdown) or failed: abort what still runs
             await self.mesh.release(stream)
 
+    async def submit(self, api: ApiRequest, response_id: str) -> RequestStream | BatchedStreams:
+        """One request per prompt (a batch's each under ``<id>-<k>``), as one stream."""
+        if not api.batch:
+            return await self.mesh.submit(api, response_id)
+        streams: list[RequestStream] = []
+        try:
+            for k, one in enumerate(api.batch):
+                streams.append(await self.mesh.submit(one, f"{response_id}-{k}"))
+        except BaseException:  # (a later prompt refused: the earlier ones are aborted)
+            for stream in streams:
+                await self.mesh.release(stream, "another prompt of the batch failed")
+            raise
+        return BatchedStreams(streams, api.n)
+
     async def stream_sse(
         self,
         request: web.Request,
         builder: ResponseBuilder,
-        stream: RequestStream,
+        stream: RequestStream | BatchedStreams,
         first: tuple[int, TextDelta],
     ) -> web.StreamResponse:
         response = web.StreamResponse(headers={**SSE_HEADERS, "X-Request-Id": builder.head["id"]})

@@ -36,7 +36,7 @@ from services.gateway.config import GatewayConfig
 from services.gateway.health import MeshLiveness
 from services.gateway.observe import RequestObserver
 from services.gateway.protocol import ApiRequest
-from services.gateway.streams import Inbox, RequestStream
+from services.gateway.streams import BatchedStreams, Inbox, RequestStream
 from services.gateway.watchdog import STALL_S, check_stalled
 
 log = logging.getLogger("meshserve.gateway")
@@ -270,13 +270,20 @@ class MeshClient:
             log.exception("gateway: could not publish continuation %s", request.request_id)
             raise mesh_unavailable("The gateway could not reach the mesh.") from exc
 
-    async def release(self, stream: RequestStream, reason: str | None = None) -> None:
+    async def release(
+        self, stream: RequestStream | BatchedStreams, reason: str | None = None
+    ) -> None:
         """Stop routing ``stream``'s events; abort the choices that are still generating.
 
         Called from ``finally`` blocks, including when the handler was cancelled (the client
         went away, or shutdown outlasted its timeout), so the abort is published from a task
         of its own that a second cancellation of the handler cannot interrupt.
         """
+        if isinstance(stream, BatchedStreams):  # each prompt's stream
+            stream.close()
+            for one in stream.streams:
+                await self.release(one, reason)
+            return
         self.inbox.close(stream)
         if stream.observer is not None and stream.unfinished:
             stream.observer.left(stream.failure)

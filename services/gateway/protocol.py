@@ -103,12 +103,25 @@ class ApiRequest:
     # max_tokens 0 (echo_only) nothing else
     echo: bool = False
     echo_only: bool = False
+    # completions' batched prompts: one request each (this one's fields, its own prompt); the
+    # choices of prompt k are k * n ... k * n + n - 1, as OpenAI orders them
+    batch: list[ApiRequest] = dataclasses.field(default_factory=list)
+
+    @property
+    def prompts(self) -> list[ApiRequest]:
+        """The requests to send: the batch's, or this one alone."""
+        return self.batch or [self]
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.prompts) * self.n
 
 
 def parse_completion(raw: Any, config: GatewayConfig) -> ApiRequest:
     body = Body(raw)
     model = parse_model(body, config)
-    prompt, token_ids = parse_prompt(body.get("prompt"))
+    batch = parse_prompts(body.get("prompt"), config.max_batch_prompts)
+    prompt, token_ids = batch[0]
     if body.get("suffix"):
         raise bad_request("'suffix' is not supported.", "suffix", "unsupported_parameter")
     n = body.integer("n", 1, 1, config.max_n)
@@ -120,10 +133,11 @@ def parse_completion(raw: Any, config: GatewayConfig) -> ApiRequest:
     # left out of the response)
     max_tokens = body.integer("max_tokens", 16, 0 if echo else 1, config.max_completion_tokens)
     echo_only, max_tokens = max_tokens == 0, max(max_tokens, 1)
-    if token_ids is not None:
-        truncate = parse_truncation(body, config)
-        kept = len(token_ids) if truncate is None else min(len(token_ids), truncate)
-        check_context(kept, max_tokens, "max_tokens", config)
+    truncate = parse_truncation(body, config)
+    for _, ids in batch:
+        if ids is not None:
+            kept = len(ids) if truncate is None else min(len(ids), truncate)
+            check_context(kept, max_tokens, "max_tokens", config)
     # (OpenAI's completions allow 5; vLLM, and harnesses written for it, up to 20)
     logprobs = body.optional_integer("logprobs", 0, MAX_PROMPT_LOGPROBS)
     response_format = parse_structured_output(body)  # (vLLM's completions take it too)
@@ -136,8 +150,22 @@ def parse_completion(raw: Any, config: GatewayConfig) -> ApiRequest:
         params = dataclasses.replace(
             params, echo=token_ids is not None, prompt_logprobs=prompt_logprobs
         )
-    return dataclasses.replace(
+    api = dataclasses.replace(
         api, response_format=response_format, echo=echo, echo_only=echo_only, params=params
+    )
+    if len(batch) == 1:
+        return api
+    return dataclasses.replace(
+        api,
+        batch=[
+            dataclasses.replace(
+                api,
+                prompt=text,
+                prompt_token_ids=ids,
+                params=dataclasses.replace(params, echo=echo and ids is not None),
+            )
+            for text, ids in batch
+        ],
     )
 
 
@@ -258,29 +286,35 @@ def parse_model(body: Body, config: GatewayConfig) -> str:
     return model
 
 
-def parse_prompt(value: Any) -> tuple[str | None, list[int] | None]:
-    """A string or a list of token ids; a one-element batch of either is unwrapped."""
+def parse_prompts(value: Any, limit: int) -> list[tuple[str | None, list[int] | None]]:
+    """A string or an array of token ids, or a batch of either (an array of them, at most
+    ``limit``): each prompt as (text, None) or (None, ids)."""
     if value is None:
         raise bad_request("Missing required parameter: 'prompt'.", "prompt", "missing_required")
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
-        value = value[0]
-    if isinstance(value, str):
-        return unicode_text(value, "prompt"), None
-    if not isinstance(value, list):
-        raise wrong_type("prompt", "a string or an array of token ids", value)
-    if not value:
-        raise bad_request("'prompt' must not be empty.", "prompt", "invalid_value")
-    if any(isinstance(v, str | list) for v in value):
+    if not (isinstance(value, list) and value and isinstance(value[0], str | list)):
+        return [parse_prompt(value, "prompt")]
+    if len(value) > limit:
         raise bad_request(
-            "Batched prompts are not supported: send one prompt per request.",
+            f"'prompt' may batch at most {limit} prompts, got {len(value)}.",
             "prompt",
-            "unsupported_value",
+            "invalid_value",
         )
+    return [parse_prompt(v, f"prompt[{i}]") for i, v in enumerate(value)]
+
+
+def parse_prompt(value: Any, param: str) -> tuple[str | None, list[int] | None]:
+    """A string or a list of token ids."""
+    if isinstance(value, str):
+        return unicode_text(value, param), None
+    if not isinstance(value, list):
+        raise wrong_type(param, "a string or an array of token ids", value)
+    if not value:
+        raise bad_request(f"'{param}' must not be empty.", param, "invalid_value")
     for i, token in enumerate(value):
         if isinstance(token, bool) or not isinstance(token, int):
-            raise wrong_type(f"prompt[{i}]", "a token id (integer)", token)
+            raise wrong_type(f"{param}[{i}]", "a token id (integer)", token)
         if not 0 <= token <= MAX_TOKEN_ID:
-            raise out_of_range(f"prompt[{i}]", token, "a non-negative token id")
+            raise out_of_range(f"{param}[{i}]", token, "a non-negative token id")
     return None, list(value)
 
 

@@ -207,7 +207,7 @@ class ResponseBuilder:
             "created": created,
             "model": api.model,
         }
-        self.choices = [Choice(echo_only=api.echo_only) for _ in range(api.n)]
+        self.choices = [Choice(echo_only=api.echo_only) for _ in range(api.num_choices)]
         if api.tools is not None and api.tools.mode != "none":
             names = {t["function"]["name"] for t in json.loads(api.tools.tools)}
             for choice in self.choices:
@@ -223,7 +223,7 @@ class ResponseBuilder:
             return []
         return [
             self.chunk(i, {"delta": {"role": "assistant", "content": ""}}, opening=True)
-            for i in range(self.api.n)
+            for i in range(self.api.num_choices)
         ]
 
     def add(self, index: int, delta: TextDelta) -> list[Json]:
@@ -247,7 +247,8 @@ class ResponseBuilder:
         head = None  # the echoed prompt's logprobs, on its first chunk
         if self.api.echo and not choice.echoed:
             choice.echoed = True
-            prompt = self.api.prompt if self.api.prompt is not None else delta.prompt_text
+            own = self.api.prompts[index // self.api.n]  # (a batch's: the choice's prompt)
+            prompt = own.prompt if own.prompt is not None else delta.prompt_text
             text = (prompt or "") + text
             num_top = self.api.params.logprobs
             if num_top is not None and choice.prompt is not None:
@@ -304,11 +305,16 @@ class ResponseBuilder:
     # --- whole responses -----------------------------------------------------------------------
 
     def usage(self, generated: bool = True) -> Json:
-        """Completion tokens summed over choices (so far, mid-stream); the shared prompt is
-        counted once. ``generated=False``: the prompt's alone."""
-        reported = [c.usage for c in self.choices if c.usage is not None]
-        prompt = reported[0].prompt_tokens if reported else 0
-        cached = reported[0].cached_tokens if reported else 0
+        """Completion tokens summed over choices (so far, mid-stream); each prompt is counted
+        once, its n choices sharing it (a batch's prompts are summed). ``generated=False``:
+        the prompts' alone."""
+        n = self.api.n
+        prompt = cached = 0
+        for k in range(len(self.api.prompts)):
+            group = self.choices[k * n : (k + 1) * n]
+            reported = [c.usage for c in group if c.usage is not None]
+            prompt += reported[0].prompt_tokens if reported else 0
+            cached += reported[0].cached_tokens if reported else 0
         completion = sum(c.completion_tokens for c in self.choices) if generated else 0
         return {
             "prompt_tokens": prompt,

@@ -271,3 +271,58 @@ class Inbox:
                 self.on_abandoned(event.request_id)
             # else: the request already ended (finished, aborted, timed out); late events are
             # expected after an abort and are dropped.
+
+
+class BatchedStreams:
+    """The streams of a batched completions request (one per prompt) as one: choice ``i`` of
+    prompt ``k`` is choice ``k * n + i``. Deltas come in arrival order across the prompts; the
+    first failure of any fails the whole request (``MeshClient.release`` then aborts every
+    stream's open choices)."""
+
+    def __init__(self, streams: list[RequestStream], n: int) -> None:
+        self.streams = streams
+        self.n = n
+        self._next: dict[asyncio.Task[tuple[int, TextDelta]], int] = {}  # -> its stream
+        self._started = False
+
+    @property
+    def failure(self) -> str | None:
+        return next((s.failure for s in self.streams if s.failure is not None), None)
+
+    @failure.setter
+    def failure(self, why: str | None) -> None:
+        for stream in self.streams:
+            stream.failure = stream.failure or why
+
+    def __aiter__(self) -> BatchedStreams:
+        return self
+
+    async def __anext__(self) -> tuple[int, TextDelta]:
+        if not self._started:
+            self._started = True
+            for k in range(len(self.streams)):
+                self._ask(k)
+        while self._next:
+            done, _ = await asyncio.wait(self._next, return_when=asyncio.FIRST_COMPLETED)
+            task = min(done, key=lambda t: self._next[t])  # (several: the lowest prompt first)
+            k = self._next.pop(task)
+            try:
+                index, delta = task.result()
+            except StopAsyncIteration:
+                continue
+            except BaseException:
+                self.close()
+                raise
+            self._ask(k)
+            return k * self.n + index, delta
+        raise StopAsyncIteration
+
+    def _ask(self, k: int) -> None:
+        task = asyncio.ensure_future(anext(self.streams[k]))
+        self._next[task] = k
+
+    def close(self) -> None:
+        """Stop waiting on the streams (the request ended: failed, cancelled or done)."""
+        for task in self._next:
+            task.cancel()
+        self._next.clear()
