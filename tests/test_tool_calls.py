@@ -191,3 +191,31 @@ def test_a_required_tool_choice_allows_parallel_calls_unless_they_are_turned_off
     named = ToolChoice(tools, "function", "get_time")
     assert accepts(named, one) and not accepts(named, two)
     assert not accepts(named, one.replace("get_time", "get_weather"))
+
+
+def test_logprobs_go_out_with_the_text_the_parser_held_back():
+    """A whitespace token could open a hermes call: the parser holds its text back, and its
+    logprobs wait with it, out with the next content (never a chunk of logprobs and no text),
+    and the ones still held go out at the end."""
+    from common.wire.gateway import TextDelta, TextLogprob
+    from common.wire.tokenizer import ToolChoice, WireSamplingParams
+    from services.gateway.protocol import ApiRequest
+    from services.gateway.responses import ResponseBuilder
+
+    tools = json.dumps([{"type": "function", "function": {"name": "f"}}])
+    api = ApiRequest(
+        "chat", "m", 1, True, False, WireSamplingParams(logprobs=0), tools=ToolChoice(tools)
+    )
+    builder = ResponseBuilder(api, "id", 0, "hermes")
+    sent: list[tuple[str, list[str]]] = []
+    for i, token in enumerate(["Hello", "\n", " there", "\n"]):
+        finish = "stop" if i == 3 else None
+        delta = TextDelta("r", token, finish, logprobs=[TextLogprob(token, -0.5, [])])
+        for chunk in builder.add(0, delta):
+            choice = chunk["choices"][0]
+            if choice.get("logprobs"):
+                content = choice["delta"].get("content", "")
+                sent.append((content, [e["token"] for e in choice["logprobs"]["content"]]))
+    assert all(text for text, _ in sent[:-1])  # only the end may flush logprobs without text
+    assert [t for _, tokens in sent for t in tokens] == ["Hello", "\n", " there", "\n"]
+    assert "".join(text for text, _ in sent) == "Hello\n there\n"

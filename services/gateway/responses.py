@@ -180,6 +180,7 @@ class Choice:
     echoed: bool = False  # completions' echo: the prompt's text (and logprobs) went first
     echo_logprobs: Json | None = None  # the prompt's part of the choice's logprobs
     echo_only: bool = False  # max_tokens 0 with echo: nothing generated counts
+    held_logprobs: list[TextLogprob] = field(default_factory=list)  # of held-back tool text
 
     @property
     def completion_tokens(self) -> int:
@@ -254,14 +255,20 @@ class ResponseBuilder:
             if num_top is not None and choice.prompt is not None:
                 head = choice.echo_logprobs = echo_logprobs(choice.prompt, num_top)
                 choice.token_chars = sum(len(t) for t in head["tokens"])
+        entries = delta.logprobs or []
         if choice.tools is not None:
             text, calls = choice.tools.feed(text)
             if delta.finish_reason is not None:
                 rest, more = choice.tools.finish()
                 text, calls = text + rest, calls + more
             chunks += [self.call_chunk(index, call) for call in calls]
-        if text or delta.logprobs:
-            entries = delta.logprobs or []
+            # Logprobs wait with the text the parser holds back (it may open a call), and go
+            # out with the next content, or at the end: a chunk never has them without text.
+            entries = choice.held_logprobs + entries
+            choice.held_logprobs = []
+            if not text and delta.finish_reason is None:
+                choice.held_logprobs, entries = entries, []
+        if text or entries:
             content: Json = {"delta": {"content": text}} if self.chat else {"text": text}
             if self.api.params.logprobs is not None:
                 content["logprobs"] = joined(head, self.logprobs(entries, choice.token_chars))
