@@ -38,7 +38,7 @@ from opentelemetry.trace import Status, StatusCode, Tracer
 from common.config import MeshConfig
 from common.metrics import MetricsServer, ServiceMetrics, new_registry
 from common.telemetry import Tracing, extract, inject
-from common.wire.codec import Message, MessageError, decode_any
+from common.wire.codec import PAYLOAD_HEADROOM, Message, MessageError, decode_any
 from common.wire.gateway import ErrorEvent
 from common.wire.presence import Presence, PresenceProbe
 
@@ -331,11 +331,16 @@ class Service:
             except Exception as exc:
                 log.exception("%s: handler for %s failed", self.name, subject)
                 answer = ErrorEvent("", 500, f"internal error: {exc}", "server_error")
+            data = answer.encode()
+            if len(data) > self.nc.max_payload - PAYLOAD_HEADROOM:  # (publishing would raise)
+                why = "The answer is too large for the message bus."
+                answer = ErrorEvent("", 413, why, code="response_too_large")
+                data = answer.encode()
             if isinstance(answer, ErrorEvent):
                 self.metrics.error_reply(answer.status)
             else:
                 self.metrics.handled(kind.__name__, time.perf_counter() - started)
-            await self.nc.publish(msg.reply, answer.encode())
+            await self.nc.publish(msg.reply, data)
 
         self._subs.append(await self.nc.subscribe(subject, queue=queue, cb=on_msg))
 

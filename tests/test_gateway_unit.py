@@ -669,6 +669,24 @@ def choices_counted(env: Env) -> dict[tuple[str, str], float]:
     return out
 
 
+@pytest.mark.parametrize(
+    ("stream", "failing", "status"), [(True, "fail-mid", "500"), (False, "error429", "429")]
+)
+async def test_one_failed_prompt_fails_the_whole_batch(
+    env: Env, stream: bool, failing: str, status: str
+) -> None:
+    """A batch whose second prompt fails: the first prompt's choice (still generating) fails
+    with it, counted as the batch's failure and aborted for that reason, not for a client that
+    left."""
+    body = {"prompt": ["hang", failing], "stream": stream, "max_tokens": 3}
+    async with env.http.post(env.url + "/v1/completions", json=body) as resp:
+        await resp.read()
+    await env.wait_for(lambda: len(env.fake.aborts) == 2)
+    assert choices_counted(env) == {("failure", status): 2}
+    first = next(a for a in env.fake.aborts if a.request_ids[0].endswith("-0-0"))
+    assert first.reason.startswith("prompt 1 of the batch failed")
+
+
 async def test_an_error_for_the_whole_request_fails_every_choice(env: Env) -> None:
     """The tokenizer answers under the request's own id (it failed before the fan-out, or
     while forwarding): the request fails, and every choice is aborted in case some went on."""

@@ -3,6 +3,7 @@ prompt or of messages under the chat template, as a request's; their 4xx; the AP
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -77,3 +78,15 @@ async def test_bad_questions_are_openai_errors(mesh, path, body, key, status, pa
     assert got == status and out["error"]["message"] and out["error"]["param"] == param
     ok, _ = await post(mesh, "/tokenize", {"prompt": "still serving"})
     assert ok == 200
+
+
+async def test_what_the_bus_cannot_carry_is_a_413_at_once(mesh) -> None:
+    """A question over the bus's 1 MiB, or an answer over it (every token's string of a long
+    prompt): a 413 the client should not retry, not a 503 after the timeout."""
+    status, out = await post(mesh, "/tokenize", {"prompt": "a " * 1_200_000})
+    assert status == 413 and out["error"]["code"] == "request_too_large"
+    started = time.monotonic()
+    body = {"prompt": "a b c d e f " * 60_000, "return_token_strs": True}
+    status, out = await post(mesh, "/tokenize", body)
+    assert status == 413 and out["error"]["code"] == "response_too_large"
+    assert time.monotonic() - started < 5

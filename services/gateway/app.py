@@ -20,11 +20,12 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
+from opentelemetry import trace
 
 from common.metrics import metrics_handler
 from common.runtime import NoAnswer, RequestError, serve_until_shutdown
 from common.telemetry import Attr
-from common.wire.codec import M, Message
+from common.wire.codec import PAYLOAD_HEADROOM, M, Message
 from common.wire.gateway import TextDelta
 from common.wire.tokenizer import DetokenizeReply, TokenizeReply
 from services.gateway.body import check_unicode
@@ -237,10 +238,29 @@ class Routes:
         return json_response(detokenize_response(await self.ask(subject, ask, DetokenizeReply)))
 
     async def ask(self, subject: str, message: Message, kind: type[M]) -> M:
+        """A tokenizer's answer; a 413 for a question the bus cannot carry (the same one
+        never would: no retry), a 503 when none answers."""
+        size, limit = len(message.encode()), self.mesh.service.nc.max_payload - PAYLOAD_HEADROOM
+        if size > limit:
+            raise RequestError(
+                f"The request is too large for the message bus: it encodes to {size} bytes, "
+                f"over its limit of {limit} bytes.",
+                413,
+                "invalid_request_error",
+                None,
+                "request_too_large",
+            )
         try:
             return await self.mesh.service.request(
                 subject, message, kind, TOKENIZE_TIMEOUT_S, raise_errors=True
             )
+        except RequestError as exc:
+            if exc.status < 500:
+                raise
+            log.warning("gateway: a tokenizer failed on %s: %s", subject, exc)
+            raise RequestError(
+                "The tokenizer failed on this request.", exc.status, "server_error"
+            ) from None
         except NoAnswer as exc:
             raise RequestError(
                 "No tokenizer answered; retry.", 503, "server_error", None, "service_unavailable"
@@ -294,10 +314,14 @@ class Routes:
         try:
             for k, one in enumerate(api.batch):
                 streams.append(await self.mesh.submit(one, f"{response_id}-{k}"))
-        except BaseException:  # (a later prompt refused: the earlier ones are aborted)
-            for stream in streams:
-                await self.mesh.release(stream, "another prompt of the batch failed")
+        except BaseException as exc:  # (a later prompt refused: the earlier ones are aborted)
+            batch = BatchedStreams(streams, api.n)
+            if isinstance(exc, RequestError):
+                batch.fail_all(exc, f"prompt {len(streams)} of the batch was refused: {exc}")
+            await self.mesh.release(batch)
             raise
+        span = trace.get_current_span()  # (each submit named its own prompt's)
+        span.set_attributes({Attr.REQUEST_ID: response_id, Attr.N: api.num_choices})
         return BatchedStreams(streams, api.n)
 
     async def stream_sse(

@@ -32,8 +32,8 @@ class GatewayConfig:
     max_model_len: int = setting(8192, "context length accepted: prompt + max_tokens")
     request_timeout_s: float = setting(600.0, "a request's deadline, in seconds")
     max_n: int = setting(8, "most completions one request may ask for (n)")
-    max_batch_prompts: int = setting(
-        64, "most prompts one completions request may batch (each with its n choices)"
+    max_batch_choices: int = setting(
+        64, "most choices (prompts x n) a completions request that batches prompts may ask for"
     )
     max_body_bytes: int = setting(4 * 1024 * 1024, "largest request body accepted")
     max_stop: int = setting(
@@ -94,7 +94,7 @@ class GatewayConfig:
             "max_model_len must be >= 2": self.max_model_len >= 2,
             "request_timeout_s must be > 0": self.request_timeout_s > 0,
             f"max_n must be within 1..{MAX_CHOICES}": 1 <= self.max_n <= MAX_CHOICES,
-            "max_batch_prompts must be >= 1": self.max_batch_prompts >= 1,
+            "max_batch_choices must be >= 1": self.max_batch_choices >= 1,
             "max_body_bytes must be >= 1024": self.max_body_bytes >= 1024,
             "max_stop must be >= 0": self.max_stop >= 0,
             f"max_client_priority must be in 0..{MAX_PRIORITY}": (

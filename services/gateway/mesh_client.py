@@ -279,10 +279,10 @@ class MeshClient:
         went away, or shutdown outlasted its timeout), so the abort is published from a task
         of its own that a second cancellation of the handler cannot interrupt.
         """
-        if isinstance(stream, BatchedStreams):  # each prompt's stream
+        if isinstance(stream, BatchedStreams):  # each prompt's stream, all routed off now
             stream.close()
-            for one in stream.streams:
-                await self.release(one, reason)
+            releases = [self.release(one, reason) for one in stream.streams]
+            await asyncio.shield(asyncio.gather(*releases))
             return
         self.inbox.close(stream)
         if stream.observer is not None and stream.unfinished:

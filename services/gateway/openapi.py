@@ -141,6 +141,15 @@ SPEC: dict[str, Any] = {
                             "oneOf": [
                                 {"type": "string"},
                                 {"type": "array", "items": {"type": "integer", "minimum": 0}},
+                                {"type": "array", "items": {"type": "string"}, "maxItems": 8},
+                                {
+                                    "type": "array",
+                                    "items": {
+                                        "type": "array",
+                                        "items": {"type": "integer", "minimum": 0},
+                                    },
+                                    "maxItems": 8,
+                                },
                             ]
                         },
                         "logprobs": {"type": "integer", "minimum": 0, "maximum": 20},

@@ -120,11 +120,18 @@ class ApiRequest:
 def parse_completion(raw: Any, config: GatewayConfig) -> ApiRequest:
     body = Body(raw)
     model = parse_model(body, config)
-    batch = parse_prompts(body.get("prompt"), config.max_batch_prompts)
+    batch = parse_prompts(body.get("prompt"), config.max_batch_choices)
     prompt, token_ids = batch[0]
     if body.get("suffix"):
         raise bad_request("'suffix' is not supported.", "suffix", "unsupported_parameter")
     n = body.integer("n", 1, 1, config.max_n)
+    if len(batch) > 1 and len(batch) * n > config.max_batch_choices:
+        raise bad_request(
+            f"A batch of {len(batch)} prompts with n={n} asks for {len(batch) * n} choices; "
+            f"at most {config.max_batch_choices}.",
+            "prompt",
+            "invalid_value",
+        )
     best_of = body.optional_integer("best_of", 1, config.max_n)
     if best_of is not None and best_of != n:
         raise bad_request("'best_of' is only supported equal to 'n'.", "best_of")

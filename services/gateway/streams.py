@@ -310,12 +310,24 @@ class BatchedStreams:
                 index, delta = task.result()
             except StopAsyncIteration:
                 continue
+            except RequestError as exc:  # one prompt failed: the batch fails with it
+                self.fail_all(exc, f"prompt {k} of the batch failed: {exc}")
+                self.close()
+                raise
             except BaseException:
                 self.close()
                 raise
             self._ask(k)
             return k * self.n + index, delta
         raise StopAsyncIteration
+
+    def fail_all(self, error: RequestError, why: str) -> None:
+        """Every prompt's open choices fail with ``error`` (counted as its failures, aborted
+        for ``why``), not only the one whose prompt failed."""
+        for stream in self.streams:
+            if stream.observer is not None:
+                stream.observer.failed(error)
+            stream.failure = stream.failure or why
 
     def _ask(self, k: int) -> None:
         task = asyncio.ensure_future(anext(self.streams[k]))

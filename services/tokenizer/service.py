@@ -138,7 +138,8 @@ class TokenizerService:
             text = self.render_chat(req) if ask.messages is not None else ask.prompt or ""
             ids = self.tokenizer.encode(text, add_special_tokens=ask.add_special_tokens)
         except TokenizerError as exc:
-            raise RequestError(str(exc), param="messages") from exc
+            field = "prompt" if ask.messages is None else "messages"
+            raise RequestError(str(exc), param=field) from exc
         strs = None
         if ask.return_token_strs:
             strs = [self.tokenizer.id_to_token(t) or "" for t in ids]
