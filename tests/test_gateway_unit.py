@@ -418,6 +418,7 @@ CMP, CHT = "/v1/completions", "/v1/chat/completions"
         (CMP, {"prompt": ["a", []]}, 400, "prompt[1]"),
         (CMP, {"prompt": [[1], ["x"]]}, 400, "prompt[1][0]"),
         (CMP, {"prompt": ["a"] * 65}, 400, "prompt"),
+        (CMP, {"prompt": ["a"] * 9, "n": 8}, 400, "prompt"),  # 72 choices
         (CMP, {"prompt": [[1], [1] * 60], "max_tokens": 10}, 400, "max_tokens"),
         (CMP, {"prompt": [1, -2]}, 400, "prompt[1]"),
         (CMP, {"prompt": [1] * 60, "max_tokens": 10}, 400, "max_tokens"),
