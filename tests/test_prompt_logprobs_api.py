@@ -13,7 +13,7 @@ import torch
 
 from common.tokenizer import Tokenizer
 from services.tokenizer import service as tokenizer_service
-from tests.mesh import MeshHarness, openai_client
+from tests.mesh import MeshHarness, metric_value, openai_client
 from tests.models import hf_model
 
 PROMPT = "The quick brown fox jumps over the lazy dog"
@@ -77,12 +77,14 @@ async def test_echo_with_logprobs_is_lm_evals_loglikelihood(client, reference) -
     assert "prompt_logprobs" not in (plain.choices[0].model_extra or {})
 
 
-async def test_max_tokens_0_with_echo_scores_the_prompt_alone(client, reference) -> None:
+async def test_max_tokens_0_with_echo_scores_the_prompt_alone(mesh, client, reference) -> None:
     """vLLM's prompt-only scoring: the text is the prompt, the logprobs the prompt's, no token
     counted as generated, finish_reason "length"; streamed the same; logprobs up to 20."""
     tok, lsm = reference
     ids = tok.encode(PROMPT)
     kwargs: dict[str, Any] = dict(model="tiny", prompt=PROMPT, echo=True, max_tokens=0)
+    metrics = f"{mesh.base_url.removesuffix('/v1')}/metrics"
+    generated = metric_value(metrics, GENERATED)
     out = await client.completions.create(logprobs=10, **kwargs)
     (choice,) = out.choices
     assert choice.text == PROMPT and choice.finish_reason == "length"
@@ -94,6 +96,11 @@ async def test_max_tokens_0_with_echo_scores_the_prompt_alone(client, reference)
     chunks = [c async for c in await client.completions.create(stream=True, **kwargs)]
     assert "".join(c.choices[0].text for c in chunks) == PROMPT
     assert chunks[-1].choices[0].finish_reason == "length"
+    # The metrics agree with the responses: no generated token.
+    assert metric_value(metrics, GENERATED) == generated
+
+
+GENERATED = "meshserve:request_generation_tokens_sum"
 
 
 async def test_echo_streams_the_prompt_first_and_echoes_token_prompts(client, reference) -> None:

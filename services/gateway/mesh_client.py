@@ -216,7 +216,7 @@ class MeshClient:
         if size > nc.max_payload:
             raise too_large_for_the_bus(size, nc.max_payload, api)
         stream = self.inbox.open(request.choice_ids(), self.config.request_timeout_s, base_id)
-        stream.observer = RequestObserver(self.metrics, span, api.n)
+        stream.observer = RequestObserver(self.metrics, span, api.n, api.echo_only)
         stream.origin, stream.resubmitter = request, self
         stream.max_resumes = self.config.max_resumes
         try:

@@ -21,6 +21,7 @@ hop writes its own, 55 characters) and one longer than ``MAX_TRACEPARENT_CHARS``
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -98,10 +99,15 @@ class RequestObserver:
     """A request's metrics and span attributes. Each of its ``n`` choices is counted once:
     finished (its reason), failed with the request, or aborted when the client left."""
 
-    def __init__(self, metrics: GatewayMetrics, span: Span, n: int = 1) -> None:
+    def __init__(
+        self, metrics: GatewayMetrics, span: Span, n: int = 1, echo_only: bool = False
+    ) -> None:
         self.metrics = metrics
         self.span = span
         self.n = n
+        # max_tokens 0 with echo: the one token generated is not the client's (the response
+        # says "length" and 0 completion tokens; so do the metrics)
+        self.echo_only = echo_only
         self.ended = False  # failed or left: the choices still open were counted then
         self.started = time.perf_counter()
         trace_id = trace_id_hex(span)
@@ -128,6 +134,9 @@ class RequestObserver:
             self.finished(index, delta, now)
 
     def finished(self, index: int, delta: TextDelta, now: float) -> None:
+        if self.echo_only:
+            usage = delta.usage and dataclasses.replace(delta.usage, completion_tokens=0)
+            delta = dataclasses.replace(delta, finish_reason="length", usage=usage)
         assert delta.finish_reason is not None
         self.metrics.e2e.observe(now - self.started, self.exemplar)
         self.metrics.finished(delta.finish_reason)
