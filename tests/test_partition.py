@@ -116,10 +116,17 @@ async def test_a_partition_keeps_each_region_serving_and_spilling_resumes_on_hea
 
     # The stalled gateway connections resume (TCP's next retransmission, seconds away).
     await wait_for(lambda: all(map(regions.sees_peer, REGIONS)), 40, "the link to heal")
-    # (as before the cut: a request spills only where the peer reports a free slot)
-    await wait_for(
-        lambda: any(r.spare_seqs for r in east_sched.spill.remotes(1)), 10, "eu-west idle"
-    )
-    spilled_before = regions.spilled("us-east")
-    assert await overload(east.base_url) == [short["us-east"]] * 8
-    assert regions.spilled("us-east") > spilled_before
+    # (as before the cut: a request spills only where the peer reports a free slot, and only
+    # while that report is fresh: a healed link's first seconds can still delay one, so an
+    # overload may pass before a fresh one comes; spilling must resume within three)
+    spilled = []
+    for _ in range(3):
+        await wait_for(
+            lambda: any(r.spare_seqs for r in east_sched.spill.remotes(1)), 10, "eu-west idle"
+        )
+        spilled_before = regions.spilled("us-east")
+        assert await overload(east.base_url) == [short["us-east"]] * 8
+        spilled.append(regions.spilled("us-east") - spilled_before)
+        if spilled[-1]:
+            break
+    assert spilled[-1] > 0, spilled

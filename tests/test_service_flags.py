@@ -117,6 +117,7 @@ SERVICES: dict[str, list[Row]] = {
         ("--max-model-len", "MESHSERVE_MAX_MODEL_LEN", "128"),
         ("--request-timeout-s", "MESHSERVE_REQUEST_TIMEOUT_S", "5"),
         ("--max-n", "MESHSERVE_MAX_N", "2"),
+        ("--max-batch-choices", "MESHSERVE_MAX_BATCH_CHOICES", "16"),
         ("--max-body-bytes", "MESHSERVE_MAX_BODY_BYTES", "4096"),
         ("--max-stop", "MESHSERVE_MAX_STOP", "4"),
         ("--max-client-priority", "MESHSERVE_MAX_CLIENT_PRIORITY", "3"),
