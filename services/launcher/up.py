@@ -230,6 +230,9 @@ def run_up(args: argparse.Namespace) -> int:
             watch()
             time.sleep(0.2)
     except KeyboardInterrupt:
+        # (a second signal right behind the first, as from a process manager and a user at
+        # once, would interrupt the print: it waits for ``finally``'s killing handler)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         print("stopping (requests in flight finish; Ctrl-C again kills)...", file=sys.stderr)
         return 0
     except (RuntimeError, TimeoutError) as exc:
