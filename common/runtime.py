@@ -38,7 +38,7 @@ from opentelemetry.trace import Status, StatusCode, Tracer
 from common.config import MeshConfig
 from common.metrics import MetricsServer, ServiceMetrics, new_registry
 from common.telemetry import Tracing, extract, inject
-from common.wire.codec import PAYLOAD_HEADROOM, Message, MessageError, decode_any
+from common.wire.codec import Message, MessageError, decode_any
 from common.wire.gateway import ErrorEvent
 from common.wire.presence import Presence, PresenceProbe
 
@@ -332,7 +332,7 @@ class Service:
                 log.exception("%s: handler for %s failed", self.name, subject)
                 answer = ErrorEvent("", 500, f"internal error: {exc}", "server_error")
             data = answer.encode()
-            if len(data) > self.nc.max_payload - PAYLOAD_HEADROOM:  # (publishing would raise)
+            if len(data) > self.nc.max_payload:  # (publishing would raise: a reply has no headers)
                 why = "The answer is too large for the message bus."
                 answer = ErrorEvent("", 413, why, code="response_too_large")
                 data = answer.encode()

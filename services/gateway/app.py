@@ -24,13 +24,13 @@ from opentelemetry import trace
 
 from common.metrics import metrics_handler
 from common.runtime import NoAnswer, RequestError, serve_until_shutdown
-from common.telemetry import Attr
-from common.wire.codec import PAYLOAD_HEADROOM, M, Message
+from common.telemetry import Attr, inject
+from common.wire.codec import M, Message
 from common.wire.gateway import TextDelta
 from common.wire.tokenizer import DetokenizeReply, TokenizeReply
 from services.gateway.body import check_unicode
 from services.gateway.config import GatewayConfig
-from services.gateway.mesh_client import MeshClient
+from services.gateway.mesh_client import MeshClient, nats_header_bytes
 from services.gateway.observe import request_span
 from services.gateway.openapi import SPEC
 from services.gateway.protocol import ApiRequest, parse_chat, parse_completion
@@ -240,7 +240,9 @@ class Routes:
     async def ask(self, subject: str, message: Message, kind: type[M]) -> M:
         """A tokenizer's answer; a 413 for a question the bus cannot carry (the same one
         never would: no retry), a 503 when none answers."""
-        size, limit = len(message.encode()), self.mesh.service.nc.max_payload - PAYLOAD_HEADROOM
+        # (measured as the request goes out: with its trace context's headers)
+        size = len(message.encode()) + nats_header_bytes(inject(None))
+        limit = self.mesh.service.nc.max_payload
         if size > limit:
             raise RequestError(
                 f"The request is too large for the message bus: it encodes to {size} bytes, "

@@ -175,8 +175,8 @@ def run_regions(args: argparse.Namespace) -> int:
         print(f"meshserve up: {exc}", file=sys.stderr)
         return 1
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # (first: nothing interrupts stopping)
         signal.signal(signal.SIGINT, kill_on_signal(list(meshes)))  # a second Ctrl-C
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         for mesh in meshes:
             mesh.stop()
         if supercluster is not None:

@@ -153,11 +153,18 @@ class DeferredInterrupt:
 
     deferring: bool = False
     pending: bool = False
+    # Raised once: a second signal right behind the first (a process manager and a user at
+    # once) would interrupt the stopping it started; the caller installs its own handler
+    # for the signals after that (``up``'s: a second Ctrl-C kills).
+    fired: bool = False
 
     def handler(self, signum: int, frame: FrameType | None) -> None:
+        if self.fired:
+            return
         if self.deferring:
             self.pending = True
             return
+        self.fired = True
         raise KeyboardInterrupt
 
     @contextlib.contextmanager
@@ -170,4 +177,5 @@ class DeferredInterrupt:
             self.deferring = outer
             if self.pending and not outer:  # even if the block failed: stopping comes first
                 self.pending = False
+                self.fired = True
                 raise KeyboardInterrupt

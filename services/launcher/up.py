@@ -230,9 +230,6 @@ def run_up(args: argparse.Namespace) -> int:
             watch()
             time.sleep(0.2)
     except KeyboardInterrupt:
-        # (a second signal right behind the first, as from a process manager and a user at
-        # once, would interrupt the print: it waits for ``finally``'s killing handler)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
         print("stopping (requests in flight finish; Ctrl-C again kills)...", file=sys.stderr)
         return 0
     except (RuntimeError, TimeoutError) as exc:
@@ -242,8 +239,8 @@ def run_up(args: argparse.Namespace) -> int:
     finally:
         # stop() drains the services in order and kills whatever outlives its deadline; a
         # second Ctrl-C kills them all at once (never leaving one behind).
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # (first: nothing interrupts stopping)
         signal.signal(signal.SIGINT, kill_on_signal([mesh] if mesh is not None else []))
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if mesh is not None:
             mesh.stop()
         if cluster is not None:

@@ -171,7 +171,8 @@ class TokenizerService:
             if req.prompt is not None:
                 return self.tokenizer.encode(req.prompt), "prompt"
         except TokenizerError as exc:
-            raise RequestError(str(exc), param="messages") from exc
+            field = "messages" if req.messages is not None else "prompt"
+            raise RequestError(str(exc), param=field) from exc
         raise RequestError("the request has neither a prompt nor messages", param="prompt")
 
     def truncated(self, req: GenerateRequest, ids: list[int], keep: int) -> list[int]:
