@@ -196,9 +196,12 @@ class Engine:
                 self.runner.check_token_ids(token_ids)
             except ModelError as exc:
                 raise ValueError(f"{name}: {exc}") from None
-        banned = set(params.stop_ids_banned(self.eos_ids, len(output_token_ids)))
-        banned |= {word[0] for word in params.bad_words_token_ids if len(word) == 1}
-        if params.allowed_token_ids and set(params.allowed_token_ids) <= banned:
+        # (what the sampler bans at the first step: gpu.sampling.SamplerInput.banned_tokens)
+        banned = {
+            *params.stop_ids_banned(self.eos_ids, len(output_token_ids)),
+            *params.bad_word_ends(output_token_ids),
+        }
+        if params.allowed_token_ids and params.allowed_set <= banned:
             raise ValueError(
                 "allowed_token_ids: every allowed token is banned (a stop token under "
                 "min_tokens, or a bad word), so nothing could be generated"

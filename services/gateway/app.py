@@ -30,7 +30,7 @@ from common.wire.gateway import TextDelta
 from common.wire.tokenizer import DetokenizeReply, TokenizeReply
 from services.gateway.body import check_unicode
 from services.gateway.config import GatewayConfig
-from services.gateway.mesh_client import MeshClient, nats_header_bytes
+from services.gateway.mesh_client import MeshClient, nats_header_bytes, too_large_for_the_bus
 from services.gateway.observe import request_span
 from services.gateway.openapi import SPEC
 from services.gateway.protocol import ApiRequest, parse_chat, parse_completion
@@ -228,30 +228,23 @@ class Routes:
         """vLLM's ``/tokenize``, answered by a tokenizer service."""
         ask = parse_tokenize(await read_json(request, self.config.max_body_bytes), self.config)
         subject = self.mesh.service.subjects.tokenizer_tokenize
-        return json_response(
-            tokenize_response(await self.ask(subject, ask, TokenizeReply), self.config)
-        )
+        field = "prompt" if ask.messages is None else "messages"
+        reply = await self.ask(subject, ask, TokenizeReply, field)
+        return json_response(tokenize_response(reply, self.config))
 
     async def detokenize(self, request: web.Request) -> web.Response:
         ask = parse_detokenize(await read_json(request, self.config.max_body_bytes), self.config)
         subject = self.mesh.service.subjects.tokenizer_detokenize
-        return json_response(detokenize_response(await self.ask(subject, ask, DetokenizeReply)))
+        reply = await self.ask(subject, ask, DetokenizeReply, "tokens")
+        return json_response(detokenize_response(reply))
 
-    async def ask(self, subject: str, message: Message, kind: type[M]) -> M:
+    async def ask(self, subject: str, message: Message, kind: type[M], field: str) -> M:
         """A tokenizer's answer; a 413 for a question the bus cannot carry (the same one
-        never would: no retry), a 503 when none answers."""
+        never would: no retry; ``field`` is what to shorten), a 503 when none answers."""
         # (measured as the request goes out: with its trace context's headers)
         size = len(message.encode()) + nats_header_bytes(inject(None))
-        limit = self.mesh.service.nc.max_payload
-        if size > limit:
-            raise RequestError(
-                f"The request is too large for the message bus: it encodes to {size} bytes, "
-                f"over its limit of {limit} bytes.",
-                413,
-                "invalid_request_error",
-                None,
-                "request_too_large",
-            )
+        if size > self.mesh.service.nc.max_payload:
+            raise too_large_for_the_bus(size, self.mesh.service.nc.max_payload, field)
         try:
             return await self.mesh.service.request(
                 subject, message, kind, TOKENIZE_TIMEOUT_S, raise_errors=True

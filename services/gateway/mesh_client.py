@@ -214,7 +214,9 @@ class MeshClient:
         headers = inject(None)  # the trace context of gateway.request
         size = len(payload) + nats_header_bytes(headers)
         if size > nc.max_payload:
-            raise too_large_for_the_bus(size, nc.max_payload, api)
+            raise too_large_for_the_bus(
+                size, nc.max_payload, "messages" if api.kind == "chat" else "prompt"
+            )
         stream = self.inbox.open(request.choice_ids(), self.config.request_timeout_s, base_id)
         stream.observer = RequestObserver(self.metrics, span, api.n, api.echo_only)
         stream.origin, stream.resubmitter = request, self
@@ -325,9 +327,8 @@ def nats_header_bytes(headers: Mapping[str, str] | None) -> int:
     return len(b"NATS/1.0\r\n") + lines + 2
 
 
-def too_large_for_the_bus(size: int, limit: int, api: ApiRequest) -> RequestError:
+def too_large_for_the_bus(size: int, limit: int, field: str) -> RequestError:
     """413, not 503: the same request would never fit, so clients must not retry it."""
-    field = "messages" if api.kind == "chat" else "prompt"
     return RequestError(
         f"The request is too large for the message bus: it encodes to {size} bytes, over its "
         f"limit of {limit} bytes (the NATS server's max_payload). Please shorten the {field}.",

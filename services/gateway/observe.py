@@ -21,7 +21,6 @@ hop writes its own, 55 characters) and one longer than ``MAX_TRACEPARENT_CHARS``
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -32,6 +31,7 @@ from common.metrics import GatewayMetrics
 from common.runtime import RequestError
 from common.telemetry import Attr, extract, trace_id_hex
 from common.wire.gateway import TextDelta
+from services.gateway.responses import scored_only
 
 # W3C Trace Context: a tracestate holds at most 32 members, and a vendor that must shorten one
 # keeps at least 512 characters, dropping members over 128 characters first, then members from
@@ -135,8 +135,7 @@ class RequestObserver:
 
     def finished(self, index: int, delta: TextDelta, now: float) -> None:
         if self.echo_only:
-            usage = delta.usage and dataclasses.replace(delta.usage, completion_tokens=0)
-            delta = dataclasses.replace(delta, finish_reason="length", usage=usage)
+            delta = scored_only(delta)
         assert delta.finish_reason is not None
         self.metrics.e2e.observe(now - self.started, self.exemplar)
         self.metrics.finished(delta.finish_reason)

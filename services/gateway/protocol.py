@@ -140,40 +140,29 @@ def parse_completion(raw: Any, config: GatewayConfig) -> ApiRequest:
     # left out of the response)
     max_tokens = body.integer("max_tokens", 16, 0 if echo else 1, config.max_completion_tokens)
     echo_only, max_tokens = max_tokens == 0, max(max_tokens, 1)
-    truncate = parse_truncation(body, config)
-    for _, ids in batch:
-        if ids is not None:
-            kept = len(ids) if truncate is None else min(len(ids), truncate)
-            check_context(kept, max_tokens, "max_tokens", config)
     # (OpenAI's completions allow 5; vLLM, and harnesses written for it, up to 20)
     logprobs = body.optional_integer("logprobs", 0, MAX_PROMPT_LOGPROBS)
     response_format = parse_structured_output(body)  # (vLLM's completions take it too)
     api = finish(body, "completion", model, n, max_tokens, logprobs, config, prompt, token_ids)
+    truncate = api.truncate_prompt_tokens
+    for _, ids in batch:
+        if ids is not None:
+            kept = len(ids) if truncate is None else min(len(ids), truncate)
+            check_context(kept, max_tokens, "max_tokens", config)
     params = api.params
-    if echo:
-        # The prompt's logprobs head the choice's (vLLM: prompt_logprobs defaults to logprobs);
-        # a prompt of token ids is decoded for the echo by the detokenizer.
-        prompt_logprobs = logprobs if params.prompt_logprobs is None else params.prompt_logprobs
-        params = dataclasses.replace(
-            params, echo=token_ids is not None, prompt_logprobs=prompt_logprobs
-        )
-    api = dataclasses.replace(
-        api, response_format=response_format, echo=echo, echo_only=echo_only, params=params
-    )
+    if echo and params.prompt_logprobs is None:
+        # the prompt's logprobs head the choice's (vLLM: prompt_logprobs defaults to logprobs)
+        params = dataclasses.replace(params, prompt_logprobs=logprobs)
+    api = dataclasses.replace(api, response_format=response_format, echo=echo, echo_only=echo_only)
+
+    def one(text: str | None, ids: list[int] | None) -> ApiRequest:
+        # (the detokenizer decodes a prompt of token ids for the echo)
+        own = dataclasses.replace(params, echo=echo and ids is not None)
+        return dataclasses.replace(api, prompt=text, prompt_token_ids=ids, params=own)
+
     if len(batch) == 1:
-        return api
-    return dataclasses.replace(
-        api,
-        batch=[
-            dataclasses.replace(
-                api,
-                prompt=text,
-                prompt_token_ids=ids,
-                params=dataclasses.replace(params, echo=echo and ids is not None),
-            )
-            for text, ids in batch
-        ],
-    )
+        return one(prompt, token_ids)
+    return dataclasses.replace(one(prompt, token_ids), batch=[one(*p) for p in batch])
 
 
 def parse_chat(raw: Any, config: GatewayConfig) -> ApiRequest:
@@ -474,43 +463,34 @@ def parse_stop(body: Body, max_stop: int) -> list[str]:
     return list(stops)
 
 
-def parse_token_ids(body: Body, name: str) -> list[int]:
+def parse_token_ids(
+    body: Body, name: str, limit: int = MAX_STOP_TOKEN_IDS, at_least: int = 0
+) -> list[int]:
     value = body.get(name)
     if value is None:
         return []
+    ids = token_id_list(value, name)
+    if not at_least <= len(ids) <= limit:
+        held = f"must hold {at_least} to {limit}" if at_least else f"may hold at most {limit}"
+        raise bad_request(f"'{name}' {held} token ids, got {len(ids)}.", name, "invalid_value")
+    return ids
+
+
+def token_id_list(value: Any, name: str) -> list[int]:
+    """``value`` if it is an array of token ids (non-negative 32-bit integers), else a 400."""
     ok = isinstance(value, list) and all(
         isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_TOKEN_ID for t in value
     )
     if not ok:
         raise wrong_type(name, "an array of token ids", value)
-    if len(value) > MAX_STOP_TOKEN_IDS:
-        raise bad_request(
-            f"'{name}' may hold at most {MAX_STOP_TOKEN_IDS} token ids, got {len(value)}.",
-            name,
-            "invalid_value",
-        )
     return list(value)
 
 
 def parse_allowed_token_ids(body: Body) -> list[int]:
     """vLLM's whitelist; ids are checked against the vocabulary by the executor. An empty list
     would allow nothing: a 400, as in vLLM."""
-    value = body.get("allowed_token_ids")
-    if value is None:
-        return []
-    ok = isinstance(value, list) and all(
-        isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_TOKEN_ID for t in value
-    )
-    if not ok:
-        raise wrong_type("allowed_token_ids", "an array of token ids", value)
-    if not value or len(value) > MAX_ALLOWED_TOKEN_IDS:
-        raise bad_request(
-            f"'allowed_token_ids' must hold 1 to {MAX_ALLOWED_TOKEN_IDS} token ids, got "
-            f"{len(value)}.",
-            "allowed_token_ids",
-            "invalid_value",
-        )
-    return sorted(set(value))
+    ids = parse_token_ids(body, "allowed_token_ids", MAX_ALLOWED_TOKEN_IDS, at_least=1)
+    return sorted(set(ids))
 
 
 def parse_bad_words(body: Body) -> list[str]:

@@ -117,6 +117,21 @@ def echo_logprobs(prompt: TextPromptLogprobs, num_top: int) -> Json:
     }
 
 
+def scored_only(delta: TextDelta) -> TextDelta:
+    """A delta of a request that only scores its prompt (echo, max_tokens 0) as its client
+    and the metrics see it: the one token generated is not theirs (no text, logprobs or
+    token; none counted), and the choice ends with "length"."""
+    usage = delta.usage and dataclasses.replace(delta.usage, completion_tokens=0)
+    return dataclasses.replace(
+        delta,
+        text="",
+        logprobs=None,
+        token_ids=[],
+        finish_reason=delta.finish_reason and "length",
+        usage=usage,
+    )
+
+
 def joined(head: Json | None, tail: Json) -> Json:
     """Completions' logprobs of the echoed prompt, then of the generated tokens."""
     if head is None:
@@ -179,14 +194,12 @@ class Choice:
     prompt: TextPromptLogprobs | None = None  # prompt_logprobs (with the first delta)
     echoed: bool = False  # completions' echo: the prompt's text (and logprobs) went first
     echo_logprobs: Json | None = None  # the prompt's part of the choice's logprobs
-    echo_only: bool = False  # max_tokens 0 with echo: nothing generated counts
+    echo_chars: int = 0  # its tokens' characters: where the generated ones' offsets start
     held_logprobs: list[TextLogprob] = field(default_factory=list)  # of held-back tool text
 
     @property
     def completion_tokens(self) -> int:
         """The finished choice's count from its usage; until then what has arrived."""
-        if self.echo_only:
-            return 0
         if self.finish_reason is not None and self.usage is not None:
             return self.usage.completion_tokens
         return self.tokens
@@ -208,7 +221,7 @@ class ResponseBuilder:
             "created": created,
             "model": api.model,
         }
-        self.choices = [Choice(echo_only=api.echo_only) for _ in range(api.num_choices)]
+        self.choices = [Choice() for _ in range(api.num_choices)]
         if api.tools is not None and api.tools.mode != "none":
             names = {t["function"]["name"] for t in json.loads(api.tools.tools)}
             for choice in self.choices:
@@ -231,14 +244,8 @@ class ResponseBuilder:
         """Record ``delta`` for choice ``index``; return the chunks that stream it."""
         choice = self.choices[index]
         chunks = []
-        if self.api.echo_only:  # max_tokens 0: the one token generated is not the client's
-            delta = dataclasses.replace(
-                delta,
-                text="",
-                logprobs=None,
-                token_ids=[],
-                finish_reason=delta.finish_reason and "length",
-            )
+        if self.api.echo_only:
+            delta = scored_only(delta)
         choice.tokens += len(delta.token_ids)
         if delta.usage is not None:
             choice.usage = delta.usage
@@ -254,7 +261,7 @@ class ResponseBuilder:
             num_top = self.api.params.logprobs
             if num_top is not None and choice.prompt is not None:
                 head = choice.echo_logprobs = echo_logprobs(choice.prompt, num_top)
-                choice.token_chars = sum(len(t) for t in head["tokens"])
+                choice.token_chars = choice.echo_chars = sum(len(t) for t in head["tokens"])
         entries = delta.logprobs or []
         if choice.tools is not None:
             text, calls = choice.tools.feed(text)
@@ -344,9 +351,9 @@ class ResponseBuilder:
                 body["message"]["tool_calls"] = [c.to_json() for c in choice.tools.calls]
             logprobs = None
             if self.api.params.logprobs is not None:
-                head = choice.echo_logprobs
-                start = sum(len(t) for t in head["tokens"]) if head is not None else 0
-                logprobs = joined(head, self.logprobs(choice.logprobs, start))
+                logprobs = joined(
+                    choice.echo_logprobs, self.logprobs(choice.logprobs, choice.echo_chars)
+                )
             choices.append(
                 {"index": i, **body, "logprobs": logprobs, "finish_reason": choice.finish_reason}
             )

@@ -10,10 +10,10 @@ from common.wire.tokenizer import DetokenizeReply, DetokenizeRequest, TokenizeRe
 from services.gateway.body import Body, unicode_text, wrong_type
 from services.gateway.config import GatewayConfig
 from services.gateway.protocol import (
-    MAX_TOKEN_ID,
     parse_messages,
     parse_model,
     parse_template_controls,
+    token_id_list,
 )
 from services.gateway.structured import parse_tools
 
@@ -61,13 +61,7 @@ def tokenize_response(reply: TokenizeReply, config: GatewayConfig) -> dict[str, 
 def parse_detokenize(raw: Any, config: GatewayConfig) -> DetokenizeRequest:
     body = Body(raw)
     parse_model(body, config)
-    tokens = body.get("tokens")
-    ok = isinstance(tokens, list) and all(
-        isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_TOKEN_ID for t in tokens
-    )
-    if not ok:
-        raise wrong_type("tokens", "an array of token ids", tokens)
-    return DetokenizeRequest(list(tokens))
+    return DetokenizeRequest(token_id_list(body.get("tokens"), "tokens"))
 
 
 def detokenize_response(reply: DetokenizeReply) -> dict[str, Any]:

@@ -19,7 +19,6 @@ import argparse
 import random
 import statistics
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -37,17 +36,6 @@ TEXT = (
 WORDS = TEXT.split(" ")
 
 
-@dataclass(frozen=True)
-class Round:
-    name: str
-    prompt_tokens: int
-    seconds: float
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.prompt_tokens / self.seconds
-
-
 def prompts_for(tokenizer: Tokenizer, n: int, context: int, seed: int) -> list[list[int]]:
     """``n`` prompts: a context of about ``context`` tokens, then one of four continuations."""
     rng = random.Random(seed)
@@ -61,7 +49,8 @@ def prompts_for(tokenizer: Tokenizer, n: int, context: int, seed: int) -> list[l
     return out
 
 
-def run(engine: Engine, prompts: list[list[int]], scored: bool, name: str) -> Round:
+def run(engine: Engine, prompts: list[list[int]], scored: bool, name: str) -> float:
+    """Seconds to answer every prompt with one token (and score it, if ``scored``)."""
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1 if scored else None)
     start = time.perf_counter()
     for i, prompt in enumerate(prompts):
@@ -72,7 +61,7 @@ def run(engine: Engine, prompts: list[list[int]], scored: bool, name: str) -> Ro
     seconds = time.perf_counter() - start
     assert got == (len(prompts) if scored else 0)
     engine.pages.reset_prefix_cache()  # each round starts cold
-    return Round(name, sum(len(p) for p in prompts), seconds)
+    return seconds
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -101,11 +90,11 @@ def main(argv: list[str] | None = None) -> None:
     prompts = prompts_for(tokenizer, args.prompts, args.context, seed=0)
     run(engine, prompts[:4], True, "warm-scored")
     run(engine, prompts[:4], False, "warm-plain")
-    sides: dict[str, list[Round]] = {"plain": [], "scored": []}
+    sides: dict[str, list[float]] = {"plain": [], "scored": []}
     for r in range(args.rounds):
         sides["plain"].append(run(engine, prompts, False, f"plain-{r}"))
         sides["scored"].append(run(engine, prompts, True, f"scored-{r}"))
-    medians = {k: statistics.median(x.seconds for x in v) for k, v in sides.items()}
+    medians = {k: statistics.median(v) for k, v in sides.items()}
     tokens = sum(len(p) for p in prompts)
     print(
         f"\nmodel {folder.name}, {up.quantization} weights, {torch.get_num_threads()} threads, "
