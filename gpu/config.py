@@ -15,12 +15,16 @@ class ModelError(ValueError):
     """A model folder, file or input that the runtime cannot use; the message names the problem."""
 
 
-# model_type -> architecture family knobs. Qwen2 puts biases on q/k/v; the rest have none.
+# model_type -> architecture family knobs. Qwen2 puts biases on q/k/v; Qwen3 has none but
+# normalises each q and k head (RMSNorm over head_dim, before the rotary); the rest have neither.
 SUPPORTED_MODEL_TYPES: dict[str, dict[str, bool]] = {
-    "llama": {"qkv_bias": False},
-    "mistral": {"qkv_bias": False},
-    "qwen2": {"qkv_bias": True},
+    "llama": {"qkv_bias": False, "qk_norm": False},
+    "mistral": {"qkv_bias": False, "qk_norm": False},
+    "qwen2": {"qkv_bias": True, "qk_norm": False},
+    "qwen3": {"qkv_bias": False, "qk_norm": True},
 }
+# The families whose sliding window applies only with ``use_sliding_window``.
+_OPT_IN_WINDOW = ("qwen2", "qwen3")
 
 
 @dataclass(frozen=True)
@@ -78,12 +82,13 @@ def _refuse_what_is_not_computed(raw: dict[str, Any]) -> None:
 def _context_length(raw: dict[str, Any]) -> int:
     """``max_position_embeddings``, cut to the attention window where one applies (Mistral
     v0.1's ``sliding_window: 4096``, also Mistral's default when the key is missing; Qwen2's
-    only with ``use_sliding_window``): within it a sliding window changes nothing, and
+    and Qwen3's only with ``use_sliding_window``): within it a sliding window changes nothing, and
     attention here is never windowed."""
     length = int(raw.get("max_position_embeddings", 2048))
     # (transformers' MistralConfig has a 4096 window unless the config says otherwise)
     window = raw.get("sliding_window", 4096 if raw.get("model_type") == "mistral" else None)
-    windowed = raw.get("use_sliding_window", False) if raw.get("model_type") == "qwen2" else True
+    opt_in = raw.get("model_type") in _OPT_IN_WINDOW
+    windowed = raw.get("use_sliding_window", False) if opt_in else True
     if windowed and isinstance(window, int) and not isinstance(window, bool) and window > 0:
         return min(length, window)
     return length
@@ -129,6 +134,10 @@ class ModelConfig:
     @property
     def qkv_bias(self) -> bool:
         return SUPPORTED_MODEL_TYPES[self.model_type]["qkv_bias"]
+
+    @property
+    def qk_norm(self) -> bool:
+        return SUPPORTED_MODEL_TYPES[self.model_type]["qk_norm"]
 
     @property
     def q_size(self) -> int:

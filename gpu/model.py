@@ -1,4 +1,4 @@
-"""A Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2) over a paged KV cache.
+"""A Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2, Qwen3) over a paged KV cache.
 
 The forward pass takes one flat batch of new tokens from many sequences (prompt chunks and
 decodes mixed) described by ``BatchMetadata``; attention goes through an ``AttentionBackend``
@@ -105,6 +105,12 @@ class DecoderLayer(nn.Module):
         self.down_proj = linear(w[down], row_amax=amax.get(down))
         self.input_norm = owned(w[f"{prefix}.input_layernorm.weight"])
         self.post_attn_norm = owned(w[f"{prefix}.post_attention_layernorm.weight"])
+        # Qwen3: each q and k head RMS-normalised before the rotary
+        self.q_norm: nn.Parameter | None = None
+        self.k_norm: nn.Parameter | None = None
+        if config.qk_norm:
+            self.q_norm = owned(w[f"{attn}.q_norm.weight"])
+            self.k_norm = owned(w[f"{attn}.k_norm.weight"])
         self.ops = ops
         self.eps = config.rms_norm_eps
         self.num_heads = config.num_attention_heads
@@ -137,6 +143,7 @@ class DecoderLayer(nn.Module):
         t, d, ops = hidden.shape[0], self.head_dim, self.ops
         x = ops.add_rms_norm(hidden, delta, self.input_norm, self.eps)
         qkv = self.qkv_proj(x)
+        self._qk_norm_(qkv)
         if not backend.rotates_qk:  # else fused into the backend's KV append
             ops.rope_(qkv, self.num_heads + self.num_kv_heads, d, rope)
         q, k, v = torch.split_with_sizes(qkv.view(t, -1, d), self.head_split, dim=1)
@@ -167,6 +174,7 @@ class DecoderLayer(nn.Module):
         qkv_proj, o_proj = cast(DenseLinear, self.qkv_proj), cast(DenseLinear, self.o_proj)
         gate_up, down = cast(DenseLinear, self.gate_up_proj), cast(DenseLinear, self.down_proj)
         qkv = gemv(hidden, qkv_proj.weight, qkv_proj.bias, norm=self.input_norm, eps=eps)
+        self._qk_norm_(qkv)
         if not backend.rotates_qk:
             self.ops.rope_(qkv, self.num_heads + self.num_kv_heads, d, rope)
         q, k, v = torch.split_with_sizes(qkv.view(t, -1, d), self.head_split, dim=1)
@@ -175,6 +183,12 @@ class DecoderLayer(nn.Module):
         mlp_in = gemv(hidden, gate_up.weight, gate_up.bias, norm=self.post_attn_norm, eps=eps)
         gemv(mlp_in, down.weight, down.bias, silu=True, add_to=hidden)
 
+    def _qk_norm_(self, qkv: torch.Tensor) -> None:
+        if self.q_norm is not None and self.k_norm is not None:
+            self.ops.qk_norm_(
+                qkv, self.q_norm, self.k_norm, self.num_heads, self.num_kv_heads, self.eps
+            )
+
     def fused_weights(self) -> LayerWeights | None:
         """This layer for ``FusedDecoder``, where every linear has a CPU kernel."""
         linears = [self.qkv_proj.packed(), self.o_proj.packed()]
@@ -182,7 +196,10 @@ class DecoderLayer(nn.Module):
         qkv, o, gate_up, down = linears
         if qkv is None or o is None or gate_up is None or down is None:
             return None
-        return LayerWeights(self.input_norm.data, self.post_attn_norm.data, qkv, o, gate_up, down)
+        q_norm, k_norm = (None if n is None else n.data for n in (self.q_norm, self.k_norm))
+        return LayerWeights(
+            self.input_norm.data, self.post_attn_norm.data, qkv, o, gate_up, down, q_norm, k_norm
+        )
 
 
 class CausalLM(nn.Module):
@@ -443,6 +460,9 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes[f"{p}.mlp.gate_proj.weight"] = (config.intermediate_size, h)
         shapes[f"{p}.mlp.up_proj.weight"] = (config.intermediate_size, h)
         shapes[f"{p}.mlp.down_proj.weight"] = (h, config.intermediate_size)
+        if config.qk_norm:
+            shapes[f"{p}.self_attn.q_norm.weight"] = (d,)
+            shapes[f"{p}.self_attn.k_norm.weight"] = (d,)
         if config.qkv_bias:
             shapes[f"{p}.self_attn.q_proj.bias"] = (config.num_attention_heads * d,)
             shapes[f"{p}.self_attn.k_proj.bias"] = (config.num_key_value_heads * d,)

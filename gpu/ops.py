@@ -55,6 +55,23 @@ class TorchOps:
         heads = x[:, : num_heads * head_dim].view(x.shape[0], num_heads, head_dim)
         heads.copy_(RotaryEmbedding.apply(heads, step.cos, step.sin))
 
+    def qk_norm_(
+        self,
+        x: torch.Tensor,
+        q_weight: torch.Tensor,
+        k_weight: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+        eps: float,
+    ) -> None:
+        """Qwen3's head norms, in place on the fused qkv output ``x`` ``[T, >= (heads +
+        kv_heads) * D]``: each q head RMS-normalised over D with ``q_weight``, each k head
+        with ``k_weight``."""
+        d, t = q_weight.shape[0], x.shape[0]
+        for weight, start, heads in ((q_weight, 0, num_heads), (k_weight, num_heads, num_kv_heads)):
+            part = x[:, start * d : (start + heads) * d].view(t, heads, d)
+            part.copy_(F.rms_norm(part, (d,), weight, eps))
+
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         half = gate_up.shape[-1] // 2
         return F.silu(gate_up[:, :half]) * gate_up[:, half:]
@@ -85,6 +102,20 @@ class KernelOps(TorchOps):
             super().rope_(x, num_heads, head_dim, step)
             return
         self.kernels.rope_(x, num_heads, head_dim, step.positions, step.cos, step.sin)
+
+    def qk_norm_(
+        self,
+        x: torch.Tensor,
+        q_weight: torch.Tensor,
+        k_weight: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+        eps: float,
+    ) -> None:
+        if x.dtype != torch.float32 or x.stride(1) != 1:
+            super().qk_norm_(x, q_weight, k_weight, num_heads, num_kv_heads, eps)
+            return
+        self.kernels.qk_norm_(x, q_weight, k_weight, num_heads, num_kv_heads, eps)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         if gate_up.dtype != torch.float32 or not gate_up.is_contiguous():

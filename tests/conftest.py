@@ -54,7 +54,9 @@ async def openai_clients() -> AsyncIterator[Callable[[str], openai.AsyncOpenAI]]
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """One folder per architecture flavour, written once per test session."""
     root = tmp_path_factory.mktemp("models")
-    return {kind: write_tiny_model(root / kind, kind) for kind in ("llama", "qwen2", "llama31")}
+    return {
+        kind: write_tiny_model(root / kind, kind) for kind in ("llama", "qwen2", "qwen3", "llama31")
+    }
 
 
 @pytest.fixture(scope="session")

@@ -23,7 +23,9 @@ TINY_BASE: dict[str, Any] = dict(
 
 
 def write_tiny_model(folder: Path, kind: str = "llama", seed: int = 0, **overrides: Any) -> Path:
-    """Write a random model of ``kind`` (llama | qwen2 | llama31 | mistral) to ``folder``."""
+    """Write a random model of ``kind`` (llama | qwen2 | qwen3 | llama31 | mistral) to
+    ``folder``. qwen3's heads are wider than hidden / heads (its q is 2x the hidden size, as in
+    Qwen3-0.6B)."""
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
@@ -31,12 +33,17 @@ def write_tiny_model(folder: Path, kind: str = "llama", seed: int = 0, **overrid
         MistralForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
     )
 
     params = {**TINY_BASE, **overrides}
     torch.manual_seed(seed)
     if kind == "qwen2":
         model: Any = Qwen2ForCausalLM(Qwen2Config(**params, tie_word_embeddings=True))
+    elif kind == "qwen3":
+        config = Qwen3Config(**{"head_dim": 32, **params}, tie_word_embeddings=True)
+        model = Qwen3ForCausalLM(config)
     elif kind == "mistral":
         model = MistralForCausalLM(MistralConfig(**params, sliding_window=None))
     elif kind == "llama31":

@@ -45,11 +45,15 @@ def scattered_sequences(seed: int, lengths: list[int], ps: int, num_pages: int):
     return tables, prompts
 
 
-@pytest.mark.parametrize("fmt", ["none", "int8", "int4"])
-def test_fused_decode_step_gives_the_per_op_bits(tiny_llama, fmt):
+@pytest.mark.parametrize(
+    ("kind", "fmt"),
+    [("llama", "none"), ("llama", "int8"), ("llama", "int4"), ("qwen3", "none"), ("qwen3", "int8")],
+)
+def test_fused_decode_step_gives_the_per_op_bits(tiny_models, kind, fmt):
     """Sequences of different lengths (partial and full last pages, scattered pages): a decode
-    step's logits and the K/V it appends are bit-identical on both paths."""
-    model = load_model(tiny_llama, progress=False, quantization=fmt)
+    step's logits and the K/V it appends are bit-identical on both paths (qwen3: its q/k head
+    norms too, with heads wider than hidden / heads)."""
+    model = load_model(tiny_models[kind], progress=False, quantization=fmt)
     fused = model.fused_decoder()
     assert fused is not None
     counting = Counting(fused)

@@ -46,6 +46,8 @@ _LAYER_NAMES = {
     "self_attn.q_proj.weight": "attn_q.weight",
     "self_attn.k_proj.weight": "attn_k.weight",
     "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
     "self_attn.q_proj.bias": "attn_q.bias",
     "self_attn.k_proj.bias": "attn_k.bias",
     "self_attn.v_proj.bias": "attn_v.bias",
@@ -92,7 +94,7 @@ def write_gguf(
     config = json.loads((folder / "config.json").read_text())
     weights = load_file(str(folder / "model.safetensors"))
     n_head, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
-    head_dim = config["hidden_size"] // n_head
+    head_dim = config.get("head_dim") or config["hidden_size"] // n_head
     rope = config.get("rope_parameters") or {}
     theta = float(config.get("rope_theta") or rope.get("rope_theta") or 10000.0)
 
@@ -105,6 +107,9 @@ def write_gguf(
     writer.add_head_count(n_head)
     writer.add_head_count_kv(n_kv)
     writer.add_rope_dimension_count(head_dim)
+    if head_dim != config["hidden_size"] // n_head:  # (as llama.cpp writes Qwen3's)
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     writer.add_rope_freq_base(theta)
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
@@ -173,6 +178,7 @@ CASES = {
     "llama": ("llama", "llama", {}),
     "llama_tied": ("llama", "llama", {"tie_word_embeddings": True}),
     "qwen2": ("qwen2", "qwen2", {}),
+    "qwen3": ("qwen3", "qwen3", {}),
     "llama31": ("llama31", "llama", {}),
 }
 

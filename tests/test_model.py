@@ -68,10 +68,15 @@ def assert_close(ours: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
     assert rel < tol, f"relative error {rel:.2e} >= {tol:.0e}"
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "llama31"])
-def test_batched_chunked_logits_and_greedy_match_transformers(tiny_models, kind):
+@pytest.mark.parametrize(
+    ("kind", "kernels"),
+    [("llama", True), ("qwen2", True), ("qwen3", True), ("qwen3", False), ("llama31", True)],
+    ids=["llama", "qwen2", "qwen3", "qwen3-torch-ops", "llama31"],
+)
+def test_batched_chunked_logits_and_greedy_match_transformers(tiny_models, kind, kernels):
+    """(``kernels``: the fused CPU kernels, else plain torch ops, what CUDA falls back to.)"""
     folder = tiny_models[kind]
-    runner = ModelRunner(load_model(folder), num_pages=256, page_size=PAGE)
+    runner = ModelRunner(load_model(folder, cpu_kernels=kernels), num_pages=256, page_size=PAGE)
     oracle = hf_model(folder)
     prompts = random_prompts(runner.config.vocab_size, [1, 3, 9, 30, 70])
     # chunks smaller than a page (3), equal (4), larger (7, 10), and the whole prompt (100)

@@ -27,10 +27,11 @@ def test_a_sliding_window_cuts_the_context_to_it() -> None:
     )
     # transformers' MistralConfig defaults sliding_window to 4096 when the key is missing
     assert ModelConfig.from_hf_dict(BASE).max_position_embeddings == 4096
-    qwen = {**BASE, "model_type": "qwen2", "sliding_window": 4096}
-    assert ModelConfig.from_hf_dict(qwen).max_position_embeddings == 32768  # window unused
-    qwen_windowed = {**qwen, "use_sliding_window": True}
-    assert ModelConfig.from_hf_dict(qwen_windowed).max_position_embeddings == 4096
+    for model_type in ("qwen2", "qwen3"):
+        qwen = {**BASE, "model_type": model_type, "sliding_window": 4096}
+        assert ModelConfig.from_hf_dict(qwen).max_position_embeddings == 32768  # window unused
+        qwen_windowed = {**qwen, "use_sliding_window": True}
+        assert ModelConfig.from_hf_dict(qwen_windowed).max_position_embeddings == 4096
     assert (
         ModelConfig.from_hf_dict({**BASE, "model_type": "llama"}).max_position_embeddings == 32768
     )
@@ -45,6 +46,8 @@ def test_a_sliding_window_cuts_the_context_to_it() -> None:
         ({"compression_config": {"format": "int-quantized"}}, "pre-quantized"),
         ({"model_type": "llama", "attention_bias": True}, "attention_bias"),
         ({"model_type": "llama", "mlp_bias": True}, "mlp_bias"),
+        # Qwen3's attention_bias puts one on o_proj too, which this runtime has no place for
+        ({"model_type": "qwen3", "attention_bias": True}, "attention_bias"),
     ],
 )
 def test_what_is_not_computed_is_refused(setting: dict[str, Any], message: str) -> None:

@@ -153,13 +153,14 @@ def run_steps(model: CausalLM) -> list[torch.Tensor]:
     return logits
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 def test_few_row_layers_match_the_unfused_model(
     kind: str, tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Steps of at most 8 tokens through ``DecoderLayer.forward_few_rows`` (norms, SiLU and
     residual adds inside the matmuls): about as close to the fp32 model as the unfused bf16
-    model is; the 17-row step takes the unfused path. Qwen2 has q/k/v biases and a tied head."""
+    model is; the 17-row step takes the unfused path. Qwen2 has q/k/v biases and a tied head,
+    Qwen3 q/k head norms."""
     from gpu.loader import load_model
 
     folder = tiny_models[kind]
@@ -188,9 +189,10 @@ def test_few_row_layers_match_the_unfused_model(
         scale = float(ref.abs().max())
         plain_err = float((plain - ref).abs().max()) / scale
         few_err = float((few - ref).abs().max()) / scale
-        # (measured: 0.7e-2..1.2e-2 against the unfused 0.7e-2..1.1e-2; a norm, the SiLU or
-        # a residual add left out gives errors of order one)
-        assert few_err < 2e-2 and few_err <= 2 * plain_err, (few_err, plain_err)
+        # (measured: 0.7e-2..1.2e-2 against the unfused 0.7e-2..1.1e-2, qwen3 2.3e-2 against
+        # 1.5e-2: its q/k norms round in bf16 twice more; a norm, the SiLU or a residual add
+        # left out gives errors of order one)
+        assert few_err < 3e-2 and few_err <= 2 * plain_err, (few_err, plain_err)
     torch.testing.assert_close(fused[0], unfused[0], rtol=2e-2, atol=2e-2)  # layers unfused
 
 

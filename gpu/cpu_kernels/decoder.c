@@ -6,7 +6,8 @@
  * buffers as gpu.model's per-op path, so a sequence gets the same bits either way, minus the
  * ~300 Python calls per step between them (at batch 1 those cost as much as the matmuls).
  *
- * `table` holds LAYER_FIELDS int64s per layer (pointers stored as integers); a linear is
+ * `table` holds LAYER_FIELDS int64s per layer (pointers stored as integers): the two norms,
+ * Qwen3's q and k head norms (0 where the model has none), then four linears; a linear is
  * (kind, weight, scale, bias) with kind LIN_F32 (packed fp32, no scale) or a block kind of
  * blocks.c (LIN_INT8 with per-row scales; LIN_Q4_0 / Q4_1 / Q8_0, GGUF blocks, no scale).
  * `kv` holds each layer's cache [pages, 2, ps, Hkv, D].
@@ -22,7 +23,7 @@
  */
 typedef int (*reduce_fn)(i64* ctx, float* data, i64 n);
 enum {
-    F_IN_NORM, F_POST_NORM,
+    F_IN_NORM, F_POST_NORM, F_Q_NORM, F_K_NORM,
     F_QKV, F_O = F_QKV + 4, F_GATE_UP = F_O + 4, F_DOWN = F_GATE_UP + 4,
     LAYER_FIELDS = F_DOWN + 4
 };
@@ -58,6 +59,9 @@ int decode_layers(const i64* table, const i64* kv, i64 nlayers, float* hidden, f
         float* cache = (float*)(intptr_t)kv[l];
         rms_norm(hidden, d, T, H, (const float*)(intptr_t)f[F_IN_NORM], eps, x, nthreads);
         table_linear(f + F_QKV, x, T, H, QKV, qkv, nthreads);
+        if (f[F_Q_NORM])
+            qk_norm(qkv, T, QKV, Hq, Hkv, D, (const float*)(intptr_t)f[F_Q_NORM],
+                    (const float*)(intptr_t)f[F_K_NORM], eps);
         rope(qkv, T, QKV, Hq + Hkv, D, positions, cos_t, sin_t);
         paged_decode_attention(qkv, QKV, qkv + QD, qkv + QD + Hkv * D, QKV, attn, QD, rows, T,
                                cache, append_pages, append_offsets, kv_indptr, kv_indices,

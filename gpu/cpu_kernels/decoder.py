@@ -18,7 +18,7 @@ import torch
 
 from gpu.cpu_kernels.prepared import DecodeAttention, PackedLinear, check_rope_tables
 
-LAYER_FIELDS = 18  # decoder.c: two norms, then four linears of (kind, weight, scale, bias)
+LAYER_FIELDS = 20  # decoder.c: two norms, q/k head norms, four linears (kind, weight, scale, bias)
 
 
 class ReduceFailed(RuntimeError):
@@ -35,6 +35,8 @@ class LayerWeights:
     o: PackedLinear  # Hq D -> H
     gate_up: PackedLinear  # H -> 2 I
     down: PackedLinear  # I -> H
+    q_norm: torch.Tensor | None = None  # fp32 [D]: Qwen3's per-head norms (with k_norm)
+    k_norm: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -66,11 +68,18 @@ class FusedDecoder:
             for name, norm in (("input_norm", layer.input_norm), ("post", layer.post_attn_norm)):
                 if norm.dtype != torch.float32 or not norm.is_contiguous() or norm.shape != (h,):
                     raise ValueError(f"layer {n} {name} must be contiguous fp32 [{h}]")
+            head_norms = (layer.q_norm, layer.k_norm)
+            if (head_norms[0] is None) != (head_norms[1] is None):
+                raise ValueError(f"layer {n}: q_norm and k_norm come together")
+            for norm in (x for x in head_norms if x is not None):
+                if norm.dtype != torch.float32 or not norm.is_contiguous() or norm.shape != (d,):
+                    raise ValueError(f"layer {n} q/k norms must be contiguous fp32 [{d}]")
             dims = ((layer.qkv, h, qkv), (layer.o, qd, h), (layer.gate_up, h, 2 * i))
             for lin, k, out in (*dims, (layer.down, i, h)):
                 if (lin.k, lin.n) != (k, out):
                     raise ValueError(f"layer {n}: a linear is [{lin.n}, {lin.k}], not [{out}, {k}]")
             row = [layer.input_norm.data_ptr(), layer.post_attn_norm.data_ptr()]
+            row += [0 if x is None else x.data_ptr() for x in head_norms]
             for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
                 row.extend(lin.table_entry())
             rows.append(row)

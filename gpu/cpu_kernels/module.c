@@ -82,6 +82,13 @@ static PyObject* py_rope(PyObject* self, PyObject* const* args, Py_ssize_t nargs
     Py_RETURN_NONE;
 }
 
+static PyObject* py_qk_norm(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    Arg a[9];
+    if (parse(args, nargs, "PIIIIIPPF", a) < 0) return NULL;
+    qk_norm(a[0].p, a[1].i, a[2].i, a[3].i, a[4].i, a[5].i, a[6].p, a[7].p, (float)a[8].f);
+    Py_RETURN_NONE;
+}
+
 static PyObject* py_silu_mul(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
     Arg a[5];
     if (parse(args, nargs, "PIIPI", a) < 0) return NULL;
@@ -138,6 +145,7 @@ static PyMethodDef methods[] = {
     {"vnni", (PyCFunction)(void (*)(void))py_vnni, METH_FASTCALL, NULL},
     {"rms_norm", (PyCFunction)(void (*)(void))py_rms_norm, METH_FASTCALL, NULL},
     {"rope", (PyCFunction)(void (*)(void))py_rope, METH_FASTCALL, NULL},
+    {"qk_norm", (PyCFunction)(void (*)(void))py_qk_norm, METH_FASTCALL, NULL},
     {"silu_mul", (PyCFunction)(void (*)(void))py_silu_mul, METH_FASTCALL, NULL},
     {"paged_decode_attention", (PyCFunction)(void (*)(void))py_paged_decode_attention,
      METH_FASTCALL, NULL},

@@ -35,6 +35,17 @@ void rms_norm(float* hidden, const float* delta, i64 T, i64 H, const float* w, f
     }
 }
 
+/* Qwen3's q/k norm, in place on the first Hq + Hkv heads of D at x + t * ld: each q head
+   normalised over D with wq, each k head with wk. */
+void qk_norm(float* x, i64 T, i64 ld, i64 Hq, i64 Hkv, i64 D, const float* wq, const float* wk,
+             float eps) {
+    for (i64 t = 0; t < T; ++t)
+        for (i64 h = 0; h < Hq + Hkv; ++h) {
+            float* a = x + t * ld + h * D;
+            rms_norm_row(a, h < Hq ? wq : wk, eps, D, a);  /* (reads each lane before its write) */
+        }
+}
+
 /* HF rotate_half convention, in place on `heads` heads of D at x + t * ld. Tables [*, D]. */
 void rope(float* x, i64 T, i64 ld, i64 heads, i64 D, const i64* positions, const float* cos_t,
           const float* sin_t) {

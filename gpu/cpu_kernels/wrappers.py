@@ -32,6 +32,7 @@ class CpuKernels:
         self._rms_norm = module.rms_norm
         self._rope = module.rope
         self._silu_mul = module.silu_mul
+        self._qk_norm = module.qk_norm
         self._attention = module.paged_decode_attention
         self._decode_layers = module.decode_layers
         self._shm_allreduce = module.shm_allreduce
@@ -180,6 +181,37 @@ class CpuKernels:
         self._rope(
             x.data_ptr(), x.shape[0], x.stride(0), num_heads, head_dim, positions.data_ptr(),
             cos.data_ptr(), sin.data_ptr(),
+        )  # fmt: skip
+
+    def qk_norm_(
+        self,
+        x: torch.Tensor,
+        q_weight: torch.Tensor,
+        k_weight: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+        eps: float,
+    ) -> None:
+        """Qwen3's head norms, in place: each of the first ``num_heads`` heads of each row of
+        ``x`` ``[T, >= (heads + kv_heads) * D]`` (rows may be strided, heads contiguous)
+        normalised over D with ``q_weight`` ``[D]``, each of the next ``num_kv_heads`` with
+        ``k_weight``."""
+        d = q_weight.shape[0]
+        if (
+            x.dtype != torch.float32
+            or not x.is_cpu
+            or x.dim() != 2
+            or x.stride(1) != 1
+            or x.shape[1] < (num_heads + num_kv_heads) * d
+            or any(
+                w.dtype != torch.float32 or w.shape != (d,) or not w.is_contiguous()
+                for w in (q_weight, k_weight)
+            )
+        ):
+            raise ValueError("qk_norm_ needs fp32 rows with heads contiguous and fp32 [D] weights")
+        self._qk_norm(
+            x.data_ptr(), x.shape[0], x.stride(0), num_heads, num_kv_heads, d,
+            q_weight.data_ptr(), k_weight.data_ptr(), eps,
         )  # fmt: skip
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,12 @@ from gpu.config import ModelError
 from gpu.gguf.hf_config import arch_of, build_config, eos_ids
 from gpu.gguf.reader import read_gguf
 from gpu.gguf.tokenizer import build_tokenizer
-from gpu.gguf.weights import LAYER_TENSORS, dequantize, hf_tensor_name, unpermute_rope_rows
+from gpu.gguf.weights import (
+    dequantize,
+    hf_tensor_name,
+    required_layer_tensors,
+    unpermute_rope_rows,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -74,8 +79,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> Pa
     missing = [
         f"model.layers.{i}.{suffix}"
         for i in range(arch.n_layers)
-        for key, suffix in LAYER_TENSORS.items()
-        if not key.endswith(".bias") and f"model.layers.{i}.{suffix}" not in weights
+        for suffix in required_layer_tensors(arch.model_type)
+        if f"model.layers.{i}.{suffix}" not in weights
     ]
     if missing:
         raise ModelError(f"{gguf_path}: GGUF lacks tensors {missing[:4]} ({len(missing)} in all)")

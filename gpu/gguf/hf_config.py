@@ -16,6 +16,7 @@ from gpu.gguf.weights import dequantize
 _ARCHITECTURES: dict[str, tuple[str, str, bool]] = {
     "llama": ("llama", "LlamaForCausalLM", True),
     "qwen2": ("qwen2", "Qwen2ForCausalLM", False),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM", False),
 }
 
 
@@ -161,7 +162,9 @@ def build_config(g: Gguf, arch: _Arch, vocab_size: int, tied: bool) -> dict[str,
         config["rope_scaling"] = scaling
     if arch.model_type == "llama":
         config.update(attention_bias=False, mlp_bias=False, attention_dropout=0.0)
-    elif arch.model_type == "qwen2":
+    elif arch.model_type in ("qwen2", "qwen3"):
+        if arch.model_type == "qwen3":
+            config.update(attention_bias=False)
         config.update(
             use_sliding_window=False,
             sliding_window=context,

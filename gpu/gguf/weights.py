@@ -19,6 +19,8 @@ LAYER_TENSORS = {
     "attn_q.weight": "self_attn.q_proj.weight",
     "attn_k.weight": "self_attn.k_proj.weight",
     "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "attn_q.bias": "self_attn.q_proj.bias",
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
@@ -27,6 +29,18 @@ LAYER_TENSORS = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+
+
+def required_layer_tensors(model_type: str) -> list[str]:
+    """The Hugging Face names (after ``model.layers.N.``) every layer of ``model_type`` must
+    have: no biases (a file may lack them), the q/k head norms for Qwen3 only."""
+    skipped = set() if model_type == "qwen3" else {"attn_q_norm.weight", "attn_k_norm.weight"}
+    return [
+        suffix
+        for key, suffix in LAYER_TENSORS.items()
+        if not key.endswith(".bias") and key not in skipped
+    ]
+
 
 # Tensors that carry no weights of their own in the Hugging Face layout.
 _DERIVED_TENSORS = {"rope_freqs.weight"}
