@@ -118,6 +118,7 @@ SERVICES: dict[str, list[Row]] = {
         ("--request-timeout-s", "MESHSERVE_REQUEST_TIMEOUT_S", "5"),
         ("--max-n", "MESHSERVE_MAX_N", "2"),
         ("--max-batch-choices", "MESHSERVE_MAX_BATCH_CHOICES", "16"),
+        ("--reasoning-parser", "MESHSERVE_REASONING_PARSER", "qwen3"),
         ("--max-body-bytes", "MESHSERVE_MAX_BODY_BYTES", "4096"),
         ("--max-stop", "MESHSERVE_MAX_STOP", "4"),
         ("--max-client-priority", "MESHSERVE_MAX_CLIENT_PRIORITY", "3"),

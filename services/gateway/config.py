@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from common import settings
 from common.config import MeshConfig
+from common.reasoning import PARSERS as REASONING_PARSERS
 from common.settings import setting
 from common.wire.tokenizer import MAX_CHOICES
 from services.gateway.health import REQUIRED_STAGES, STAGES
@@ -34,6 +35,13 @@ class GatewayConfig:
     max_n: int = setting(8, "most completions one request may ask for (n)")
     max_batch_choices: int = setting(
         64, "most choices (prompts x n) a completions request that batches prompts may ask for"
+    )
+    reasoning_parser: str = setting(
+        "none",
+        "split a chat answer's <think> block into 'reasoning' (and 'reasoning_content'), as "
+        "vLLM's --reasoning-parser: deepseek_r1 or qwen3 (both read <think>...</think>; the "
+        "prompt's end says whether the answer starts inside the block); none: off",
+        choices=("none", *REASONING_PARSERS),
     )
     max_body_bytes: int = setting(4 * 1024 * 1024, "largest request body accepted")
     max_stop: int = setting(

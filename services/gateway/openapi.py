@@ -198,6 +198,7 @@ SPEC: dict[str, Any] = {
                             },
                         },
                         "tools": {"type": "array", "items": _TOOL, "maxItems": 128},
+                        "include_reasoning": {"type": "boolean"},
                         "tool_choice": {
                             "oneOf": [
                                 {"enum": ["none", "auto", "required"]},

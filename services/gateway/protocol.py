@@ -94,6 +94,8 @@ class ApiRequest:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: str = ""
+    # vLLM's: with a reasoning parser on, the answer's reasoning is sent (else left out)
+    include_reasoning: bool = True
     # stream_options.continuous_usage_stats (vLLM's): every chunk carries the usage so far
     continuous_usage: bool = False
     # vLLM's: words the output may not contain; the prompt cut to its last N tokens
@@ -194,6 +196,7 @@ def parse_chat(raw: Any, config: GatewayConfig) -> ApiRequest:
         response_format=response_format,
         tools=tools,
         max_tokens_chosen=chosen,
+        include_reasoning=body.boolean("include_reasoning", True),
         **parse_template_controls(body, messages),
     )
 

@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from common.reasoning import ReasoningSplitter
 from common.runtime import RequestError
 from common.wire.gateway import TextDelta, TextLogprob, TextPromptLogprobs, Usage
 from services.gateway.protocol import ApiRequest
@@ -196,6 +197,8 @@ class Choice:
     echo_logprobs: Json | None = None  # the prompt's part of the choice's logprobs
     echo_chars: int = 0  # its tokens' characters: where the generated ones' offsets start
     held_logprobs: list[TextLogprob] = field(default_factory=list)  # of held-back tool text
+    splitter: ReasoningSplitter | None = None  # a reasoning parser on: <think> out of the text
+    reasoning: list[str] = field(default_factory=list)  # the reasoning text so far
 
     @property
     def completion_tokens(self) -> int:
@@ -208,13 +211,25 @@ class Choice:
 class ResponseBuilder:
     """``tool_format``: the mesh's (the tokenizer announces it); used when the request has
     tools, whose calls are parsed out of the text (``message.tool_calls``, streamed as
-    ``delta.tool_calls``; ``finish_reason`` ``tool_calls``)."""
+    ``delta.tool_calls``; ``finish_reason`` ``tool_calls``). ``reasoning``: a chat answer's
+    ``<think>`` block goes to ``reasoning`` (and ``reasoning_content``, its older name in vLLM
+    and DeepSeek's API), the tool calls and ``content`` coming from the rest. Not for an answer
+    a grammar forces from its first token (a response format, a required or named tool): the
+    model had no room to think, and what it wrote is the content asked for (vLLM starts the
+    grammar after the reasoning instead)."""
 
     def __init__(
-        self, api: ApiRequest, response_id: str, created: int, tool_format: str = "hermes"
+        self,
+        api: ApiRequest,
+        response_id: str,
+        created: int,
+        tool_format: str = "hermes",
+        reasoning: bool = False,
     ) -> None:
         self.api = api
         self.chat = api.kind == "chat"
+        forced = api.tools is not None and api.tools.mode in ("required", "function")
+        self.reasoning = reasoning and self.chat and api.response_format is None and not forced
         self.head: Json = {
             "id": response_id,
             "object": "chat.completion.chunk" if self.chat else "text_completion",
@@ -263,20 +278,32 @@ class ResponseBuilder:
                 head = choice.echo_logprobs = echo_logprobs(choice.prompt, num_top)
                 choice.token_chars = choice.echo_chars = sum(len(t) for t in head["tokens"])
         entries = delta.logprobs or []
+        thought = ""
+        if self.reasoning:
+            if choice.splitter is None:  # (a resumed stream's first delta: the same choice)
+                choice.splitter = ReasoningSplitter(delta.reasoning_open)
+            thought, text = choice.splitter.feed(text)
+            if delta.finish_reason is not None:
+                held_thought, held_text = choice.splitter.finish()
+                thought, text = thought + held_thought, text + held_text
+            if thought:
+                choice.reasoning.append(thought)
+            thought = thought if self.api.include_reasoning else ""
         if choice.tools is not None:
             text, calls = choice.tools.feed(text)
             if delta.finish_reason is not None:
                 rest, more = choice.tools.finish()
                 text, calls = text + rest, calls + more
             chunks += [self.call_chunk(index, call) for call in calls]
-            # Logprobs wait with the text the parser holds back (it may open a call), and go
-            # out with the next content, or at the end: a chunk never has them without text.
+        if choice.tools is not None or self.reasoning:
+            # Logprobs wait with the text a parser holds back (it may open a call, or be a
+            # tag), and go out with the next text, or at the end: a chunk never has them alone.
             entries = choice.held_logprobs + entries
             choice.held_logprobs = []
-            if not text and delta.finish_reason is None:
+            if not text and not thought and delta.finish_reason is None:
                 choice.held_logprobs, entries = entries, []
-        if text or entries:
-            content: Json = {"delta": {"content": text}} if self.chat else {"text": text}
+        if text or thought or entries:
+            content: Json = {"delta": self.delta(text, thought)} if self.chat else {"text": text}
             if self.api.params.logprobs is not None:
                 content["logprobs"] = joined(head, self.logprobs(entries, choice.token_chars))
             chunks.append(self.chunk(index, content))
@@ -294,6 +321,15 @@ class ResponseBuilder:
             empty: Json = {"delta": {}} if self.chat else {"text": ""}
             chunks.append(self.chunk(index, {**empty, "finish_reason": reason}))
         return chunks
+
+    @staticmethod
+    def delta(text: str, thought: str) -> Json:
+        """A chat chunk's delta: its content, its reasoning, or both (the delta that ends the
+        reasoning), as vLLM's; a reasoning-only one has no content."""
+        if not thought:
+            return {"content": text}
+        both = {"reasoning": thought, "reasoning_content": thought}
+        return {**both, "content": text} if text else both
 
     def call_chunk(self, index: int, call: CallDelta) -> Json:
         """OpenAI's shape: a call opens with its index, id, type and name, then its arguments
@@ -346,6 +382,8 @@ class ResponseBuilder:
                 if self.chat
                 else {"text": text}
             )
+            if choice.splitter is not None:
+                self.add_reasoning(body["message"], choice)
             if choice.tools is not None and choice.tools.calls:
                 body["message"]["content"] = text or None
                 body["message"]["tool_calls"] = [c.to_json() for c in choice.tools.calls]
@@ -364,6 +402,15 @@ class ResponseBuilder:
         if self.chat and self.choices[0].prompt is not None:  # (vLLM's: one for the response)
             out["prompt_logprobs"] = prompt_logprobs_json(self.choices[0].prompt)
         return out
+
+    def add_reasoning(self, message: Json, choice: Choice) -> None:
+        """vLLM's: the reasoning (null where no block opened, or ``include_reasoning`` is
+        false), and a content that is null where nothing follows it."""
+        reasoned = choice.splitter is not None and choice.splitter.reasoned
+        thought = "".join(choice.reasoning) if reasoned and self.api.include_reasoning else None
+        message["reasoning"] = message["reasoning_content"] = thought
+        if reasoned:
+            message["content"] = message["content"] or None
 
     def logprobs(self, entries: list[TextLogprob], text_offset: int) -> Json:
         return chat_logprobs(entries) if self.chat else completion_logprobs(entries, text_offset)

@@ -211,6 +211,7 @@ class LocalMesh:
             "--host", a.host,
             "--port", str(a.port),
             "--served-model-name", a.served_model_name or self.model_folder.name,
+            "--reasoning-parser", a.reasoning_parser,
             "--max-model-len", str(config.get("max_position_embeddings", 2048)),
         )  # fmt: skip
 

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from common.reasoning import PARSERS as REASONING_PARSERS
 from gpu.cache_dir import cache_root
 from services.launcher.console import LEVELS, ReadyReport, ServiceLogs
 from services.launcher.flags import add_model_format_args, add_tensor_parallel_arg
@@ -39,6 +40,12 @@ def add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("up", help="start nats-server and every service locally")
     p.add_argument("--model", default=None, help="HF folder or .gguf file (default: SmolLM2)")
     p.add_argument("--served-model-name", default=None)
+    p.add_argument(
+        "--reasoning-parser",
+        choices=("none", *REASONING_PARSERS),
+        default="none",
+        help="the gateway's: a chat answer's <think> block as 'reasoning' (vLLM's flag)",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument(

@@ -1,0 +1,282 @@
+"""vLLM's --reasoning-parser: a chat answer's <think> block as ``reasoning`` (and
+``reasoning_content``), streamed and whole; where it starts decided by the prompt's end."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from openai.types.chat import ChatCompletionMessageParam
+
+from common.reasoning import ReasoningSplitter, prompt_opens_reasoning
+from common.wire.gateway import TextDelta, TextLogprob
+from common.wire.tokenizer import ResponseFormat, ToolChoice, WireSamplingParams
+from services.gateway.protocol import ApiRequest
+from services.gateway.responses import ResponseBuilder
+from tests.mesh import MeshHarness, openai_client
+from tests.models import set_chat_template
+
+
+def split_all(pieces: list[str], opened: bool = False) -> tuple[str, str]:
+    splitter = ReasoningSplitter(opened)
+    reasoning = content = ""
+    for piece in pieces:
+        r, c = splitter.feed(piece)
+        reasoning, content = reasoning + r, content + c
+    r, c = splitter.finish()
+    return reasoning + r, content + c
+
+
+@pytest.mark.parametrize(
+    ("text", "opened", "expected"),
+    [
+        ("<think>\nabc\n</think>\n\nThe answer", False, ("\nabc\n", "\n\nThe answer")),
+        ("  \n<think>x</think>y", False, ("x", "y")),  # whitespace before the tag: dropped
+        ("abc</think>\n\nanswer", True, ("abc", "\n\nanswer")),  # the prompt opened it
+        ("all thought, cut short", True, ("all thought, cut short", "")),
+        ("plain <think>not a block</think>", False, ("", "plain <think>not a block</think>")),
+        ("<thin", False, ("", "<thin")),  # a tag's start, and the stream ended
+        ("a </thin", True, ("a </thin", "")),
+        ("<think>a</think>b</think>c", False, ("a", "b</think>c")),  # one block only
+        ("", True, ("", "")),
+    ],
+)
+def test_the_split_is_the_same_whole_and_a_character_at_a_time(
+    text: str, opened: bool, expected: tuple[str, str]
+) -> None:
+    assert split_all([text], opened) == expected
+    assert split_all(list(text), opened) == expected
+
+
+def test_a_partial_tag_is_held_back_until_it_is_known() -> None:
+    splitter = ReasoningSplitter(opened=True)
+    assert splitter.feed("thinking </th") == ("thinking ", "")
+    assert splitter.feed("ink>\nAnswer") == ("", "\nAnswer")
+    splitter = ReasoningSplitter(opened=True)
+    assert splitter.feed("a </th") == ("a ", "")
+    assert splitter.feed("e end") == ("</the end", "")  # not the tag after all
+    splitter = ReasoningSplitter(opened=False)
+    assert splitter.feed("\n<th") == ("", "")
+    assert splitter.feed("at is") == ("", "\n<that is")
+
+
+@pytest.mark.parametrize(
+    ("tail", "opened"),
+    [
+        ("<|im_start|>assistant\n<think>\n", True),  # DeepSeek-R1 distills, Qwen3-2507 thinking
+        ("<|im_start|>assistant\n<think>\n\n</think>\n\n", False),  # enable_thinking: false
+        ("<|im_start|>assistant\n", False),  # Qwen3: the model writes <think> itself
+        ("</think> then <think>", True),
+    ],
+)
+def test_the_prompt_says_whether_the_answer_starts_inside_the_block(
+    tail: str, opened: bool
+) -> None:
+    assert prompt_opens_reasoning(tail) is opened
+
+
+def chat_api(**fields: Any) -> ApiRequest:
+    params = fields.pop("params", WireSamplingParams())
+    return ApiRequest("chat", "m", 1, True, False, params, **fields)
+
+
+def deltas(pieces: list[str], opened: bool) -> list[TextDelta]:
+    last = len(pieces) - 1
+    return [
+        TextDelta(
+            "r",
+            piece,
+            "stop" if i == last else None,
+            logprobs=[TextLogprob(piece, -0.5, [])],
+            reasoning_open=opened and i == 0,
+        )
+        for i, piece in enumerate(pieces)
+    ]
+
+
+def streamed(builder: ResponseBuilder, items: list[TextDelta]) -> list[dict[str, Any]]:
+    return [c["choices"][0] for d in items for c in builder.add(0, d)]
+
+
+def test_chunks_carry_reasoning_then_content_and_the_response_both() -> None:
+    pieces = ["Let me", " see.</th", "ink>\n\n", "Forty", "-two."]
+    builder = ResponseBuilder(chat_api(params=WireSamplingParams(logprobs=0)), "id", 0, "", True)
+    choices = streamed(builder, deltas(pieces, opened=True))
+    shown = [c["delta"] for c in choices]
+    assert shown[:2] == [
+        {"reasoning": "Let me", "reasoning_content": "Let me"},
+        {"reasoning": " see.", "reasoning_content": " see."},
+    ]
+    assert shown[2:] == [{"content": "\n\n"}, {"content": "Forty"}, {"content": "-two."}, {}]
+    # every token's logprobs, in order, none on a chunk without text
+    tokens = [e["token"] for c in choices if c["logprobs"] for e in c["logprobs"]["content"]]
+    assert tokens == pieces
+    message = builder.response()["choices"][0]["message"]
+    assert message["reasoning"] == message["reasoning_content"] == "Let me see."
+    assert message["content"] == "\n\nForty-two."
+
+
+def test_the_delta_that_ends_the_block_carries_both() -> None:
+    builder = ResponseBuilder(chat_api(), "id", 0, "", True)
+    choices = streamed(builder, deltas(["<think>hm</think>Yes"], opened=False))
+    assert choices[0]["delta"] == {"reasoning": "hm", "reasoning_content": "hm", "content": "Yes"}
+
+
+def test_an_answer_cut_short_inside_the_block_has_no_content() -> None:
+    builder = ResponseBuilder(chat_api(), "id", 0, "", True)
+    streamed(builder, deltas(["still", " thinking"], opened=True))
+    message = builder.response()["choices"][0]["message"]
+    assert message["reasoning"] == "still thinking" and message["content"] is None
+
+
+def test_without_a_block_the_answer_is_content_and_reasoning_null() -> None:
+    builder = ResponseBuilder(chat_api(), "id", 0, "", True)
+    choices = streamed(builder, deltas(["  Plain", " answer"], opened=False))
+    assert "".join(c["delta"].get("content", "") for c in choices) == "  Plain answer"
+    assert not any("reasoning" in c["delta"] for c in choices)
+    message = builder.response()["choices"][0]["message"]
+    assert message["content"] == "  Plain answer" and message["reasoning"] is None
+
+
+def test_include_reasoning_false_leaves_it_out() -> None:
+    builder = ResponseBuilder(chat_api(include_reasoning=False), "id", 0, "", True)
+    choices = streamed(builder, deltas(["secret</think>", "Shown"], opened=True))
+    assert not any("reasoning" in c["delta"] for c in choices)
+    assert "".join(c["delta"].get("content", "") for c in choices) == "Shown"
+    message = builder.response()["choices"][0]["message"]
+    assert message["reasoning"] is None and message["content"] == "Shown"
+
+
+def test_off_the_text_is_untouched_and_completions_are_never_split() -> None:
+    builder = ResponseBuilder(chat_api(), "id", 0, "")
+    streamed(builder, deltas(["a</think>b"], opened=True))
+    assert builder.response()["choices"][0]["message"]["content"] == "a</think>b"
+    completion = ApiRequest("completion", "m", 1, False, False, WireSamplingParams())
+    builder = ResponseBuilder(completion, "id", 0, "", True)
+    streamed(builder, deltas(["a</think>b"], opened=True))
+    assert builder.response()["choices"][0]["text"] == "a</think>b"
+
+
+def test_an_answer_a_grammar_forced_is_content() -> None:
+    """The grammar holds from the first token (the prompt's open block notwithstanding): the
+    JSON it forced is what the client asked for, as content."""
+    tools = json.dumps([{"type": "function", "function": {"name": "f"}}])
+    for api in (
+        chat_api(response_format=ResponseFormat("json_object")),
+        chat_api(tools=ToolChoice(tools, "required")),
+    ):
+        builder = ResponseBuilder(api, "id", 0, "hermes", True)
+        streamed(builder, deltas(['{"a": 1}'], opened=True))
+        message = builder.response()["choices"][0]["message"]
+        assert "reasoning" not in message
+        assert message["content"] == '{"a": 1}' or message["tool_calls"]
+
+
+def test_tool_calls_are_parsed_from_the_content_after_the_block() -> None:
+    tools = json.dumps([{"type": "function", "function": {"name": "f"}}])
+    builder = ResponseBuilder(chat_api(tools=ToolChoice(tools)), "id", 0, "hermes", True)
+    call = '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
+    streamed(builder, deltas(["I should call f.</think>\n\n", call], opened=True))
+    choice = builder.response()["choices"][0]
+    assert choice["message"]["reasoning"] == "I should call f."
+    assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["f"]
+    assert choice["finish_reason"] == "tool_calls"
+
+
+# --------------------------------------------------------------------------- through the mesh
+
+# DeepSeek-R1's and Qwen3-2507's way: the template opens the block unless thinking is off,
+# where it closes it at once (Qwen3's enable_thinking: false)
+THINKING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
+    "{% else %}<think>\n{% endif %}"
+)
+USER: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Why is the sky blue?"}]
+
+
+def with_think_tokens(folder: Path) -> None:
+    """``<think>`` and ``</think>`` as tokens of their own, not special, as Qwen3's and the R1
+    distills' tokenizers have them (two reserved slots renamed: the vocabulary keeps its size)."""
+    path = folder / "tokenizer.json"
+    spec = json.loads(path.read_text())
+    reserved = [t for t in spec["added_tokens"] if t["content"].startswith("<|reserved_")]
+    for token, tag in zip(reserved, ("<think>", "</think>"), strict=False):
+        token.update(content=tag, special=False)
+    path.write_text(json.dumps(spec))
+
+
+@pytest.fixture(scope="module")
+def mesh(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory):
+    folder = tmp_path_factory.mktemp("thinking") / "model"
+    shutil.copytree(tiny_llama, folder)
+    set_chat_template(folder, THINKING_TEMPLATE)
+    with_think_tokens(folder)
+    harness = MeshHarness(folder, gateway_options={"reasoning_parser": "deepseek_r1"}).start()
+    yield harness
+    harness.stop()
+
+
+async def plain_completion(mesh: MeshHarness, body: dict[str, Any]) -> str:
+    """The same prompt's greedy text, unsplit: /tokenize's ids through /v1/completions."""
+    root = mesh.base_url.removesuffix("/v1")
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{root}/tokenize", json=body) as resp:
+            ids = (await resp.json())["tokens"]
+        request = {"prompt": ids, "max_tokens": 8, "temperature": 0, "model": "tiny"}
+        async with session.post(f"{mesh.base_url}/completions", json=request) as resp:
+            assert resp.status == 200
+            return str((await resp.json())["choices"][0]["text"])
+
+
+async def test_a_prompt_that_opens_the_block_makes_the_answer_reasoning(mesh) -> None:
+    """The tiny model never writes </think>: its whole answer is the reasoning, streamed
+    as such and whole, with no content."""
+    client = openai_client(mesh.base_url)
+    expected = await plain_completion(mesh, {"messages": USER})
+    assert expected
+    whole = await client.chat.completions.create(
+        model="tiny",
+        messages=USER,
+        max_tokens=8,
+        temperature=0,
+    )
+    message = whole.model_dump()["choices"][0]["message"]
+    assert message["reasoning"] == message["reasoning_content"] == expected
+    assert message["content"] is None
+    stream = await client.chat.completions.create(
+        model="tiny",
+        messages=USER,
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+    )
+    reasoning = content = ""
+    async for chunk in stream:
+        if chunk.choices:
+            delta = chunk.choices[0].delta.model_dump()
+            reasoning += delta.get("reasoning") or ""
+            content += delta.get("content") or ""
+    assert (reasoning, content) == (expected, "")
+    await client.close()
+
+
+async def test_a_prompt_that_closes_the_block_makes_the_answer_content(mesh) -> None:
+    client = openai_client(mesh.base_url)
+    off = {"enable_thinking": False}
+    expected = await plain_completion(mesh, {"messages": USER, "chat_template_kwargs": off})
+    whole = await client.chat.completions.create(
+        model="tiny",
+        messages=USER,
+        max_tokens=8,
+        temperature=0,
+        extra_body={"chat_template_kwargs": off},
+    )
+    message = whole.model_dump()["choices"][0]["message"]
+    assert message["content"] == expected and message["reasoning"] is None
+    await client.close()
