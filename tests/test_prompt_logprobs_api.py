@@ -4,6 +4,7 @@ values held to transformers, streamed and not, and their 400s."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -142,6 +143,23 @@ async def test_chat_prompt_logprobs_are_vllms_shape(client, reference) -> None:
         ranked = sorted(entry.values(), key=lambda e: e["rank"])
         assert [e["logprob"] for e in ranked[:2]] == pytest.approx(top.values.tolist(), abs=2e-4)
         assert 2 <= len(entry) <= 3
+
+
+async def test_zero_with_stream_is_accepted_and_sends_nothing(mesh: MeshHarness) -> None:
+    """As vLLM: ``prompt_logprobs: 0`` with ``stream`` is no error, and no chunk carries any."""
+    for path, body in (
+        ("completions", {"prompt": PROMPT}),
+        ("chat/completions", {"messages": [{"role": "user", "content": PROMPT}]}),
+    ):
+        request = {"model": "tiny", "max_tokens": 3, "stream": True, "prompt_logprobs": 0}
+        async with aiohttp.ClientSession() as session:
+            url = f"{mesh.base_url}/{path}"
+            async with session.post(url, json={**request, **body}) as resp:
+                assert resp.status == 200
+                raw = (await resp.read()).decode()
+        chunks = [json.loads(line[6:]) for line in raw.split("\n") if line.startswith("data: {")]
+        assert chunks and chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+        assert "prompt_logprobs" not in raw and raw.rstrip().endswith("data: [DONE]")
 
 
 @pytest.mark.parametrize(

@@ -541,8 +541,11 @@ def parse_truncation(body: Body, config: GatewayConfig) -> int | None:
 
 def parse_prompt_logprobs(body: Body, stream: bool) -> int | None:
     """vLLM's ``prompt_logprobs``: top-N alternatives per prompt token, in the response (not
-    in a stream, as vLLM; completions' echo streams them within the logprobs)."""
+    in a stream, as vLLM: 0 is accepted there and nothing is computed or sent, more is a 400;
+    completions' echo streams them within the logprobs)."""
     value = body.optional_integer("prompt_logprobs", 0, MAX_PROMPT_LOGPROBS)
+    if value == 0 and stream:
+        return None
     if value is not None and stream:
         raise bad_request(
             "'prompt_logprobs' are not available when 'stream' is true.",
