@@ -688,6 +688,30 @@ async def test_one_failed_prompt_fails_the_whole_batch(
     assert first.reason.startswith("prompt 1 of the batch failed")
 
 
+async def test_a_prompt_the_gateway_cannot_publish_fails_the_batch_with_its_503(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The second prompt's publish fails: the client gets the 503, and both prompts' choices
+    are counted with it (the refused one was counted as a 500 of the gateway's own), the
+    first aborted as the batch's failure."""
+    nc = env.server.mesh.service.nc
+    real = nc.publish
+
+    async def publish(subject: str, payload: bytes = b"", **kwargs: Any) -> None:
+        if b"unpublishable" in payload:
+            raise ConnectionResetError("the bus went away")
+        await real(subject, payload, **kwargs)
+
+    monkeypatch.setattr(nc, "publish", publish)
+    status, answer = await env.post(CMP, {"prompt": ["hang", "unpublishable"], "max_tokens": 3})
+    assert status == 503
+    assert answer["error"]["message"] == "The gateway could not reach the mesh."
+    await env.wait_for(lambda: any(a.request_ids[0].endswith("-0-0") for a in env.fake.aborts))
+    assert choices_counted(env) == {("failure", "503"): 2}
+    first = next(a for a in env.fake.aborts if a.request_ids[0].endswith("-0-0"))
+    assert first.reason.startswith("prompt 1 of the batch was refused")
+
+
 async def test_an_error_for_the_whole_request_fails_every_choice(env: Env) -> None:
     """The tokenizer answers under the request's own id (it failed before the fan-out, or
     while forwarding): the request fails, and every choice is aborted in case some went on."""

@@ -228,9 +228,11 @@ class MeshClient:
             raise
         except Exception as exc:
             log.exception("gateway: could not publish %s", base_id)
+            error = mesh_unavailable("The gateway could not reach the mesh.")
             stream.failure = f"gateway failed to submit the request: {exc!r}"
+            stream.observer.failed(error)  # (counted with the status its client gets)
             await self.release(stream)
-            raise mesh_unavailable("The gateway could not reach the mesh.") from exc
+            raise error from exc
         return stream
 
     async def connected(self) -> None:
