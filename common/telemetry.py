@@ -69,6 +69,7 @@ class Attr:
     DECODE_STEPS = "meshserve.decode_steps"
     STREAM = "meshserve.stream"
     PRIORITY = "meshserve.priority"
+    PROMPT_INDEX = "meshserve.prompt_index"  # a batched request's prompt (gateway.prompt)
     PEER = "meshserve.peer_executor_id"  # the other side of a KV transfer
     KV_BYTES = "meshserve.kv_transfer.bytes"
     KV_PAGES = "meshserve.kv_transfer.pages"

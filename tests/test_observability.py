@@ -175,6 +175,41 @@ async def test_one_trace_per_request_spans_every_service(mesh, receiver, client)
         assert root.start_ns <= queue.start_ns <= decode.end_ns <= root.end_ns
 
 
+async def test_a_batch_has_a_span_per_prompt_with_its_own_values(mesh, receiver, client):
+    """Batched prompts: each prompt's gateway.prompt (its tokens, TTFT and finish) under the
+    one gateway.request, and its own tokenizer.encode under it, where the prompts' values all
+    landed on the root before (the last one written won)."""
+    prompts = ["One", "A much longer prompt than the first of the two, with more tokens"]
+    response = await client.completions.create(
+        model="tiny", prompt=prompts, max_tokens=MAX_TOKENS, temperature=0
+    )
+    rid = response.id
+
+    def whole(spans: list[ReceivedSpan]) -> bool:
+        trace = traces_by_request(spans).get(rid, [])
+        return Counter(s.name for s in trace)["detokenizer.stream"] == 2
+
+    assert await asyncio.to_thread(receiver.wait_for, whole, 20, lambda: flush_all(mesh))
+    trace = traces_by_request(receiver.snapshot())[rid]
+    by_id = {s.span_id: s for s in trace}
+    root = next(s for s in trace if s.name == "gateway.request")
+    spans = sorted(
+        (s for s in trace if s.name == "gateway.prompt"),
+        key=lambda s: s.attributes["meshserve.prompt_index"],
+    )
+    assert [s.parent_id for s in spans] == [root.span_id] * 2
+    lengths = [s.attributes["gen_ai.usage.prompt_tokens"] for s in spans]
+    assert lengths[0] < lengths[1]
+    assert sum(lengths) == response.usage.prompt_tokens
+    for k, span in enumerate(spans):
+        assert span.attributes["gen_ai.request.id"] == f"{rid}-{k}"
+        assert span.attributes["gen_ai.latency.time_to_first_token"] > 0
+        assert root.start_ns <= span.start_ns <= span.end_ns <= root.end_ns
+        encode = [s for s in trace if s.name == "tokenizer.encode" and s.parent_id == span.span_id]
+        assert len(encode) == 1 and by_id[encode[0].parent_id] is span
+    assert root.attributes["gen_ai.request.n"] == 2
+
+
 Scrape = dict[tuple[str, tuple[tuple[str, str], ...]], float]  # (name, labels) -> value
 
 

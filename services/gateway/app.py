@@ -307,16 +307,27 @@ class Routes:
         if not api.batch:
             return await self.mesh.submit(api, response_id)
         streams: list[RequestStream] = []
+        tracer = self.mesh.service.tracer
         try:
             for k, one in enumerate(api.batch):
-                streams.append(await self.mesh.submit(one, f"{response_id}-{k}"))
+                # Each prompt's own span (its latency, tokens and the mesh's spans below it)
+                # under gateway.request, ended when its stream is released.
+                span = tracer.start_span("gateway.prompt", attributes={Attr.PROMPT_INDEX: k})
+                try:
+                    with trace.use_span(span):
+                        stream = await self.mesh.submit(one, f"{response_id}-{k}")
+                except BaseException:
+                    span.end()
+                    raise
+                stream.span = span
+                streams.append(stream)
         except BaseException as exc:  # (a later prompt refused: the earlier ones are aborted)
             batch = BatchedStreams(streams, api.n)
             if isinstance(exc, RequestError):
                 batch.fail_all(exc, f"prompt {len(streams)} of the batch was refused: {exc}")
             await self.mesh.release(batch)
             raise
-        span = trace.get_current_span()  # (each submit named its own prompt's)
+        span = trace.get_current_span()  # gateway.request: the batch's
         span.set_attributes({Attr.REQUEST_ID: response_id, Attr.N: api.num_choices})
         return BatchedStreams(streams, api.n)
 

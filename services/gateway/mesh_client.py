@@ -291,6 +291,9 @@ class MeshClient:
         self.inbox.close(stream)
         if stream.observer is not None and stream.unfinished:
             stream.observer.left(stream.failure)
+        if stream.span is not None:  # (a batched prompt's)
+            stream.span.end()
+            stream.span = None
         # and the attempts choices were resumed away from: their aborts may have been lost
         # (a partition), and once the stream is closed nothing re-aborts them
         unfinished = stream.unfinished + stream.left_behind

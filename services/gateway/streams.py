@@ -15,6 +15,8 @@ import logging
 import time
 from collections.abc import Callable
 
+from opentelemetry.trace import Span
+
 from common.runtime import RequestError
 from common.wire.codec import MessageError, decode_any
 from common.wire.gateway import ErrorEvent, TextDelta, TextDeltas
@@ -61,6 +63,7 @@ class RequestStream:
         self.left_behind: list[str] = []
         self._queue: asyncio.Queue[InboxEvent] = asyncio.Queue()
         self.observer: RequestObserver | None = None  # latency metrics, fed as events are taken
+        self.span: Span | None = None  # a batched prompt's gateway.prompt: ended on release
         # Resumption (``resume.py``), set by ``MeshClient.submit``: the request as submitted,
         # who publishes a continuation, and how many each choice may have (0: none).
         self.origin: GenerateRequest | None = None
