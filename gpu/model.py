@@ -30,6 +30,7 @@ from gpu.config import ModelConfig, ModelError
 from gpu.cpu_kernels import CpuKernels, FusedDecoder
 from gpu.cpu_kernels.decoder import DecoderShape, LayerWeights, ReduceFailed
 from gpu.linear import DenseLinear, Linear, blocks_run_on, make_linear
+from gpu.lora import LoraStep
 from gpu.ops import RopeStep, TorchOps, make_ops
 from gpu.parallel.group import TensorParallel
 from gpu.parallel.shard import shard_config, shard_weights
@@ -83,14 +84,17 @@ class DecoderLayer(nn.Module):
         ops: TorchOps,
         tp: TensorParallel | None = None,
         row_amax: dict[str, torch.Tensor] | None = None,
+        index: int = 0,
     ) -> None:
-        """``config``: this rank's shapes (``gpu.parallel.shard_config``); with ``tp``, ``w``
+        """``index``: the layer's place in the model (where a LoRA adapter's pairs for it
+        are). ``config``: this rank's shapes (``gpu.parallel.shard_config``); with ``tp``, ``w``
         holds this rank's share of each weight and ``row_amax`` the whole rows' magnitudes
         of its row-parallel ones (``gpu.parallel.shard.ShardedWeights``)."""
         super().__init__()
         attn, mlp = f"{prefix}.self_attn", f"{prefix}.mlp"
         amax = row_amax or {}
         self.tp = tp
+        self.index = index
         qkv_bias = None
         if config.qkv_bias:
             qkv_bias = torch.cat([dense(w[f"{attn}.{n}_proj.bias"]) for n in ("q", "k", "v")])
@@ -126,9 +130,10 @@ class DecoderLayer(nn.Module):
         rope: RopeStep,
         backend: AttentionBackend,
         kv_cache: torch.Tensor,
+        lora: LoraStep | None = None,
     ) -> torch.Tensor:
         # Called 30x a step: skip nn.Module's hook dispatch (the runtime registers no hooks).
-        return self.forward(hidden, delta, rope, backend, kv_cache)
+        return self.forward(hidden, delta, rope, backend, kv_cache, lora)
 
     def forward(
         self,
@@ -137,22 +142,34 @@ class DecoderLayer(nn.Module):
         rope: RopeStep,
         backend: AttentionBackend,
         kv_cache: torch.Tensor,
+        lora: LoraStep | None = None,
     ) -> torch.Tensor:
         """Adds ``delta`` (the previous layer's output) into ``hidden`` in place; returns this
-        layer's MLP output, to be added in by the next layer (or the final norm)."""
+        layer's MLP output, to be added in by the next layer (or the final norm). ``lora``:
+        the step's adapters, each linear's update added on their rows."""
         t, d, ops = hidden.shape[0], self.head_dim, self.ops
         x = ops.add_rms_norm(hidden, delta, self.input_norm, self.eps)
         qkv = self.qkv_proj(x)
+        if lora is not None:
+            lora.add_(self.index, "qkv", x, qkv)
         self._qk_norm_(qkv)
         if not backend.rotates_qk:  # else fused into the backend's KV append
             ops.rope_(qkv, self.num_heads + self.num_kv_heads, d, rope)
         q, k, v = torch.split_with_sizes(qkv.view(t, -1, d), self.head_split, dim=1)
-        attn = backend.attend(q, k, v, kv_cache)
-        attn_out = self.o_proj(attn.reshape(t, self.q_size))
+        attn = backend.attend(q, k, v, kv_cache).reshape(t, self.q_size)
+        attn_out = self.o_proj(attn)
+        if lora is not None:
+            lora.add_(self.index, "o", attn, attn_out)
         if self.tp is not None:
             self.tp.all_reduce_(attn_out)
         x = ops.add_rms_norm(hidden, attn_out, self.post_attn_norm, self.eps)
-        out: torch.Tensor = self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        if lora is not None:
+            lora.add_(self.index, "gate_up", x, gate_up)
+        act = ops.silu_mul(gate_up)
+        out: torch.Tensor = self.down_proj(act)
+        if lora is not None:
+            lora.add_(self.index, "down", act, out)
         if self.tp is not None:
             self.tp.all_reduce_(out)
         return out
@@ -263,7 +280,9 @@ class CausalLM(nn.Module):
         if not config.tie_word_embeddings:
             self.embed_tokens = owned(w.pop("model.embed_tokens.weight"))
         self.layers = nn.ModuleList(
-            DecoderLayer(self.local_config, w, f"model.layers.{i}", linear, self.ops, tp, row_amax)
+            DecoderLayer(
+                self.local_config, w, f"model.layers.{i}", linear, self.ops, tp, row_amax, i
+            )
             for i in range(config.num_hidden_layers)
         )
         head = w["model.embed_tokens.weight"] if config.tie_word_embeddings else w["lm_head.weight"]
@@ -390,17 +409,23 @@ class CausalLM(nn.Module):
         backend: AttentionBackend,
         kv_layers: list[torch.Tensor],
         logits_indices: torch.Tensor | None = None,
+        lora: LoraStep | None = None,
     ) -> torch.Tensor:
         """Logits ``[len(logits_indices), vocab]`` (every token's when ``logits_indices`` is None).
 
-        ``backend.plan(meta)`` must have been called for this step.
+        ``backend.plan(meta)`` must have been called for this step. ``lora``: the step's LoRA
+        adapters and their rows (``gpu.lora``); such a step takes the per-op path.
         """
+        if lora is not None and self.tp is not None:
+            raise ModelError("LoRA adapters are not supported with tensor parallelism")
         hidden = self.embed(input_ids)
         rope = self.ops.rope_step(self.rope, meta.positions)
-        if 0 < hidden.shape[0] <= self.few_row_layers:
+        if 0 < hidden.shape[0] <= self.few_row_layers and lora is None:
             return self._forward_few_rows(hidden, rope, backend, kv_layers, logits_indices)
         decodes = backend.decode_only() if isinstance(backend, TorchPagedAttention) else None
-        fused = self.fused_decoder() if decodes is not None and self.fuse_decode else None
+        fused = None
+        if decodes is not None and self.fuse_decode and lora is None:
+            fused = self.fused_decoder()
         delta: torch.Tensor | None = None
         if fused is not None and decodes is not None and rope.cos.dim() == 2:
             try:
@@ -410,7 +435,7 @@ class CausalLM(nn.Module):
                 raise self.tp.lost(exc) from exc
         else:
             for layer, kv_cache in zip(self.layers, kv_layers, strict=True):
-                delta = layer(hidden, delta, rope, backend, kv_cache)
+                delta = layer(hidden, delta, rope, backend, kv_cache, lora)
         if logits_indices is not None:
             hidden = hidden[logits_indices]
             delta = None if delta is None else delta[logits_indices]

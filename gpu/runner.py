@@ -21,6 +21,7 @@ from gpu.config import ModelConfig, ModelError
 from gpu.cpu_kernels import CpuKernels
 from gpu.graph_runner import DecodeGraphs
 from gpu.kv_cache import KVCache, KVCacheSpec
+from gpu.lora import LoraSet, LoraStep
 from gpu.model import CausalLM
 from gpu.parallel.launch import RankGroup
 from gpu.parallel.step import pack_step
@@ -116,6 +117,13 @@ class ModelRunner:
         )
         self.kv = KVCache(spec, self.device, pad_pages=1 if self.cuda_graphs else 0)
         self.graphs: DecodeGraphs | None = None
+        self.loras = LoraSet([])  # the LoRA adapters sequences name by slot (``load_loras``)
+
+    def load_loras(self, loras: LoraSet) -> None:
+        """Serve these adapters (moved to the model's device and dtype)."""
+        if self.peers is not None and loras.adapters:
+            raise ModelError("LoRA adapters are not supported with tensor parallelism")
+        self.loras = LoraSet([a.to(self.device, self.model.dtype) for a in loras.adapters])
 
     def capture_graphs(self, max_num_seqs: int) -> float | None:
         """Capture the decode graphs for batches up to ``max_num_seqs`` (the warm-up does);
@@ -195,7 +203,14 @@ class ModelRunner:
         if num_logits is not None and not all_logits:
             indices = _trailing_indices(chunks, num_logits)
         input_ids = torch.tensor(flat, dtype=torch.int64)
-        return self.forward(input_ids, meta, all_logits, indices, feed)
+        lora = None
+        if any(chunk.adapter for chunk in chunks):
+            if max(chunk.adapter for chunk in chunks) > len(self.loras.adapters):
+                raise ValueError("a sequence names a LoRA slot this runner does not have")
+            lora = self.loras.step(
+                [c.adapter for c in chunks], [c.num_new for c in chunks], self.device
+            )
+        return self.forward(input_ids, meta, all_logits, indices, feed, lora)
 
     @torch.inference_mode()
     def forward(
@@ -205,9 +220,10 @@ class ModelRunner:
         all_logits: bool = False,
         logits_indices: torch.Tensor | None = None,
         feed: TokenFeed | None = None,
+        lora: LoraStep | None = None,
     ) -> torch.Tensor:
         if self.peers is None:
-            return self._forward(input_ids, meta, all_logits, logits_indices, feed)
+            return self._forward(input_ids, meta, all_logits, logits_indices, feed, lora)
         self.peers.send_step(pack_step(input_ids, meta, all_logits, logits_indices))
         try:
             return self._forward(input_ids, meta, all_logits, logits_indices)
@@ -222,8 +238,10 @@ class ModelRunner:
         all_logits: bool,
         logits_indices: torch.Tensor | None,
         feed: TokenFeed | None = None,
+        lora: LoraStep | None = None,
     ) -> torch.Tensor:
-        if self.graphs is not None and not all_logits:  # (never with peers: no TP graphs)
+        # (never with peers: no TP graphs; a step with LoRA rows runs eagerly)
+        if self.graphs is not None and not all_logits and lora is None:
             bucket = self.graphs.bucket(meta, logits_indices)
             if bucket is not None:
                 return self.graphs.run(bucket, input_ids, meta, feed)
@@ -238,7 +256,9 @@ class ModelRunner:
         indices = None if all_logits else meta.logits_indices
         if logits_indices is not None:
             indices = logits_indices
-        logits: torch.Tensor = self.model(input_ids, meta, self.backend, self.kv.layers, indices)
+        logits: torch.Tensor = self.model(
+            input_ids, meta, self.backend, self.kv.layers, indices, lora
+        )
         return logits
 
 

@@ -177,3 +177,74 @@ def write_tiny_tokenizer(folder: Path, vocab_size: int = 512, chat_template: str
             }
         )
     )
+
+
+LORA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def write_tiny_lora(
+    folder: Path,
+    base: Path,
+    targets: tuple[str, ...] = LORA_PROJECTIONS,
+    rank: int = 4,
+    alpha: float = 8.0,
+    seed: int = 0,
+    **config: Any,
+) -> Path:
+    """A PEFT LoRA adapter for the tiny model in ``base``, as ``peft`` saves one, with random
+    A and B (peft starts B at zero; a test needs an update that changes something)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    hf = json.loads((base / "config.json").read_text())
+    h, heads, kv = hf["hidden_size"], hf["num_attention_heads"], hf["num_key_value_heads"]
+    d = hf.get("head_dim") or h // heads
+    inter = hf["intermediate_size"]
+    shapes = {
+        "q_proj": (heads * d, h), "k_proj": (kv * d, h), "v_proj": (kv * d, h),
+        "o_proj": (h, heads * d), "gate_proj": (inter, h), "up_proj": (inter, h),
+        "down_proj": (h, inter),
+    }  # fmt: skip
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for i in range(hf["num_hidden_layers"]):
+        for proj in targets:
+            out, inp = shapes[proj]
+            block = "self_attn" if proj in LORA_PROJECTIONS[:4] else "mlp"
+            prefix = f"base_model.model.model.layers.{i}.{block}.{proj}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, inp, generator=g) * 0.2
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(out, rank, generator=g) * 0.2
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    settings = {
+        "peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": list(targets),
+        "bias": "none", "use_rslora": False, "use_dora": False, "fan_in_fan_out": False,
+        "modules_to_save": None, "base_model_name_or_path": str(base), **config,
+    }  # fmt: skip
+    (folder / "adapter_config.json").write_text(json.dumps(settings))
+    return folder
+
+
+def merged_hf_model(base: Path, adapter: Path) -> Any:
+    """transformers' model of ``base`` with ``adapter`` merged into its weights: the oracle of
+    a LoRA request (W + scale * B @ A, scale = alpha / r, or / sqrt(r) with rsLoRA)."""
+    import json
+    import math
+
+    from safetensors.torch import load_file
+
+    model = hf_model(base)
+    settings = json.loads((adapter / "adapter_config.json").read_text())
+    tensors = load_file(str(adapter / "adapter_model.safetensors"))
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, a in tensors.items():
+            if ".lora_A." not in name:
+                continue
+            b = tensors[name.replace(".lora_A.", ".lora_B.")]
+            r = a.shape[0]
+            scale = settings["lora_alpha"] / (math.sqrt(r) if settings.get("use_rslora") else r)
+            target = name.removeprefix("base_model.model.").replace(".lora_A.weight", ".weight")
+            params[target].add_(scale * (b @ a))
+    return model

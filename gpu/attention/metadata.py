@@ -30,6 +30,7 @@ class SeqChunk:
     page_table: tuple[int, ...]
     num_computed: int
     num_new: int
+    adapter: int = 0  # the sequence's LoRA adapter slot (``gpu.lora.LoraSet``; 0: none)
 
     @property
     def kv_len(self) -> int:

@@ -1,0 +1,169 @@
+"""LoRA adapters (vLLM's --lora-modules): several in one step beside the base model, each
+request's logits and greedy text those of transformers with its adapter merged in."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpu.attention.metadata import SeqChunk
+from gpu.config import ModelError
+from gpu.loader import load_model
+from gpu.lora import LoraSet, load_adapter, parse_lora_modules
+from gpu.runner import ModelRunner
+from tests.models import hf_model, merged_hf_model, write_tiny_lora
+
+PAGE = 4
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory):
+    """Per base kind: an adapter of q and v only (rank 4), and one of every projection (rank
+    8, rsLoRA)."""
+    root = tmp_path_factory.mktemp("loras")
+    out = {}
+    for kind in ("llama", "qwen3"):
+        base = tiny_models[kind]
+        out[kind] = (
+            write_tiny_lora(root / f"{kind}-qv", base, ("q_proj", "v_proj"), rank=4, seed=1),
+            write_tiny_lora(root / f"{kind}-all", base, rank=8, alpha=4.0, seed=2, use_rslora=True),
+        )
+    return out
+
+
+def run_mixed(runner: ModelRunner, prompts: list[list[int]], slots: list[int], steps: int):
+    """Chunked prefill (3 tokens a step) then greedy decode, every sequence in every step:
+    each sequence's prompt logits and its greedy tokens."""
+    pages = -(-(max(map(len, prompts)) + steps) // PAGE) + 1
+    tables = [tuple(range(i * pages, (i + 1) * pages)) for i in range(len(prompts))]
+    done, logits = [0] * len(prompts), [[] for _ in prompts]
+    while any(d < len(p) for d, p in zip(done, prompts, strict=True)):
+        active = [i for i, p in enumerate(prompts) if done[i] < len(p)]
+        chunks = [
+            SeqChunk(tables[i], done[i], min(3, len(prompts[i]) - done[i]), slots[i])
+            for i in active
+        ]
+        out = runner.execute(
+            chunks,
+            [prompts[i][done[i] : done[i] + c.num_new] for i, c in zip(active, chunks)],
+            True,
+        )
+        row = 0
+        for i, c in zip(active, chunks, strict=True):
+            logits[i].append(out[row : row + c.num_new])
+            row += c.num_new
+            done[i] += c.num_new
+    tokens = [[int(torch.cat(lg)[-1].argmax())] for lg in logits]
+    for step in range(steps - 1):
+        chunks = [
+            SeqChunk(t, len(p) + step, 1, s) for t, p, s in zip(tables, prompts, slots, strict=True)
+        ]
+        out = runner.execute(chunks, [[t[-1]] for t in tokens])
+        for t, tok in zip(tokens, out.argmax(-1).tolist(), strict=True):
+            t.append(tok)
+    return [torch.cat(lg) for lg in logits], tokens
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("kernels", [True, False], ids=["cpu-kernels", "torch-ops"])
+def test_a_step_mixing_adapters_and_the_base_matches_each_merged_model(
+    tiny_models, adapters, kind, kernels
+):
+    base = tiny_models[kind]
+    qv, everything = adapters[kind]
+    model = load_model(base, progress=False, cpu_kernels=kernels)
+    runner = ModelRunner(model, num_pages=128, page_size=PAGE)
+    runner.load_loras(
+        LoraSet(
+            [load_adapter("qv", qv, model.config), load_adapter("all", everything, model.config)]
+        )
+    )
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (5, 9, 7, 11)]
+    slots = [0, 1, 2, 1]  # the base, both adapters, one of them twice
+    steps = 6
+    logits, greedy = run_mixed(runner, prompts, slots, steps)
+    oracles = {
+        0: hf_model(base),
+        1: merged_hf_model(base, qv),
+        2: merged_hf_model(base, everything),
+    }
+    for prompt, slot, lg, tokens in zip(prompts, slots, logits, greedy, strict=True):
+        oracle = oracles[slot]
+        with torch.no_grad():
+            ref = oracle(torch.tensor([prompt])).logits[0]
+            gen = oracle.generate(
+                torch.tensor([prompt]), max_new_tokens=steps, min_new_tokens=steps, do_sample=False
+            )[0, len(prompt) :].tolist()
+        rel = float((lg - ref).abs().max() / ref.abs().max())
+        assert rel < 1e-4, (slot, rel)
+        assert tokens == gen, slot
+    # the adapters change the output (or the comparison above proves nothing)
+    assert len({tuple(t) for t in (greedy[0], greedy[1], greedy[2])}) == 3
+
+
+def test_the_fused_decode_step_is_not_taken_with_adapter_rows(tiny_llama, adapters):
+    model = load_model(tiny_llama, progress=False)
+    assert model.fused_decoder() is not None
+    calls = []
+    real = model.fused_decoder
+    model.fused_decoder = lambda: calls.append(1) or real()  # type: ignore[method-assign]
+    runner = ModelRunner(model, num_pages=16, page_size=PAGE)
+    runner.load_loras(LoraSet([load_adapter("qv", adapters["llama"][0], model.config)]))
+    runner.execute([SeqChunk((0, 1), 0, 5, 1)], [[5, 6, 7, 8, 9]])
+    runner.execute([SeqChunk((0, 1), 5, 1, 1)], [[10]])
+    assert calls == []
+    runner.execute([SeqChunk((2, 3), 0, 5)], [[5, 6, 7, 8, 9]])
+    runner.execute([SeqChunk((2, 3), 5, 1)], [[10]])
+    assert calls == [1]
+    with pytest.raises(ValueError, match="LoRA slot"):
+        runner.execute([SeqChunk((2, 3), 6, 1, 2)], [[10]])
+
+
+def test_parse_lora_modules() -> None:
+    assert parse_lora_modules(["a=/x", "b=/y=z"]) == {"a": "/x", "b": "/y=z"}
+    for bad in (["a"], ["=x"], ["a="], ["a=x", "a=y"]):
+        with pytest.raises(ValueError):
+            parse_lora_modules(bad)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"use_dora": True}, "use_dora"),
+        ({"bias": "all"}, "bias"),
+        ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+        ({"peft_type": "IA3"}, "peft_type"),
+    ],
+)
+def test_settings_it_does_not_compute_are_refused(tiny_llama, tmp_path, change, message) -> None:
+    folder = write_tiny_lora(tmp_path / "a", tiny_llama, ("q_proj",), **change)
+    config = load_model(tiny_llama, progress=False).config
+    with pytest.raises(ModelError, match=message):
+        load_adapter("a", folder, config)
+
+
+def test_tensors_it_cannot_place_are_refused(tiny_llama, tmp_path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    config = load_model(tiny_llama, progress=False).config
+    with pytest.raises(ModelError, match="no adapter_config.json"):
+        load_adapter("a", tmp_path, config)
+    folder = write_tiny_lora(tmp_path / "a", tiny_llama, ("q_proj",))
+    tensors = load_file(str(folder / "adapter_model.safetensors"))
+    extra = {**tensors, "base_model.model.lm_head.lora_A.weight": torch.zeros(4, 64)}
+    save_file(extra, str(folder / "adapter_model.safetensors"))
+    with pytest.raises(ModelError, match="lm_head"):
+        load_adapter("a", folder, config)
+    bad = dict(tensors)
+    name = next(n for n in bad if n.endswith("lora_B.weight"))
+    bad[name] = torch.zeros(3, 4)
+    save_file(bad, str(folder / "adapter_model.safetensors"))
+    with pytest.raises(ModelError, match="q_proj: lora_A/lora_B must be"):
+        load_adapter("a", folder, config)
+    (folder / "adapter_config.json").write_text(json.dumps({"r": 4}) + "{")
+    with pytest.raises(ModelError, match="not valid JSON"):
+        load_adapter("a", folder, config)
