@@ -39,7 +39,8 @@ def run_mixed(runner: ModelRunner, prompts: list[list[int]], slots: list[int], s
     each sequence's prompt logits and its greedy tokens."""
     pages = -(-(max(map(len, prompts)) + steps) // PAGE) + 1
     tables = [tuple(range(i * pages, (i + 1) * pages)) for i in range(len(prompts))]
-    done, logits = [0] * len(prompts), [[] for _ in prompts]
+    done = [0] * len(prompts)
+    logits: list[list[torch.Tensor]] = [[] for _ in prompts]
     while any(d < len(p) for d, p in zip(done, prompts, strict=True)):
         active = [i for i, p in enumerate(prompts) if done[i] < len(p)]
         chunks = [
@@ -108,9 +109,14 @@ def test_a_step_mixing_adapters_and_the_base_matches_each_merged_model(
 def test_the_fused_decode_step_is_not_taken_with_adapter_rows(tiny_llama, adapters):
     model = load_model(tiny_llama, progress=False)
     assert model.fused_decoder() is not None
-    calls = []
+    calls: list[int] = []
     real = model.fused_decoder
-    model.fused_decoder = lambda: calls.append(1) or real()  # type: ignore[method-assign]
+
+    def counted() -> object:
+        calls.append(1)
+        return real()
+
+    model.fused_decoder = counted  # type: ignore[method-assign,assignment]
     runner = ModelRunner(model, num_pages=16, page_size=PAGE)
     runner.load_loras(LoraSet([load_adapter("qv", adapters["llama"][0], model.config)]))
     runner.execute([SeqChunk((0, 1), 0, 5, 1)], [[5, 6, 7, 8, 9]])
