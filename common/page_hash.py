@@ -14,6 +14,17 @@ from collections.abc import Sequence
 ROOT_HASH = 0
 
 
+def namespace_root(namespace: str) -> int:
+    """The chain's seed for pages computed under ``namespace`` (a LoRA adapter's name: its
+    KV differs from the base model's for the same tokens); ``ROOT_HASH`` for none. Only the
+    hashes differ: the first page's parent is still reported as ``ROOT_HASH``, so the prefix
+    index keeps one tree, its first level holding each namespace's first pages."""
+    if not namespace:
+        return ROOT_HASH
+    h = hashlib.blake2b(namespace.encode(), digest_size=8, person=b"meshserve-ns")
+    return int.from_bytes(h.digest(), "little") or 1
+
+
 def page_hash(parent: int, tokens: Sequence[int]) -> int:
     h = hashlib.blake2b(digest_size=8)
     h.update(struct.pack("<Q", parent))
@@ -22,7 +33,8 @@ def page_hash(parent: int, tokens: Sequence[int]) -> int:
 
 
 def page_hashes(tokens: Sequence[int], page_size: int, parent: int = ROOT_HASH) -> list[int]:
-    """Hashes of every *full* page of ``tokens`` (a trailing partial page has none)."""
+    """Hashes of every *full* page of ``tokens`` (a trailing partial page has none);
+    ``parent``: the chain's seed (``namespace_root``)."""
     hashes = []
     for start in range(0, len(tokens) - page_size + 1, page_size):
         parent = page_hash(parent, tokens[start : start + page_size])

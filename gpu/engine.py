@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from common.page_hash import namespace_root
 from gpu.attention.metadata import SeqChunk
 from gpu.config import ModelError
 from gpu.overlap import OverlappedSteps, overlap_blocker
@@ -143,8 +144,11 @@ class Engine:
         output_token_ids: list[int] | None = None,
         grammar: Any = None,
         guest: bool = False,
+        lora: str = "",
     ) -> None:
         """Queue a request; raises ``ModelError``/``ValueError`` naming what is wrong with it.
+
+        ``lora``: the LoRA adapter it runs with (a name ``runner.load_loras`` gave; "": none).
 
         ``guest``: spilled in from another region; preempted for this region's own requests
         when the batch is full (``gpu/scheduler.py``).
@@ -158,7 +162,9 @@ class Engine:
         ``max_tokens`` and the penalties, and a seeded request's generator skips the draws
         they took, so the continuation is the one an uninterrupted run would have sampled.
         """
-        seq = self.new_sequence(request_id, prompt_token_ids, params, output_token_ids, grammar)
+        seq = self.new_sequence(
+            request_id, prompt_token_ids, params, output_token_ids, grammar, lora
+        )
         seq.guest = guest
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
@@ -170,10 +176,12 @@ class Engine:
         params: SamplingParams,
         output_token_ids: list[int] | None = None,
         grammar: Any = None,
+        lora: str = "",
     ) -> Sequence:
         """A checked new sequence (for ``add_request`` and ``gpu.handoff.reserve``)."""
         if request_id in self.seqs or request_id in self.reserved:
             raise ValueError(f"request id {request_id!r} is already in use")
+        adapter = self.runner.loras.slot(lora)
         if not prompt_token_ids:
             raise ModelError("the prompt is empty")
         output_token_ids = output_token_ids or []
@@ -206,7 +214,8 @@ class Engine:
                 "allowed_token_ids: every allowed token is banned (a stop token under "
                 "min_tokens, or a bad word), so nothing could be generated"
             )
-        seq = Sequence(request_id, list(prompt_token_ids), params)
+        seq = Sequence(request_id, list(prompt_token_ids), params, adapter=adapter)
+        seq.table.root = namespace_root(lora)  # (its KV is the adapter's: cached apart)
         seq.output_token_ids = list(output_token_ids)
         if params.prompt_logprobs is not None and not output_token_ids:
             # (a continuation's client has them: they came with its first token)
@@ -381,7 +390,9 @@ class Engine:
         rows = []
         for item in plan.scheduled:
             seq = item.seq
-            chunks.append(SeqChunk(tuple(seq.table.pages), seq.num_computed, item.num_new))
+            chunks.append(
+                SeqChunk(tuple(seq.table.pages), seq.num_computed, item.num_new, seq.adapter)
+            )
             tokens.append(seq.token_ids_at(seq.num_computed, item.num_new))
             rows.append(self._logits_rows(seq, item.num_new))
         several = any(n > 1 for n in rows)

@@ -29,6 +29,7 @@ def reserve(
     prompt_token_ids: list[int],
     params: SamplingParams,
     guest: bool = False,
+    lora: str = "",
 ) -> list[int] | None:
     """Pages for this prompt's KV, in order (page ``i`` holds tokens ``i*page_size...``), or
     None when the pool or the batch has no room now. Raises like ``add_request`` on a bad
@@ -36,7 +37,7 @@ def reserve(
     prefill side writes every page). ``guest`` as for ``add_request``: once admitted, the
     sequence yields its slot to an own request like any guest (recomputed here, prompt and
     all, when a slot frees)."""
-    seq = engine.new_sequence(request_id, prompt_token_ids, params)
+    seq = engine.new_sequence(request_id, prompt_token_ids, params, lora=lora)
     seq.guest = guest
     seq.prompt_scoring = None  # the prefill side scores the prompt and sends them
     # The pages may have been freed while a step still writes to them (a step runs on after

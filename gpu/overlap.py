@@ -125,7 +125,9 @@ class OverlappedSteps:
         flat = 0
         for item in plan.scheduled:
             seq = item.seq
-            chunks.append(SeqChunk(tuple(seq.table.pages), seq.num_computed, item.num_new))
+            chunks.append(
+                SeqChunk(tuple(seq.table.pages), seq.num_computed, item.num_new, seq.adapter)
+            )
             ids = seq.token_ids_at(seq.num_computed, item.num_new)
             for j, token in enumerate(ids):
                 if token == INFLIGHT_TOKEN:

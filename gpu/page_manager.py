@@ -34,6 +34,7 @@ class PageTable:
 
     pages: list[int] = field(default_factory=list)
     hashes: list[int] = field(default_factory=list)  # hashes[i] belongs to pages[i]
+    root: int = ROOT_HASH  # the hash chain's seed: its LoRA adapter's (``namespace_root``)
 
 
 class PageManager:
@@ -85,7 +86,7 @@ class PageManager:
         assert not table.pages, "match_prefix needs an empty page table"
         if not self.enable_prefix_caching:
             return 0
-        parent = ROOT_HASH
+        parent = table.root
         for start in range(0, len(tokens) - 1 - self.page_size + 1, self.page_size):
             h = page_hash(parent, tokens[start : start + self.page_size])
             page = self.hash_to_page.get(h)
@@ -110,7 +111,8 @@ class PageManager:
         full = min(num_computed // self.page_size, len(table.pages))
         for i in range(len(table.hashes), full):
             parent = table.hashes[-1] if table.hashes else ROOT_HASH
-            h = page_hash(parent, tokens[i * self.page_size : (i + 1) * self.page_size])
+            seed = parent if table.hashes else table.root
+            h = page_hash(seed, tokens[i * self.page_size : (i + 1) * self.page_size])
             page = table.pages[i]
             table.hashes.append(h)
             if h not in self.hash_to_page:

@@ -66,6 +66,7 @@ class Sequence:
     num_inflight: int = 0
     # vLLM's prompt_logprobs, scored by the prefill chunks until the first token carries them
     prompt_scoring: PromptScoring | None = None
+    adapter: int = 0  # its LoRA adapter's slot in the runner (``gpu.lora.LoraSet``; 0: none)
 
     @property
     def all_token_ids(self) -> list[int]:

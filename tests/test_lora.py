@@ -173,3 +173,40 @@ def test_tensors_it_cannot_place_are_refused(tiny_llama, tmp_path) -> None:
     (folder / "adapter_config.json").write_text(json.dumps({"r": 4}) + "{")
     with pytest.raises(ModelError, match="not valid JSON"):
         load_adapter("a", folder, config)
+
+
+def test_engine_requests_name_their_adapter_and_cache_their_prefix_apart(tiny_llama, adapters):
+    """The same prompt under the base, adapter "qv", then both again: each output is its own
+    model's, and a prefix is served from the cache only to a request of the same adapter
+    (pages of the base's KV reused under an adapter would change its output)."""
+    from gpu.engine import Engine, EngineConfig
+    from gpu.sampling_params import SamplingParams
+
+    qv, _ = adapters["llama"]
+    model = load_model(tiny_llama, progress=False)
+    runner = ModelRunner(model, 64, PAGE)
+    runner.load_loras(LoraSet([load_adapter("qv", qv, model.config)]))
+    engine = Engine(runner, EngineConfig(64, 8, True), eos_token_ids=[2])
+    prompt = list(range(10, 31))  # 5 full pages
+    oracles = {"": hf_model(tiny_llama), "qv": merged_hf_model(tiny_llama, qv)}
+    with pytest.raises(ModelError, match="no LoRA adapter named 'nope'"):
+        engine.add_request("bad", prompt, SamplingParams(max_tokens=2), lora="nope")
+    cached: dict[str, int] = {}
+    for rid, lora in (("base", ""), ("lora", "qv"), ("base2", ""), ("lora2", "qv")):
+        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        engine.add_request(rid, prompt, params, lora=lora)
+        tokens: list[int] = []
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens.extend(out.new_token_ids)
+                cached[rid] = out.cached_tokens
+        with torch.no_grad():
+            expected = (
+                oracles[lora]
+                .generate(
+                    torch.tensor([prompt]), max_new_tokens=6, min_new_tokens=6, do_sample=False
+                )[0, len(prompt) :]
+                .tolist()
+            )
+        assert tokens == expected, rid
+    assert cached == {"base": 0, "lora": 0, "base2": 20, "lora2": 20}
