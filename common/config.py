@@ -32,6 +32,30 @@ def model_setting() -> Any:
     )
 
 
+def lora_modules_setting() -> Any:
+    """``--lora-modules`` of the gateway (the names it accepts as models) and the executors
+    (the adapters they load): vLLM's flag."""
+    return setting(
+        (),
+        "LoRA adapters served beside the model, NAME=PATH each (a PEFT folder; vLLM's "
+        "--lora-modules): a request naming NAME as its model runs with that adapter; the "
+        "gateway and every executor must list the same",
+    )
+
+
+def parse_lora_modules(specs: tuple[str, ...] | list[str]) -> dict[str, str]:
+    """``--lora-modules`` as {name: path}; a ``ValueError`` names a malformed entry."""
+    out: dict[str, str] = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules takes NAME=PATH, got {spec!r}")
+        if name in out:
+            raise ValueError(f"--lora-modules names {name!r} twice")
+        out[name] = path
+    return out
+
+
 def page_size_setting() -> Any:
     """``--page-size`` of tokenizer, executor and speculator."""
     return setting(

@@ -60,19 +60,6 @@ class LoraAdapter:
         return LoraAdapter(self.name, self.rank, moved)
 
 
-def parse_lora_modules(specs: Sequence[str]) -> dict[str, str]:
-    """vLLM's ``--lora-modules NAME=PATH ...`` as {name: path}."""
-    out: dict[str, str] = {}
-    for spec in specs:
-        name, sep, path = spec.partition("=")
-        if not sep or not name or not path:
-            raise ValueError(f"--lora-modules takes NAME=PATH, got {spec!r}")
-        if name in out:
-            raise ValueError(f"--lora-modules names {name!r} twice")
-        out[name] = path
-    return out
-
-
 def _adapter_config(folder: Path) -> dict[str, Any]:
     path = folder / "adapter_config.json"
     if not path.is_file():

@@ -450,7 +450,7 @@ CMP, CHT = "/v1/completions", "/v1/chat/completions"
         (CMP, {"prompt": "x", "echo": 1}, 400, "echo"),
         (CHT, {"messages": CHAT, "echo": True}, 400, "echo"),
         (CMP, {"prompt": "x", "prompt_logprobs": 21}, 400, "prompt_logprobs"),
-        (CMP, {"prompt": "x", "stream": True, "prompt_logprobs": 0}, 400, "prompt_logprobs"),
+        (CMP, {"prompt": "x", "stream": True, "prompt_logprobs": 1}, 400, "prompt_logprobs"),
         (CMP, {"prompt": "x", "top_k": -2}, 400, "top_k"),
         (CMP, {"prompt": "x", "min_p": 1.5}, 400, "min_p"),
         (CMP, {"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),

@@ -3,16 +3,21 @@ request's logits and greedy text those of transformers with its adapter merged i
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
+from common.config import parse_lora_modules
+from common.page_hash import namespace_root, page_hashes
+from common.wire.executor import TokenizedRequest
 from gpu.attention.metadata import SeqChunk
 from gpu.config import ModelError
 from gpu.loader import load_model
-from gpu.lora import LoraSet, load_adapter, parse_lora_modules
+from gpu.lora import LoraSet, load_adapter
 from gpu.runner import ModelRunner
 from tests.models import hf_model, merged_hf_model, write_tiny_lora
 
@@ -210,3 +215,100 @@ def test_engine_requests_name_their_adapter_and_cache_their_prefix_apart(tiny_ll
             )
         assert tokens == expected, rid
     assert cached == {"base": 0, "lora": 0, "base2": 20, "lora2": 20}
+
+
+# --------------------------------------------------------------------------- through the mesh
+
+
+@pytest.fixture(scope="module")
+def lora_mesh(tiny_llama: Path, adapters):
+    from tests.mesh import MeshHarness
+
+    qv, everything = adapters["llama"]
+    modules = (f"qv={qv}", f"all={everything}")
+    harness = MeshHarness(
+        tiny_llama,
+        executors=2,
+        gateway_options={"lora_modules": modules},
+        executor_options={"lora_modules": modules},
+    ).start()
+    yield harness
+    harness.stop()
+
+
+async def test_a_request_naming_an_adapter_runs_with_it(lora_mesh, tiny_llama, adapters) -> None:
+    """vLLM's way: the adapter is the request's model. The same prompt under the base and each
+    adapter, twice each (the second from cached pages: its adapter's), streamed and not: each
+    greedy text is transformers' with that adapter merged in; /v1/models lists the adapters."""
+    import aiohttp
+
+    from common.tokenizer import Tokenizer
+    from tests.mesh import openai_client, runtime_of
+
+    qv, everything = adapters["llama"]
+    tok = Tokenizer.from_folder(tiny_llama)
+    ids = list(range(40, 90))  # several full pages
+    client = openai_client(lora_mesh.base_url)
+    oracles = {
+        "tiny": hf_model(tiny_llama),
+        "qv": merged_hf_model(tiny_llama, qv),
+        "all": merged_hf_model(tiny_llama, everything),
+    }
+    texts, cached = {}, []
+    for model in ("tiny", "qv", "all", "qv", "tiny", "all"):
+        with torch.no_grad():
+            expected = (
+                oracles[model]
+                .generate(torch.tensor([ids]), max_new_tokens=8, min_new_tokens=8, do_sample=False)[
+                    0, len(ids) :
+                ]
+                .tolist()
+            )
+        out = await client.completions.create(
+            model=model, prompt=ids, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+        )
+        assert out.choices[0].text == tok.decode(expected), model
+        assert out.model == model
+        texts[model] = out.choices[0].text
+        details = out.usage.prompt_tokens_details if out.usage else None
+        cached.append(details.cached_tokens if details else None)
+        stream = await client.completions.create(
+            model=model, prompt=ids, max_tokens=8, temperature=0, stream=True,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        assert "".join([c.choices[0].text async for c in stream if c.choices]) == texts[model]
+    assert len(set(texts.values())) == 3
+    # the first of each model computes the prompt (another's pages are not its KV); the
+    # second is routed to them and served from them (non-streamed requests: the even ones)
+    assert cached[:3] == [0, 0, 0] and all(c and c > 0 for c in cached[3:]), cached
+    # the index holds each model's first page at its root, and the tokenizer hashes a
+    # request's pages as its executor does (so the kv router finds an adapter's pages)
+    assert lora_mesh.index is not None
+    tree = lora_mesh.index.tree
+    for name in ("", "qv", "all"):
+        first = page_hashes(ids, lora_mesh.page_size, namespace_root(name))[0]
+        assert first in tree.root.children, name
+    seen: list[TokenizedRequest] = []
+    tokenizer = runtime_of(lora_mesh.services[0])
+    subject = tokenizer.subjects.scheduler_submit
+
+    async def watch(msg: Any) -> None:
+        seen.append(TokenizedRequest.decode(msg.data))
+
+    sub = await tokenizer.nc.subscribe(subject, cb=watch)
+    await client.completions.create(model="all", prompt=ids, max_tokens=1)
+    await asyncio.sleep(0.2)
+    await sub.unsubscribe()
+    (request,) = seen
+    assert request.lora == "all"
+    assert request.page_hashes == page_hashes(ids, lora_mesh.page_size, namespace_root("all"))
+    listed = await client.models.list()
+    cards = {m.id: m.model_dump() for m in listed.data}
+    assert cards["qv"]["parent"] == "tiny" and cards["qv"]["root"] == str(qv)
+    assert cards["tiny"]["parent"] is None and set(cards) == {"tiny", "qv", "all"}
+    async with aiohttp.ClientSession() as session:
+        body = {"model": "nope", "prompt": "x", "max_tokens": 1}
+        async with session.post(f"{lora_mesh.base_url}/completions", json=body) as resp:
+            assert resp.status == 404
+            assert (await resp.json())["error"]["code"] == "model_not_found"
+    await client.close()

@@ -108,6 +108,7 @@ SERVICES: dict[str, list[Row]] = {
         ("--tensor-parallel-size", "MESHSERVE_TENSOR_PARALLEL_SIZE", "2"),
         ("--tensor-parallel-timeout", "MESHSERVE_TENSOR_PARALLEL_TIMEOUT", "5"),
         ("--role", "MESHSERVE_ROLE", "decode"),
+        ("--lora-modules", "MESHSERVE_LORA_MODULES", "a=/x"),
         ("--kv-transfer-timeout", "MESHSERVE_KV_TRANSFER_TIMEOUT", "5"),
     ],
     "services.gateway.config": [
@@ -119,6 +120,7 @@ SERVICES: dict[str, list[Row]] = {
         ("--max-n", "MESHSERVE_MAX_N", "2"),
         ("--max-batch-choices", "MESHSERVE_MAX_BATCH_CHOICES", "16"),
         ("--reasoning-parser", "MESHSERVE_REASONING_PARSER", "qwen3"),
+        ("--lora-modules", "MESHSERVE_LORA_MODULES", "a=/x"),
         ("--max-body-bytes", "MESHSERVE_MAX_BODY_BYTES", "4096"),
         ("--max-stop", "MESHSERVE_MAX_STOP", "4"),
         ("--max-client-priority", "MESHSERVE_MAX_CLIENT_PRIORITY", "3"),

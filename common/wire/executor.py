@@ -50,6 +50,9 @@ class TokenizedRequest(Message):
     # prompt and its first token, and that process's incarnation; "" for a local prefill.
     prefill_executor: str = ""
     prefill_incarnation: str = ""
+    # Its LoRA adapter (an executor's --lora-modules name; "": the base model). The page
+    # hashes are that adapter's (``common.page_hash.namespace_root``).
+    lora: str = ""
     # Spilled in from another region (set by the scheduler that took it in): its executor
     # preempts it for a request of that region's own clients when its batch is full.
     guest: bool = False

@@ -146,6 +146,8 @@ class GenerateRequest(Message):
     # ``params.bad_words_token_ids``), and a prompt cut to its last this many tokens.
     bad_words: list[str] = field(default_factory=list)
     truncate_prompt_tokens: int | None = None
+    # vLLM's --lora-modules: the LoRA adapter the request names as its model ("": the base)
+    lora: str = ""
 
     def __post_init__(self) -> None:
         require(

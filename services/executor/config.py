@@ -2,7 +2,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.config import MeshConfig, device_setting, model_setting, page_size_setting
+from common.config import (
+    MeshConfig,
+    device_setting,
+    lora_modules_setting,
+    model_setting,
+    page_size_setting,
+    parse_lora_modules,
+)
 from common.settings import parse, setting
 from common.wire.executor import ROLES
 from gpu.formats import KV_CACHE_DTYPES, LOGPROBS_MODES, QUANTIZATIONS, TRITON_GEMV_MODES
@@ -101,6 +108,8 @@ class ExecutorConfig:
         flag="--tensor-parallel-timeout",
     )
 
+    lora_modules: tuple[str, ...] = lora_modules_setting()
+
     role: str = setting(
         "mixed",
         "mixed: prefill and decode; prefill: compute prompts and write their KV to decode "
@@ -144,6 +153,9 @@ class ExecutorConfig:
             raise ValueError("engine_nice must be within 0..19")
         if self.cpu_threads < 0:
             raise ValueError("cpu_threads must be >= 0")
+        parse_lora_modules(self.lora_modules)  # (a ValueError naming a malformed one)
+        if self.lora_modules and self.tensor_parallel_size > 1:
+            raise ValueError("LoRA adapters are not supported with tensor parallelism")
 
     @property
     def executor_id(self) -> str:

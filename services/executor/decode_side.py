@@ -187,7 +187,7 @@ class DecodeSide:
         when there is no room (the caller computes it here). Raises on a bad request."""
         svc, rid = self.service, req.request_id
         pages = handoff.reserve(
-            svc.engine, rid, req.prompt_token_ids, sampling_params(req.params), req.guest
+            svc.engine, rid, req.prompt_token_ids, sampling_params(req.params), req.guest, req.lora
         )
         if pages is None:
             return False
@@ -310,6 +310,7 @@ class DecodeSide:
                 sampling_params(req.params),
                 resume.streamed,
                 guest=req.guest,
+                lora=req.lora,
             )
         except ValueError as exc:  # e.g. the stream already has max_tokens
             await svc.fail_request(rid, ErrorEvent(rid, 400, str(exc)))

@@ -29,6 +29,7 @@ from typing import Any
 import nats.errors
 import torch
 
+from common.config import parse_lora_modules
 from common.metrics import EngineSnapshot, ExecutorMetrics
 from common.recent_ids import RecentIds
 from common.runtime import Service
@@ -53,6 +54,7 @@ from common.wire.scheduler import Heartbeat
 from gpu.engine import Engine, EngineConfig, StepOutput
 from gpu.gguf import resolve_model_path
 from gpu.loader import release_freed_memory
+from gpu.lora import LoraSet, load_adapter
 from gpu.parallel.group import ParallelGroupLost
 from gpu.proposers import NgramProposer
 from gpu.replica import build_runner
@@ -492,6 +494,7 @@ class ExecutorService:
                         req.output_token_ids,
                         grammar=self.compiled.pop(req.request_id, None),
                         guest=req.guest,
+                        lora=req.lora,
                     )
             except ValueError as exc:  # ModelError included: the request, not the executor
                 self.timelines.finished(req.request_id, "error")
@@ -751,6 +754,10 @@ def build_engine(config: ExecutorConfig) -> Engine:
         fused_rope_append=config.fused_rope_append,
         triton_gemv=config.triton_gemv,
         max_num_batched_tokens=config.max_num_batched_tokens,
+    )
+    loras = parse_lora_modules(config.lora_modules)
+    runner.load_loras(
+        LoraSet([load_adapter(name, path, runner.config) for name, path in loras.items()])
     )
     engine_config = EngineConfig(
         max_num_batched_tokens=config.max_num_batched_tokens,

@@ -22,6 +22,7 @@ from typing import Any
 from aiohttp import web
 from opentelemetry import trace
 
+from common.config import parse_lora_modules
 from common.metrics import metrics_handler
 from common.runtime import NoAnswer, RequestError, serve_until_shutdown
 from common.telemetry import Attr, inject
@@ -365,24 +366,29 @@ class Routes:
         return response
 
     async def models(self, request: web.Request) -> web.Response:
-        return json_response({"object": "list", "data": [self.model_card()]})
+        names = [self.config.served_model_name, *self.config.lora_names]
+        return json_response({"object": "list", "data": [self.model_card(n) for n in names]})
 
     async def model(self, request: web.Request) -> web.Response:
         name = request.match_info["model"]
-        if name != self.config.served_model_name:
+        if name != self.config.served_model_name and name not in self.config.lora_names:
             raise RequestError(
                 f"The model `{name}` does not exist.", 404, param="model", code="model_not_found"
             )
-        return json_response(self.model_card())
+        return json_response(self.model_card(name))
 
-    def model_card(self) -> Json:
-        name = self.config.served_model_name
+    def model_card(self, name: str) -> Json:
+        """vLLM's card: a LoRA adapter's names its base model as ``parent``, and its folder
+        as ``root``."""
+        base = self.config.served_model_name
+        root = parse_lora_modules(self.config.lora_modules).get(name, name)
         return {
             "id": name,
             "object": "model",
             "created": self.started,
             "owned_by": "meshserve",
-            "root": name,
+            "root": root,
+            "parent": None if name == base else base,
             "max_model_len": self.config.max_model_len,
         }
 

@@ -7,7 +7,7 @@ import ipaddress
 from dataclasses import dataclass, field
 
 from common import settings
-from common.config import MeshConfig
+from common.config import MeshConfig, lora_modules_setting, parse_lora_modules
 from common.reasoning import PARSERS as REASONING_PARSERS
 from common.settings import setting
 from common.wire.tokenizer import MAX_CHOICES
@@ -36,6 +36,7 @@ class GatewayConfig:
     max_batch_choices: int = setting(
         64, "most choices (prompts x n) a completions request that batches prompts may ask for"
     )
+    lora_modules: tuple[str, ...] = lora_modules_setting()
     reasoning_parser: str = setting(
         "none",
         "split a chat answer's <think> block into 'reasoning' (and 'reasoning_content'), as "
@@ -95,7 +96,14 @@ class GatewayConfig:
         "otherwise: anyone who reaches the port could use the API)",
     )
 
+    @property
+    def lora_names(self) -> list[str]:
+        """The LoRA adapters' names: models a request may name besides the served one."""
+        return list(parse_lora_modules(self.lora_modules))
+
     def __post_init__(self) -> None:
+        if self.served_model_name in self.lora_names:
+            raise ValueError("a LoRA adapter may not take the served model's name")
         checks = {
             "port must be in 0..65535": 0 <= self.port <= 65535,
             "served_model_name must not be empty": bool(self.served_model_name),

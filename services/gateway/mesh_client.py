@@ -209,6 +209,7 @@ class MeshClient:
             chat_template_kwargs=api.chat_template_kwargs,
             bad_words=api.bad_words,
             truncate_prompt_tokens=api.truncate_prompt_tokens,
+            lora=api.lora,
         )
         payload = request.encode()
         headers = inject(None)  # the trace context of gateway.request

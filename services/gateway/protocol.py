@@ -94,6 +94,8 @@ class ApiRequest:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: str = ""
+    # the LoRA adapter the request names as its model (``--lora-modules``; "": the base)
+    lora: str = ""
     # vLLM's: with a reasoning parser on, the answer's reasoning is sent (else left out)
     include_reasoning: bool = True
     # stream_options.continuous_usage_stats (vLLM's): every chunk carries the usage so far
@@ -264,6 +266,7 @@ def finish(
         kind, model, n, stream, include_usage, params, prompt, prompt_token_ids, messages,
         priority, sampling_unset=unset, continuous_usage=continuous_usage,
         bad_words=parse_bad_words(body), truncate_prompt_tokens=parse_truncation(body, config),
+        lora="" if model == config.served_model_name else model,
     )  # fmt: skip
 
 
@@ -274,7 +277,7 @@ def parse_model(body: Body, config: GatewayConfig) -> str:
     model = body.string("model")
     if model is None:
         return config.served_model_name
-    if model != config.served_model_name:
+    if model != config.served_model_name and model not in config.lora_names:
         raise RequestError(
             f"The model `{model}` does not exist.",
             404,

@@ -184,12 +184,15 @@ class LocalMesh:
                 "--page-size", str(a.page_size),
             )  # fmt: skip
         tp = a.tensor_parallel_size
+        # (each adapter a flag of its own: a path may hold a comma)
+        loras = [flag for spec in a.lora_modules for flag in ("--lora-modules", spec)]
         for i, (name, role) in enumerate(self.executor_roles):
             self.spawn(
                 name,
                 "services.executor",
                 *model,
                 *pages,
+                *loras,
                 "--instance-id", name,
                 "--role", role,
                 "--kv-transfer-timeout", str(a.kv_transfer_timeout),
@@ -212,6 +215,7 @@ class LocalMesh:
             "--port", str(a.port),
             "--served-model-name", a.served_model_name or self.model_folder.name,
             "--reasoning-parser", a.reasoning_parser,
+            *loras,
             "--max-model-len", str(config.get("max_position_embeddings", 2048)),
         )  # fmt: skip
 

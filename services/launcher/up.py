@@ -41,6 +41,14 @@ def add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--model", default=None, help="HF folder or .gguf file (default: SmolLM2)")
     p.add_argument("--served-model-name", default=None)
     p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT folders) served beside the model: a request naming NAME as "
+        "its model runs with it (vLLM's flag)",
+    )
+    p.add_argument(
         "--reasoning-parser",
         choices=("none", *REASONING_PARSERS),
         default="none",

@@ -19,7 +19,7 @@ from opentelemetry import trace
 
 from common.config import MeshConfig, model_setting, page_size_setting
 from common.generation_defaults import sampling_defaults
-from common.page_hash import page_hashes
+from common.page_hash import namespace_root, page_hashes
 from common.runtime import RequestError, Service, context_too_long
 from common.settings import parse, setting
 from common.telemetry import Attr
@@ -305,7 +305,7 @@ class TokenizerService:
             req = dataclasses.replace(req, params=params)
         # The n choices share the prompt: encoded and hashed once, then one request per choice
         # (its own id, so its own detokenizer shard, and its own seed).
-        hashes = page_hashes(ids, self.config.page_size)
+        hashes = page_hashes(ids, self.config.page_size, namespace_root(req.lora))
         for choice_id, params in req.choices():
             await self.svc.publish(
                 self.svc.subjects.scheduler_submit,
@@ -321,6 +321,7 @@ class TokenizerService:
                     arrival_time=req.arrival_time,
                     output_token_ids=req.output_token_ids,
                     grammar=grammar,
+                    lora=req.lora,
                 ),
             )
 
