@@ -2,27 +2,37 @@
 distills), split from the answer as vLLM's ``--reasoning-parser`` does: the chat response's
 ``reasoning`` (and its older name ``reasoning_content``), the rest ``content``.
 
-Where the split starts depends on the prompt, which the detokenizer sees the end of
-(``StreamStart.prompt_tail``) and the gateway does not: a template may open the block itself
-(DeepSeek-R1's distills, Qwen3's 2507 thinking models end the prompt with ``<think>\\n``), close
-it at once (Qwen3 with ``enable_thinking: false`` ends it with ``<think>\\n\\n</think>\\n\\n``),
-or leave it to the model (Qwen3 writes ``<think>`` first). ``prompt_opens_reasoning`` says
-which from the prompt's last tokens' text; ``ReasoningSplitter`` then splits the output text as
-it streams, holding back what may be the start of a tag.
+Where the split starts depends on the prompt, which the tokenizer renders and the gateway
+never sees: a template may open the block itself (DeepSeek-R1's distills, Qwen3's 2507 thinking
+models end the prompt with ``<think>\\n``), close it at once (Qwen3 with ``enable_thinking:
+false`` ends it with ``<think>\\n\\n</think>\\n\\n``), or leave it to the model (Qwen3 writes
+``<think>`` first). ``think_state`` reads that off the rendered prompt (it travels to the
+gateway with the stream's first delta); ``ReasoningSplitter`` then splits the output text as it
+streams, holding back what may be the start of a tag.
 """
 
 from __future__ import annotations
 
 THINK_START = "<think>"
 THINK_END = "</think>"
-PARSERS = ("deepseek_r1", "qwen3")  # vLLM's names; both are this <think> convention
+PARSERS = ("deepseek_r1", "qwen3")  # vLLM's names
+OPEN, CLOSED = "open", "closed"
 
 
-def prompt_opens_reasoning(prompt_tail_text: str) -> bool:
-    """Whether a prompt ending in this text leaves a ``<think>`` block open (its last
-    ``<think>`` comes after its last ``</think>``)."""
-    start = prompt_tail_text.rfind(THINK_START)
-    return start >= 0 and start > prompt_tail_text.rfind(THINK_END)
+def think_state(prompt: str) -> str:
+    """The prompt's last tag: ``OPEN`` (a ``<think>`` block the answer starts inside),
+    ``CLOSED`` (a ``</think>``: thinking was switched off, or is over), "" (neither)."""
+    start, end = prompt.rfind(THINK_START), prompt.rfind(THINK_END)
+    if start < 0 and end < 0:
+        return ""
+    return OPEN if start > end else CLOSED
+
+
+def starts_inside(parser: str, think: str) -> bool:
+    """Whether the answer starts as reasoning. qwen3: where the prompt opened the block (else
+    the model opens it with ``<think>``); deepseek_r1, as vLLM's: unless the prompt closed it
+    (R1's templates open it, or the model writes the tag; either way it thinks first)."""
+    return think == OPEN if parser == "qwen3" else think != CLOSED
 
 
 def _partial_tag(text: str, tag: str) -> int:
@@ -36,21 +46,32 @@ def _partial_tag(text: str, tag: str) -> int:
 class ReasoningSplitter:
     """One choice's output text in, ``(reasoning, content)`` out, as it streams.
 
-    ``opened``: the prompt left a ``<think>`` block open, so the output starts as reasoning.
-    Otherwise a ``<think>`` the model writes first (whitespace before it is dropped) opens one;
-    anywhere else it is content. ``</think>`` ends the reasoning (the tag itself is neither);
-    what follows is content, as vLLM keeps it (Qwen3's ``\\n\\n`` after the tag included).
+    ``opened``: the output starts as reasoning (``starts_inside``); a ``<think>`` the model
+    writes first anyway is dropped, as vLLM drops it. Otherwise a ``<think>`` the model writes
+    first (whitespace before it is dropped) opens one; anywhere else it is content.
+    ``</think>`` ends the reasoning (the tag itself is neither); what follows is content, as vLLM
+    keeps it (Qwen3's ``\\n\\n`` after the tag included).
     """
 
     def __init__(self, opened: bool) -> None:
         self.state = "reasoning" if opened else "start"
         self.pending = ""  # text that may yet be (part of) a tag
         self.reasoned = opened  # a reasoning block opened at all
+        self.fresh = opened  # nothing reasoned yet: a leading <think> is still dropped
 
     def feed(self, text: str) -> tuple[str, str]:
         buf, reasoning, content = self.pending + text, "", ""
         self.pending = ""
         while buf:
+            if self.state == "reasoning" and self.fresh:
+                head = buf.lstrip()
+                if head.startswith(THINK_START):
+                    buf, self.fresh = head[len(THINK_START) :], False
+                    continue
+                if THINK_START.startswith(head):  # whitespace, or the tag's first characters
+                    self.pending = buf
+                    break
+                self.fresh = False
             if self.state == "reasoning":
                 end = buf.find(THINK_END)
                 if end >= 0:

@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
-from common.reasoning import ReasoningSplitter, prompt_opens_reasoning
+from common.reasoning import CLOSED, OPEN, ReasoningSplitter, starts_inside, think_state
 from common.wire.gateway import TextDelta, TextLogprob
 from common.wire.tokenizer import ResponseFormat, ToolChoice, WireSamplingParams
 from services.gateway.protocol import ApiRequest
@@ -65,18 +65,23 @@ def test_a_partial_tag_is_held_back_until_it_is_known() -> None:
 
 
 @pytest.mark.parametrize(
-    ("tail", "opened"),
+    ("prompt", "think", "qwen3", "deepseek_r1"),
     [
-        ("<|im_start|>assistant\n<think>\n", True),  # DeepSeek-R1 distills, Qwen3-2507 thinking
-        ("<|im_start|>assistant\n<think>\n\n</think>\n\n", False),  # enable_thinking: false
-        ("<|im_start|>assistant\n", False),  # Qwen3: the model writes <think> itself
-        ("</think> then <think>", True),
+        # DeepSeek-R1 distills, Qwen3-2507 thinking: the template opens the block
+        ("<|im_start|>assistant\n<think>\n", OPEN, True, True),
+        # Qwen3 with enable_thinking: false
+        ("<|im_start|>assistant\n<think>\n\n</think>\n\n", CLOSED, False, False),
+        # Qwen3: the model writes <think> itself; R1 thinks first whatever the template did
+        ("<|im_start|>assistant\n", "", False, True),
+        ("</think> then <think>", OPEN, True, True),
     ],
 )
 def test_the_prompt_says_whether_the_answer_starts_inside_the_block(
-    tail: str, opened: bool
+    prompt: str, think: str, qwen3: bool, deepseek_r1: bool
 ) -> None:
-    assert prompt_opens_reasoning(tail) is opened
+    assert think_state(prompt) == think
+    assert starts_inside("qwen3", think) is qwen3
+    assert starts_inside("deepseek_r1", think) is deepseek_r1
 
 
 def chat_api(**fields: Any) -> ApiRequest:
@@ -92,7 +97,7 @@ def deltas(pieces: list[str], opened: bool) -> list[TextDelta]:
             piece,
             "stop" if i == last else None,
             logprobs=[TextLogprob(piece, -0.5, [])],
-            reasoning_open=opened and i == 0,
+            think=OPEN if opened and i == 0 else "",
         )
         for i, piece in enumerate(pieces)
     ]
@@ -104,7 +109,7 @@ def streamed(builder: ResponseBuilder, items: list[TextDelta]) -> list[dict[str,
 
 def test_chunks_carry_reasoning_then_content_and_the_response_both() -> None:
     pieces = ["Let me", " see.</th", "ink>\n\n", "Forty", "-two."]
-    builder = ResponseBuilder(chat_api(params=WireSamplingParams(logprobs=0)), "id", 0, "", True)
+    builder = ResponseBuilder(chat_api(params=WireSamplingParams(logprobs=0)), "id", 0, "", "qwen3")
     choices = streamed(builder, deltas(pieces, opened=True))
     shown = [c["delta"] for c in choices]
     assert shown[:2] == [
@@ -121,20 +126,20 @@ def test_chunks_carry_reasoning_then_content_and_the_response_both() -> None:
 
 
 def test_the_delta_that_ends_the_block_carries_both() -> None:
-    builder = ResponseBuilder(chat_api(), "id", 0, "", True)
+    builder = ResponseBuilder(chat_api(), "id", 0, "", "qwen3")
     choices = streamed(builder, deltas(["<think>hm</think>Yes"], opened=False))
     assert choices[0]["delta"] == {"reasoning": "hm", "reasoning_content": "hm", "content": "Yes"}
 
 
 def test_an_answer_cut_short_inside_the_block_has_no_content() -> None:
-    builder = ResponseBuilder(chat_api(), "id", 0, "", True)
+    builder = ResponseBuilder(chat_api(), "id", 0, "", "qwen3")
     streamed(builder, deltas(["still", " thinking"], opened=True))
     message = builder.response()["choices"][0]["message"]
     assert message["reasoning"] == "still thinking" and message["content"] is None
 
 
 def test_without_a_block_the_answer_is_content_and_reasoning_null() -> None:
-    builder = ResponseBuilder(chat_api(), "id", 0, "", True)
+    builder = ResponseBuilder(chat_api(), "id", 0, "", "qwen3")
     choices = streamed(builder, deltas(["  Plain", " answer"], opened=False))
     assert "".join(c["delta"].get("content", "") for c in choices) == "  Plain answer"
     assert not any("reasoning" in c["delta"] for c in choices)
@@ -143,7 +148,7 @@ def test_without_a_block_the_answer_is_content_and_reasoning_null() -> None:
 
 
 def test_include_reasoning_false_leaves_it_out() -> None:
-    builder = ResponseBuilder(chat_api(include_reasoning=False), "id", 0, "", True)
+    builder = ResponseBuilder(chat_api(include_reasoning=False), "id", 0, "", "qwen3")
     choices = streamed(builder, deltas(["secret</think>", "Shown"], opened=True))
     assert not any("reasoning" in c["delta"] for c in choices)
     assert "".join(c["delta"].get("content", "") for c in choices) == "Shown"
@@ -156,7 +161,7 @@ def test_off_the_text_is_untouched_and_completions_are_never_split() -> None:
     streamed(builder, deltas(["a</think>b"], opened=True))
     assert builder.response()["choices"][0]["message"]["content"] == "a</think>b"
     completion = ApiRequest("completion", "m", 1, False, False, WireSamplingParams())
-    builder = ResponseBuilder(completion, "id", 0, "", True)
+    builder = ResponseBuilder(completion, "id", 0, "", "qwen3")
     streamed(builder, deltas(["a</think>b"], opened=True))
     assert builder.response()["choices"][0]["text"] == "a</think>b"
 
@@ -169,7 +174,7 @@ def test_an_answer_a_grammar_forced_is_content() -> None:
         chat_api(response_format=ResponseFormat("json_object")),
         chat_api(tools=ToolChoice(tools, "required")),
     ):
-        builder = ResponseBuilder(api, "id", 0, "hermes", True)
+        builder = ResponseBuilder(api, "id", 0, "hermes", "qwen3")
         streamed(builder, deltas(['{"a": 1}'], opened=True))
         message = builder.response()["choices"][0]["message"]
         assert "reasoning" not in message
@@ -178,13 +183,53 @@ def test_an_answer_a_grammar_forced_is_content() -> None:
 
 def test_tool_calls_are_parsed_from_the_content_after_the_block() -> None:
     tools = json.dumps([{"type": "function", "function": {"name": "f"}}])
-    builder = ResponseBuilder(chat_api(tools=ToolChoice(tools)), "id", 0, "hermes", True)
+    builder = ResponseBuilder(chat_api(tools=ToolChoice(tools)), "id", 0, "hermes", "qwen3")
     call = '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
     streamed(builder, deltas(["I should call f.</think>\n\n", call], opened=True))
     choice = builder.response()["choices"][0]
     assert choice["message"]["reasoning"] == "I should call f."
     assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["f"]
     assert choice["finish_reason"] == "tool_calls"
+
+
+def test_deepseek_r1_thinks_first_unless_the_prompt_closed_the_block() -> None:
+    """vLLM's deepseek_r1: a bare </think> ends reasoning the prompt's template did not show
+    opening (an older R1 template, or one that opens it out of this parser's sight)."""
+    builder = ResponseBuilder(chat_api(), "id", 0, "", "deepseek_r1")
+    streamed(builder, deltas(["so it is 4.</think>\n\n", "4"], opened=False))
+    message = builder.response()["choices"][0]["message"]
+    assert (message["reasoning"], message["content"]) == ("so it is 4.", "\n\n4")
+    closed = ResponseBuilder(chat_api(), "id", 0, "", "deepseek_r1")
+    first = TextDelta("r", "4", "stop", think=CLOSED)
+    streamed(closed, [first])
+    message = closed.response()["choices"][0]["message"]
+    assert (message["reasoning"], message["content"]) == (None, "4")
+
+
+def test_a_think_tag_the_model_writes_inside_an_open_block_is_dropped() -> None:
+    assert split_all(["\n<th", "ink>\nhm</think>A"], opened=True) == ("\nhm", "A")
+    assert split_all(["\nhm <think>"], opened=True) == ("\nhm <think>", "")  # not first
+
+
+def test_the_reasoning_goes_out_before_the_calls_of_the_same_delta() -> None:
+    tools = json.dumps([{"type": "function", "function": {"name": "f"}}])
+    builder = ResponseBuilder(chat_api(tools=ToolChoice(tools)), "id", 0, "hermes", "qwen3")
+    call = '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
+    choices = streamed(builder, deltas([f"hmm</think>\n\n{call}"], opened=True))
+    kinds = [
+        "reasoning" if "reasoning" in c["delta"] else next(iter(c["delta"]), "end") for c in choices
+    ]
+    assert kinds[0] == "reasoning" and "tool_calls" in kinds[1:]
+    assert kinds.index("tool_calls") > 0
+
+
+def test_left_out_reasoning_takes_its_logprobs_with_it() -> None:
+    params = WireSamplingParams(logprobs=0)
+    api = chat_api(include_reasoning=False, params=params)
+    builder = ResponseBuilder(api, "id", 0, "", "qwen3")
+    choices = streamed(builder, deltas(["a", "b", "c</think>", "X"], opened=True))
+    sent = [(c["delta"].get("content"), c["logprobs"]) for c in choices if c["logprobs"]]
+    assert [(text, [e["token"] for e in lp["content"]]) for text, lp in sent] == [("X", ["X"])]
 
 
 # --------------------------------------------------------------------------- through the mesh
@@ -200,24 +245,12 @@ THINKING_TEMPLATE = (
 USER: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Why is the sky blue?"}]
 
 
-def with_think_tokens(folder: Path) -> None:
-    """``<think>`` and ``</think>`` as tokens of their own, not special, as Qwen3's and the R1
-    distills' tokenizers have them (two reserved slots renamed: the vocabulary keeps its size)."""
-    path = folder / "tokenizer.json"
-    spec = json.loads(path.read_text())
-    reserved = [t for t in spec["added_tokens"] if t["content"].startswith("<|reserved_")]
-    for token, tag in zip(reserved, ("<think>", "</think>"), strict=False):
-        token.update(content=tag, special=False)
-    path.write_text(json.dumps(spec))
-
-
 @pytest.fixture(scope="module")
 def mesh(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory):
     folder = tmp_path_factory.mktemp("thinking") / "model"
     shutil.copytree(tiny_llama, folder)
     set_chat_template(folder, THINKING_TEMPLATE)
-    with_think_tokens(folder)
-    harness = MeshHarness(folder, gateway_options={"reasoning_parser": "deepseek_r1"}).start()
+    harness = MeshHarness(folder, gateway_options={"reasoning_parser": "qwen3"}).start()
     yield harness
     harness.stop()
 

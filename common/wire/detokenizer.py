@@ -67,6 +67,7 @@ class StreamStart(Message):
     # Completions' echo with a prompt of token ids: the detokenizer decodes them for the first
     # delta (``TextDelta.prompt_text``); empty otherwise, and for a continuation.
     echo_prompt_ids: list[int] = field(default_factory=list)
+    think: str = ""  # ``TokenizedRequest.think``, for the first delta
 
 
 PROMPT_TAIL_TOKENS = 5  # (common.tokenizer.IncrementalDetokenizer's context)

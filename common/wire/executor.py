@@ -50,6 +50,9 @@ class TokenizedRequest(Message):
     # prompt and its first token, and that process's incarnation; "" for a local prefill.
     prefill_executor: str = ""
     prefill_incarnation: str = ""
+    # A chat prompt's last <think> tag (``common.reasoning.think_state``), for the gateway's
+    # reasoning parser (it rides StreamStart and the first TextDelta)
+    think: str = ""
     # Its LoRA adapter (an executor's --lora-modules name; "": the base model). The page
     # hashes are that adapter's (``common.page_hash.namespace_root``).
     lora: str = ""

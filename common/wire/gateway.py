@@ -64,9 +64,9 @@ class TextDelta(Message):
     # echo of a prompt of token ids) the prompt decoded
     prompt_logprobs: TextPromptLogprobs | None = None
     prompt_text: str | None = None
-    # On a stream's first delta: the prompt ends inside an open <think> block, so the output
-    # starts as reasoning (``common.reasoning``; the gateway splits it out with a parser on)
-    reasoning_open: bool = False
+    # On a stream's first delta: the prompt's last <think> tag (``common.reasoning.think_state``:
+    # where the gateway's reasoning parser starts)
+    think: str = ""
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,6 @@ from opentelemetry.trace import Span
 
 from common.config import MeshConfig, model_setting
 from common.metrics import DetokenizerMetrics
-from common.reasoning import prompt_opens_reasoning
 from common.recent_ids import RecentIds
 from common.runtime import Service
 from common.settings import parse, setting
@@ -116,7 +115,7 @@ class Stream:
     # for the first delta sent, when asked for: the prompt's logprobs and its echoed text
     prompt_logprobs: TextPromptLogprobs | None = None
     prompt_text: str | None = None
-    reasoning_open: bool = False  # (common.reasoning.prompt_opens_reasoning)
+    think: str = ""  # the prompt's last <think> tag (StreamStart.think)
 
 
 class DetokenizerService:
@@ -280,10 +279,7 @@ class DetokenizerService:
             ),
             source=source,
         )
-        # (the tail's tags are text whatever skip_special_tokens says: the tokenizers that
-        # have them as tokens mark them not special, so they decode in the output too)
-        tail = self.tokenizer.decode(start.prompt_tail, skip_special_tokens=False)
-        stream.reasoning_open = prompt_opens_reasoning(tail)
+        stream.think = start.think
         if start.echo_prompt_ids:
             stream.prompt_text = self.tokenizer.decode(
                 start.echo_prompt_ids, skip_special_tokens=start.skip_special_tokens
@@ -372,15 +368,15 @@ class DetokenizerService:
 
     @staticmethod
     def take_prompt(stream: Stream) -> dict[str, Any]:
-        """The prompt's logprobs, echoed text and open <think> block, for the first delta sent
+        """The prompt's logprobs, echoed text and last <think> tag, for the first delta sent
         (then gone)."""
         taken = {
             "prompt_logprobs": stream.prompt_logprobs,
             "prompt_text": stream.prompt_text,
-            "reasoning_open": stream.reasoning_open,
+            "think": stream.think,
         }
         stream.prompt_logprobs = stream.prompt_text = None
-        stream.reasoning_open = False
+        stream.think = ""
         return taken
 
     def end(self, request_id: str, reason: str) -> None:

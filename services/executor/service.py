@@ -607,6 +607,7 @@ class ExecutorService:
                     echo_prompt_ids=req.prompt_token_ids
                     if req.params.echo and not req.output_token_ids
                     else [],
+                    think=req.think,
                 )
             prompt_logprobs = None
             if (plp := out.prompt_logprobs) is not None:

@@ -288,8 +288,9 @@ class Routes:
             # The tool-call format is the tokenizer's: read after submit, which waits (in the
             # start-up grace) until a tokenizer has announced itself.
             tool_format = self.mesh.liveness.tool_format
-            reasoning = self.config.reasoning_parser != "none"
-            builder = ResponseBuilder(api, response_id, created, tool_format, reasoning)
+            builder = ResponseBuilder(
+                api, response_id, created, tool_format, self.config.reasoning_parser
+            )
             first = await anext(stream)  # nothing sent yet: a failure here is an HTTP error
             if api.stream:
                 return await self.stream_sse(request, builder, stream, first)

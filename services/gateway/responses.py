@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.reasoning import ReasoningSplitter
+from common.reasoning import ReasoningSplitter, starts_inside
 from common.runtime import RequestError
 from common.wire.gateway import TextDelta, TextLogprob, TextPromptLogprobs, Usage
 from services.gateway.protocol import ApiRequest
@@ -211,9 +211,10 @@ class Choice:
 class ResponseBuilder:
     """``tool_format``: the mesh's (the tokenizer announces it); used when the request has
     tools, whose calls are parsed out of the text (``message.tool_calls``, streamed as
-    ``delta.tool_calls``; ``finish_reason`` ``tool_calls``). ``reasoning``: a chat answer's
-    ``<think>`` block goes to ``reasoning`` (and ``reasoning_content``, its older name in vLLM
-    and DeepSeek's API), the tool calls and ``content`` coming from the rest. Not for an answer
+    ``delta.tool_calls``; ``finish_reason`` ``tool_calls``). ``reasoning_parser`` (not
+    "none"): a chat answer's ``<think>`` block goes to ``reasoning`` (and
+    ``reasoning_content``, its older name in vLLM and DeepSeek's API), the tool calls and
+    ``content`` coming from the rest. Not for an answer
     a grammar forces from its first token (a response format, a required or named tool): the
     model had no room to think, and what it wrote is the content asked for (vLLM starts the
     grammar after the reasoning instead)."""
@@ -224,12 +225,15 @@ class ResponseBuilder:
         response_id: str,
         created: int,
         tool_format: str = "hermes",
-        reasoning: bool = False,
+        reasoning_parser: str = "none",
     ) -> None:
         self.api = api
         self.chat = api.kind == "chat"
         forced = api.tools is not None and api.tools.mode in ("required", "function")
-        self.reasoning = reasoning and self.chat and api.response_format is None and not forced
+        self.reasoning_parser = reasoning_parser
+        self.reasoning = (
+            reasoning_parser != "none" and self.chat and api.response_format is None and not forced
+        )
         self.head: Json = {
             "id": response_id,
             "object": "chat.completion.chunk" if self.chat else "text_completion",
@@ -280,21 +284,19 @@ class ResponseBuilder:
         entries = delta.logprobs or []
         thought = ""
         if self.reasoning:
-            if choice.splitter is None:  # (a resumed stream's first delta: the same choice)
-                choice.splitter = ReasoningSplitter(delta.reasoning_open)
-            thought, text = choice.splitter.feed(text)
-            if delta.finish_reason is not None:
-                held_thought, held_text = choice.splitter.finish()
-                thought, text = thought + held_thought, text + held_text
-            if thought:
-                choice.reasoning.append(thought)
-            thought = thought if self.api.include_reasoning else ""
+            thought, text, hidden = self.split_reasoning(choice, delta, text)
+            if hidden and not text:
+                entries = []  # (the logprobs of reasoning left out go with it)
+        calls: list[CallDelta] = []
         if choice.tools is not None:
             text, calls = choice.tools.feed(text)
             if delta.finish_reason is not None:
                 rest, more = choice.tools.finish()
                 text, calls = text + rest, calls + more
-            chunks += [self.call_chunk(index, call) for call in calls]
+        if thought and calls:  # the reasoning first, then the calls that follow it
+            chunks.append(self.text_chunk(index, choice, "", thought, entries, head))
+            thought, entries, head = "", [], None
+        chunks += [self.call_chunk(index, call) for call in calls]
         if choice.tools is not None or self.reasoning:
             # Logprobs wait with the text a parser holds back (it may open a call, or be a
             # tag), and go out with the next text, or at the end: a chunk never has them alone.
@@ -303,13 +305,7 @@ class ResponseBuilder:
             if not text and not thought and delta.finish_reason is None:
                 choice.held_logprobs, entries = entries, []
         if text or thought or entries:
-            content: Json = {"delta": self.delta(text, thought)} if self.chat else {"text": text}
-            if self.api.params.logprobs is not None:
-                content["logprobs"] = joined(head, self.logprobs(entries, choice.token_chars))
-            chunks.append(self.chunk(index, content))
-            choice.text.append(text)
-            choice.logprobs.extend(entries)
-            choice.token_chars += sum(len(e.token) for e in entries)
+            chunks.append(self.text_chunk(index, choice, text, thought, entries, head))
         if delta.finish_reason is not None:
             reason = delta.finish_reason
             # "tool_calls" for calls the model chose (auto, required); a named tool_choice
@@ -321,6 +317,41 @@ class ResponseBuilder:
             empty: Json = {"delta": {}} if self.chat else {"text": ""}
             chunks.append(self.chunk(index, {**empty, "finish_reason": reason}))
         return chunks
+
+    def split_reasoning(self, choice: Choice, delta: TextDelta, text: str) -> tuple[str, str, bool]:
+        """``text`` as (reasoning to show, content, whether reasoning was left out): a
+        choice's splitter starts with its first delta (a resumed stream's first delta finds
+        it there), where the prompt's last <think> tag says."""
+        if choice.splitter is None:
+            choice.splitter = ReasoningSplitter(starts_inside(self.reasoning_parser, delta.think))
+        thought, text = choice.splitter.feed(text)
+        if delta.finish_reason is not None:
+            held_thought, held_text = choice.splitter.finish()
+            thought, text = thought + held_thought, text + held_text
+        if thought:
+            choice.reasoning.append(thought)
+        if self.api.include_reasoning:
+            return thought, text, False
+        return "", text, bool(thought)
+
+    def text_chunk(
+        self,
+        index: int,
+        choice: Choice,
+        text: str,
+        thought: str,
+        entries: list[TextLogprob],
+        head: Json | None,
+    ) -> Json:
+        """The chunk of a delta's text, reasoning and logprobs (``head``: the echoed
+        prompt's), recorded for the whole response."""
+        content: Json = {"delta": self.delta(text, thought)} if self.chat else {"text": text}
+        if self.api.params.logprobs is not None:
+            content["logprobs"] = joined(head, self.logprobs(entries, choice.token_chars))
+        choice.text.append(text)
+        choice.logprobs.extend(entries)
+        choice.token_chars += sum(len(e.token) for e in entries)
+        return self.chunk(index, content)
 
     @staticmethod
     def delta(text: str, thought: str) -> Json:

@@ -20,6 +20,7 @@ from opentelemetry import trace
 from common.config import MeshConfig, model_setting, page_size_setting
 from common.generation_defaults import sampling_defaults
 from common.page_hash import namespace_root, page_hashes
+from common.reasoning import think_state
 from common.runtime import RequestError, Service, context_too_long
 from common.settings import parse, setting
 from common.telemetry import Attr
@@ -153,13 +154,14 @@ class TokenizerService:
             raise RequestError(f"token ids out of range [0, {vocab}): {bad[:5]}", param="tokens")
         return DetokenizeReply(self.tokenizer.decode(ask.tokens, skip_special_tokens=False))
 
-    def encode(self, req: GenerateRequest) -> tuple[list[int], str]:
-        """The prompt's token ids, and the request field they came from (for error params)."""
+    def encode(self, req: GenerateRequest) -> tuple[list[int], str, str]:
+        """The prompt's token ids, the request field they came from (for error params), and
+        a chat prompt's last <think> tag (``common.reasoning.think_state``)."""
         try:
             if req.messages is not None:
-                return self.tokenizer.encode(self.render_chat(req), add_special_tokens=False), (
-                    "messages"
-                )
+                text = self.render_chat(req)
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                return ids, "messages", think_state(text)
             if req.prompt_token_ids is not None:
                 vocab = self.tokenizer.vocab_size
                 bad = [t for t in req.prompt_token_ids if not 0 <= t < vocab]
@@ -167,9 +169,9 @@ class TokenizerService:
                     raise RequestError(
                         f"prompt token ids out of range [0, {vocab}): {bad[:5]}", param="prompt"
                     )
-                return list(req.prompt_token_ids), "prompt"
+                return list(req.prompt_token_ids), "prompt", ""
             if req.prompt is not None:
-                return self.tokenizer.encode(req.prompt), "prompt"
+                return self.tokenizer.encode(req.prompt), "prompt", ""
         except TokenizerError as exc:
             field = "messages" if req.messages is not None else "prompt"
             raise RequestError(str(exc), param=field) from exc
@@ -257,7 +259,7 @@ class TokenizerService:
     async def tokenize(self, req: GenerateRequest) -> None:
         if req.deadline and req.deadline < time.time():
             raise RequestError("The request timed out.", 504, "timeout_error", None, "timeout")
-        ids, field = self.encode(req)
+        ids, field, think = self.encode(req)
         if req.truncate_prompt_tokens is not None:
             ids = self.truncated(req, ids, req.truncate_prompt_tokens)
         trace.get_current_span().set_attribute(Attr.PROMPT_TOKENS, len(ids))
@@ -322,6 +324,7 @@ class TokenizerService:
                     output_token_ids=req.output_token_ids,
                     grammar=grammar,
                     lora=req.lora,
+                    think=think,
                 ),
             )
 
