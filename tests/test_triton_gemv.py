@@ -192,7 +192,8 @@ def test_few_row_layers_match_the_unfused_model(
         # (measured: 0.7e-2..1.2e-2 against the unfused 0.7e-2..1.1e-2, qwen3 2.3e-2 against
         # 1.5e-2: its q/k norms round in bf16 twice more; a norm, the SiLU or a residual add
         # left out gives errors of order one)
-        assert few_err < 3e-2 and few_err <= 2 * plain_err, (few_err, plain_err)
+        bound = 3e-2 if kind == "qwen3" else 2e-2
+        assert few_err < bound and few_err <= 2 * plain_err, (few_err, plain_err)
     torch.testing.assert_close(fused[0], unfused[0], rtol=2e-2, atol=2e-2)  # layers unfused
 
 

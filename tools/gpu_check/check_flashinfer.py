@@ -1,6 +1,6 @@
 """Check the FlashInfer attention backend on a CUDA host, and time decode steps.
 
-Eight sections, each independent (one failing does not stop the others):
+Nine sections, each independent (one failing does not stop the others):
 
 - kernels: FlashInferPagedAttention (bf16) against TorchPagedAttention (fp32, same device) on
   random paged batches that mix prompt chunks and decodes, pure-decode batches (tensor-core and
@@ -14,6 +14,8 @@ Eight sections, each independent (one failing does not stop the others):
   (``FAST_PATH_RUNNERS``: CUDA graphs, the fused rotary + KV append, both) must meet the same
   bound. Batches are staggered and chunked, so steps mix prefill chunks and decodes before ending
   in pure decode (``model_agreement.py``).
+- qwen3: the model section on a random model of Qwen3-0.6B's shape (4 layers): its q/k head
+  norms through FlashInfer, the CUDA graphs and the fused rotary + KV append.
 - timing: one decode step (every sequence at ~512 tokens of context) at batch 1/8/64 for each
   attention backend, timed with CUDA events around whole ``ModelRunner.forward`` calls
   (plan + all layers + lm_head, host overhead included) (``decode_timing.py``).
@@ -58,7 +60,7 @@ from typing import Any
 
 import torch
 
-from tools.gpu_check.check_model import resolve_model
+from tools.gpu_check.check_model import QWEN3_CONFIG, resolve_model, write_synthetic_model
 from tools.gpu_check.common import Report, parse_ints
 from tools.gpu_check.decode_timing import run_timing_section
 from tools.gpu_check.kernel_cases import (
@@ -70,7 +72,17 @@ from tools.gpu_check.kernel_cases import (
 from tools.gpu_check.model_agreement import LOGITS_TOL, run_model_section
 from tools.gpu_check.prebuild import export_aot, prebuild_kernels
 
-SECTIONS = ("kernels", "model", "timing", "overlap", "quant", "sampling", "graphs", "formats")
+SECTIONS = (
+    "kernels",
+    "model",
+    "qwen3",
+    "timing",
+    "overlap",
+    "quant",
+    "sampling",
+    "graphs",
+    "formats",
+)
 
 
 def environment() -> dict[str, Any]:
@@ -113,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--model", default="default", help='"default" (SmolLM2), "synthetic", a folder or .gguf'
     )
     p.add_argument(
-        "--sections", default="kernels,model,timing,overlap,quant,sampling,graphs,formats"
+        "--sections", default="kernels,model,qwen3,timing,overlap,quant,sampling,graphs,formats"
     )
     p.add_argument("--head-configs", default="9/3,32/8", help="q/kv head pairs")
     p.add_argument("--head-dims", default="64")
@@ -158,7 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     head_dims = parse_ints(args.head_dims)
     # The kernels the sections run: the model's head size 64 (SmolLM2), 128 for the graphs
     # section's 8B shape.
-    build_dims = [*head_dims, 64, *([128] if "graphs" in sections else [])]
+    build_dims = [*head_dims, 64, *([128] if sections & {"graphs", "qwen3"} else [])]
     if args.prebuild_only:
         prebuilt = prebuild_kernels(build_dims, torch.bfloat16)
         report.set("prebuild", prebuilt)
@@ -217,6 +229,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             run_model_section(args, gpu_model, folder, report)
         except Exception as exc:
             report.error("model", exc)
+
+    if "qwen3" in sections:
+        try:
+            from gpu.loader import load_model
+
+            qwen3 = write_synthetic_model(workdir / "qwen3-shape-random", QWEN3_CONFIG)
+            qwen3_model = load_model(qwen3, device=device, dtype=torch.bfloat16, progress=False)
+            run_model_section(args, qwen3_model, qwen3, report, section="qwen3")
+            del qwen3_model
+        except Exception as exc:
+            report.error("qwen3", exc)
 
     if gpu_model is not None and "timing" in sections:
         try:

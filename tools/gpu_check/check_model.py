@@ -31,6 +31,27 @@ SMOLLM2_CONFIG: dict[str, Any] = {
 }
 
 
+# Qwen3-0.6B's shape (q/k head norms; heads of 128 wider than hidden / heads, q 2x hidden), 4 of
+# its 28 layers: the architecture's CUDA paths (the head norms in the graphs) in seconds.
+QWEN3_CONFIG: dict[str, Any] = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "vocab_size": 151936,
+    "hidden_size": 1024,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "tie_word_embeddings": True,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+}
+
+
 def write_synthetic_model(folder: Path, config: dict[str, Any], seed: int = 0) -> Path:
     """A random model of ``config``'s shape in Hugging Face format (config + safetensors).
 

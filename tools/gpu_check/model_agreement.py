@@ -248,11 +248,15 @@ def model_prompts(folder: Path, vocab_size: int, seed: int = 0) -> tuple[list[li
 
 
 def run_model_section(
-    args: argparse.Namespace, gpu_model: CausalLM, folder: Path, report: Report
+    args: argparse.Namespace,
+    gpu_model: CausalLM,
+    folder: Path,
+    report: Report,
+    section: str = "model",
 ) -> None:
     """The section as the check runs it: ``gpu_model`` (CUDA bf16) with FlashInfer, its fast
     paths and the torch backend against ``folder``'s model on the CPU in fp32; the result
-    goes to ``report``."""
+    goes to ``report`` as ``section``."""
     from gpu.attention.flashinfer_backend import FlashInferPagedAttention
     from gpu.loader import load_model
 
@@ -294,4 +298,4 @@ def run_model_section(
             result[name]["ok"] = result["ok"] = False
     result["prompt_kind"] = prompt_kind
     result["prompt_lengths"] = [len(p) for p in prompts]
-    report.section("model", result)
+    report.section(section, result)
