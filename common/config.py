@@ -37,9 +37,9 @@ def lora_modules_setting() -> Any:
     (the adapters they load): vLLM's flag."""
     return setting(
         (),
-        "LoRA adapters served beside the model, NAME=PATH each (a PEFT folder; vLLM's "
-        "--lora-modules): a request naming NAME as its model runs with that adapter; the "
-        "gateway and every executor must list the same",
+        "LoRA adapters served beside the model, NAME=PATH each (a PEFT folder, its path "
+        "without a comma; vLLM's --lora-modules): a request naming NAME as its model runs "
+        "with that adapter; the gateway and every executor must list the same",
     )
 
 

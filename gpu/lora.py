@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from gpu.config import ModelConfig, ModelError
+from gpu.transfers import move
 
 # The model's fused linears and, in order, the projections each stacks.
 FUSED: dict[str, tuple[str, ...]] = {
@@ -75,6 +76,7 @@ def _adapter_config(folder: Path) -> dict[str, Any]:
         "modules_to_save": bool(raw.get("modules_to_save")),
         "fan_in_fan_out": bool(raw.get("fan_in_fan_out")),
         "alpha_pattern": bool(raw.get("alpha_pattern")),
+        "lora_bias": bool(raw.get("lora_bias")),
     }
     refused = [key for key, bad in refusals.items() if bad]
     if refused:
@@ -83,8 +85,9 @@ def _adapter_config(folder: Path) -> dict[str, Any]:
 
 
 def _projection_of(name: str, num_layers: int) -> tuple[int, str, str] | None:
-    """``base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight`` -> (3, "q_proj",
-    "A"); None for a name of anything else."""
+    """``base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight`` (or
+    ``...lora_A.default.weight``, an adapter's name before ``weight``) -> (3, "q_proj", "A");
+    None for a name of anything else (a bias, a magnitude vector, an embedding's pair)."""
     parts = name.split(".")
     try:
         at = parts.index("layers")
@@ -92,6 +95,8 @@ def _projection_of(name: str, num_layers: int) -> tuple[int, str, str] | None:
     except (ValueError, IndexError):
         return None
     if proj not in _BLOCK or kind not in ("lora_A", "lora_B") or parts[at + 2] != _BLOCK[proj]:
+        return None
+    if parts[-1] != "weight" or len(parts) not in (at + 6, at + 7):
         return None
     if not 0 <= layer < num_layers:
         raise ModelError(f"LoRA tensor {name!r} names layer {layer} of {num_layers}")
@@ -109,7 +114,7 @@ def load_adapter(name: str, folder: Path | str, config: ModelConfig) -> LoraAdap
     if not weights_path.is_file():
         raise ModelError(f"{folder} has no adapter_model.safetensors")
     tensors = load_file(str(weights_path))
-    alpha = float(raw.get("lora_alpha", raw.get("r", 8)))
+    alpha = float(raw.get("lora_alpha", 8))  # (peft's default)
     rslora = bool(raw.get("use_rslora"))
     out_of = {
         "q_proj": config.q_size, "k_proj": config.kv_size, "v_proj": config.kv_size,
@@ -206,8 +211,9 @@ class LoraSet:
             start += n
         if not rows:
             return None
+        # (through pinned memory: a pageable copy would wait for the step in flight)
         groups = [
-            (self.adapters[slot - 1], torch.tensor(r, dtype=torch.int64, device=device))
+            (self.adapters[slot - 1], move(torch.tensor(r, dtype=torch.int64), device))
             for slot, r in sorted(rows.items())
         ]
         return LoraStep(groups)

@@ -134,6 +134,24 @@ def test_the_fused_decode_step_is_not_taken_with_adapter_rows(tiny_llama, adapte
         runner.execute([SeqChunk((2, 3), 6, 1, 2)], [[10]])
 
 
+def test_peft_names_with_the_adapter_name_load_alike(tiny_llama, tmp_path) -> None:
+    """Some peft versions save ``...lora_A.default.weight``: the same adapter."""
+    from safetensors.torch import load_file, save_file
+
+    config = load_model(tiny_llama, progress=False).config
+    folder = write_tiny_lora(tmp_path / "a", tiny_llama, ("q_proj", "down_proj"))
+    plain = load_adapter("a", folder, config)
+    tensors = load_file(str(folder / "adapter_model.safetensors"))
+    renamed = {n.replace(".weight", ".default.weight"): t for n, t in tensors.items()}
+    save_file(renamed, str(folder / "adapter_model.safetensors"))
+    named = load_adapter("a", folder, config)
+    for mine, theirs in zip(plain.layers, named.layers, strict=True):
+        assert mine.keys() == theirs.keys() == {"qkv", "down"}
+        for key in mine:
+            assert torch.equal(mine[key].a, theirs[key].a)
+            assert torch.equal(mine[key].b, theirs[key].b)
+
+
 def test_parse_lora_modules() -> None:
     assert parse_lora_modules(["a=/x", "b=/y=z"]) == {"a": "/x", "b": "/y=z"}
     for bad in (["a"], ["=x"], ["a="], ["a=x", "a=y"]):
@@ -148,6 +166,7 @@ def test_parse_lora_modules() -> None:
         ({"bias": "all"}, "bias"),
         ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
         ({"peft_type": "IA3"}, "peft_type"),
+        ({"lora_bias": True}, "lora_bias"),
     ],
 )
 def test_settings_it_does_not_compute_are_refused(tiny_llama, tmp_path, change, message) -> None:
@@ -169,8 +188,15 @@ def test_tensors_it_cannot_place_are_refused(tiny_llama, tmp_path) -> None:
     save_file(extra, str(folder / "adapter_model.safetensors"))
     with pytest.raises(ModelError, match="lm_head"):
         load_adapter("a", folder, config)
+    name = next(n for n in tensors if n.endswith("lora_B.weight"))
+    # a bias of B (peft's lora_bias) is not a weight it can place: refused, never read as B
+    save_file(
+        {**tensors, name.replace(".weight", ".bias"): torch.zeros(64)},
+        str(folder / "adapter_model.safetensors"),
+    )
+    with pytest.raises(ModelError, match="lora_B.bias"):
+        load_adapter("a", folder, config)
     bad = dict(tensors)
-    name = next(n for n in bad if n.endswith("lora_B.weight"))
     bad[name] = torch.zeros(3, 4)
     save_file(bad, str(folder / "adapter_model.safetensors"))
     with pytest.raises(ModelError, match="q_proj: lora_A/lora_B must be"):

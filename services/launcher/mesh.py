@@ -184,7 +184,8 @@ class LocalMesh:
                 "--page-size", str(a.page_size),
             )  # fmt: skip
         tp = a.tensor_parallel_size
-        # (each adapter a flag of its own: a path may hold a comma)
+        if any("," in spec for spec in a.lora_modules):  # (the services split on commas)
+            raise ValueError("--lora-modules: a path may not hold a comma")
         loras = [flag for spec in a.lora_modules for flag in ("--lora-modules", spec)]
         for i, (name, role) in enumerate(self.executor_roles):
             self.spawn(

@@ -43,6 +43,7 @@ def add_up(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument(
         "--lora-modules",
         nargs="+",
+        action="extend",
         default=[],
         metavar="NAME=PATH",
         help="LoRA adapters (PEFT folders) served beside the model: a request naming NAME as "
