@@ -39,6 +39,10 @@ _BLOCK = {p: "self_attn" for p in ("q_proj", "k_proj", "v_proj", "o_proj")} | {
 MAX_LORA_RANK = 256
 
 
+class UnknownAdapter(ModelError):
+    """A request names an adapter this replica does not serve (a 404, as an unknown model)."""
+
+
 @dataclass(frozen=True)
 class LoraPair:
     """One fused linear's low-rank update: ``out += (x @ a.T) @ b.T``."""
@@ -195,7 +199,7 @@ class LoraSet:
             return 0
         slot = self.slots.get(name)
         if slot is None:
-            raise ModelError(f"no LoRA adapter named {name!r} is loaded here")
+            raise UnknownAdapter(f"The model `{name}` (a LoRA adapter) is not loaded here.")
         return slot
 
     def step(

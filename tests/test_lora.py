@@ -17,7 +17,7 @@ from common.wire.executor import TokenizedRequest
 from gpu.attention.metadata import SeqChunk
 from gpu.config import ModelError
 from gpu.loader import load_model
-from gpu.lora import LoraSet, load_adapter
+from gpu.lora import LoraSet, UnknownAdapter, load_adapter
 from gpu.runner import ModelRunner
 from tests.models import hf_model, merged_hf_model, write_tiny_lora
 
@@ -220,7 +220,7 @@ def test_engine_requests_name_their_adapter_and_cache_their_prefix_apart(tiny_ll
     engine = Engine(runner, EngineConfig(64, 8, True), eos_token_ids=[2])
     prompt = list(range(10, 31))  # 5 full pages
     oracles = {"": hf_model(tiny_llama), "qv": merged_hf_model(tiny_llama, qv)}
-    with pytest.raises(ModelError, match="no LoRA adapter named 'nope'"):
+    with pytest.raises(UnknownAdapter, match="`nope` .a LoRA adapter. is not loaded here"):
         engine.add_request("bad", prompt, SamplingParams(max_tokens=2), lora="nope")
     cached: dict[str, int] = {}
     for rid, lora in (("base", ""), ("lora", "qv"), ("base2", ""), ("lora2", "qv")):
@@ -255,7 +255,8 @@ def lora_mesh(tiny_llama: Path, adapters):
     harness = MeshHarness(
         tiny_llama,
         executors=2,
-        gateway_options={"lora_modules": modules},
+        # (the gateway lists one no executor loaded: a deployment whose flags differ)
+        gateway_options={"lora_modules": (*modules, "ghost=/nowhere")},
         executor_options={"lora_modules": modules},
     ).start()
     yield harness
@@ -331,10 +332,16 @@ async def test_a_request_naming_an_adapter_runs_with_it(lora_mesh, tiny_llama, a
     listed = await client.models.list()
     cards = {m.id: m.model_dump() for m in listed.data}
     assert cards["qv"]["parent"] == "tiny" and cards["qv"]["root"] == str(qv)
-    assert cards["tiny"]["parent"] is None and set(cards) == {"tiny", "qv", "all"}
+    assert cards["tiny"]["parent"] is None and set(cards) == {"tiny", "qv", "all", "ghost"}
     async with aiohttp.ClientSession() as session:
         body = {"model": "nope", "prompt": "x", "max_tokens": 1}
         async with session.post(f"{lora_mesh.base_url}/completions", json=body) as resp:
             assert resp.status == 404
             assert (await resp.json())["error"]["code"] == "model_not_found"
+        # an executor that does not serve it answers as for an unknown model, not a 400
+        body = {"model": "ghost", "prompt": "x", "max_tokens": 1}
+        async with session.post(f"{lora_mesh.base_url}/completions", json=body) as resp:
+            assert resp.status == 404
+            error = (await resp.json())["error"]
+            assert error["code"] == "model_not_found" and "not loaded here" in error["message"]
     await client.close()

@@ -54,7 +54,7 @@ from common.wire.scheduler import Heartbeat
 from gpu.engine import Engine, EngineConfig, StepOutput
 from gpu.gguf import resolve_model_path
 from gpu.loader import release_freed_memory
-from gpu.lora import LoraSet, load_adapter
+from gpu.lora import LoraSet, UnknownAdapter, load_adapter
 from gpu.parallel.group import ParallelGroupLost
 from gpu.proposers import NgramProposer
 from gpu.replica import build_runner
@@ -498,7 +498,12 @@ class ExecutorService:
                     )
             except ValueError as exc:  # ModelError included: the request, not the executor
                 self.timelines.finished(req.request_id, "error")
-                await self.try_publish(req.reply_to, ErrorEvent(req.request_id, 400, str(exc)))
+                error = ErrorEvent(req.request_id, 400, str(exc))
+                if isinstance(exc, UnknownAdapter):  # (the gateway and this executor differ)
+                    error = ErrorEvent(
+                        req.request_id, 404, str(exc), code="model_not_found", param="model"
+                    )
+                await self.try_publish(req.reply_to, error)
                 if self.prefill_side is not None:  # its client has the answer: nothing to
                     self.prefill_side.forget(req.request_id, "finished")  # compute there
                 continue
