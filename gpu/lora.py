@@ -215,25 +215,32 @@ class LoraSet:
             start += n
         if not rows:
             return None
-        # (through pinned memory: a pageable copy would wait for the step in flight)
-        groups = [
-            (self.adapters[slot - 1], move(torch.tensor(r, dtype=torch.int64), device))
-            for slot, r in sorted(rows.items())
-        ]
+        groups: list[tuple[LoraAdapter, slice | torch.Tensor]] = []
+        for slot, r in sorted(rows.items()):
+            if r[-1] - r[0] + 1 == len(r):  # one run of rows: a view, no gather or scatter
+                groups.append((self.adapters[slot - 1], slice(r[0], r[-1] + 1)))
+            else:  # (through pinned memory: a pageable copy would wait for the step in flight)
+                rows_on_device = move(torch.tensor(r, dtype=torch.int64), device)
+                groups.append((self.adapters[slot - 1], rows_on_device))
         return LoraStep(groups)
 
 
 @dataclass(frozen=True)
 class LoraStep:
-    """One step's adapters and the flat token rows each applies to."""
+    """One step's adapters and the flat token rows each applies to: a run of rows (a slice),
+    or scattered ones (an index tensor on the device)."""
 
-    groups: list[tuple[LoraAdapter, torch.Tensor]]
+    groups: list[tuple[LoraAdapter, slice | torch.Tensor]]
 
     def add_(self, layer: int, linear: str, x: torch.Tensor, out: torch.Tensor) -> None:
         """``out[rows] += (x[rows] @ A.T) @ B.T`` for each adapter's rows (``x`` the linear's
         input ``[T, in]``, ``out`` its output ``[T, out]``, in place)."""
         for adapter, rows in self.groups:
             pair = adapter.layers[layer].get(linear)
-            if pair is not None:
+            if pair is None:
+                continue
+            if isinstance(rows, slice):
+                out[rows].addmm_(x[rows] @ pair.a.T, pair.b.T)
+            else:
                 update = (x.index_select(0, rows) @ pair.a.T) @ pair.b.T
-                out.index_add_(0, rows, update.to(out.dtype))
+                out.index_add_(0, rows, update)

@@ -8,9 +8,11 @@ In one process, on the engine ``meshserve up``'s executors build (its defaults).
 are random PEFT adapters of every projection at ``--rank`` (``tests.models.write_tiny_lora``,
 written to a temporary folder); what they compute does not matter here, only what it costs.
 Each step with adapter rows runs the per-op decoder (the fused CPU decode step and CUDA graphs
-serve only steps without them), and each adapter adds two small matmuls per fused linear and
-layer on its rows. The sides take turns for ``--rounds`` rounds, the same prompts, warmed
-alike, the prefix cache reset before each; the table shows each side's median round.
+serve only steps without them: the "per-op decoder" side is the base model on that path), and
+each adapter adds two small matmuls per fused linear and layer on its rows (and a gather and
+a scatter where its rows are not one run). The sides take turns for ``--rounds`` rounds, the
+same prompts, warmed alike, the prefix cache reset before each; the table shows each side's
+median round.
 """
 
 from __future__ import annotations
@@ -34,9 +36,18 @@ from services.launcher.up import add_up
 from tests.models import write_tiny_lora
 
 
-def run(engine: Engine, prompts: list[list[int]], loras: list[str], new: int, name: str) -> float:
-    """Seconds to generate ``new`` tokens for every prompt (prompt ``i`` on ``loras[i]``)."""
+def run(
+    engine: Engine,
+    prompts: list[list[int]],
+    loras: list[str],
+    new: int,
+    name: str,
+    fused: bool = True,
+) -> float:
+    """Seconds to generate ``new`` tokens for every prompt (prompt ``i`` on ``loras[i]``);
+    ``fused``: the one-call CPU decode step where a step has no adapter rows."""
     params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+    engine.runner.model.fuse_decode = fused
     engine.pages.reset_prefix_cache()
     start = time.perf_counter()
     for i, (prompt, lora) in enumerate(zip(prompts, loras, strict=True)):
@@ -90,17 +101,20 @@ def main(argv: list[str] | None = None) -> None:
         [rng.randrange(100, vocab) for _ in range(args.prompt_tokens)] for _ in range(args.requests)
     ]
     n = args.requests
+    # (name: adapters per request, the fused decode step allowed)
     sides = {
-        "base model only": [""] * n,
-        "all on adapter a": ["a"] * n,
-        "half a, half b": ["a" if i % 2 else "b" for i in range(n)],
+        "base model only": ([""] * n, True),
+        "base model, per-op decoder": ([""] * n, False),
+        "all on adapter a": (["a"] * n, True),
+        "half a, half b": (["a" if i % 2 else "b" for i in range(n)], True),
     }
-    for name, loras in sides.items():  # warm every path alike
-        run(engine, prompts[:2], loras[:2], 4, f"warm-{name}")
+    for name, (loras, fused) in sides.items():  # warm every path alike
+        run(engine, prompts[:2], loras[:2], 4, f"warm-{name}", fused)
     times: dict[str, list[float]] = {name: [] for name in sides}
     for r in range(args.rounds):
-        for name, loras in sides.items():
-            times[name].append(run(engine, prompts, loras, args.new_tokens, f"{name}-{r}"))
+        for name, (loras, fused) in sides.items():
+            seconds = run(engine, prompts, loras, args.new_tokens, f"{name}-{r}", fused)
+            times[name].append(seconds)
     medians = {k: statistics.median(v) for k, v in times.items()}
     print(
         f"\nmodel {folder.name}, {up.quantization} weights, {torch.get_num_threads()} threads, "
