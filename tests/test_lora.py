@@ -345,3 +345,95 @@ async def test_a_request_naming_an_adapter_runs_with_it(lora_mesh, tiny_llama, a
             error = (await resp.json())["error"]
             assert error["code"] == "model_not_found" and "not loaded here" in error["message"]
     await client.close()
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlapped"])
+def test_engine_steps_mixing_adapters_match_the_merged_models(tiny_llama, adapters, overlap):
+    """Requests on both adapters and the base, joining as others run, in the plain and the
+    overlapped step loop (the next step queued before the last one's tokens are read)."""
+    from gpu.engine import Engine, EngineConfig
+    from gpu.sampling_params import SamplingParams
+
+    qv, everything = adapters["llama"]
+    model = load_model(tiny_llama, progress=False)
+    runner = ModelRunner(model, 128, PAGE)
+    runner.load_loras(
+        LoraSet(
+            [load_adapter("qv", qv, model.config), load_adapter("all", everything, model.config)]
+        )
+    )
+    engine = Engine(runner, EngineConfig(16, 8, True, overlap_steps=overlap), eos_token_ids=[2])
+    assert (engine.overlap is not None) is overlap
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (9, 4, 14, 6, 11)]
+    loras = ["all", "", "qv", "all", "qv"]
+    outputs: dict[str, list[int]] = {}
+    step = 0
+    while step == 0 or engine.has_unfinished():
+        if step < len(prompts):  # one joins per step
+            params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+            engine.add_request(str(step), prompts[step], params, lora=loras[step])
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+        step += 1
+    oracles = {
+        "": hf_model(tiny_llama),
+        "qv": merged_hf_model(tiny_llama, qv),
+        "all": merged_hf_model(tiny_llama, everything),
+    }
+    for i, (prompt, lora) in enumerate(zip(prompts, loras, strict=True)):
+        with torch.no_grad():
+            expected = (
+                oracles[lora]
+                .generate(
+                    torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False
+                )[0, len(prompt) :]
+                .tolist()
+            )
+        assert outputs[str(i)] == expected, (i, lora)
+
+
+def test_speculative_verification_runs_drafts_with_the_adapter(tiny_llama, adapters):
+    """Prompt lookup drafts for adapter requests beside base ones: the drafts' rows are
+    verified on each request's own adapter, so every output is its merged model's greedy
+    text, and drafts were taken."""
+    from gpu.engine import Engine, EngineConfig
+    from gpu.proposers import NgramProposer
+    from gpu.sampling_params import SamplingParams
+
+    qv, everything = adapters["llama"]
+    model = load_model(tiny_llama, progress=False)
+    runner = ModelRunner(model, 128, PAGE)
+    runner.load_loras(
+        LoraSet(
+            [load_adapter("qv", qv, model.config), load_adapter("all", everything, model.config)]
+        )
+    )
+    config = EngineConfig(64, 8, True, num_speculative_tokens=3, adaptive_speculation=False)
+    engine = Engine(runner, config, eos_token_ids=[2], proposer=NgramProposer(max_n=3, min_n=1))
+    # repetitive prompts, so prompt lookup finds drafts
+    prompts = [[7, 8, 9, 10] * 5, [11, 12, 13] * 6, [20, 21] * 9, [7, 8, 9, 10] * 5]
+    loras = ["qv", "", "all", "all"]
+    outputs: dict[str, list[int]] = {}
+    for i, (prompt, lora) in enumerate(zip(prompts, loras, strict=True)):
+        params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+        engine.add_request(str(i), prompt, params, lora=lora)
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+    oracles = {
+        "": hf_model(tiny_llama),
+        "qv": merged_hf_model(tiny_llama, qv),
+        "all": merged_hf_model(tiny_llama, everything),
+    }
+    for i, (prompt, lora) in enumerate(zip(prompts, loras, strict=True)):
+        with torch.no_grad():
+            expected = (
+                oracles[lora]
+                .generate(
+                    torch.tensor([prompt]), max_new_tokens=10, min_new_tokens=10, do_sample=False
+                )[0, len(prompt) :]
+                .tolist()
+            )
+        assert outputs[str(i)] == expected, (i, lora)
+    assert engine.spec.num_draft_tokens > 0
