@@ -122,6 +122,8 @@ class MeshHarness:
     required_stages: tuple[str, ...] | None = None  # the gateway's; None: its default
     gateway_options: dict[str, Any] = field(default_factory=dict)  # more GatewayConfig fields
     executor_options: dict[str, Any] = field(default_factory=dict)  # more ExecutorConfig fields
+    # executor index -> ExecutorConfig fields for that one alone
+    executor_overrides: dict[int, dict[str, Any]] = field(default_factory=dict)
     loop: asyncio.AbstractEventLoop = field(default_factory=asyncio.new_event_loop)
     thread: threading.Thread | None = None
     services: list[Any] = field(default_factory=list)
@@ -177,7 +179,7 @@ class MeshHarness:
                 speculator=self.speculator,
                 num_speculative_tokens=self.num_speculative_tokens,
                 tensor_parallel_size=self.tensor_parallel[i] if self.tensor_parallel else 1,
-                **self.executor_options,
+                **(self.executor_options | self.executor_overrides.get(i, {})),
             )
             ex = ExecutorService(config, build_engine(config))
             self.executor_services.append(ex)

@@ -347,3 +347,15 @@ async def test_a_constrained_request_withdrawn_while_it_compiles_runs_its_new_su
     assert "g" not in seen.errors
     assert len(seen.tokens["g"]) == 8 - len(streamed)  # the new run, after what it had
     await idle(service)
+
+
+async def test_a_request_on_an_adapter_it_does_not_serve_is_a_404(executor):
+    """The scheduler routes by the adapters executors announce, but one may have left or
+    restarted with other flags meanwhile: such a request is an unknown model, not a bad body."""
+    service, send, seen = executor
+    await send(request("x", lora="not-here"))
+    await seen.wait_for("x")
+    error = seen.errors["x"]
+    assert (error.status, error.code, error.param) == (404, "model_not_found", "model")
+    assert "`not-here` (a LoRA adapter) is not loaded here" in error.message
+    await idle(service)

@@ -338,12 +338,13 @@ async def test_a_request_naming_an_adapter_runs_with_it(lora_mesh, tiny_llama, a
         async with session.post(f"{lora_mesh.base_url}/completions", json=body) as resp:
             assert resp.status == 404
             assert (await resp.json())["error"]["code"] == "model_not_found"
-        # an executor that does not serve it answers as for an unknown model, not a 400
+        # one no executor serves is answered as an unknown model (by the scheduler), not a 400
         body = {"model": "ghost", "prompt": "x", "max_tokens": 1}
         async with session.post(f"{lora_mesh.base_url}/completions", json=body) as resp:
             assert resp.status == 404
             error = (await resp.json())["error"]
-            assert error["code"] == "model_not_found" and "not loaded here" in error["message"]
+            assert error["code"] == "model_not_found"
+            assert "served by no executor" in error["message"]
     await client.close()
 
 
@@ -437,3 +438,70 @@ def test_speculative_verification_runs_drafts_with_the_adapter(tiny_llama, adapt
             )
         assert outputs[str(i)] == expected, (i, lora)
     assert engine.spec.num_draft_tokens > 0
+
+
+@pytest.fixture(scope="module")
+def split_mesh(tiny_llama: Path, adapters):
+    """Two executors, only the second serving adapter "qv"; the gateway is told of no adapter
+    but "ghost" (which nobody serves): it learns "qv" from the executors' heartbeats."""
+    from tests.mesh import MeshHarness
+
+    qv, _ = adapters["llama"]
+    harness = MeshHarness(
+        tiny_llama,
+        executors=2,
+        gateway_options={"lora_modules": ("ghost=/nowhere",)},
+        executor_overrides={1: {"lora_modules": (f"qv={qv}",)}},
+    ).start()
+    yield harness
+    harness.stop()
+
+
+async def test_adapter_requests_go_only_to_executors_serving_the_adapter(
+    split_mesh, tiny_llama, adapters
+) -> None:
+    """Eight concurrent requests on "qv" (the router would spread them over both executors):
+    every one is served, by the executor that has it, with its merged model's text; base
+    requests still use both executors. /v1/models lists "qv", learned from the heartbeats;
+    an adapter no live executor serves is a 404 from the scheduler, not a wait."""
+    import aiohttp
+
+    from common.tokenizer import Tokenizer
+    from tests.mesh import openai_client
+
+    qv, _ = adapters["llama"]
+    tok = Tokenizer.from_folder(tiny_llama)
+    client = openai_client(split_mesh.base_url)
+    listed = {m.id for m in (await client.models.list()).data}
+    assert listed == {"tiny", "qv", "ghost"}
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 512, (12,), generator=g).tolist() for _ in range(8)]
+    oracle = merged_hf_model(tiny_llama, qv)
+
+    async def one(prompt: list[int], model: str) -> str:
+        out = await client.completions.create(
+            model=model, prompt=prompt, max_tokens=6, temperature=0,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        return out.choices[0].text
+
+    before = [ex.engine.pages.queries for ex in split_mesh.executor_services]
+    texts = await asyncio.gather(*(one(p, "qv") for p in prompts))
+    after = [ex.engine.pages.queries for ex in split_mesh.executor_services]
+    assert after[0] == before[0] and after[1] > before[1]  # (prompt tokens looked up)
+    for prompt, text in zip(prompts, texts, strict=True):
+        with torch.no_grad():
+            expected = oracle.generate(
+                torch.tensor([prompt]), max_new_tokens=6, min_new_tokens=6, do_sample=False
+            )[0, len(prompt) :].tolist()
+        assert text == tok.decode(expected)
+    await asyncio.gather(*(one(p, "tiny") for p in prompts))
+    base = [ex.engine.pages.queries for ex in split_mesh.executor_services]
+    assert base[0] > after[0]  # the base model's requests go to both
+    async with aiohttp.ClientSession() as session:
+        body = {"model": "ghost", "prompt": "x", "max_tokens": 1}
+        async with session.post(f"{split_mesh.base_url}/completions", json=body) as resp:
+            assert resp.status == 404
+            error = (await resp.json())["error"]
+    assert error["code"] == "model_not_found" and "served by no executor" in error["message"]
+    await client.close()

@@ -40,6 +40,9 @@ class Heartbeat(Message):
     # to a request of this region's own clients (``gpu/scheduler.py``), so the scheduler does
     # not count them against one.
     guests: int = 0
+    # The LoRA adapters it serves (its --lora-modules names): a request naming one goes only
+    # to executors that have it, and the gateway accepts the names any executor serves.
+    loras: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         # Only values no working executor sends: a rejected heartbeat makes the executor look

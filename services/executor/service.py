@@ -392,6 +392,7 @@ class ExecutorService:
                 incarnation=self.incarnation,
                 max_model_len=self.engine.max_seq_len,
                 role=self.config.role,
+                loras=list(self.engine.runner.loras.slots),
                 # (as ``sequences``: a reservation for a KV handoff is in neither)
                 guests=sum(rid not in self.engine.reserved for rid in self.guests),
             ),

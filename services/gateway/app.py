@@ -10,6 +10,7 @@ aggregate one JSON response; whatever ends the request (done, error, timeout, cl
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -221,9 +222,20 @@ def invalid_json(reason: str) -> RequestError:
 
 class Routes:
     def __init__(self, config: GatewayConfig, mesh: MeshClient) -> None:
-        self.config = config
+        self.base_config = config
+        self._config = config
         self.mesh = mesh
         self.started = int(time.time())
+
+    @property
+    def config(self) -> GatewayConfig:
+        """The gateway's settings with the LoRA adapters the executors announce now (models
+        a request may name, as its own --lora-modules are)."""
+        served = self.base_config.served_model_name
+        announced = tuple(n for n in self.mesh.liveness.executors.loras() if n != served)
+        if announced != self._config.announced_loras:
+            self._config = dataclasses.replace(self.base_config, announced_loras=announced)
+        return self._config
 
     async def tokenize(self, request: web.Request) -> web.Response:
         """vLLM's ``/tokenize``, answered by a tokenizer service."""

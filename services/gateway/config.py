@@ -37,6 +37,9 @@ class GatewayConfig:
         64, "most choices (prompts x n) a completions request that batches prompts may ask for"
     )
     lora_modules: tuple[str, ...] = lora_modules_setting()
+    # The adapters live executors announce (``Heartbeat.loras``): models too (no flag; the
+    # gateway fills it in as they come, ``GatewayServer.request_config``).
+    announced_loras: tuple[str, ...] = ()
     reasoning_parser: str = setting(
         "none",
         "split a chat answer's <think> block into 'reasoning' (and 'reasoning_content'), as "
@@ -98,8 +101,10 @@ class GatewayConfig:
 
     @property
     def lora_names(self) -> list[str]:
-        """The LoRA adapters' names: models a request may name besides the served one."""
-        return list(parse_lora_modules(self.lora_modules))
+        """The LoRA adapters' names: models a request may name besides the served one (those
+        of ``--lora-modules``, then those the executors announce)."""
+        names = list(parse_lora_modules(self.lora_modules))
+        return names + [n for n in self.announced_loras if n not in names]
 
     def __post_init__(self) -> None:
         if self.served_model_name in self.lora_names:

@@ -47,6 +47,10 @@ class ExecutorLiveness:
         """Executors heard from within the TTL that are not draining."""
         return [e for e, hb in self.recent().items() if not hb.draining]
 
+    def loras(self) -> tuple[str, ...]:
+        """The LoRA adapters the executors heard from within the TTL serve, sorted."""
+        return tuple(sorted({name for hb in self.recent().values() for name in hb.loras}))
+
 
 @dataclass
 class Member:

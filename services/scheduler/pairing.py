@@ -66,7 +66,9 @@ def route(
     if len(req.prompt_token_ids) - cached < min_prompt_tokens:
         return Route(decode)
     prefill_free = max(keep_free, prefill_keep_free)
-    prefill = router.pick(req, overlaps, router.candidates(("prefill",), prefill_free, req.guest))
+    prefill = router.pick(
+        req, overlaps, router.candidates(("prefill",), prefill_free, req.guest, req.lora)
+    )
     return Route(decode, prefill) if prefill else None
 
 
@@ -78,7 +80,7 @@ def pool_candidates(
     placement: GuestPlacement | None,
 ) -> list[str]:
     """The executors of ``pool`` with room for ``req`` that the guest placement allows it."""
-    among = router.candidates(pool, keep_free, req.guest)
+    among = router.candidates(pool, keep_free, req.guest, req.lora)
     return (placement or GuestPlacement()).among(router, req, among, pool)
 
 

@@ -237,11 +237,16 @@ class Router:
         return dead
 
     def candidates(
-        self, roles: Sequence[str] | None = None, keep_free: int = 0, guest: bool = False
+        self,
+        roles: Sequence[str] | None = None,
+        keep_free: int = 0,
+        guest: bool = False,
+        lora: str = "",
     ) -> list[str]:
-        """Live executors with room now (of these roles), in a stable order; never a refused
-        one. ``keep_free`` > 0: only those with more than that many sequence slots free (a
-        request from another region must leave this region's reserve alone). A ``guest``
+        """Live executors with room now (of these roles; serving LoRA adapter ``lora``, if
+        one is named), in a stable order; never a refused one. ``keep_free`` > 0: only those
+        with more than that many sequence slots free (a request from another region must
+        leave this region's reserve alone). A ``guest``
         needs a free slot (never the slack: it would wait in the executor's queue, where a
         spare slot in another region may be); unless the request is itself a guest, the
         guests an executor holds do not take its room: they yield their slots to it
@@ -255,17 +260,19 @@ class Router:
             )
             and ((keep_free == 0 and not guest) or self.executors[e].free_seqs > keep_free)
             and (roles is None or self.executors[e].heartbeat.role in roles)
+            and (not lora or lora in self.executors[e].heartbeat.loras)
         )
 
-    def pool(self, roles: Sequence[str] | None = None) -> list[str]:
-        """The live executors (of these roles) that may get work, room or not (draining ones
-        take none)."""
+    def pool(self, roles: Sequence[str] | None = None, lora: str = "") -> list[str]:
+        """The live executors (of these roles; serving ``lora``, if named) that may get work,
+        room or not (draining ones take none)."""
         return sorted(
             e
             for e in self.alive()
             if e not in self.refused
             and not self.executors[e].heartbeat.draining
             and (roles is None or self.executors[e].heartbeat.role in roles)
+            and (not lora or lora in self.executors[e].heartbeat.loras)
         )
 
     def live_roles(self) -> set[str]:

@@ -283,6 +283,9 @@ class SchedulerService:
     async def _dispatch(self) -> None:
         while self.queue:
             rank, req = self.queue[0]
+            if req.lora and self.router.pool() and not self.router.pool(lora=req.lora):
+                await self.fail_queued({req.request_id}, "unknown adapter", unserved_adapter(req))
+                continue
             candidates = self.router.candidates()
             if not candidates:
                 return  # nobody has room: it waits here, in priority order
@@ -549,3 +552,12 @@ class SchedulerService:
                     route.span.end()
                 with self.routes.use(req.request_id):
                     await self.spill.send(req, decision)
+
+
+def unserved_adapter(req: TokenizedRequest) -> Callable[[str], ErrorEvent]:
+    """The error of a request on a LoRA adapter no live executor serves (as an unknown model:
+    the gateway named it, the executors that had it are gone or never had it)."""
+    message = f"The model `{req.lora}` (a LoRA adapter) is served by no executor now."
+    return lambda rid: ErrorEvent(
+        rid, 404, message, "invalid_request_error", "model_not_found", "model"
+    )

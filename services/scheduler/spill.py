@@ -177,8 +177,9 @@ class RegionSpill:
         only in this region's detokenizer, so one that has (a migrated one) continues here. A
         guest is never sent on (``return_guests`` sends it home): its home region holds it as
         spilled here, and an abort would go back and forth between two regions that each
-        think the other runs it."""
-        return self.enabled and not req.output_token_ids and not req.guest
+        think the other runs it. Nor a request on a LoRA adapter: what another region's
+        executors serve is not known here."""
+        return self.enabled and not req.output_token_ids and not req.guest and not req.lora
 
     async def send(self, req: TokenizedRequest, decision: Decision) -> None:
         """Publish ``req`` to ``decision.region``'s scheduler, in a span of its own."""
