@@ -412,3 +412,91 @@ async def test_a_heartbeat_is_not_held_behind_a_dispatch_waiting_on_the_index(
     answer.set()
     await sched.settled()
     assert sent == ["q", "q2"]
+
+
+# --------------------------------------------------------------------------- LoRA adapters
+
+
+def lora_request(rid: str, lora: str = "qv", **kw) -> TokenizedRequest:
+    return dataclasses.replace(request(rid), lora=lora, **kw)
+
+
+def adapter_beat(executor: str, free: bool, loras: list[str] | None, role: str = "mixed"):
+    running = 0 if free else 8
+    return Heartbeat(
+        executor, running, 0, 100 if free else 0, 100, 16, 8, 0, role=role, loras=loras
+    )
+
+
+async def test_an_adapter_request_without_room_lets_the_rest_go_to_other_executors(
+    scheduler, monkeypatch
+):
+    """The only executor with the adapter is full: the base requests behind it go to the
+    other executor (never to that one: the adapter's request keeps its place there), and the
+    adapter's request goes once its executor has room."""
+    sched, sent = scheduler()
+    sched.router.observe(adapter_beat("a", True, []))  # (replaces the fixture's full "a")
+    sched.router.observe(adapter_beat("b", False, ["qv"]))
+    await sched.on_submit(lora_request("l1"))
+    await sched.on_submit(request("b1"))
+    await sched.on_submit(request("b2"))
+    await sched.settled()
+    assert sent == ["b1", "b2"]
+    assert {sched.inflight.assignments[r].executor_id for r in sent} == {"a"}
+    sched.router.observe(adapter_beat("b", True, ["qv"]))
+    await sched.dispatch()
+    assert sent[-1] == "l1" and sched.inflight.assignments["l1"].executor_id == "b"
+    assert sched.router.held_back == set()
+
+
+async def test_an_adapter_nobody_serves_fails_after_a_heartbeat_timeout(scheduler, monkeypatch):
+    """Not at once (its executor may be restarting, or its first heartbeat on the way), and
+    not if it comes back in time; after that a 404; an executor that says nothing of its
+    adapters (older than the field) is taken as serving any."""
+    clock = [time.monotonic()]
+    monkeypatch.setattr("services.scheduler.service.time.monotonic", lambda: clock[0])
+    sched, sent = scheduler()
+    published: list[object] = []
+
+    async def publish(subject: str, message: object) -> None:
+        published.append(message)
+        if isinstance(message, TokenizedRequest):
+            sent.append(message.request_id)
+
+    monkeypatch.setattr(sched.svc, "publish", publish)
+    sched.router.observe(adapter_beat("a", True, []))
+    await sched.on_submit(lora_request("l1"))
+    await sched.on_submit(request("b1"))
+    await sched.settled()
+    assert sent == ["b1"] and [r.request_id for _, r in sched.queue] == ["l1"]
+    clock[0] += 1.0
+    sched.router.observe(adapter_beat("a", True, []))
+    sched.router.observe(adapter_beat("b", True, ["qv"]))  # back in time
+    await sched.dispatch()
+    assert sent == ["b1", "l1"]
+    sched.router.forget("b")
+    await sched.on_submit(lora_request("l2"))
+    await sched.settled()
+    clock[0] += 2.1
+    sched.router.observe(adapter_beat("a", True, []))  # (its heartbeats go on meanwhile)
+    await sched.dispatch()
+    errors = [(m.request_id, m.status, m.code) for m in published if isinstance(m, ErrorEvent)]
+    assert errors == [("l2", 404, "model_not_found")] and not sched.queue
+    sched.router.observe(adapter_beat("old", True, None))
+    await sched.on_submit(lora_request("l3"))
+    await sched.settled()
+    assert sent[-1] == "l3"
+
+
+async def test_an_adapter_no_prefill_executor_serves_is_prefilled_where_it_decodes(scheduler):
+    sched, sent = scheduler()
+    sched.router.forget("a")
+    sched.router.observe(adapter_beat("dec", True, ["qv"], role="decode"))
+    sched.router.observe(adapter_beat("pre", True, [], role="prefill"))
+    long_prompt = list(range(3, 300))
+    await sched.on_submit(lora_request("l1", prompt_token_ids=long_prompt))
+    await sched.on_submit(request("b1"))
+    await sched.settled()
+    assert sorted(sent) == ["b1", "l1"]
+    routed = sched.inflight.assignments["l1"]
+    assert routed.executor_id == "dec" and routed.request.prefill_executor == ""

@@ -41,8 +41,13 @@ class Heartbeat(Message):
     # not count them against one.
     guests: int = 0
     # The LoRA adapters it serves (its --lora-modules names): a request naming one goes only
-    # to executors that have it, and the gateway accepts the names any executor serves.
-    loras: list[str] = field(default_factory=list)
+    # to executors that have it, and the gateway accepts the names any executor serves. None:
+    # not said (an executor older than the field), taken as serving any.
+    loras: list[str] | None = None
+
+    def serves(self, lora: str) -> bool:
+        """Whether a request on adapter ``lora`` ("" : the base model) may come here."""
+        return not lora or self.loras is None or lora in self.loras
 
     def __post_init__(self) -> None:
         # Only values no working executor sends: a rejected heartbeat makes the executor look
@@ -53,6 +58,7 @@ class Heartbeat(Message):
             {
                 "executor_id must be a non-empty subject-safe id": id_ok(self.executor_id),
                 "running must be >= 0": self.running >= 0,
+                "loras must be non-empty names": self.loras is None or all(self.loras),
                 "waiting must be >= 0": self.waiting >= 0,
                 "total_pages must be >= 1": self.total_pages >= 1,
                 "free_pages must be within 0..total_pages": pages_ok,

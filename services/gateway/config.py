@@ -38,7 +38,7 @@ class GatewayConfig:
     )
     lora_modules: tuple[str, ...] = lora_modules_setting()
     # The adapters live executors announce (``Heartbeat.loras``): models too (no flag; the
-    # gateway fills it in as they come, ``GatewayServer.request_config``).
+    # gateway fills it in as they come: ``Routes.config``).
     announced_loras: tuple[str, ...] = ()
     reasoning_parser: str = setting(
         "none",

@@ -49,7 +49,7 @@ class ExecutorLiveness:
 
     def loras(self) -> tuple[str, ...]:
         """The LoRA adapters the executors heard from within the TTL serve, sorted."""
-        return tuple(sorted({name for hb in self.recent().values() for name in hb.loras}))
+        return tuple(sorted({n for hb in self.recent().values() for n in hb.loras or ()}))
 
 
 @dataclass

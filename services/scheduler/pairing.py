@@ -65,6 +65,8 @@ def route(
     cached = (overlaps or {}).get(decode, 0) * router.executors[decode].heartbeat.page_size
     if len(req.prompt_token_ids) - cached < min_prompt_tokens:
         return Route(decode)
+    if req.lora and not router.serving(req.lora, ("prefill",)):
+        return Route(decode)  # (no prefill executor has its adapter: prefilled where it decodes)
     prefill_free = max(keep_free, prefill_keep_free)
     prefill = router.pick(
         req, overlaps, router.candidates(("prefill",), prefill_free, req.guest, req.lora)

@@ -139,6 +139,9 @@ class Router:
     # tokenizer instance -> (announced page size, monotonic time of its last announcement)
     tokenizers: dict[str, tuple[int, float]] = field(default_factory=dict)
     refused: dict[str, str] = field(default_factory=dict)  # executor -> why it gets no work
+    # Within one dispatch pass: the executors of adapter requests that found no room there,
+    # which the requests queued after them may not take (``SchedulerService._dispatch``).
+    held_back: set[str] = field(default_factory=set)
     _tokenizers_disagree: list[int] = field(default_factory=list)  # logged once per change
     recent: RecentRoutes = field(default_factory=RecentRoutes)
     _rr: itertools.count[int] = field(default_factory=itertools.count)
@@ -260,7 +263,8 @@ class Router:
             )
             and ((keep_free == 0 and not guest) or self.executors[e].free_seqs > keep_free)
             and (roles is None or self.executors[e].heartbeat.role in roles)
-            and (not lora or lora in self.executors[e].heartbeat.loras)
+            and self.executors[e].heartbeat.serves(lora)
+            and e not in self.held_back
         )
 
     def pool(self, roles: Sequence[str] | None = None, lora: str = "") -> list[str]:
@@ -272,7 +276,18 @@ class Router:
             if e not in self.refused
             and not self.executors[e].heartbeat.draining
             and (roles is None or self.executors[e].heartbeat.role in roles)
-            and (not lora or lora in self.executors[e].heartbeat.loras)
+            and self.executors[e].heartbeat.serves(lora)
+        )
+
+    def serving(self, lora: str, roles: Sequence[str] | None = None) -> list[str]:
+        """The live executors (of these roles) that serve adapter ``lora``, draining ones
+        too (they are back, or replaced, soon: no reason to fail its requests)."""
+        return sorted(
+            e
+            for e in self.alive()
+            if e not in self.refused
+            and (roles is None or self.executors[e].heartbeat.role in roles)
+            and self.executors[e].heartbeat.serves(lora)
         )
 
     def live_roles(self) -> set[str]:

@@ -24,6 +24,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from common.config import MeshConfig
 from common.metrics import SchedulerMetrics
@@ -36,7 +37,7 @@ from common.wire.gateway import ErrorEvent
 from common.wire.prefix_index import IndexMatchReply, IndexMatchRequest
 from common.wire.presence import Presence
 from common.wire.scheduler import Heartbeat, RequestStatusQuery, RequestStatusReply
-from services.scheduler.guests import GuestPlacement, guest_pool
+from services.scheduler.guests import DECODE_POOL, MIXED_POOL, GuestPlacement, guest_pool
 from services.scheduler.inflight import Assignment, Inflight, Rank
 from services.scheduler.pairing import route
 from services.scheduler.regions import QueueEstimate, RegionConfig, RegionLoad
@@ -140,6 +141,8 @@ class SchedulerService:
         self.estimate = QueueEstimate()
         self.spill = RegionSpill(self.svc, config.regions, self.home_load)
         self.guestless_since: float | None = None  # monotonic; see ``return_guests``
+        # LoRA adapter -> since when no live executor of its pool serves it (monotonic)
+        self.unserved_since: dict[str, float] = {}
 
     async def start(self) -> None:
         await self.svc.connect()
@@ -166,6 +169,13 @@ class SchedulerService:
         preempts it for one of our clients' requests when its batch is full
         (``TokenizedRequest.guest``)."""
         self.spill.received()
+        if req.lora:  # (no region spills these now; an older one might)
+            error = ErrorEvent(
+                req.request_id, 503, "The region serving this request has no executor for it; "
+                "retry the request.", "server_error", "region_unavailable",
+            )  # fmt: skip
+            await self.svc.publish(req.reply_to, error)
+            return
         await self.admit(dataclasses.replace(req, guest=True), may_spill=False)
 
     async def admit(self, req: TokenizedRequest, may_spill: bool) -> None:
@@ -281,54 +291,111 @@ class SchedulerService:
                 await self._dispatch()
 
     async def _dispatch(self) -> None:
-        while self.queue:
-            rank, req = self.queue[0]
-            if req.lora and self.router.pool() and not self.router.pool(lora=req.lora):
-                await self.fail_queued({req.request_id}, "unknown adapter", unserved_adapter(req))
-                continue
-            candidates = self.router.candidates()
-            if not candidates:
-                return  # nobody has room: it waits here, in priority order
-            with self.routes.use(req.request_id):  # the index query joins the request's trace
-                overlaps = await self.overlaps(req) if len(candidates) > 1 else {}
-            if not self.queue or self.queue[0][1] is not req:
-                continue  # the queue changed (or the client left) while we asked the index
-            placement = self.placement()
-            reserve = self.config.regions.spill_reserve_seqs if req.guest else 0
-            if req.guest and not placement.guest_room(
-                self.router, reserve, guest_pool(self.router)
-            ):
-                return  # the region's reserve (guests queue behind all of its own requests)
-            chosen = route(
-                self.router,
-                req,
-                overlaps,
-                min_prompt_tokens=self.config.disagg_min_prompt_tokens,
-                placement=placement,
-                prefill_keep_free=reserve,
-            )
-            if chosen is None:
-                return
+        """Requests in priority order, while their executors have room. One on a LoRA adapter
+        that finds none on the executors serving it waits without holding the rest up: those
+        after it may go on, to the other executors only (each pool keeps its order)."""
+        skipped: set[str] = set()  # adapter requests held back this pass
+        try:
+            while (item := self.next_queued(skipped)) is not None:
+                if not await self._dispatch_one(item, skipped):
+                    return
+        finally:
+            self.router.held_back = set()
+
+    def next_queued(self, skipped: set[str]) -> tuple[Any, TokenizedRequest] | None:
+        if not skipped:
+            return self.queue[0] if self.queue else None
+        return min((i for i in self.queue if i[1].request_id not in skipped), default=None)
+
+    def hold_back(self, req: TokenizedRequest, skipped: set[str]) -> bool:
+        """An adapter request that found no room: passed over this pass, its adapter's
+        executors kept from the requests after it. False for any other request: it waits at
+        the head, in priority order."""
+        if not req.lora:
+            return False
+        skipped.add(req.request_id)
+        self.router.held_back |= set(self.router.serving(req.lora))
+        return True
+
+    def adapter_unserved(self, req: TokenizedRequest) -> bool:
+        """No live executor of the request's pool has served its adapter for a heartbeat
+        timeout (briefly: a restart, a start-up, a heartbeat late), while others are live."""
+        roles = DECODE_POOL if "decode" in self.router.live_roles() else MIXED_POOL
+        if self.router.serving(req.lora, roles) or not self.router.pool():
+            self.unserved_since.pop(req.lora, None)
+            return False
+        since = self.unserved_since.setdefault(req.lora, time.monotonic())
+        return time.monotonic() - since >= self.config.heartbeat_timeout_s
+
+    async def fail_unserved(self, req: TokenizedRequest) -> None:
+        """An unknown model, for a request that has streamed nothing; one that has (moved off
+        a lost executor) fails as the others its executor held do, retryable."""
+        if not req.output_token_ids:
+            await self.fail_queued({req.request_id}, "unknown adapter", unserved_adapter(req))
+            return
+        await self.fail_queued(
+            {req.request_id},
+            "executor failed",
+            lambda rid: ErrorEvent(
+                rid, 503, "The executor serving this request failed mid-stream; retry the "
+                "request.", "server_error", "executor_failed",
+            ),
+        )  # fmt: skip
+        await self.end_everywhere([req.request_id], "executor failed")
+
+    async def _dispatch_one(self, item: tuple[Any, TokenizedRequest], skipped: set[str]) -> bool:
+        """Route ``item`` if its executors have room; False to end the pass."""
+        rank, req = item
+        if req.lora and self.adapter_unserved(req):
+            await self.fail_unserved(req)
+            return True
+        candidates = self.router.candidates(lora=req.lora)
+        if not candidates:
+            # nobody has room: it waits here, in priority order (an adapter's request
+            # lets the others go on)
+            return self.hold_back(req, skipped)
+        with self.routes.use(req.request_id):  # the index query joins the request's trace
+            overlaps = await self.overlaps(req) if len(candidates) > 1 else {}
+        if self.next_queued(skipped) is not item:
+            return True  # the queue changed (or the client left) while we asked the index
+        placement = self.placement()
+        reserve = self.config.regions.spill_reserve_seqs if req.guest else 0
+        if req.guest and not placement.guest_room(self.router, reserve, guest_pool(self.router)):
+            return False  # the region's reserve (guests queue behind all of its own)
+        chosen = route(
+            self.router,
+            req,
+            overlaps,
+            min_prompt_tokens=self.config.disagg_min_prompt_tokens,
+            placement=placement,
+            prefill_keep_free=reserve,
+        )
+        if chosen is None:
+            return self.hold_back(req, skipped)
+        if self.queue[0] is item:
             heapq.heappop(self.queue)
             self.queued.discard(req.request_id)
-            executor = chosen.executor
-            if chosen.prefill:  # disaggregated: the decode side asks the prefill side
-                self.router.assigned(chosen.prefill, req, overlaps)
-                self.router.assigned(executor, req, decode_only=True)
-                incarnation = self.router.executors[chosen.prefill].heartbeat.incarnation
-            else:
-                self.router.assigned(executor, req, overlaps)
-                incarnation = ""
-            if chosen.prefill or req.prefill_executor:  # (a migrated one may carry an old pair)
-                req = dataclasses.replace(
-                    req, prefill_executor=chosen.prefill, prefill_incarnation=incarnation
-                )
-            assignment = self.inflight.assign(executor, req, rank)
-            with self.routes.use(req.request_id):
-                await self.svc.publish(self.svc.subjects.executor_submit(executor), req)
-            assignment.trace = self.routes.routed(req.request_id, executor)
-            self.dispatched += 1
-            self.estimate.dispatched()
+        else:
+            self.remove_queued({req.request_id})
+        executor = chosen.executor
+        if chosen.prefill:  # disaggregated: the decode side asks the prefill side
+            self.router.assigned(chosen.prefill, req, overlaps)
+            self.router.assigned(executor, req, decode_only=True)
+            incarnation = self.router.executors[chosen.prefill].heartbeat.incarnation
+        else:
+            self.router.assigned(executor, req, overlaps)
+            incarnation = ""
+        if chosen.prefill or req.prefill_executor:  # (a migrated one may carry an old pair)
+            req = dataclasses.replace(
+                req, prefill_executor=chosen.prefill, prefill_incarnation=incarnation
+            )
+        assignment = self.inflight.assign(executor, req, rank)
+        with self.routes.use(req.request_id):
+            await self.svc.publish(self.svc.subjects.executor_submit(executor), req)
+        assignment.trace = self.routes.routed(req.request_id, executor)
+        self.dispatched += 1
+        self.estimate.dispatched()
+        return True
 
     async def overlaps(self, req: TokenizedRequest) -> dict[str, int]:
         """Each executor's cached pages of the prompt (kv router), or {} if the index is silent.
