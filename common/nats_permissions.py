@@ -161,8 +161,14 @@ def gateway(s: Subjects, peers: Sequence[Subjects] = (), region: str = "") -> Pe
         region=region,
         publish=[s.tokenizer_encode, s.abort, s.presence_probe],
         subscribe=[every(s.gateway_inbox), s.executor_heartbeat, s.presence_all],
-        # the watchdog (are these silent requests alive?), and /tokenize and /detokenize
-        requests=[s.scheduler_status, s.tokenizer_tokenize, s.tokenizer_detokenize],
+        # the watchdog (are these silent requests alive?), /tokenize and /detokenize, and
+        # LoRA adapters loaded at run time on each executor
+        requests=[
+            s.scheduler_status,
+            s.tokenizer_tokenize,
+            s.tokenizer_detokenize,
+            every(s.executor_lora),
+        ],
     )
 
 
@@ -270,7 +276,7 @@ def executor(s: Subjects, peers: Sequence[Subjects] = (), region: str = "") -> P
         # kv_agent: a decode peer's NIXL metadata; detok_progress: a decode executor falling
         # back to local prefill asks what its prefill peer streamed
         requests=[s.speculator_propose, every(s.executor_kv_agent), every(s.detok_progress)],
-        serves=[every(s.executor_kv_agent)],
+        serves=[every(s.executor_kv_agent), every(s.executor_lora)],
         # ensure_kv_stream (INFO: is an existing stream of that name this mesh's?)
         jetstream=kv_stream_api(s, "STREAM.CREATE", "STREAM.UPDATE", "STREAM.INFO"),
     )

@@ -87,6 +87,10 @@ class Subjects:
     def executor_kv_agent(self, executor_id: str) -> str:
         return f"{self.prefix}.executor.{executor_id}.kv_agent"
 
+    # gateway -> one executor (request/reply): load or unload a LoRA adapter at run time
+    def executor_lora(self, executor_id: str) -> str:
+        return f"{self.prefix}.executor.{executor_id}.lora"
+
     # anyone -> every executor and the scheduler: stop these requests
     @property
     def abort(self) -> str:

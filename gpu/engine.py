@@ -349,6 +349,9 @@ class Engine:
 
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
+        if self.runner.loras.retired:  # (unloaded adapters: freed once no sequence uses them)
+            held = [*self.seqs.values(), *self.reserved.values()]
+            self.runner.loras.release({seq.adapter for seq in held})
         if self.overlap is not None:
             return self.overlap.step()
         if self.proposer is not None:

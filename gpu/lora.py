@@ -192,6 +192,30 @@ class LoraSet:
     def __init__(self, adapters: Sequence[LoraAdapter]) -> None:
         self.adapters = list(adapters)
         self.slots = {a.name: i + 1 for i, a in enumerate(self.adapters)}
+        self.retired: set[int] = set()  # slots of removed adapters whose tensors are held
+
+    def add(self, adapter: LoraAdapter) -> None:
+        """Serve one more (at run time: a slot of its own, after every other's)."""
+        if adapter.name in self.slots:
+            raise ModelError(f"a LoRA adapter named {adapter.name!r} is loaded already")
+        self.adapters.append(adapter)
+        self.slots[adapter.name] = len(self.adapters)
+
+    def remove(self, name: str) -> int:
+        """Serve ``name`` to no new request; its slot (returned) stays for the sequences
+        that use it (``release`` frees it once none does)."""
+        slot = self.slots.pop(name, None)
+        if slot is None:
+            raise UnknownAdapter(f"The model `{name}` (a LoRA adapter) is not loaded here.")
+        self.retired.add(slot)
+        return slot
+
+    def release(self, in_use: set[int]) -> None:
+        """Free the tensors of removed adapters' slots no sequence uses now (the engine's
+        thread calls this between steps)."""
+        for slot in [s for s in self.retired if s not in in_use]:
+            self.retired.discard(slot)
+            self.adapters[slot - 1] = LoraAdapter(self.adapters[slot - 1].name, 0, ())
 
     def slot(self, name: str) -> int:
         """The slot of adapter ``name`` ("" : the base model's 0); ``ModelError`` if unknown."""

@@ -21,7 +21,7 @@ from gpu.config import ModelConfig, ModelError
 from gpu.cpu_kernels import CpuKernels
 from gpu.graph_runner import DecodeGraphs
 from gpu.kv_cache import KVCache, KVCacheSpec
-from gpu.lora import LoraSet, LoraStep
+from gpu.lora import LoraAdapter, LoraSet, LoraStep
 from gpu.model import CausalLM
 from gpu.parallel.launch import RankGroup
 from gpu.parallel.step import pack_step
@@ -124,6 +124,13 @@ class ModelRunner:
         if self.peers is not None and loras.adapters:
             raise ModelError("LoRA adapters are not supported with tensor parallelism")
         self.loras = LoraSet([a.to(self.device, self.model.dtype) for a in loras.adapters])
+
+    def add_lora(self, adapter: LoraAdapter) -> None:
+        """Serve one more adapter, at run time (between steps or during one: a step reads
+        only the slots its sequences hold)."""
+        if self.peers is not None:
+            raise ModelError("LoRA adapters are not supported with tensor parallelism")
+        self.loras.add(adapter.to(self.device, self.model.dtype))
 
     def capture_graphs(self, max_num_seqs: int) -> float | None:
         """Capture the decode graphs for batches up to ``max_num_seqs`` (the warm-up does);

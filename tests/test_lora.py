@@ -505,3 +505,98 @@ async def test_adapter_requests_go_only_to_executors_serving_the_adapter(
             error = (await resp.json())["error"]
     assert error["code"] == "model_not_found" and "served by no executor" in error["message"]
     await client.close()
+
+
+@pytest.fixture(scope="module")
+def runtime_mesh(tiny_llama: Path):
+    from tests.mesh import MeshHarness
+
+    harness = MeshHarness(
+        tiny_llama, executors=2, gateway_options={"allow_runtime_lora_updating": True}
+    ).start()
+    yield harness
+    harness.stop()
+
+
+async def test_adapters_load_and_unload_at_run_time(
+    runtime_mesh, lora_mesh, tiny_llama, adapters
+) -> None:
+    """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter, on every executor: the name is
+    a model at once (its merged model's text), loading it again changes nothing, a bad folder
+    is a 400 naming it, and once unloaded it is an unknown model. Without the flag the routes
+    do not exist."""
+    import aiohttp
+
+    from common.tokenizer import Tokenizer
+    from tests.mesh import openai_client
+
+    qv, _ = adapters["llama"]
+    root = runtime_mesh.base_url.removesuffix("/v1")
+    client = openai_client(runtime_mesh.base_url)
+    prompt = list(range(30, 45))
+
+    async def post(path: str, body: dict[str, Any], base: str = root) -> tuple[int, str]:
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(f"{base}{path}", json=body) as resp,
+        ):
+            return resp.status, await resp.text()
+
+    load = {"lora_name": "qv", "lora_path": str(qv)}
+    assert await post("/v1/load_lora_adapter", load) == (
+        200, "Success: LoRA adapter 'qv' added successfully."
+    )  # fmt: skip
+    assert {m.id for m in (await client.models.list()).data} == {"tiny", "qv"}
+    with torch.no_grad():
+        expected = (
+            merged_hf_model(tiny_llama, qv)
+            .generate(torch.tensor([prompt]), max_new_tokens=6, min_new_tokens=6, do_sample=False)[
+                0, len(prompt) :
+            ]
+            .tolist()
+        )
+    for _ in range(2):  # (each executor, whichever the router picks)
+        out = await client.completions.create(
+            model="qv", prompt=prompt, max_tokens=6, temperature=0,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        assert out.choices[0].text == Tokenizer.from_folder(tiny_llama).decode(expected)
+    loaded = [ex.engine.runner.loras.slots for ex in runtime_mesh.executor_services]
+    assert loaded == [{"qv": 1}, {"qv": 1}]
+    assert (await post("/v1/load_lora_adapter", load))[0] == 200  # (idempotent)
+    status, text = await post("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/no"})
+    assert status == 400 and json.loads(text)["error"]["param"] == "lora_path"
+    assert "adapter_config.json" in json.loads(text)["error"]["message"]
+    status, _ = await post("/v1/unload_lora_adapter", {"lora_name": "qv"})
+    assert status == 200
+    assert {m.id for m in (await client.models.list()).data} == {"tiny"}
+    async with aiohttp.ClientSession() as session:
+        body = {"model": "qv", "prompt": "x", "max_tokens": 1}
+        async with session.post(f"{runtime_mesh.base_url}/completions", json=body) as resp:
+            assert resp.status == 404
+    status, text = await post("/v1/unload_lora_adapter", {"lora_name": "qv"})
+    assert status == 404 and json.loads(text)["error"]["code"] == "model_not_found"
+    status, text = await post("/v1/load_lora_adapter", {"lora_name": "qv"})
+    assert status == 400 and json.loads(text)["error"]["param"] == "lora_path"
+    # a gateway without --allow-runtime-lora-updating has no such route
+    other = lora_mesh.base_url.removesuffix("/v1")
+    assert (await post("/v1/load_lora_adapter", load, other))[0] == 404
+    await client.close()
+
+
+def test_an_unloaded_adapter_is_freed_once_no_sequence_uses_it(tiny_llama, adapters) -> None:
+    qv, everything = adapters["llama"]
+    config = load_model(tiny_llama, progress=False).config
+    loras = LoraSet([load_adapter("qv", qv, config)])
+    loras.add(load_adapter("all", everything, config))
+    assert loras.slots == {"qv": 1, "all": 2}
+    with pytest.raises(ModelError, match="loaded already"):
+        loras.add(load_adapter("qv", qv, config))
+    assert loras.remove("qv") == 1 and loras.slots == {"all": 2}
+    loras.release({1})  # a sequence still runs on it: kept
+    assert loras.adapters[0].layers and loras.retired == {1}
+    loras.release({2})
+    assert not loras.adapters[0].layers and not loras.retired
+    assert loras.adapters[1].layers  # (the other one untouched)
+    with pytest.raises(UnknownAdapter):
+        loras.remove("qv")

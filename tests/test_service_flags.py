@@ -121,6 +121,7 @@ SERVICES: dict[str, list[Row]] = {
         ("--max-batch-choices", "MESHSERVE_MAX_BATCH_CHOICES", "16"),
         ("--reasoning-parser", "MESHSERVE_REASONING_PARSER", "qwen3"),
         ("--lora-modules", "MESHSERVE_LORA_MODULES", "a=/x"),
+        ("--allow-runtime-lora-updating", "MESHSERVE_ALLOW_RUNTIME_LORA_UPDATING", None),
         ("--max-body-bytes", "MESHSERVE_MAX_BODY_BYTES", "4096"),
         ("--max-stop", "MESHSERVE_MAX_STOP", "4"),
         ("--max-client-priority", "MESHSERVE_MAX_CLIENT_PRIORITY", "3"),

@@ -154,6 +154,23 @@ class PrefillDone(Message):
 
 
 @dataclass(frozen=True)
+class LoraUpdate(Message):
+    """Gateway -> each executor (request/reply; vLLM's /v1/load_lora_adapter and
+    /v1/unload_lora_adapter): load the PEFT adapter at ``path`` as ``name``, or, with no
+    ``path``, unload ``name``."""
+
+    name: str
+    path: str = ""
+
+
+@dataclass(frozen=True)
+class LoraUpdated(Message):
+    """The adapters the executor serves now (its next heartbeat says the same)."""
+
+    loras: list[str]
+
+
+@dataclass(frozen=True)
 class KVAgentQuery(Message):
     """Prefill executor -> decode executor (request/reply), once per peer process."""
 

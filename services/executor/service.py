@@ -32,7 +32,7 @@ import torch
 from common.config import parse_lora_modules
 from common.metrics import EngineSnapshot, ExecutorMetrics
 from common.recent_ids import RecentIds
-from common.runtime import Service
+from common.runtime import RequestError, Service
 from common.wire.codec import PAYLOAD_HEADROOM, Message, encode_within
 from common.wire.detokenizer import (
     PROMPT_TAIL_TOKENS,
@@ -45,12 +45,15 @@ from common.wire.detokenizer import (
 from common.wire.executor import (
     AbortRequests,
     KVAgentQuery,
+    LoraUpdate,
+    LoraUpdated,
     PrefillDone,
     PrefillRequest,
     TokenizedRequest,
 )
 from common.wire.gateway import ErrorEvent
 from common.wire.scheduler import Heartbeat
+from gpu.config import ModelError
 from gpu.engine import Engine, EngineConfig, StepOutput
 from gpu.gguf import resolve_model_path
 from gpu.loader import release_freed_memory
@@ -155,6 +158,7 @@ class ExecutorService:
                 self.subjects.executor_kv_agent(me), KVAgentQuery, decode.on_kv_agent
             )
             self.svc.spawn(decode.pump(), "kv-pump")
+        await self.svc.serve(self.subjects.executor_lora(me), LoraUpdate, self.on_lora_update)
         await self.warm_up()
         await self.kv_events.start()  # before the first step: the index starts from "cleared"
         self.svc.spawn(self.step_loop(), "step-loop")
@@ -353,6 +357,28 @@ class ExecutorService:
                 await self.heartbeat()
             except Exception as exc:  # (a task of its own: nobody else would hear of it)
                 log.warning("executor: an early load report failed: %r", exc)
+
+    async def on_lora_update(self, update: LoraUpdate) -> LoraUpdated:
+        """Load a LoRA adapter (off the event loop: it reads a file; one loaded already
+        under that name is left as it is) or unload one, at run time; the heartbeat that says
+        so goes out at once."""
+        runner = self.engine.runner
+        try:
+            if update.path and update.name not in runner.loras.slots:  # (idempotent)
+                adapter = await asyncio.to_thread(
+                    load_adapter, update.name, update.path, runner.config
+                )
+                runner.add_lora(adapter)
+                log.info("executor: loaded LoRA adapter %s from %s", update.name, update.path)
+            elif not update.path:
+                runner.loras.remove(update.name)
+                log.info("executor: unloaded LoRA adapter %s", update.name)
+        except UnknownAdapter as exc:
+            raise RequestError(str(exc), 404, param="lora_name", code="model_not_found") from exc
+        except (ModelError, OSError) as exc:
+            raise RequestError(str(exc), 400, param="lora_path") from exc
+        await self.heartbeat()
+        return LoraUpdated(list(runner.loras.slots))
 
     async def heartbeat(self) -> None:
         if self.broken:

@@ -32,6 +32,7 @@ from common.wire.gateway import TextDelta
 from common.wire.tokenizer import DetokenizeReply, TokenizeReply
 from services.gateway.body import check_unicode
 from services.gateway.config import GatewayConfig
+from services.gateway.lora_admin import lora_routes
 from services.gateway.mesh_client import MeshClient, nats_header_bytes, too_large_for_the_bus
 from services.gateway.observe import request_span
 from services.gateway.openapi import SPEC
@@ -430,6 +431,8 @@ def build_app(config: GatewayConfig, mesh: MeshClient) -> web.Application:
     app.router.add_get("/health", routes.health)
     app.router.add_get("/metrics", metrics_handler(mesh.service.registry))
     app.router.add_get("/openapi.json", openapi)
+    if config.allow_runtime_lora_updating:
+        lora_routes(app, config, mesh, read_json)
     return app
 
 

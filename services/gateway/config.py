@@ -37,6 +37,12 @@ class GatewayConfig:
         64, "most choices (prompts x n) a completions request that batches prompts may ask for"
     )
     lora_modules: tuple[str, ...] = lora_modules_setting()
+    allow_runtime_lora_updating: bool = setting(
+        False,
+        "serve vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter (each live executor "
+        "loads the PEFT folder a client names: give clients access only where they may read "
+        "the executors' disks)",
+    )
     # The adapters live executors announce (``Heartbeat.loras``): models too (no flag; the
     # gateway fills it in as they come: ``Routes.config``).
     announced_loras: tuple[str, ...] = ()

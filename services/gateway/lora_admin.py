@@ -1,0 +1,93 @@
+"""vLLM's ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``: LoRA adapters loaded or
+unloaded at run time on every live executor (``--allow-runtime-lora-updating``, vLLM's
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING``; off by default, behind the API key like ``/v1``).
+
+The gateway asks each executor its heartbeats name (request/reply, ``executor_lora``); each
+answers once its heartbeat says what it serves now, so the name is a model the gateway and
+the scheduler accept from that moment (``Heartbeat.loras``). Loading is idempotent on each
+executor (a retry after a partial failure completes it); an executor started later loads only
+its own ``--lora-modules``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from aiohttp import web
+
+from common.runtime import NoAnswer, RequestError
+from common.wire.executor import LoraUpdate, LoraUpdated
+from services.gateway.body import Body, bad_request
+from services.gateway.config import GatewayConfig
+from services.gateway.mesh_client import MeshClient
+
+LORA_UPDATE_TIMEOUT_S = 60.0  # reading an adapter's file and moving it to the device
+
+
+def parse_update(raw: Any, config: GatewayConfig, load: bool) -> LoraUpdate:
+    body = Body(raw)
+    name = body.string("lora_name")
+    if not name:
+        raise bad_request("Missing required parameter: 'lora_name'.", "lora_name")
+    if name == config.served_model_name:
+        raise bad_request("'lora_name' may not be the served model's name.", "lora_name")
+    if not load:
+        return LoraUpdate(name)
+    path = body.string("lora_path")
+    if not path:
+        raise bad_request("Missing required parameter: 'lora_path'.", "lora_path")
+    return LoraUpdate(name, path)
+
+
+async def update_everywhere(mesh: MeshClient, update: LoraUpdate) -> None:
+    """Ask every live executor; the first failure (by status) is the answer, unless every
+    executor that failed to unload simply did not hold the adapter while another did."""
+    executors = mesh.liveness.executors.live()
+    if not executors:
+        raise RequestError("No executor is live; retry.", 503, "server_error")
+    subjects = mesh.service.subjects
+    answers = await asyncio.gather(
+        *(
+            mesh.service.request(
+                subjects.executor_lora(e),
+                update,
+                LoraUpdated,
+                LORA_UPDATE_TIMEOUT_S,
+                raise_errors=True,
+            )
+            for e in executors
+        ),
+        return_exceptions=True,
+    )
+    failures: list[RequestError] = []
+    for executor, answer in zip(executors, answers, strict=True):
+        if isinstance(answer, NoAnswer):
+            failures.append(
+                RequestError(f"Executor {executor} did not answer; retry.", 503, "server_error")
+            )
+        elif isinstance(answer, RequestError):
+            failures.append(answer)
+        elif isinstance(answer, BaseException):
+            raise answer
+    if not update.path and len(failures) < len(executors):
+        failures = [f for f in failures if f.status != 404]  # (held by some: unloaded there)
+    if failures:
+        raise max(failures, key=lambda f: f.status)
+
+
+def lora_routes(app: web.Application, config: GatewayConfig, mesh: MeshClient, read: Any) -> None:
+    """Add the two routes (``read``: the gateway's JSON body reader)."""
+
+    async def load(request: web.Request) -> web.Response:
+        update = parse_update(await read(request, config.max_body_bytes), config, load=True)
+        await update_everywhere(mesh, update)
+        return web.Response(text=f"Success: LoRA adapter '{update.name}' added successfully.")
+
+    async def unload(request: web.Request) -> web.Response:
+        update = parse_update(await read(request, config.max_body_bytes), config, load=False)
+        await update_everywhere(mesh, update)
+        return web.Response(text=f"Success: LoRA adapter '{update.name}' removed successfully.")
+
+    app.router.add_post("/v1/load_lora_adapter", load)
+    app.router.add_post("/v1/unload_lora_adapter", unload)
