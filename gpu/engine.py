@@ -351,7 +351,8 @@ class Engine:
     def step(self) -> list[StepOutput]:
         if self.runner.loras.retired:  # (unloaded adapters: freed once no sequence uses them)
             held = [*self.seqs.values(), *self.reserved.values()]
-            self.runner.loras.release({seq.adapter for seq in held})
+            if self.runner.loras.release({seq.adapter for seq in held}):
+                self.pages.reset_prefix_cache()  # (its pages: hashed under a name now free)
         if self.overlap is not None:
             return self.overlap.step()
         if self.proposer is not None:

@@ -43,6 +43,11 @@ class UnknownAdapter(ModelError):
     """A request names an adapter this replica does not serve (a 404, as an unknown model)."""
 
 
+class AdapterBusy(ModelError):
+    """An adapter unloaded under this name still serves requests: loading another under it
+    must wait (their cached pages carry the name's hashes)."""
+
+
 @dataclass(frozen=True)
 class LoraPair:
     """One fused linear's low-rank update: ``out += (x @ a.T) @ b.T``."""
@@ -198,6 +203,11 @@ class LoraSet:
         """Serve one more (at run time: a slot of its own, after every other's)."""
         if adapter.name in self.slots:
             raise ModelError(f"a LoRA adapter named {adapter.name!r} is loaded already")
+        if any(self.adapters[s - 1].name == adapter.name for s in self.retired):
+            raise AdapterBusy(
+                f"The LoRA adapter `{adapter.name}` unloaded last still serves requests; retry "
+                "once they finish."
+            )
         self.adapters.append(adapter)
         self.slots[adapter.name] = len(self.adapters)
 
@@ -210,12 +220,15 @@ class LoraSet:
         self.retired.add(slot)
         return slot
 
-    def release(self, in_use: set[int]) -> None:
+    def release(self, in_use: set[int]) -> bool:
         """Free the tensors of removed adapters' slots no sequence uses now (the engine's
-        thread calls this between steps)."""
-        for slot in [s for s in self.retired if s not in in_use]:
+        thread calls this between steps); whether any was freed (the caller then drops the
+        cached pages: an adapter loaded under that name later must not find them)."""
+        freed = [s for s in self.retired if s not in in_use]
+        for slot in freed:
             self.retired.discard(slot)
             self.adapters[slot - 1] = LoraAdapter(self.adapters[slot - 1].name, 0, ())
+        return bool(freed)
 
     def slot(self, name: str) -> int:
         """The slot of adapter ``name`` ("" : the base model's 0); ``ModelError`` if unknown."""

@@ -17,7 +17,7 @@ from common.wire.executor import TokenizedRequest
 from gpu.attention.metadata import SeqChunk
 from gpu.config import ModelError
 from gpu.loader import load_model
-from gpu.lora import LoraSet, UnknownAdapter, load_adapter
+from gpu.lora import AdapterBusy, LoraSet, UnknownAdapter, load_adapter
 from gpu.runner import ModelRunner
 from tests.models import hf_model, merged_hf_model, write_tiny_lora
 
@@ -593,10 +593,54 @@ def test_an_unloaded_adapter_is_freed_once_no_sequence_uses_it(tiny_llama, adapt
     with pytest.raises(ModelError, match="loaded already"):
         loras.add(load_adapter("qv", qv, config))
     assert loras.remove("qv") == 1 and loras.slots == {"all": 2}
-    loras.release({1})  # a sequence still runs on it: kept
+    assert not loras.release({1})  # a sequence still runs on it: kept
     assert loras.adapters[0].layers and loras.retired == {1}
-    loras.release({2})
+    with pytest.raises(AdapterBusy):  # (its pages are still hashed under the name)
+        loras.add(load_adapter("qv", everything, config))
+    assert loras.release({2})
     assert not loras.adapters[0].layers and not loras.retired
+    loras.add(load_adapter("qv", everything, config))  # a new one under the name, slot 3
+    assert loras.slots == {"all": 2, "qv": 3}
     assert loras.adapters[1].layers  # (the other one untouched)
     with pytest.raises(UnknownAdapter):
-        loras.remove("qv")
+        loras.remove("nope")
+
+
+def test_an_adapter_reloaded_under_its_name_finds_none_of_the_old_ones_pages(
+    tiny_llama, adapters
+) -> None:
+    from gpu.engine import Engine, EngineConfig
+    from gpu.sampling_params import SamplingParams
+
+    qv, everything = adapters["llama"]
+    model = load_model(tiny_llama, progress=False)
+    runner = ModelRunner(model, 64, PAGE)
+    runner.load_loras(LoraSet([load_adapter("x", qv, model.config)]))
+    engine = Engine(runner, EngineConfig(64, 8, True), eos_token_ids=[2])
+    prompt = list(range(10, 31))
+
+    def run(rid: str) -> tuple[list[int], int]:
+        params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+        engine.add_request(rid, prompt, params, lora="x")
+        tokens, cached = [], 0
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens.extend(out.new_token_ids)
+                cached = out.cached_tokens
+        return tokens, cached
+
+    first, _ = run("a")
+    assert run("b")[1] == 20  # cached under the name
+    runner.loras.remove("x")
+    engine.step()  # (between steps: the slot and the name's pages are freed)
+    runner.add_lora(load_adapter("x", everything, model.config))
+    tokens, cached = run("c")
+    with torch.no_grad():
+        expected = (
+            merged_hf_model(tiny_llama, everything)
+            .generate(torch.tensor([prompt]), max_new_tokens=5, min_new_tokens=5, do_sample=False)[
+                0, len(prompt) :
+            ]
+            .tolist()
+        )
+    assert (tokens, cached) == (expected, 0) and tokens != first

@@ -57,7 +57,7 @@ from gpu.config import ModelError
 from gpu.engine import Engine, EngineConfig, StepOutput
 from gpu.gguf import resolve_model_path
 from gpu.loader import release_freed_memory
-from gpu.lora import LoraSet, UnknownAdapter, load_adapter
+from gpu.lora import AdapterBusy, LoraSet, UnknownAdapter, load_adapter
 from gpu.parallel.group import ParallelGroupLost
 from gpu.proposers import NgramProposer
 from gpu.replica import build_runner
@@ -375,6 +375,8 @@ class ExecutorService:
                 log.info("executor: unloaded LoRA adapter %s", update.name)
         except UnknownAdapter as exc:
             raise RequestError(str(exc), 404, param="lora_name", code="model_not_found") from exc
+        except AdapterBusy as exc:
+            raise RequestError(str(exc), 503, "server_error", "lora_name") from exc
         except (ModelError, OSError) as exc:
             raise RequestError(str(exc), 400, param="lora_path") from exc
         await self.heartbeat()
