@@ -169,6 +169,15 @@ class Engine:
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
 
+    def release_loras(self) -> None:
+        """Free unloaded adapters no sequence uses now, and the cached pages their name's
+        hashes reach (one loaded later under the name must not find them); between steps,
+        on the engine's thread."""
+        if self.runner.loras.retired:
+            held = [*self.seqs.values(), *self.reserved.values()]
+            if self.runner.loras.release({seq.adapter for seq in held}):
+                self.pages.reset_prefix_cache()
+
     def new_sequence(
         self,
         request_id: str,
@@ -349,10 +358,7 @@ class Engine:
 
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
-        if self.runner.loras.retired:  # (unloaded adapters: freed once no sequence uses them)
-            held = [*self.seqs.values(), *self.reserved.values()]
-            if self.runner.loras.release({seq.adapter for seq in held}):
-                self.pages.reset_prefix_cache()  # (its pages: hashed under a name now free)
+        self.release_loras()
         if self.overlap is not None:
             return self.overlap.step()
         if self.proposer is not None:

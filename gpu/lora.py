@@ -37,6 +37,7 @@ _BLOCK = {p: "self_attn" for p in ("q_proj", "k_proj", "v_proj", "o_proj")} | {
     p: "mlp" for p in ("gate_proj", "up_proj", "down_proj")
 }
 MAX_LORA_RANK = 256
+MAX_LORAS = 64  # served at once by a replica (each is named in every heartbeat)
 
 
 class UnknownAdapter(ModelError):
@@ -61,13 +62,23 @@ class LoraAdapter:
     name: str
     rank: int  # the largest of its projections'
     layers: tuple[dict[str, LoraPair], ...]  # per layer: fused linear -> its pair (or absent)
+    source: str = ""  # the folder it was read from
 
     def to(self, device: torch.device, dtype: torch.dtype) -> LoraAdapter:
         moved = tuple(
             {k: LoraPair(p.a.to(device, dtype), p.b.to(device, dtype)) for k, p in layer.items()}
             for layer in self.layers
         )
-        return LoraAdapter(self.name, self.rank, moved)
+        return LoraAdapter(self.name, self.rank, moved, self.source)
+
+
+@dataclass(frozen=True)
+class AdapterFiles:
+    """An adapter folder's two files, read (no torch: ``read_adapter`` may run anywhere)."""
+
+    folder: Path
+    config: dict[str, Any]
+    weights: bytes  # adapter_model.safetensors
 
 
 def _adapter_config(folder: Path) -> dict[str, Any]:
@@ -76,8 +87,10 @@ def _adapter_config(folder: Path) -> dict[str, Any]:
         raise ModelError(f"{folder} is not a PEFT LoRA adapter (no adapter_config.json)")
     try:
         raw: dict[str, Any] = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ModelError(f"{path} is not valid JSON: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ModelError(f"{path} is not a JSON object")
     refusals = {
         "peft_type": raw.get("peft_type", "LORA") not in ("LORA", None),
         "use_dora": bool(raw.get("use_dora")),
@@ -112,18 +125,36 @@ def _projection_of(name: str, num_layers: int) -> tuple[int, str, str] | None:
     return layer, proj, kind[-1]
 
 
-def load_adapter(name: str, folder: Path | str, config: ModelConfig) -> LoraAdapter:
-    """Read a PEFT LoRA adapter for a model of ``config``; ``ModelError`` names what does not
-    fit (a projection it does not know, a shape, a setting it does not compute)."""
-    from safetensors.torch import load_file
-
+def read_adapter(folder: Path | str) -> AdapterFiles:
+    """A PEFT adapter folder's files; ``ModelError`` where they are missing or unreadable."""
     folder = Path(folder)
     raw = _adapter_config(folder)
     weights_path = folder / "adapter_model.safetensors"
     if not weights_path.is_file():
         raise ModelError(f"{folder} has no adapter_model.safetensors")
-    tensors = load_file(str(weights_path))
-    alpha = float(raw.get("lora_alpha", 8))  # (peft's default)
+    try:
+        return AdapterFiles(folder, raw, weights_path.read_bytes())
+    except OSError as exc:
+        raise ModelError(f"{weights_path}: {exc}") from exc
+
+
+def load_adapter(name: str, folder: Path | str, config: ModelConfig) -> LoraAdapter:
+    """Read a PEFT LoRA adapter for a model of ``config``; ``ModelError`` names what does not
+    fit (a projection it does not know, a shape, a setting it does not compute)."""
+    return build_adapter(name, read_adapter(folder), config)
+
+
+def build_adapter(name: str, files: AdapterFiles, config: ModelConfig) -> LoraAdapter:
+    """The adapter in ``files`` for a model of ``config`` (torch work: on the engine's thread
+    in a running executor)."""
+    from safetensors.torch import load as load_bytes
+
+    raw, weights_path = files.config, files.folder / "adapter_model.safetensors"
+    try:
+        tensors = load_bytes(files.weights)
+        alpha = float(raw.get("lora_alpha", 8))  # (peft's default)
+    except Exception as exc:  # (safetensors raises its own error type for a bad file)
+        raise ModelError(f"{files.folder}: cannot read the adapter: {exc}") from exc
     rslora = bool(raw.get("use_rslora"))
     out_of = {
         "q_proj": config.q_size, "k_proj": config.kv_size, "v_proj": config.kv_size,
@@ -188,7 +219,7 @@ def load_adapter(name: str, folder: Path | str, config: ModelConfig) -> LoraAdap
             layer[fused] = LoraPair(stacked_a.contiguous(), block_b)
     if rank == 0:
         raise ModelError(f"{weights_path} holds no LoRA pairs")
-    return LoraAdapter(name, rank, tuple(layers))
+    return LoraAdapter(name, rank, tuple(layers), str(files.folder))
 
 
 class LoraSet:
@@ -203,6 +234,8 @@ class LoraSet:
         """Serve one more (at run time: a slot of its own, after every other's)."""
         if adapter.name in self.slots:
             raise ModelError(f"a LoRA adapter named {adapter.name!r} is loaded already")
+        if len(self.slots) >= MAX_LORAS:
+            raise ModelError(f"{MAX_LORAS} LoRA adapters are loaded already: unload one first")
         if any(self.adapters[s - 1].name == adapter.name for s in self.retired):
             raise AdapterBusy(
                 f"The LoRA adapter `{adapter.name}` unloaded last still serves requests; retry "
@@ -229,6 +262,11 @@ class LoraSet:
             self.retired.discard(slot)
             self.adapters[slot - 1] = LoraAdapter(self.adapters[slot - 1].name, 0, ())
         return bool(freed)
+
+    def source_of(self, name: str) -> str | None:
+        """The folder adapter ``name`` was loaded from (None: not loaded)."""
+        slot = self.slots.get(name)
+        return None if slot is None else self.adapters[slot - 1].source
 
     def slot(self, name: str) -> int:
         """The slot of adapter ``name`` ("" : the base model's 0); ``ModelError`` if unknown."""

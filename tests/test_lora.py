@@ -578,6 +578,29 @@ async def test_adapters_load_and_unload_at_run_time(
     assert status == 404 and json.loads(text)["error"]["code"] == "model_not_found"
     status, text = await post("/v1/load_lora_adapter", {"lora_name": "qv"})
     assert status == 400 and json.loads(text)["error"]["param"] == "lora_path"
+    status, text = await post("/v1/load_lora_adapter", {"lora_name": "q" * 300, "lora_path": "/x"})
+    assert status == 400 and json.loads(text)["error"]["param"] == "lora_name"
+    # the executors are idle: the name is free again at once, for another folder's weights
+    _, everything = adapters["llama"]
+    again = {"lora_name": "qv", "lora_path": str(everything)}
+    assert (await post("/v1/load_lora_adapter", again))[0] == 200
+    with torch.no_grad():
+        expected = (
+            merged_hf_model(tiny_llama, everything)
+            .generate(torch.tensor([prompt]), max_new_tokens=6, min_new_tokens=6, do_sample=False)[
+                0, len(prompt) :
+            ]
+            .tolist()
+        )
+    for _ in range(2):  # (the cached pages of the old "qv" are gone on both)
+        out = await client.completions.create(
+            model="qv", prompt=prompt, max_tokens=6, temperature=0,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        assert out.choices[0].text == Tokenizer.from_folder(tiny_llama).decode(expected)
+    status, text = await post("/v1/load_lora_adapter", load)  # the name, another folder
+    assert status == 400 and "loaded already, from" in json.loads(text)["error"]["message"]
+    assert (await post("/v1/unload_lora_adapter", {"lora_name": "qv"}))[0] == 200
     # a gateway without --allow-runtime-lora-updating has no such route
     other = lora_mesh.base_url.removesuffix("/v1")
     assert (await post("/v1/load_lora_adapter", load, other))[0] == 404

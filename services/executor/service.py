@@ -24,6 +24,7 @@ import time
 import uuid
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import nats.errors
@@ -57,7 +58,15 @@ from gpu.config import ModelError
 from gpu.engine import Engine, EngineConfig, StepOutput
 from gpu.gguf import resolve_model_path
 from gpu.loader import release_freed_memory
-from gpu.lora import AdapterBusy, LoraSet, UnknownAdapter, load_adapter
+from gpu.lora import (
+    AdapterBusy,
+    AdapterFiles,
+    LoraSet,
+    UnknownAdapter,
+    build_adapter,
+    load_adapter,
+    read_adapter,
+)
 from gpu.parallel.group import ParallelGroupLost
 from gpu.proposers import NgramProposer
 from gpu.replica import build_runner
@@ -359,28 +368,45 @@ class ExecutorService:
                 log.warning("executor: an early load report failed: %r", exc)
 
     async def on_lora_update(self, update: LoraUpdate) -> LoraUpdated:
-        """Load a LoRA adapter (off the event loop: it reads a file; one loaded already
-        under that name is left as it is) or unload one, at run time; the heartbeat that says
-        so goes out at once."""
-        runner = self.engine.runner
+        """Load a LoRA adapter or unload one, at run time. The files are read off the event
+        loop; the adapter is built and the slots change on the engine's thread, between steps
+        (its torch work stays on the one thread that runs them). Loading the same folder
+        again under its name is a no-op. The heartbeat that says so goes out before the
+        answer."""
+        runner, loop = self.engine.runner, asyncio.get_running_loop()
         try:
-            if update.path and update.name not in runner.loras.slots:  # (idempotent)
-                adapter = await asyncio.to_thread(
-                    load_adapter, update.name, update.path, runner.config
-                )
-                runner.add_lora(adapter)
-                log.info("executor: loaded LoRA adapter %s from %s", update.name, update.path)
-            elif not update.path:
-                runner.loras.remove(update.name)
+            if update.path:
+                if runner.peers is not None:
+                    raise ModelError("LoRA adapters are not supported with tensor parallelism")
+                loaded = runner.loras.source_of(update.name)
+                if loaded is None:
+                    files = await asyncio.to_thread(read_adapter, update.path)
+                    await loop.run_in_executor(self.worker, self.add_adapter, update.name, files)
+                    log.info("executor: loaded LoRA adapter %s from %s", update.name, update.path)
+                elif loaded != str(Path(update.path)):
+                    raise ModelError(
+                        f"The LoRA adapter `{update.name}` is loaded already, from {loaded}."
+                    )
+            else:
+                await loop.run_in_executor(self.worker, self.remove_adapter, update.name)
                 log.info("executor: unloaded LoRA adapter %s", update.name)
         except UnknownAdapter as exc:
             raise RequestError(str(exc), 404, param="lora_name", code="model_not_found") from exc
         except AdapterBusy as exc:
             raise RequestError(str(exc), 503, "server_error", "lora_name") from exc
-        except (ModelError, OSError) as exc:
+        except ModelError as exc:
             raise RequestError(str(exc), 400, param="lora_path") from exc
         await self.heartbeat()
         return LoraUpdated(list(runner.loras.slots))
+
+    def add_adapter(self, name: str, files: AdapterFiles) -> None:
+        """(On the engine's thread.)"""
+        self.engine.runner.add_lora(build_adapter(name, files, self.engine.runner.config))
+
+    def remove_adapter(self, name: str) -> None:
+        """(On the engine's thread: its memory is freed at once where no sequence uses it.)"""
+        self.engine.runner.loras.remove(name)
+        self.engine.release_loras()
 
     async def heartbeat(self) -> None:
         if self.broken:

@@ -2,11 +2,12 @@
 unloaded at run time on every live executor (``--allow-runtime-lora-updating``, vLLM's
 ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``; off by default, behind the API key like ``/v1``).
 
-The gateway asks each executor its heartbeats name (request/reply, ``executor_lora``); each
-answers once its heartbeat says what it serves now, so the name is a model the gateway and
-the scheduler accept from that moment (``Heartbeat.loras``). Loading is idempotent on each
-executor (a retry after a partial failure completes it); an executor started later loads only
-its own ``--lora-modules``.
+The gateway asks every executor its heartbeats name at once (request/reply,
+``executor_lora``; an unload also those draining); each answers once its heartbeat says what it
+serves now, so the name is a model the gateway and the scheduler accept from that moment
+(``Heartbeat.loras``). Loading a folder again under its name changes nothing (a retry after an
+executor did not answer completes the load); a load some executor refuses is undone on those
+that took it. An executor started later loads only its own ``--lora-modules``.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from services.gateway.config import GatewayConfig
 from services.gateway.mesh_client import MeshClient
 
 LORA_UPDATE_TIMEOUT_S = 60.0  # reading an adapter's file and moving it to the device
+MAX_LORA_NAME_CHARS = 256  # (every heartbeat names every adapter)
 
 
 def parse_update(raw: Any, config: GatewayConfig, load: bool) -> LoraUpdate:
@@ -30,6 +32,8 @@ def parse_update(raw: Any, config: GatewayConfig, load: bool) -> LoraUpdate:
     name = body.string("lora_name")
     if not name:
         raise bad_request("Missing required parameter: 'lora_name'.", "lora_name")
+    if len(name) > MAX_LORA_NAME_CHARS:
+        raise bad_request(f"'lora_name' is over {MAX_LORA_NAME_CHARS} characters.", "lora_name")
     if name == config.served_model_name:
         raise bad_request("'lora_name' may not be the served model's name.", "lora_name")
     if not load:
@@ -41,11 +45,26 @@ def parse_update(raw: Any, config: GatewayConfig, load: bool) -> LoraUpdate:
 
 
 async def update_everywhere(mesh: MeshClient, update: LoraUpdate) -> None:
-    """Ask every live executor; the first failure (by status) is the answer, unless every
-    executor that failed to unload simply did not hold the adapter while another did."""
-    executors = mesh.liveness.executors.live()
+    """Ask every live executor (an unload: draining ones too); the worst failure is the
+    answer, unless every executor that failed to unload simply did not hold the adapter
+    while another did. A load refused somewhere (a 4xx) is undone where it was taken."""
+    liveness = mesh.liveness.executors
+    executors = liveness.live() if update.path else sorted(liveness.recent())
     if not executors:
         raise RequestError("No executor is live; retry.", 503, "server_error")
+    failures, done = await ask_each(mesh, executors, update)
+    if not update.path and len(failures) < len(executors):
+        failures = [f for f in failures if f.status != 404]  # (held by some: unloaded there)
+    if update.path and done and any(f.status < 500 for f in failures):
+        await ask_each(mesh, done, LoraUpdate(update.name))
+    if failures:
+        raise max(failures, key=lambda f: f.status)
+
+
+async def ask_each(
+    mesh: MeshClient, executors: list[str], update: LoraUpdate
+) -> tuple[list[RequestError], list[str]]:
+    """Every executor's answer at once: the failures, and the executors that did it."""
     subjects = mesh.service.subjects
     answers = await asyncio.gather(
         *(
@@ -61,6 +80,7 @@ async def update_everywhere(mesh: MeshClient, update: LoraUpdate) -> None:
         return_exceptions=True,
     )
     failures: list[RequestError] = []
+    done: list[str] = []
     for executor, answer in zip(executors, answers, strict=True):
         if isinstance(answer, NoAnswer):
             failures.append(
@@ -70,10 +90,9 @@ async def update_everywhere(mesh: MeshClient, update: LoraUpdate) -> None:
             failures.append(answer)
         elif isinstance(answer, BaseException):
             raise answer
-    if not update.path and len(failures) < len(executors):
-        failures = [f for f in failures if f.status != 404]  # (held by some: unloaded there)
-    if failures:
-        raise max(failures, key=lambda f: f.status)
+        else:
+            done.append(executor)
+    return failures, done
 
 
 def lora_routes(app: web.Application, config: GatewayConfig, mesh: MeshClient, read: Any) -> None:
