@@ -170,9 +170,10 @@ class Engine:
         self.scheduler.add(seq)
 
     def release_loras(self) -> None:
-        """Free unloaded adapters no sequence uses now, and the cached pages their name's
-        hashes reach (one loaded later under the name must not find them); between steps,
-        on the engine's thread."""
+        """Free unloaded adapters no sequence uses now, and with them every unreferenced
+        cached page (theirs among them: one loaded later under the name must not find them;
+        pages carry no record of their chain's root); between steps, on the engine's
+        thread."""
         if self.runner.loras.retired:
             held = [*self.seqs.values(), *self.reserved.values()]
             if self.runner.loras.release({seq.adapter for seq in held}):

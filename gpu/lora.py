@@ -128,14 +128,14 @@ def _projection_of(name: str, num_layers: int) -> tuple[int, str, str] | None:
 def read_adapter(folder: Path | str) -> AdapterFiles:
     """A PEFT adapter folder's files; ``ModelError`` where they are missing or unreadable."""
     folder = Path(folder)
-    raw = _adapter_config(folder)
-    weights_path = folder / "adapter_model.safetensors"
-    if not weights_path.is_file():
-        raise ModelError(f"{folder} has no adapter_model.safetensors")
     try:
+        raw = _adapter_config(folder)
+        weights_path = folder / "adapter_model.safetensors"
+        if not weights_path.is_file():
+            raise ModelError(f"{folder} has no adapter_model.safetensors")
         return AdapterFiles(folder, raw, weights_path.read_bytes())
-    except OSError as exc:
-        raise ModelError(f"{weights_path}: {exc}") from exc
+    except OSError as exc:  # (a name too long, a permission: the client's path, not us)
+        raise ModelError(f"{folder}: {exc}") from exc
 
 
 def load_adapter(name: str, folder: Path | str, config: ModelConfig) -> LoraAdapter:
@@ -147,13 +147,14 @@ def load_adapter(name: str, folder: Path | str, config: ModelConfig) -> LoraAdap
 def build_adapter(name: str, files: AdapterFiles, config: ModelConfig) -> LoraAdapter:
     """The adapter in ``files`` for a model of ``config`` (torch work: on the engine's thread
     in a running executor)."""
+    from safetensors import SafetensorError
     from safetensors.torch import load as load_bytes
 
     raw, weights_path = files.config, files.folder / "adapter_model.safetensors"
     try:
         tensors = load_bytes(files.weights)
         alpha = float(raw.get("lora_alpha", 8))  # (peft's default)
-    except Exception as exc:  # (safetensors raises its own error type for a bad file)
+    except (SafetensorError, ValueError, TypeError) as exc:
         raise ModelError(f"{files.folder}: cannot read the adapter: {exc}") from exc
     rslora = bool(raw.get("use_rslora"))
     out_of = {
@@ -186,7 +187,7 @@ def build_adapter(name: str, files: AdapterFiles, config: ModelConfig) -> LoraAd
                     parts.append((proj, None, None))
                     continue
                 a, b = pair.get("A"), pair.get("B")
-                r = 0 if a is None else a.shape[0]
+                r = 0 if a is None or a.dim() != 2 else a.shape[0]
                 if (
                     a is None
                     or b is None

@@ -667,3 +667,108 @@ def test_an_adapter_reloaded_under_its_name_finds_none_of_the_old_ones_pages(
             .tolist()
         )
     assert (tokens, cached) == (expected, 0) and tokens != first
+
+
+def fake_mesh(live: list[str], recent: list[str], answer: Any) -> tuple[Any, list[tuple[str, str]]]:
+    """A gateway's mesh for ``update_everywhere``: ``answer(executor, update)`` per request."""
+    from types import SimpleNamespace
+
+    calls: list[tuple[str, str]] = []
+
+    async def request(subject: str, update: Any, *args: Any, **kwargs: Any) -> Any:
+        executor = subject.split(".")[1]
+        calls.append((executor, update.path))
+        result = answer(executor, update)
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    executors = SimpleNamespace(live=lambda: live, recent=lambda: dict.fromkeys(recent))
+    subjects = SimpleNamespace(executor_lora=lambda e: f"executor.{e}.lora")
+    mesh = SimpleNamespace(
+        liveness=SimpleNamespace(executors=executors),
+        service=SimpleNamespace(subjects=subjects, request=request),
+    )
+    return mesh, calls
+
+
+async def test_a_refused_load_is_undone_only_where_it_loaded_something() -> None:
+    """e1 had the folder already (from its flags), e2 loaded it, e3 refused: only e2 unloads."""
+    from common.runtime import RequestError
+    from common.wire.executor import LoraUpdate, LoraUpdated
+    from services.gateway.lora_admin import update_everywhere
+
+    def answer(executor: str, update: Any) -> Any:
+        if not update.path:
+            return LoraUpdated([], True)
+        if executor == "e3":
+            return RequestError("no such folder", 400, param="lora_path")
+        return LoraUpdated(["sql"], executor == "e2")
+
+    mesh, calls = fake_mesh(["e1", "e2", "e3"], ["e1", "e2", "e3"], answer)
+    with pytest.raises(RequestError) as refused:
+        await update_everywhere(mesh, LoraUpdate("sql", "/m/sql"))
+    assert refused.value.status == 400
+    assert [c for c in calls if not c[1]] == [("e2", "")]
+
+
+async def test_an_unload_forgives_a_draining_executor_that_does_not_answer() -> None:
+    from common.runtime import NoAnswer, RequestError
+    from common.wire.executor import LoraUpdate, LoraUpdated
+    from services.gateway.lora_admin import update_everywhere
+
+    def answer(executor: str, update: Any) -> Any:
+        return NoAnswer("gone") if executor == "e2" else LoraUpdated([], True)
+
+    mesh, _ = fake_mesh(["e1"], ["e1", "e2"], answer)
+    await update_everywhere(mesh, LoraUpdate("sql"))  # (e2 drains: its silence is no failure)
+    mesh, _ = fake_mesh(["e1", "e2"], ["e1", "e2"], answer)
+    with pytest.raises(RequestError) as silent:  # a live one's silence is
+        await update_everywhere(mesh, LoraUpdate("sql"))
+    assert silent.value.status == 503
+
+
+async def test_a_name_unloaded_while_in_use_is_free_again_once_its_requests_end(
+    runtime_mesh, adapters, tmp_path
+) -> None:
+    """Unloaded mid-request: the request finishes on it; loading the name again is a 503
+    (retry) until then, and succeeds once the executor is idle; a corrupt folder is a 400."""
+    import aiohttp
+
+    from tests.mesh import openai_client
+
+    qv, everything = adapters["llama"]
+    root = runtime_mesh.base_url.removesuffix("/v1")
+
+    async def post(path: str, body: dict[str, Any]) -> tuple[int, Any]:
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(f"{root}{path}", json=body) as resp,
+        ):
+            text = await resp.text()
+            return resp.status, (json.loads(text) if resp.status != 200 else text)
+
+    assert (await post("/v1/load_lora_adapter", {"lora_name": "b", "lora_path": str(qv)}))[0] == 200
+    client = openai_client(runtime_mesh.base_url)
+    stream = await client.completions.create(
+        model="b", prompt=list(range(20, 30)), max_tokens=120, temperature=0, stream=True,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    chunks = [await anext(aiter(stream))]
+    assert (await post("/v1/unload_lora_adapter", {"lora_name": "b"}))[0] == 200
+    again = {"lora_name": "b", "lora_path": str(everything)}
+    status, error = await post("/v1/load_lora_adapter", again)
+    assert status == 503 and "still serves requests" in error["error"]["message"]
+    chunks += [c async for c in stream]
+    assert chunks[-1].choices[0].finish_reason == "length"  # (it ran to its end on "b")
+    await asyncio.sleep(0.3)
+    assert (await post("/v1/load_lora_adapter", again))[0] == 200
+    assert (await post("/v1/unload_lora_adapter", {"lora_name": "b"}))[0] == 200
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "adapter_config.json").write_text('{"r": 4, "lora_alpha": 8}')
+    (bad / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
+    status, error = await post("/v1/load_lora_adapter", {"lora_name": "c", "lora_path": str(bad)})
+    assert status == 400 and error["error"]["param"] == "lora_path"
+    assert "cannot read the adapter" in error["error"]["message"]
+    await client.close()

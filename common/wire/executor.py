@@ -165,9 +165,11 @@ class LoraUpdate(Message):
 
 @dataclass(frozen=True)
 class LoraUpdated(Message):
-    """The adapters the executor serves now (its next heartbeat says the same)."""
+    """The adapters the executor serves now (its next heartbeat says the same); ``changed``:
+    this update loaded or unloaded one (a load of a folder it had already is not)."""
 
     loras: list[str]
+    changed: bool = False
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ import threading
 import time
 import uuid
 from collections import defaultdict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -114,6 +115,9 @@ class ExecutorService:
         # arrives after its abort (they travel different paths) is dropped, not run for nobody.
         self.ended: RecentIds[str, bool] = RecentIds()
         self.wake = asyncio.Event()
+        # LoRA adapter changes the step loop runs on the engine's thread between steps (with
+        # nothing else changing the engine meanwhile), each answered through its future
+        self.lora_ops: list[tuple[Callable[[], bool], asyncio.Future[bool]]] = []
         self.worker = worker or engine_thread(config.engine_nice)
         self.draining = False
         # A step failed, or the tensor-parallel group lost a rank: nothing runs here again.
@@ -369,44 +373,76 @@ class ExecutorService:
 
     async def on_lora_update(self, update: LoraUpdate) -> LoraUpdated:
         """Load a LoRA adapter or unload one, at run time. The files are read off the event
-        loop; the adapter is built and the slots change on the engine's thread, between steps
-        (its torch work stays on the one thread that runs them). Loading the same folder
-        again under its name is a no-op. The heartbeat that says so goes out before the
-        answer."""
-        runner, loop = self.engine.runner, asyncio.get_running_loop()
+        loop; the adapter is built and the slots change on the engine's thread, in the step
+        loop between steps (``run_lora_ops``). Loading the folder it has under that name is
+        a no-op; another folder under it is a 400. The heartbeat that says so goes out
+        before the answer."""
+        runner = self.engine.runner
         try:
             if update.path:
                 if runner.peers is not None:
                     raise ModelError("LoRA adapters are not supported with tensor parallelism")
-                loaded = runner.loras.source_of(update.name)
-                if loaded is None:
+                if runner.loras.source_of(update.name) is None:  # (else: decided on the thread)
                     files = await asyncio.to_thread(read_adapter, update.path)
-                    await loop.run_in_executor(self.worker, self.add_adapter, update.name, files)
-                    log.info("executor: loaded LoRA adapter %s from %s", update.name, update.path)
-                elif loaded != str(Path(update.path)):
-                    raise ModelError(
-                        f"The LoRA adapter `{update.name}` is loaded already, from {loaded}."
-                    )
+                else:
+                    files = AdapterFiles(Path(update.path), {}, b"")
+                changed = await self.lora_op(
+                    functools.partial(self.add_adapter, update.name, files)
+                )
             else:
-                await loop.run_in_executor(self.worker, self.remove_adapter, update.name)
-                log.info("executor: unloaded LoRA adapter %s", update.name)
+                changed = await self.lora_op(functools.partial(self.remove_adapter, update.name))
         except UnknownAdapter as exc:
             raise RequestError(str(exc), 404, param="lora_name", code="model_not_found") from exc
         except AdapterBusy as exc:
             raise RequestError(str(exc), 503, "server_error", "lora_name") from exc
         except ModelError as exc:
             raise RequestError(str(exc), 400, param="lora_path") from exc
+        if changed:
+            log.info("executor: %s LoRA adapter %s", "loaded" if update.path else "unloaded",
+                     update.name)  # fmt: skip
         await self.heartbeat()
-        return LoraUpdated(list(runner.loras.slots))
+        return LoraUpdated(list(runner.loras.slots), changed)
 
-    def add_adapter(self, name: str, files: AdapterFiles) -> None:
-        """(On the engine's thread.)"""
-        self.engine.runner.add_lora(build_adapter(name, files, self.engine.runner.config))
+    async def lora_op(self, op: Callable[[], bool]) -> bool:
+        done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self.lora_ops.append((op, done))
+        self.wake.set()
+        return await done
 
-    def remove_adapter(self, name: str) -> None:
+    async def run_lora_ops(self) -> None:
+        """The queued adapter changes, and the freeing of unloaded adapters no sequence uses
+        any more (an executor that went idle frees them here), on the engine's thread."""
+        loop = asyncio.get_running_loop()
+        ops, self.lora_ops = self.lora_ops, []
+        for op, done in ops:
+            try:
+                changed = await loop.run_in_executor(self.worker, op)
+            except Exception as exc:
+                if not done.done():
+                    done.set_exception(exc)
+            else:
+                if not done.done():
+                    done.set_result(changed)
+        if self.engine.runner.loras.retired:
+            await loop.run_in_executor(self.worker, self.engine.release_loras)
+
+    def add_adapter(self, name: str, files: AdapterFiles) -> bool:
+        """(On the engine's thread.) False: this folder is loaded under the name already."""
+        runner = self.engine.runner
+        self.engine.release_loras()  # (a name unloaded earlier may be free now)
+        loaded = runner.loras.source_of(name)
+        if loaded == str(files.folder):
+            return False
+        if loaded is not None:
+            raise ModelError(f"The LoRA adapter `{name}` is loaded already, from {loaded}.")
+        runner.add_lora(build_adapter(name, files, runner.config))
+        return True
+
+    def remove_adapter(self, name: str) -> bool:
         """(On the engine's thread: its memory is freed at once where no sequence uses it.)"""
         self.engine.runner.loras.remove(name)
         self.engine.release_loras()
+        return True
 
     async def heartbeat(self) -> None:
         if self.broken:
@@ -456,6 +492,7 @@ class ExecutorService:
     async def step_loop(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
+            await self.run_lora_ops()
             await self.apply_pending()
             await self.expire_deadlines()
             # Pages evicted between steps (reserved for a prefill executor's write): told now,

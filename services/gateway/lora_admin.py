@@ -45,26 +45,31 @@ def parse_update(raw: Any, config: GatewayConfig, load: bool) -> LoraUpdate:
 
 
 async def update_everywhere(mesh: MeshClient, update: LoraUpdate) -> None:
-    """Ask every live executor (an unload: draining ones too); the worst failure is the
-    answer, unless every executor that failed to unload simply did not hold the adapter
-    while another did. A load refused somewhere (a 4xx) is undone where it was taken."""
+    """Ask every live executor (an unload: draining ones too, those silent forgiven); the
+    worst failure is the answer, unless every executor that failed to unload simply did not
+    hold the adapter while another did. A load refused somewhere (a 4xx) is undone where this
+    one loaded it."""
     liveness = mesh.liveness.executors
-    executors = liveness.live() if update.path else sorted(liveness.recent())
+    live = liveness.live()
+    executors = live if update.path else sorted(liveness.recent())
     if not executors:
         raise RequestError("No executor is live; retry.", 503, "server_error")
-    failures, done = await ask_each(mesh, executors, update)
-    if not update.path and len(failures) < len(executors):
-        failures = [f for f in failures if f.status != 404]  # (held by some: unloaded there)
-    if update.path and done and any(f.status < 500 for f in failures):
-        await ask_each(mesh, done, LoraUpdate(update.name))
+    failures, changed = await ask_each(mesh, executors, update)
+    if not update.path:
+        failures = {e: f for e, f in failures.items() if e in live or f.status != 503}
+        if len(failures) < len(executors):  # (held by some: unloaded there)
+            failures = {e: f for e, f in failures.items() if f.status != 404}
+    if update.path and changed and any(f.status < 500 for f in failures.values()):
+        await ask_each(mesh, changed, LoraUpdate(update.name))
     if failures:
-        raise max(failures, key=lambda f: f.status)
+        raise max(failures.values(), key=lambda f: f.status)
 
 
 async def ask_each(
     mesh: MeshClient, executors: list[str], update: LoraUpdate
-) -> tuple[list[RequestError], list[str]]:
-    """Every executor's answer at once: the failures, and the executors that did it."""
+) -> tuple[dict[str, RequestError], list[str]]:
+    """Every executor's answer at once: the failures by executor, and the executors where
+    the update changed something."""
     subjects = mesh.service.subjects
     answers = await asyncio.gather(
         *(
@@ -79,20 +84,20 @@ async def ask_each(
         ),
         return_exceptions=True,
     )
-    failures: list[RequestError] = []
-    done: list[str] = []
+    failures: dict[str, RequestError] = {}
+    changed: list[str] = []
     for executor, answer in zip(executors, answers, strict=True):
         if isinstance(answer, NoAnswer):
-            failures.append(
-                RequestError(f"Executor {executor} did not answer; retry.", 503, "server_error")
+            failures[executor] = RequestError(
+                f"Executor {executor} did not answer; retry.", 503, "server_error"
             )
         elif isinstance(answer, RequestError):
-            failures.append(answer)
+            failures[executor] = answer
         elif isinstance(answer, BaseException):
             raise answer
-        else:
-            done.append(executor)
-    return failures, done
+        elif answer.changed:
+            changed.append(executor)
+    return failures, changed
 
 
 def lora_routes(app: web.Application, config: GatewayConfig, mesh: MeshClient, read: Any) -> None:
