@@ -54,45 +54,30 @@ class ReasoningSplitter:
     """
 
     def __init__(self, opened: bool) -> None:
-        self.state = "reasoning" if opened else "start"
+        self.state = "reasoning" if opened else "content"
         self.pending = ""  # text that may yet be (part of) a tag
         self.reasoned = opened  # a reasoning block opened at all
-        self.fresh = opened  # nothing reasoned yet: a leading <think> is still dropped
+        self.leading = True  # nothing out yet: a <think> first (after whitespace) is a tag
 
     def feed(self, text: str) -> tuple[str, str]:
-        buf, reasoning, content = self.pending + text, "", ""
+        buf, reasoning = self.pending + text, ""
         self.pending = ""
-        while buf:
-            if self.state == "reasoning" and self.fresh:
-                head = buf.lstrip()
-                if head.startswith(THINK_START):
-                    buf, self.fresh = head[len(THINK_START) :], False
-                    continue
-                if THINK_START.startswith(head):  # whitespace, or the tag's first characters
-                    self.pending = buf
-                    break
-                self.fresh = False
-            if self.state == "reasoning":
-                end = buf.find(THINK_END)
-                if end >= 0:
-                    reasoning += buf[:end]
-                    buf, self.state = buf[end + len(THINK_END) :], "content"
-                    continue
+        if self.leading and buf:
+            head = buf.lstrip()
+            if head.startswith(THINK_START):
+                buf, self.state, self.reasoned = head[len(THINK_START) :], "reasoning", True
+            elif THINK_START.startswith(head):  # whitespace, or the tag's first characters
+                self.pending = buf
+                return "", ""
+            self.leading = False
+        if self.state == "reasoning":
+            end = buf.find(THINK_END)
+            if end < 0:
                 keep = _partial_tag(buf, THINK_END)
-                reasoning, self.pending = reasoning + buf[: len(buf) - keep], buf[len(buf) - keep :]
-                break
-            if self.state == "start":
-                head = buf.lstrip()
-                if head.startswith(THINK_START):
-                    buf, self.state, self.reasoned = head[len(THINK_START) :], "reasoning", True
-                    continue
-                if THINK_START.startswith(head):  # whitespace, or the tag's first characters
-                    self.pending = buf
-                    break
-                self.state = "content"
-            content += buf
-            break
-        return reasoning, content
+                self.pending = buf[len(buf) - keep :]
+                return buf[: len(buf) - keep], ""
+            reasoning, buf, self.state = buf[:end], buf[end + len(THINK_END) :], "content"
+        return reasoning, buf
 
     def finish(self) -> tuple[str, str]:
         """What was held back, at the stream's end: the rest of the block it was in."""

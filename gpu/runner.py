@@ -121,9 +121,9 @@ class ModelRunner:
 
     def load_loras(self, loras: LoraSet) -> None:
         """Serve these adapters (moved to the model's device and dtype)."""
-        if self.peers is not None and loras.adapters:
-            raise ModelError("LoRA adapters are not supported with tensor parallelism")
-        self.loras = LoraSet([a.to(self.device, self.model.dtype) for a in loras.adapters])
+        self.loras = LoraSet([])
+        for adapter in loras.adapters:
+            self.add_lora(adapter)
 
     def add_lora(self, adapter: LoraAdapter) -> None:
         """Serve one more adapter, at run time (between steps or during one: a step reads

@@ -20,8 +20,7 @@ from gpu.loader import load_model
 from gpu.lora import AdapterBusy, LoraSet, UnknownAdapter, load_adapter
 from gpu.runner import ModelRunner
 from tests.models import hf_model, merged_hf_model, write_tiny_lora
-
-PAGE = 4
+from tests.test_model import PAGE, greedy_continue, run_chunked
 
 
 @pytest.fixture(scope="module")
@@ -39,38 +38,41 @@ def adapters(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFact
     return out
 
 
-def run_mixed(runner: ModelRunner, prompts: list[list[int]], slots: list[int], steps: int):
-    """Chunked prefill (3 tokens a step) then greedy decode, every sequence in every step:
-    each sequence's prompt logits and its greedy tokens."""
-    pages = -(-(max(map(len, prompts)) + steps) // PAGE) + 1
-    tables = [tuple(range(i * pages, (i + 1) * pages)) for i in range(len(prompts))]
-    done = [0] * len(prompts)
-    logits: list[list[torch.Tensor]] = [[] for _ in prompts]
-    while any(d < len(p) for d, p in zip(done, prompts, strict=True)):
-        active = [i for i, p in enumerate(prompts) if done[i] < len(p)]
-        chunks = [
-            SeqChunk(tables[i], done[i], min(3, len(prompts[i]) - done[i]), slots[i])
-            for i in active
-        ]
-        out = runner.execute(
-            chunks,
-            [prompts[i][done[i] : done[i] + c.num_new] for i, c in zip(active, chunks)],
-            True,
+def greedy(oracle: Any, prompt: list[int], n: int) -> list[int]:
+    """transformers' greedy continuation of ``prompt``, ``n`` tokens exactly."""
+    with torch.no_grad():
+        out = oracle.generate(
+            torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False
         )
-        row = 0
-        for i, c in zip(active, chunks, strict=True):
-            logits[i].append(out[row : row + c.num_new])
-            row += c.num_new
-            done[i] += c.num_new
-    tokens = [[int(torch.cat(lg)[-1].argmax())] for lg in logits]
-    for step in range(steps - 1):
-        chunks = [
-            SeqChunk(t, len(p) + step, 1, s) for t, p, s in zip(tables, prompts, slots, strict=True)
-        ]
-        out = runner.execute(chunks, [[t[-1]] for t in tokens])
-        for t, tok in zip(tokens, out.argmax(-1).tolist(), strict=True):
-            t.append(tok)
-    return [torch.cat(lg) for lg in logits], tokens
+    return [int(t) for t in out[0, len(prompt) :]]
+
+
+@pytest.fixture(scope="module")
+def llama_oracles(tiny_llama: Path, adapters) -> dict[str, Any]:
+    """transformers' model per LoRA name ("": the base), each adapter merged in."""
+    qv, everything = adapters["llama"]
+    return {
+        "": hf_model(tiny_llama),
+        "qv": merged_hf_model(tiny_llama, qv),
+        "all": merged_hf_model(tiny_llama, everything),
+    }
+
+
+def both_adapters(model: Any, pair: tuple[Path, Path]) -> LoraSet:
+    """``pair``'s adapters as "qv" (slot 1) and "all" (slot 2)."""
+    qv, everything = pair
+    return LoraSet(
+        [load_adapter("qv", qv, model.config), load_adapter("all", everything, model.config)]
+    )
+
+
+def run_all(engine: Any) -> dict[str, list[int]]:
+    """Step ``engine`` until every request ends: each one's tokens."""
+    outputs: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+    return outputs
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
@@ -82,33 +84,29 @@ def test_a_step_mixing_adapters_and_the_base_matches_each_merged_model(
     qv, everything = adapters[kind]
     model = load_model(base, progress=False, cpu_kernels=kernels)
     runner = ModelRunner(model, num_pages=128, page_size=PAGE)
-    runner.load_loras(
-        LoraSet(
-            [load_adapter("qv", qv, model.config), load_adapter("all", everything, model.config)]
-        )
-    )
+    runner.load_loras(both_adapters(model, adapters[kind]))
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (5, 9, 7, 11)]
     slots = [0, 1, 2, 1]  # the base, both adapters, one of them twice
     steps = 6
-    logits, greedy = run_mixed(runner, prompts, slots, steps)
+    # chunked prefill, 3 tokens a step, then greedy decode: every sequence in every step
+    logits, tables = run_chunked(runner, prompts, [3] * len(prompts), slots)
+    firsts = [int(lg[-1].argmax()) for lg in logits]
+    decoded = greedy_continue(runner, prompts, tables, firsts, steps, slots)
     oracles = {
         0: hf_model(base),
         1: merged_hf_model(base, qv),
         2: merged_hf_model(base, everything),
     }
-    for prompt, slot, lg, tokens in zip(prompts, slots, logits, greedy, strict=True):
+    for prompt, slot, lg, tokens in zip(prompts, slots, logits, decoded, strict=True):
         oracle = oracles[slot]
         with torch.no_grad():
             ref = oracle(torch.tensor([prompt])).logits[0]
-            gen = oracle.generate(
-                torch.tensor([prompt]), max_new_tokens=steps, min_new_tokens=steps, do_sample=False
-            )[0, len(prompt) :].tolist()
         rel = float((lg - ref).abs().max() / ref.abs().max())
         assert rel < 1e-4, (slot, rel)
-        assert tokens == gen, slot
+        assert tokens == greedy(oracle, prompt, steps), slot
     # the adapters change the output (or the comparison above proves nothing)
-    assert len({tuple(t) for t in (greedy[0], greedy[1], greedy[2])}) == 3
+    assert len({tuple(t) for t in (decoded[0], decoded[1], decoded[2])}) == 3
 
 
 def test_the_fused_decode_step_is_not_taken_with_adapter_rows(tiny_llama, adapters):
@@ -206,7 +204,9 @@ def test_tensors_it_cannot_place_are_refused(tiny_llama, tmp_path) -> None:
         load_adapter("a", folder, config)
 
 
-def test_engine_requests_name_their_adapter_and_cache_their_prefix_apart(tiny_llama, adapters):
+def test_engine_requests_name_their_adapter_and_cache_their_prefix_apart(
+    tiny_llama, adapters, llama_oracles
+):
     """The same prompt under the base, adapter "qv", then both again: each output is its own
     model's, and a prefix is served from the cache only to a request of the same adapter
     (pages of the base's KV reused under an adapter would change its output)."""
@@ -219,7 +219,6 @@ def test_engine_requests_name_their_adapter_and_cache_their_prefix_apart(tiny_ll
     runner.load_loras(LoraSet([load_adapter("qv", qv, model.config)]))
     engine = Engine(runner, EngineConfig(64, 8, True), eos_token_ids=[2])
     prompt = list(range(10, 31))  # 5 full pages
-    oracles = {"": hf_model(tiny_llama), "qv": merged_hf_model(tiny_llama, qv)}
     with pytest.raises(UnknownAdapter, match="`nope` .a LoRA adapter. is not loaded here"):
         engine.add_request("bad", prompt, SamplingParams(max_tokens=2), lora="nope")
     cached: dict[str, int] = {}
@@ -231,15 +230,7 @@ def test_engine_requests_name_their_adapter_and_cache_their_prefix_apart(tiny_ll
             for out in engine.step():
                 tokens.extend(out.new_token_ids)
                 cached[rid] = out.cached_tokens
-        with torch.no_grad():
-            expected = (
-                oracles[lora]
-                .generate(
-                    torch.tensor([prompt]), max_new_tokens=6, min_new_tokens=6, do_sample=False
-                )[0, len(prompt) :]
-                .tolist()
-            )
-        assert tokens == expected, rid
+        assert tokens == greedy(llama_oracles[lora], prompt, 6), rid
     assert cached == {"base": 0, "lora": 0, "base2": 20, "lora2": 20}
 
 
@@ -263,7 +254,9 @@ def lora_mesh(tiny_llama: Path, adapters):
     harness.stop()
 
 
-async def test_a_request_naming_an_adapter_runs_with_it(lora_mesh, tiny_llama, adapters) -> None:
+async def test_a_request_naming_an_adapter_runs_with_it(
+    lora_mesh, tiny_llama, adapters, llama_oracles
+) -> None:
     """vLLM's way: the adapter is the request's model. The same prompt under the base and each
     adapter, twice each (the second from cached pages: its adapter's), streamed and not: each
     greedy text is transformers' with that adapter merged in; /v1/models lists the adapters."""
@@ -272,25 +265,13 @@ async def test_a_request_naming_an_adapter_runs_with_it(lora_mesh, tiny_llama, a
     from common.tokenizer import Tokenizer
     from tests.mesh import openai_client, runtime_of
 
-    qv, everything = adapters["llama"]
+    qv, _ = adapters["llama"]
     tok = Tokenizer.from_folder(tiny_llama)
     ids = list(range(40, 90))  # several full pages
     client = openai_client(lora_mesh.base_url)
-    oracles = {
-        "tiny": hf_model(tiny_llama),
-        "qv": merged_hf_model(tiny_llama, qv),
-        "all": merged_hf_model(tiny_llama, everything),
-    }
     texts, cached = {}, []
     for model in ("tiny", "qv", "all", "qv", "tiny", "all"):
-        with torch.no_grad():
-            expected = (
-                oracles[model]
-                .generate(torch.tensor([ids]), max_new_tokens=8, min_new_tokens=8, do_sample=False)[
-                    0, len(ids) :
-                ]
-                .tolist()
-            )
+        expected = greedy(llama_oracles["" if model == "tiny" else model], ids, 8)
         out = await client.completions.create(
             model=model, prompt=ids, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
         )
@@ -349,20 +330,17 @@ async def test_a_request_naming_an_adapter_runs_with_it(lora_mesh, tiny_llama, a
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlapped"])
-def test_engine_steps_mixing_adapters_match_the_merged_models(tiny_llama, adapters, overlap):
+def test_engine_steps_mixing_adapters_match_the_merged_models(
+    tiny_llama, adapters, llama_oracles, overlap
+):
     """Requests on both adapters and the base, joining as others run, in the plain and the
     overlapped step loop (the next step queued before the last one's tokens are read)."""
     from gpu.engine import Engine, EngineConfig
     from gpu.sampling_params import SamplingParams
 
-    qv, everything = adapters["llama"]
     model = load_model(tiny_llama, progress=False)
     runner = ModelRunner(model, 128, PAGE)
-    runner.load_loras(
-        LoraSet(
-            [load_adapter("qv", qv, model.config), load_adapter("all", everything, model.config)]
-        )
-    )
+    runner.load_loras(both_adapters(model, adapters["llama"]))
     engine = Engine(runner, EngineConfig(16, 8, True, overlap_steps=overlap), eos_token_ids=[2])
     assert (engine.overlap is not None) is overlap
     g = torch.Generator().manual_seed(3)
@@ -377,24 +355,11 @@ def test_engine_steps_mixing_adapters_match_the_merged_models(tiny_llama, adapte
         for out in engine.step():
             outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
         step += 1
-    oracles = {
-        "": hf_model(tiny_llama),
-        "qv": merged_hf_model(tiny_llama, qv),
-        "all": merged_hf_model(tiny_llama, everything),
-    }
     for i, (prompt, lora) in enumerate(zip(prompts, loras, strict=True)):
-        with torch.no_grad():
-            expected = (
-                oracles[lora]
-                .generate(
-                    torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False
-                )[0, len(prompt) :]
-                .tolist()
-            )
-        assert outputs[str(i)] == expected, (i, lora)
+        assert outputs[str(i)] == greedy(llama_oracles[lora], prompt, 8), (i, lora)
 
 
-def test_speculative_verification_runs_drafts_with_the_adapter(tiny_llama, adapters):
+def test_speculative_verification_runs_drafts_with_the_adapter(tiny_llama, adapters, llama_oracles):
     """Prompt lookup drafts for adapter requests beside base ones: the drafts' rows are
     verified on each request's own adapter, so every output is its merged model's greedy
     text, and drafts were taken."""
@@ -402,41 +367,20 @@ def test_speculative_verification_runs_drafts_with_the_adapter(tiny_llama, adapt
     from gpu.proposers import NgramProposer
     from gpu.sampling_params import SamplingParams
 
-    qv, everything = adapters["llama"]
     model = load_model(tiny_llama, progress=False)
     runner = ModelRunner(model, 128, PAGE)
-    runner.load_loras(
-        LoraSet(
-            [load_adapter("qv", qv, model.config), load_adapter("all", everything, model.config)]
-        )
-    )
+    runner.load_loras(both_adapters(model, adapters["llama"]))
     config = EngineConfig(64, 8, True, num_speculative_tokens=3, adaptive_speculation=False)
     engine = Engine(runner, config, eos_token_ids=[2], proposer=NgramProposer(max_n=3, min_n=1))
     # repetitive prompts, so prompt lookup finds drafts
     prompts = [[7, 8, 9, 10] * 5, [11, 12, 13] * 6, [20, 21] * 9, [7, 8, 9, 10] * 5]
     loras = ["qv", "", "all", "all"]
-    outputs: dict[str, list[int]] = {}
     for i, (prompt, lora) in enumerate(zip(prompts, loras, strict=True)):
         params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
         engine.add_request(str(i), prompt, params, lora=lora)
-    while engine.has_unfinished():
-        for out in engine.step():
-            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
-    oracles = {
-        "": hf_model(tiny_llama),
-        "qv": merged_hf_model(tiny_llama, qv),
-        "all": merged_hf_model(tiny_llama, everything),
-    }
+    outputs = run_all(engine)
     for i, (prompt, lora) in enumerate(zip(prompts, loras, strict=True)):
-        with torch.no_grad():
-            expected = (
-                oracles[lora]
-                .generate(
-                    torch.tensor([prompt]), max_new_tokens=10, min_new_tokens=10, do_sample=False
-                )[0, len(prompt) :]
-                .tolist()
-            )
-        assert outputs[str(i)] == expected, (i, lora)
+        assert outputs[str(i)] == greedy(llama_oracles[lora], prompt, 10), (i, lora)
     assert engine.spec.num_draft_tokens > 0
 
 
@@ -458,7 +402,7 @@ def split_mesh(tiny_llama: Path, adapters):
 
 
 async def test_adapter_requests_go_only_to_executors_serving_the_adapter(
-    split_mesh, tiny_llama, adapters
+    split_mesh, tiny_llama, llama_oracles
 ) -> None:
     """Eight concurrent requests on "qv" (the router would spread them over both executors):
     every one is served, by the executor that has it, with its merged model's text; base
@@ -469,14 +413,12 @@ async def test_adapter_requests_go_only_to_executors_serving_the_adapter(
     from common.tokenizer import Tokenizer
     from tests.mesh import openai_client
 
-    qv, _ = adapters["llama"]
     tok = Tokenizer.from_folder(tiny_llama)
     client = openai_client(split_mesh.base_url)
     listed = {m.id for m in (await client.models.list()).data}
     assert listed == {"tiny", "qv", "ghost"}
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 512, (12,), generator=g).tolist() for _ in range(8)]
-    oracle = merged_hf_model(tiny_llama, qv)
 
     async def one(prompt: list[int], model: str) -> str:
         out = await client.completions.create(
@@ -490,11 +432,7 @@ async def test_adapter_requests_go_only_to_executors_serving_the_adapter(
     after = [ex.engine.pages.queries for ex in split_mesh.executor_services]
     assert after[0] == before[0] and after[1] > before[1]  # (prompt tokens looked up)
     for prompt, text in zip(prompts, texts, strict=True):
-        with torch.no_grad():
-            expected = oracle.generate(
-                torch.tensor([prompt]), max_new_tokens=6, min_new_tokens=6, do_sample=False
-            )[0, len(prompt) :].tolist()
-        assert text == tok.decode(expected)
+        assert text == tok.decode(greedy(llama_oracles["qv"], prompt, 6))
     await asyncio.gather(*(one(p, "tiny") for p in prompts))
     base = [ex.engine.pages.queries for ex in split_mesh.executor_services]
     assert base[0] > after[0]  # the base model's requests go to both
@@ -519,7 +457,7 @@ def runtime_mesh(tiny_llama: Path):
 
 
 async def test_adapters_load_and_unload_at_run_time(
-    runtime_mesh, lora_mesh, tiny_llama, adapters
+    runtime_mesh, lora_mesh, tiny_llama, adapters, llama_oracles
 ) -> None:
     """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter, on every executor: the name is
     a model at once (its merged model's text), loading it again changes nothing, a bad folder
@@ -547,14 +485,7 @@ async def test_adapters_load_and_unload_at_run_time(
         200, "Success: LoRA adapter 'qv' added successfully."
     )  # fmt: skip
     assert {m.id for m in (await client.models.list()).data} == {"tiny", "qv"}
-    with torch.no_grad():
-        expected = (
-            merged_hf_model(tiny_llama, qv)
-            .generate(torch.tensor([prompt]), max_new_tokens=6, min_new_tokens=6, do_sample=False)[
-                0, len(prompt) :
-            ]
-            .tolist()
-        )
+    expected = greedy(llama_oracles["qv"], prompt, 6)
     for _ in range(2):  # (each executor, whichever the router picks)
         out = await client.completions.create(
             model="qv", prompt=prompt, max_tokens=6, temperature=0,
@@ -584,14 +515,7 @@ async def test_adapters_load_and_unload_at_run_time(
     _, everything = adapters["llama"]
     again = {"lora_name": "qv", "lora_path": str(everything)}
     assert (await post("/v1/load_lora_adapter", again))[0] == 200
-    with torch.no_grad():
-        expected = (
-            merged_hf_model(tiny_llama, everything)
-            .generate(torch.tensor([prompt]), max_new_tokens=6, min_new_tokens=6, do_sample=False)[
-                0, len(prompt) :
-            ]
-            .tolist()
-        )
+    expected = greedy(llama_oracles["all"], prompt, 6)
     for _ in range(2):  # (the cached pages of the old "qv" are gone on both)
         out = await client.completions.create(
             model="qv", prompt=prompt, max_tokens=6, temperature=0,
@@ -630,7 +554,7 @@ def test_an_unloaded_adapter_is_freed_once_no_sequence_uses_it(tiny_llama, adapt
 
 
 def test_an_adapter_reloaded_under_its_name_finds_none_of_the_old_ones_pages(
-    tiny_llama, adapters
+    tiny_llama, adapters, llama_oracles
 ) -> None:
     from gpu.engine import Engine, EngineConfig
     from gpu.sampling_params import SamplingParams
@@ -658,14 +582,7 @@ def test_an_adapter_reloaded_under_its_name_finds_none_of_the_old_ones_pages(
     engine.step()  # (between steps: the slot and the name's pages are freed)
     runner.add_lora(load_adapter("x", everything, model.config))
     tokens, cached = run("c")
-    with torch.no_grad():
-        expected = (
-            merged_hf_model(tiny_llama, everything)
-            .generate(torch.tensor([prompt]), max_new_tokens=5, min_new_tokens=5, do_sample=False)[
-                0, len(prompt) :
-            ]
-            .tolist()
-        )
+    expected = greedy(llama_oracles["all"], prompt, 5)
     assert (tokens, cached) == (expected, 0) and tokens != first
 
 

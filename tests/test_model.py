@@ -17,11 +17,18 @@ from tests.models import hf_model
 PAGE = 4
 
 
-def run_chunked(runner: ModelRunner, prompts: list[list[int]], chunk_sizes: list[int]):
-    """Feed every prompt through shared batches, ``chunk_sizes[i]`` tokens of prompt i per step.
+def run_chunked(
+    runner: ModelRunner,
+    prompts: list[list[int]],
+    chunk_sizes: list[int],
+    adapters: list[int] | None = None,
+):
+    """Feed every prompt through shared batches, ``chunk_sizes[i]`` tokens of prompt i per step
+    (on LoRA slot ``adapters[i]``, if given).
 
     Returns every position's logits per prompt and each prompt's page table.
     """
+    slots = adapters or [0] * len(prompts)
     pages_per_seq = -(-max(len(p) for p in prompts) // PAGE) + 8
     tables = [tuple(range(i * pages_per_seq, (i + 1) * pages_per_seq)) for i in range(len(prompts))]
     done = [0] * len(prompts)
@@ -29,7 +36,7 @@ def run_chunked(runner: ModelRunner, prompts: list[list[int]], chunk_sizes: list
     while any(d < len(p) for d, p in zip(done, prompts)):
         active = [i for i, p in enumerate(prompts) if done[i] < len(p)]
         chunks = [
-            SeqChunk(tables[i], done[i], min(chunk_sizes[i], len(prompts[i]) - done[i]))
+            SeqChunk(tables[i], done[i], min(chunk_sizes[i], len(prompts[i]) - done[i]), slots[i])
             for i in active
         ]
         out = runner.execute(
@@ -45,12 +52,14 @@ def run_chunked(runner: ModelRunner, prompts: list[list[int]], chunk_sizes: list
     return [torch.cat(x) for x in logits], tables
 
 
-def greedy_continue(runner, prompts, tables, first_tokens, steps):
-    """Batched greedy decode: one token per sequence per step, all sequences in one batch."""
+def greedy_continue(runner, prompts, tables, first_tokens, steps, adapters=None):
+    """Batched greedy decode: one token per sequence per step, all sequences in one batch
+    (sequence i on LoRA slot ``adapters[i]``, if given)."""
     outputs = [[t] for t in first_tokens]
     lengths = [len(p) for p in prompts]
+    slots = adapters or [0] * len(prompts)
     for _ in range(steps - 1):
-        chunks = [SeqChunk(tables[i], lengths[i], 1) for i in range(len(prompts))]
+        chunks = [SeqChunk(tables[i], lengths[i], 1, slots[i]) for i in range(len(prompts))]
         logits = runner.execute(chunks, [[o[-1]] for o in outputs])
         for i, tok in enumerate(logits.argmax(-1).tolist()):
             outputs[i].append(tok)

@@ -382,13 +382,11 @@ class ExecutorService:
             if update.path:
                 if runner.peers is not None:
                     raise ModelError("LoRA adapters are not supported with tensor parallelism")
-                if runner.loras.source_of(update.name) is None:  # (else: decided on the thread)
+                files = None  # (a name loaded already: decided on the engine's thread)
+                if runner.loras.source_of(update.name) is None:
                     files = await asyncio.to_thread(read_adapter, update.path)
-                else:
-                    files = AdapterFiles(Path(update.path), {}, b"")
-                changed = await self.lora_op(
-                    functools.partial(self.add_adapter, update.name, files)
-                )
+                add = functools.partial(self.add_adapter, update.name, update.path, files)
+                changed = await self.lora_op(add)
             else:
                 changed = await self.lora_op(functools.partial(self.remove_adapter, update.name))
         except UnknownAdapter as exc:
@@ -426,16 +424,17 @@ class ExecutorService:
         if self.engine.runner.loras.retired:
             await loop.run_in_executor(self.worker, self.engine.release_loras)
 
-    def add_adapter(self, name: str, files: AdapterFiles) -> bool:
-        """(On the engine's thread.) False: this folder is loaded under the name already."""
+    def add_adapter(self, name: str, path: str, files: AdapterFiles | None) -> bool:
+        """(On the engine's thread.) False: this folder is loaded under the name already.
+        ``files``: the folder's, read (None where the name was loaded when asked)."""
         runner = self.engine.runner
         self.engine.release_loras()  # (a name unloaded earlier may be free now)
         loaded = runner.loras.source_of(name)
-        if loaded == str(files.folder):
+        if loaded == str(Path(path)):
             return False
         if loaded is not None:
             raise ModelError(f"The LoRA adapter `{name}` is loaded already, from {loaded}.")
-        runner.add_lora(build_adapter(name, files, runner.config))
+        runner.add_lora(build_adapter(name, files or read_adapter(path), runner.config))
         return True
 
     def remove_adapter(self, name: str) -> bool:

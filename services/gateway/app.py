@@ -23,7 +23,6 @@ from typing import Any
 from aiohttp import web
 from opentelemetry import trace
 
-from common.config import parse_lora_modules
 from common.metrics import metrics_handler
 from common.runtime import NoAnswer, RequestError, serve_until_shutdown
 from common.telemetry import Attr, inject
@@ -395,7 +394,7 @@ class Routes:
         """vLLM's card: a LoRA adapter's names its base model as ``parent``, and its folder
         as ``root``."""
         base = self.config.served_model_name
-        root = parse_lora_modules(self.config.lora_modules).get(name, name)
+        root = self.config.lora_paths.get(name, name)
         return {
             "id": name,
             "object": "model",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import ipaddress
 from dataclasses import dataclass, field
 
@@ -105,11 +106,16 @@ class GatewayConfig:
         "otherwise: anyone who reaches the port could use the API)",
     )
 
-    @property
+    @functools.cached_property
+    def lora_paths(self) -> dict[str, str]:
+        """``--lora-modules`` as {name: folder} (parsed once: the settings never change)."""
+        return parse_lora_modules(self.lora_modules)
+
+    @functools.cached_property
     def lora_names(self) -> list[str]:
         """The LoRA adapters' names: models a request may name besides the served one (those
         of ``--lora-modules``, then those the executors announce)."""
-        names = list(parse_lora_modules(self.lora_modules))
+        names = list(self.lora_paths)
         return names + [n for n in self.announced_loras if n not in names]
 
     def __post_init__(self) -> None:

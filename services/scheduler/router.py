@@ -270,14 +270,7 @@ class Router:
     def pool(self, roles: Sequence[str] | None = None, lora: str = "") -> list[str]:
         """The live executors (of these roles; serving ``lora``, if named) that may get work,
         room or not (draining ones take none)."""
-        return sorted(
-            e
-            for e in self.alive()
-            if e not in self.refused
-            and not self.executors[e].heartbeat.draining
-            and (roles is None or self.executors[e].heartbeat.role in roles)
-            and self.executors[e].heartbeat.serves(lora)
-        )
+        return [e for e in self.serving(lora, roles) if not self.executors[e].heartbeat.draining]
 
     def serving(self, lora: str, roles: Sequence[str] | None = None) -> list[str]:
         """The live executors (of these roles) that serve adapter ``lora``, draining ones

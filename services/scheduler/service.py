@@ -170,11 +170,7 @@ class SchedulerService:
         (``TokenizedRequest.guest``)."""
         self.spill.received()
         if req.lora:  # (no region spills these now; an older one might)
-            error = ErrorEvent(
-                req.request_id, 503, "The region serving this request has no executor for it; "
-                "retry the request.", "server_error", "region_unavailable",
-            )  # fmt: skip
-            await self.svc.publish(req.reply_to, error)
+            await self.svc.publish(req.reply_to, region_unavailable(req.request_id))
             return
         await self.admit(dataclasses.replace(req, guest=True), may_spill=False)
 
@@ -333,14 +329,7 @@ class SchedulerService:
         if not req.output_token_ids:
             await self.fail_queued({req.request_id}, "unknown adapter", unserved_adapter(req))
             return
-        await self.fail_queued(
-            {req.request_id},
-            "executor failed",
-            lambda rid: ErrorEvent(
-                rid, 503, "The executor serving this request failed mid-stream; retry the "
-                "request.", "server_error", "executor_failed",
-            ),
-        )  # fmt: skip
+        await self.fail_queued({req.request_id}, "executor failed", executor_failed)
         await self.end_everywhere([req.request_id], "executor failed")
 
     async def _dispatch_one(self, item: tuple[Any, TokenizedRequest], skipped: set[str]) -> bool:
@@ -466,16 +455,7 @@ class SchedulerService:
         )
         for req in failed:
             self.metrics.executor_failed.inc()
-            await self.svc.publish(
-                req.reply_to,
-                ErrorEvent(
-                    req.request_id,
-                    503,
-                    "The executor serving this request failed mid-stream; retry the request.",
-                    "server_error",
-                    "executor_failed",
-                ),
-            )
+            await self.svc.publish(req.reply_to, executor_failed(req.request_id))
         if failed:  # every stage forgets them (the detokenizer's stream state included)
             await self.end_everywhere([r.request_id for r in failed], "executor failed")
 
@@ -560,14 +540,7 @@ class SchedulerService:
         queued_guests = {req.request_id for _, req in self.queue if req.guest}
         if not queued_guests:
             return
-        guests = await self.fail_queued(
-            queued_guests,
-            "returned",
-            lambda rid: ErrorEvent(
-                rid, 503, "The region serving this request has no executor for it; retry the "
-                "request.", "server_error", "region_unavailable",
-            ),
-        )  # fmt: skip
+        guests = await self.fail_queued(queued_guests, "returned", region_unavailable)
         await self.end_everywhere([req.request_id for req in guests], "returned to its region")
         self.spill.returned_total.inc(len(guests))
         log.warning("scheduler: no executor here may take a guest; returned %d", len(guests))
@@ -628,3 +601,21 @@ def unserved_adapter(req: TokenizedRequest) -> Callable[[str], ErrorEvent]:
     return lambda rid: ErrorEvent(
         rid, 404, message, "invalid_request_error", "model_not_found", "model"
     )
+
+
+def executor_failed(request_id: str) -> ErrorEvent:
+    """A request whose executor was lost once it had streamed (retryable: its gateway may
+    resume it)."""
+    return ErrorEvent(
+        request_id, 503, "The executor serving this request failed mid-stream; retry the "
+        "request.", "server_error", "executor_failed",
+    )  # fmt: skip
+
+
+def region_unavailable(request_id: str) -> ErrorEvent:
+    """A guest this region cannot serve, back to its home gateway (retryable: it resumes it
+    elsewhere)."""
+    return ErrorEvent(
+        request_id, 503, "The region serving this request has no executor for it; retry the "
+        "request.", "server_error", "region_unavailable",
+    )  # fmt: skip

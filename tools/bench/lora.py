@@ -26,14 +26,11 @@ from pathlib import Path
 
 import torch
 
-from common.tokenizer import Tokenizer
-from gpu.engine import Engine, EngineConfig
-from gpu.gguf import resolve_model_path
+from gpu.engine import Engine
 from gpu.lora import LoraSet, load_adapter
-from gpu.replica import build_runner
 from gpu.sampling_params import SamplingParams
-from services.launcher.up import add_up
 from tests.models import write_tiny_lora
+from tools.bench.up_engine import up_engine
 
 
 def run(
@@ -71,15 +68,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args(argv)
-    sub = argparse.ArgumentParser().add_subparsers()
-    add_up(sub)
-    up = sub.choices["up"].parse_args([])
-    folder = resolve_model_path(args.model)
-    tokenizer = Tokenizer.from_folder(folder)
-    runner = build_runner(
-        folder, quantization=up.quantization, num_pages=up.kv_cache_tokens // up.page_size,
-        page_size=up.page_size, kv_cache=up.kv_cache_dtype, progress=False,
-    )  # fmt: skip
+    built = up_engine(args.model)
+    folder, engine, up = built.folder, built.engine, built.up
+    runner = engine.runner
     with tempfile.TemporaryDirectory() as tmp:
         adapters = [
             load_adapter(
@@ -90,11 +81,6 @@ def main(argv: list[str] | None = None) -> None:
             for seed, name in enumerate(("a", "b"))
         ]
     runner.load_loras(LoraSet(adapters))
-    engine = Engine(
-        runner,
-        EngineConfig(up.max_num_batched_tokens, up.max_num_seqs),
-        tokenizer.eos_token_ids,
-    )
     rng = random.Random(0)
     vocab = runner.config.vocab_size
     prompts = [

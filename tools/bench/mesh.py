@@ -35,16 +35,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from common.tokenizer import Tokenizer
-from gpu.engine import Engine, EngineConfig
-from gpu.gguf import resolve_model_path
-from gpu.replica import build_runner
+from gpu.engine import Engine
 from gpu.sampling_params import SamplingParams
 from loadtest.client import Endpoint, RequestResult, send_request
 from loadtest.runner import new_session
 from loadtest.workloads import RequestSpec
 from services.launcher.mesh import LocalMesh
-from services.launcher.up import add_up
 from tools.bench.engine import QUESTIONS
+from tools.bench.up_engine import up_engine
 
 WARMUP_TOKENS = 8
 
@@ -209,9 +207,6 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m tools.bench.mesh", description=__doc__.split("\n")[0]
     )
-    sub = parser.add_subparsers()
-    add_up(sub)  # reuse meshserve up's flags for the mesh side
-    up_args = sub.choices["up"].parse_args([])
     parser.add_argument("--model", default=None)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--requests", type=int, default=64, help="per round and workload")
@@ -226,17 +221,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--port", type=int, default=8123)
     args = parser.parse_args(argv)
-    folder = resolve_model_path(args.model)
-    tokenizer = Tokenizer.from_folder(folder)
-    config = EngineConfig(up_args.max_num_batched_tokens, up_args.max_num_seqs)
-    pages = up_args.kv_cache_tokens // up_args.page_size
-    # The weights and KV in the format each executor of ``meshserve up`` loads (its defaults:
-    # ``--quantization auto`` reads a GGUF model's own blocks), so both sides run one engine.
-    runner = build_runner(
-        folder, quantization=up_args.quantization, num_pages=pages,
-        page_size=up_args.page_size, kv_cache=up_args.kv_cache_dtype, progress=False,
-    )  # fmt: skip
-    engine = Engine(runner, config, tokenizer.eos_token_ids)
+    # The engine each executor of ``meshserve up`` builds (its defaults: ``--quantization
+    # auto`` reads a GGUF model's own blocks), and ``up``'s flags for the mesh side, so both
+    # sides run one engine.
+    built = up_engine(args.model)
+    folder, tokenizer, engine, up_args = built.folder, built.tokenizer, built.engine, built.up
     up_args.model, up_args.port, up_args.served_model_name = str(folder), args.port, "bench"
     mesh = LocalMesh(up_args, folder)
     url, c, out_tokens = mesh.base_url, args.concurrency, args.output_tokens

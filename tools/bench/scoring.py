@@ -23,11 +23,9 @@ import time
 import torch
 
 from common.tokenizer import Tokenizer
-from gpu.engine import Engine, EngineConfig
-from gpu.gguf import resolve_model_path
-from gpu.replica import build_runner
+from gpu.engine import Engine
 from gpu.sampling_params import SamplingParams
-from services.launcher.up import add_up
+from tools.bench.up_engine import up_engine
 
 TEXT = (
     "the model serves many requests at once and each one shares its pages with others "
@@ -73,20 +71,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--context", type=int, default=200, help="tokens of each context")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args(argv)
-    sub = argparse.ArgumentParser().add_subparsers()
-    add_up(sub)
-    up = sub.choices["up"].parse_args([])
-    folder = resolve_model_path(args.model)
-    tokenizer = Tokenizer.from_folder(folder)
-    runner = build_runner(
-        folder, quantization=up.quantization, num_pages=up.kv_cache_tokens // up.page_size,
-        page_size=up.page_size, kv_cache=up.kv_cache_dtype, progress=False,
-    )  # fmt: skip
-    engine = Engine(
-        runner,
-        EngineConfig(up.max_num_batched_tokens, up.max_num_seqs),
-        tokenizer.eos_token_ids,
-    )
+    built = up_engine(args.model)
+    folder, tokenizer, engine, up = built.folder, built.tokenizer, built.engine, built.up
     prompts = prompts_for(tokenizer, args.prompts, args.context, seed=0)
     run(engine, prompts[:4], True, "warm-scored")
     run(engine, prompts[:4], False, "warm-plain")
