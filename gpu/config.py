@@ -17,14 +17,92 @@ class ModelError(ValueError):
 
 # model_type -> architecture family knobs. Qwen2 puts biases on q/k/v; Qwen3 has none but
 # normalises each q and k head (RMSNorm over head_dim, before the rotary); the rest have neither.
+# The mixture-of-experts families (``MoeConfig``) share their dense relatives' attention.
 SUPPORTED_MODEL_TYPES: dict[str, dict[str, bool]] = {
     "llama": {"qkv_bias": False, "qk_norm": False},
     "mistral": {"qkv_bias": False, "qk_norm": False},
     "qwen2": {"qkv_bias": True, "qk_norm": False},
     "qwen3": {"qkv_bias": False, "qk_norm": True},
+    "mixtral": {"qkv_bias": False, "qk_norm": False},
+    "qwen2_moe": {"qkv_bias": True, "qk_norm": False},
+    "qwen3_moe": {"qkv_bias": False, "qk_norm": True},
 }
 # The families whose sliding window applies only with ``use_sliding_window``.
-_OPT_IN_WINDOW = ("qwen2", "qwen3")
+_OPT_IN_WINDOW = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+# Mixtral names its experts' projections w1 (gate), w3 (up), w2 (down) under
+# ``block_sparse_moe``; the Qwen MoE families keep the dense names under ``mlp``.
+_MIXTRAL_NAMES = ("block_sparse_moe", "w1", "w3", "w2")
+_QWEN_MOE_NAMES = ("mlp", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """A sparse mixture-of-experts MLP (Mixtral, Qwen1.5/2-MoE, Qwen3-MoE): a router picks
+    ``top_k`` of ``num_experts`` SwiGLU experts per token (softmax over all experts, then the
+    top k; ``norm_topk_prob``: their weights rescaled to sum to 1) and the token's MLP output
+    is the weighted sum of theirs. ``shared_intermediate_size`` (Qwen2-MoE): one more expert
+    every token takes, scaled by a sigmoid gate. Layers in ``dense_layers`` keep a dense MLP
+    of the model's ``intermediate_size``."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's
+    norm_topk_prob: bool
+    shared_intermediate_size: int = 0
+    dense_layers: tuple[int, ...] = ()
+    names: tuple[str, str, str, str] = _QWEN_MOE_NAMES  # (block, gate, up, down)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.top_k <= self.num_experts:
+            raise ModelError(
+                f"num_experts_per_tok={self.top_k} must be 1..num_experts={self.num_experts}"
+            )
+
+    def sparse(self, layer: int) -> bool:
+        return layer not in self.dense_layers
+
+    def block(self, layer: int) -> str:
+        return f"model.layers.{layer}.{self.names[0]}"
+
+    def router(self, layer: int) -> str:
+        return f"{self.block(layer)}.gate.weight"
+
+    def expert(self, layer: int, expert: int) -> tuple[str, str, str]:
+        """The checkpoint names of one expert's gate, up and down weights."""
+        prefix = f"{self.block(layer)}.experts.{expert}"
+        return tuple(f"{prefix}.{n}.weight" for n in self.names[1:])  # type: ignore[return-value]
+
+    def shared(self, layer: int) -> tuple[str, str, str, str]:
+        """The shared expert's gate, up and down weights and its gate's (Qwen2-MoE)."""
+        prefix = f"{self.block(layer)}.shared_expert"
+        projections = (f"{prefix}.{n}_proj.weight" for n in ("gate", "up", "down"))
+        return (*projections, f"{prefix}_gate.weight")  # type: ignore[return-value]
+
+    @classmethod
+    def from_hf(cls, raw: dict[str, Any]) -> MoeConfig | None:
+        model_type = raw.get("model_type")
+        if model_type not in ("mixtral", "qwen2_moe", "qwen3_moe"):
+            return None
+        experts = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)
+        layers = int(raw["num_hidden_layers"])
+        if model_type == "mixtral":
+            return cls(experts, int(raw.get("num_experts_per_tok", 2)),
+                       int(raw["intermediate_size"]), True, names=_MIXTRAL_NAMES)  # fmt: skip
+        if experts <= 0:
+            raise ModelError(f"{model_type} config has num_experts={experts}")
+        step = int(raw.get("decoder_sparse_step") or 1)
+        only_dense = set(raw.get("mlp_only_layers") or [])
+        dense = tuple(i for i in range(layers) if i in only_dense or (i + 1) % step)
+        return cls(
+            num_experts=experts,
+            top_k=int(raw.get("num_experts_per_tok", 8)),
+            intermediate_size=int(raw["moe_intermediate_size"]),
+            norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+            shared_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0)
+            if model_type == "qwen2_moe"
+            else 0,
+            dense_layers=dense,
+        )
 
 
 @dataclass(frozen=True)
@@ -75,7 +153,7 @@ def _refuse_what_is_not_computed(raw: dict[str, Any]) -> None:
     if act not in ("silu", "swish"):
         raise ModelError(f"unsupported hidden_act {act!r} (supported: silu)")
     for flag in ("attention_bias", "mlp_bias"):
-        if raw.get(flag) and raw.get("model_type") != "qwen2":
+        if raw.get(flag) and raw.get("model_type") not in ("qwen2", "qwen2_moe"):
             raise ModelError(f"unsupported {flag}: true (this runtime puts no bias there)")
 
 
@@ -112,6 +190,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     name: str = "model"
+    moe: MoeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -138,6 +217,10 @@ class ModelConfig:
     @property
     def qk_norm(self) -> bool:
         return SUPPORTED_MODEL_TYPES[self.model_type]["qk_norm"]
+
+    def sparse_layer(self, layer: int) -> bool:
+        """Whether ``layer``'s MLP is a mixture of experts (``moe``)."""
+        return self.moe is not None and self.moe.sparse(layer)
 
     @property
     def q_size(self) -> int:
@@ -188,6 +271,7 @@ class ModelConfig:
                 bos_token_id=raw.get("bos_token_id"),
                 eos_token_ids=eos_ids,
                 name=name,
+                moe=MoeConfig.from_hf(raw),
             )
         except KeyError as exc:
             raise ModelError(f"config.json lacks required field {exc.args[0]!r}") from exc

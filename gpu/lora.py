@@ -175,6 +175,12 @@ def build_adapter(name: str, files: AdapterFiles, config: ModelConfig) -> LoraAd
                 "projection (supported: q/k/v/o_proj, gate/up/down_proj)"
             )
         index, proj, kind = found
+        if _BLOCK[proj] == "mlp" and config.sparse_layer(index):
+            raise ModelError(
+                f"{weights_path}: LoRA tensor {tensor_name!r}: layer {index}'s MLP is a "
+                "mixture of experts, which LoRA adapters are not supported on (attention "
+                "projections are)"
+            )
         pairs.setdefault((index, proj), {})[kind] = tensor.float()
     layers: list[dict[str, LoraPair]] = [{} for _ in range(config.num_hidden_layers)]
     rank = 0

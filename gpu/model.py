@@ -1,4 +1,5 @@
-"""A Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2, Qwen3) over a paged KV cache.
+"""A Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2, Qwen3, and the mixture-of-experts
+Mixtral, Qwen2-MoE and Qwen3-MoE: ``gpu.moe``) over a paged KV cache.
 
 The forward pass takes one flat batch of new tokens from many sequences (prompt chunks and
 decodes mixed) described by ``BatchMetadata``; attention goes through an ``AttentionBackend``
@@ -26,11 +27,12 @@ from torch import nn
 from gpu.attention.backend import AttentionBackend
 from gpu.attention.metadata import BatchMetadata
 from gpu.attention.torch_backend import TorchPagedAttention
-from gpu.config import ModelConfig, ModelError
+from gpu.config import ModelConfig, ModelError, MoeConfig
 from gpu.cpu_kernels import CpuKernels, FusedDecoder
 from gpu.cpu_kernels.decoder import DecoderShape, LayerWeights, ReduceFailed
 from gpu.linear import DenseLinear, Linear, blocks_run_on, make_linear
 from gpu.lora import LoraStep
+from gpu.moe import SparseMoe
 from gpu.ops import RopeStep, TorchOps, make_ops
 from gpu.parallel.group import TensorParallel
 from gpu.parallel.shard import shard_config, shard_weights
@@ -103,10 +105,15 @@ class DecoderLayer(nn.Module):
         )
         o, down = f"{attn}.o_proj.weight", f"{mlp}.down_proj.weight"
         self.o_proj = linear(w[o], row_amax=amax.get(o))
-        self.gate_up_proj = linear(
-            stacked([w[f"{mlp}.gate_proj.weight"], w[f"{mlp}.up_proj.weight"]])
-        )
-        self.down_proj = linear(w[down], row_amax=amax.get(down))
+        # A mixture-of-experts layer has no dense gate_up_proj / down_proj.
+        self.moe: SparseMoe | None = None
+        if config.moe is not None and config.sparse_layer(index):
+            self.moe = SparseMoe(config.moe, w, index, linear, ops, stacked, owned, amax)
+        else:
+            self.gate_up_proj = linear(
+                stacked([w[f"{mlp}.gate_proj.weight"], w[f"{mlp}.up_proj.weight"]])
+            )
+            self.down_proj = linear(w[down], row_amax=amax.get(down))
         self.input_norm = owned(w[f"{prefix}.input_layernorm.weight"])
         self.post_attn_norm = owned(w[f"{prefix}.post_attention_layernorm.weight"])
         # Qwen3: each q and k head RMS-normalised before the rotary
@@ -163,13 +170,16 @@ class DecoderLayer(nn.Module):
         if self.tp is not None:
             self.tp.all_reduce_(attn_out)
         x = ops.add_rms_norm(hidden, attn_out, self.post_attn_norm, self.eps)
-        gate_up = self.gate_up_proj(x)
-        if lora is not None:
-            lora.add_(self.index, "gate_up", x, gate_up)
-        act = ops.silu_mul(gate_up)
-        out: torch.Tensor = self.down_proj(act)
-        if lora is not None:
-            lora.add_(self.index, "down", act, out)
+        if self.moe is not None:
+            out = self.moe(x)
+        else:
+            gate_up = self.gate_up_proj(x)
+            if lora is not None:
+                lora.add_(self.index, "gate_up", x, gate_up)
+            act = ops.silu_mul(gate_up)
+            out = self.down_proj(act)
+            if lora is not None:
+                lora.add_(self.index, "down", act, out)
         if self.tp is not None:
             self.tp.all_reduce_(out)
         return out
@@ -207,7 +217,10 @@ class DecoderLayer(nn.Module):
             )
 
     def fused_weights(self) -> LayerWeights | None:
-        """This layer for ``FusedDecoder``, where every linear has a CPU kernel."""
+        """This layer for ``FusedDecoder``, where every linear has a CPU kernel (a mixture of
+        experts has none: such a model decodes per op)."""
+        if self.moe is not None:
+            return None
         linears = [self.qkv_proj.packed(), self.o_proj.packed()]
         linears += [self.gate_up_proj.packed(), self.down_proj.packed()]
         qkv, o, gate_up, down = linears
@@ -331,6 +344,9 @@ class CausalLM(nn.Module):
                 switched += 1
         self.few_row_layers = 0
         if fuse_layers and rows:
+            if self.config.moe is not None:
+                self.use_triton_gemv(0)
+                raise ValueError("fused few-row layers do not take a mixture of experts")
             if switched != 4 * len(self.layers) + 1 or self.tp is not None:
                 self.use_triton_gemv(0)
                 raise ValueError(
@@ -482,9 +498,12 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes[f"{p}.self_attn.k_proj.weight"] = (config.num_key_value_heads * d, h)
         shapes[f"{p}.self_attn.v_proj.weight"] = (config.num_key_value_heads * d, h)
         shapes[f"{p}.self_attn.o_proj.weight"] = (h, config.num_attention_heads * d)
-        shapes[f"{p}.mlp.gate_proj.weight"] = (config.intermediate_size, h)
-        shapes[f"{p}.mlp.up_proj.weight"] = (config.intermediate_size, h)
-        shapes[f"{p}.mlp.down_proj.weight"] = (h, config.intermediate_size)
+        if config.moe is not None and config.sparse_layer(i):
+            shapes.update(moe_shapes(config.moe, i, h))
+        else:
+            shapes[f"{p}.mlp.gate_proj.weight"] = (config.intermediate_size, h)
+            shapes[f"{p}.mlp.up_proj.weight"] = (config.intermediate_size, h)
+            shapes[f"{p}.mlp.down_proj.weight"] = (h, config.intermediate_size)
         if config.qk_norm:
             shapes[f"{p}.self_attn.q_norm.weight"] = (d,)
             shapes[f"{p}.self_attn.k_norm.weight"] = (d,)
@@ -492,6 +511,21 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[f"{p}.self_attn.q_proj.bias"] = (config.num_attention_heads * d,)
             shapes[f"{p}.self_attn.k_proj.bias"] = (config.num_key_value_heads * d,)
             shapes[f"{p}.self_attn.v_proj.bias"] = (config.num_key_value_heads * d,)
+    return shapes
+
+
+def moe_shapes(moe: MoeConfig, layer: int, hidden: int) -> dict[str, tuple[int, ...]]:
+    """The tensors of one mixture-of-experts layer's MLP, with their shapes."""
+    shapes: dict[str, tuple[int, ...]] = {moe.router(layer): (moe.num_experts, hidden)}
+    size = moe.intermediate_size
+    for e in range(moe.num_experts):
+        gate, up, down = moe.expert(layer, e)
+        shapes |= {gate: (size, hidden), up: (size, hidden), down: (hidden, size)}
+    if moe.shared_intermediate_size:
+        gate, up, down, shared_gate = moe.shared(layer)
+        size = moe.shared_intermediate_size
+        shapes |= {gate: (size, hidden), up: (size, hidden), down: (hidden, size)}
+        shapes[shared_gate] = (1, hidden)
     return shapes
 
 

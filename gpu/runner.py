@@ -115,6 +115,10 @@ class ModelRunner:
             and peers is None
             and isinstance(self.backend, FlashInferPagedAttention)
         )
+        if self.cuda_graphs and self.config.moe is not None:
+            # the experts' token counts are read on the host each layer: not capturable
+            log.warning("a mixture-of-experts model decodes eagerly (no CUDA graphs)")
+            self.cuda_graphs = False
         self.kv = KVCache(spec, self.device, pad_pages=1 if self.cuda_graphs else 0)
         self.graphs: DecodeGraphs | None = None
         self.loras = LoraSet([])  # the LoRA adapters sequences name by slot (``load_loras``)

@@ -55,7 +55,8 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """One folder per architecture flavour, written once per test session."""
     root = tmp_path_factory.mktemp("models")
     return {
-        kind: write_tiny_model(root / kind, kind) for kind in ("llama", "qwen2", "qwen3", "llama31")
+        kind: write_tiny_model(root / kind, kind)
+        for kind in ("llama", "qwen2", "qwen3", "llama31", "mixtral", "qwen2_moe", "qwen3_moe")
     }
 
 

@@ -23,18 +23,26 @@ TINY_BASE: dict[str, Any] = dict(
 
 
 def write_tiny_model(folder: Path, kind: str = "llama", seed: int = 0, **overrides: Any) -> Path:
-    """Write a random model of ``kind`` (llama | qwen2 | qwen3 | llama31 | mistral) to
-    ``folder``. qwen3's heads are wider than hidden / heads (its q is 2x the hidden size, as in
-    Qwen3-0.6B)."""
+    """Write a random model of ``kind`` (llama | qwen2 | qwen3 | llama31 | mistral, and the
+    mixtures of experts mixtral | qwen2_moe | qwen3_moe) to ``folder``. qwen3's heads are wider
+    than hidden / heads (its q is 2x the hidden size, as in Qwen3-0.6B). The experts: 8 of
+    them, 2 per token (mixtral: 4); qwen3_moe renormalises the top 2 with layer 1 dense
+    (``mlp_only_layers``); qwen2_moe has a shared expert and does not renormalise."""
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
         MistralConfig,
         MistralForCausalLM,
+        MixtralConfig,
+        MixtralForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
+        Qwen2MoeConfig,
+        Qwen2MoeForCausalLM,
         Qwen3Config,
         Qwen3ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
     )
 
     params = {**TINY_BASE, **overrides}
@@ -44,6 +52,20 @@ def write_tiny_model(folder: Path, kind: str = "llama", seed: int = 0, **overrid
     elif kind == "qwen3":
         config = Qwen3Config(**{"head_dim": 32, **params}, tie_word_embeddings=True)
         model = Qwen3ForCausalLM(config)
+    elif kind == "mixtral":
+        model = MixtralForCausalLM(MixtralConfig(**params, num_local_experts=4))
+    elif kind == "qwen2_moe":
+        moe: dict[str, Any] = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+        model = Qwen2MoeForCausalLM(
+            Qwen2MoeConfig(**params, **moe, shared_expert_intermediate_size=64)
+        )
+    elif kind == "qwen3_moe":
+        moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+        model = Qwen3MoeForCausalLM(
+            Qwen3MoeConfig(
+                **{"head_dim": 32, **params}, **moe, norm_topk_prob=True, mlp_only_layers=[1]
+            )
+        )
     elif kind == "mistral":
         model = MistralForCausalLM(MistralConfig(**params, sliding_window=None))
     elif kind == "llama31":

@@ -301,6 +301,27 @@ def test_model_section_with_stand_in(tiny_llama):
     assert "FakeDecode" in fake.runs and "FakePrefill" in fake.runs
 
 
+def test_model_section_with_stand_in_on_a_mixture_of_experts(tiny_models):
+    """The check's qwen3_moe section on the tiny Qwen3-MoE: in bf16 its routing may pick
+    other experts than fp32's on near ties, and the section still holds it to the bf16
+    baseline's bound."""
+    folder = tiny_models["qwen3_moe"]
+    fake = make_fake_flashinfer()
+    prompts = ma.random_prompts(512, (1, 7, 40, 90), seed=1)
+    pages = ma.pages_needed(prompts, 5)
+    ref_runner = ModelRunner(load_model(folder), pages, 16)
+    bf16 = load_model(folder, dtype=torch.bfloat16)
+    cfg = bf16.config
+    backend = fake_backend(fake, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+    runners = {
+        "stand-in": ModelRunner(bf16, pages, 16, backend=backend),
+        "torch": ModelRunner(bf16, pages, 16),
+    }
+    result = ma.model_section(ref_runner, runners, "stand-in", prompts, 5, 5e-2, chunk=16)
+    assert result["ok"], result["table"]
+    assert result["stand-in"]["steps"]["decode_only"] > 0
+
+
 def test_schedule_teacher_forcing_reproduces_greedy(tiny_llama):
     runner = ModelRunner(load_model(tiny_llama), 64, 16)
     prompts = ma.random_prompts(512, (3, 30), seed=2)

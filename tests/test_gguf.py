@@ -341,6 +341,22 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
         convert_gguf(path, tmp_path / "out")
 
 
+def test_a_mixture_of_experts_gguf_is_refused_by_name(tmp_path: Path) -> None:
+    """Mixtral's GGUF files say "llama" and stack their experts: refused, not read as a
+    dense model missing its MLP."""
+    path = tmp_path / "mixtral.gguf"
+    writer = gguf.GGUFWriter(str(path), arch="llama")
+    writer.add_block_count(1)
+    writer.add_expert_count(8)
+    writer.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelError, match=r"mixture-of-experts GGUF \(llama.expert_count=8\)"):
+        convert_gguf(path, tmp_path / "out")
+
+
 def test_unsupported_tokenizer(tmp_path: Path, bpe: Any) -> None:
     orig = write_tiny_model(tmp_path / "orig", "llama", vocab_size=bpe.get_vocab_size())
     path = write_gguf(orig, tmp_path / "spm.gguf", bpe, tokenizer_model="llama")

@@ -79,8 +79,14 @@ def assert_close(ours: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
 
 @pytest.mark.parametrize(
     ("kind", "kernels"),
-    [("llama", True), ("qwen2", True), ("qwen3", True), ("qwen3", False), ("llama31", True)],
-    ids=["llama", "qwen2", "qwen3", "qwen3-torch-ops", "llama31"],
+    [
+        *[("llama", True), ("qwen2", True), ("qwen3", True), ("qwen3", False), ("llama31", True)],
+        *[("mixtral", True), ("qwen2_moe", True), ("qwen3_moe", True), ("qwen3_moe", False)],
+    ],
+    ids=[
+        *["llama", "qwen2", "qwen3", "qwen3-torch-ops", "llama31"],
+        *["mixtral", "qwen2_moe", "qwen3_moe", "qwen3_moe-torch-ops"],
+    ],
 )
 def test_batched_chunked_logits_and_greedy_match_transformers(tiny_models, kind, kernels):
     """(``kernels``: the fused CPU kernels, else plain torch ops, what CUDA falls back to.)"""

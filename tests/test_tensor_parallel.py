@@ -90,7 +90,7 @@ def churn(engine: Engine, prompts: list[list[int]], max_tokens: list[int]) -> di
     return outputs
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe"])
 def test_greedy_tp2_equals_tp1_and_transformers(kind: str, tiny_models: dict[str, Path]) -> None:
     folder = tiny_models[kind]
     oracle = hf_model(folder)

@@ -40,6 +40,13 @@ def arch_of(g: Gguf) -> _Arch:
             f"{', '.join(sorted(_ARCHITECTURES))}"
         )
     model_type, hf_class, permuted = _ARCHITECTURES[arch]
+    if int(g.get(f"{arch}.expert_count", 0) or 0) > 0:
+        # (Mixtral's files say "llama": their experts' stacked tensors are not read here)
+        raise ModelError(
+            f"{g.path}: a mixture-of-experts GGUF ({arch}.expert_count="
+            f"{g.get(f'{arch}.expert_count')}) is not supported; load the Hugging Face "
+            "checkpoint (safetensors) instead"
+        )
     hidden = int(g.require(f"{arch}.embedding_length"))
     n_head = int(g.require(f"{arch}.attention.head_count"))
     n_head_kv = int(g.get(f"{arch}.attention.head_count_kv", n_head))

@@ -9,6 +9,9 @@ head are split by vocabulary rows. Splits are even; the head counts must divide:
 - KV heads by the world size, or the world size by the KV heads: then each KV head is held
   (replicated) by ``world / kv_heads`` ranks, whose query heads all read it.
 
+A mixture of experts is split the same way inside each expert (gate/up by rows, down by
+columns, over each expert's intermediate size); the router stays whole on every rank.
+
 Row-parallel weights are sliced too, and each row's largest magnitude over the whole row is
 kept beside the slice (``row_amax``): int8 and fp8 take their per-row scales from it, so
 every rank multiplies by exactly the codes and scales of the unsplit layer; GGUF blocks split
@@ -22,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gpu.config import ModelConfig, ModelError
+from gpu.config import ModelConfig, ModelError, MoeConfig
 from gpu.quant import BlockWeight, block_columns
 
 Weight = torch.Tensor | BlockWeight
@@ -70,8 +73,14 @@ def check_tensor_parallel(config: ModelConfig, world: int) -> None:
         problems.append(f"{hq} attention heads")
     if hkv % world and world % hkv:
         problems.append(f"{hkv} KV heads (neither divides the other)")
-    if config.intermediate_size % world:
+    dense = [i for i in range(config.num_hidden_layers) if not config.sparse_layer(i)]
+    if dense and config.intermediate_size % world:
         problems.append(f"intermediate size {config.intermediate_size}")
+    if config.moe is not None:
+        for what, size in (("expert", config.moe.intermediate_size),
+                           ("shared expert", config.moe.shared_intermediate_size)):  # fmt: skip
+            if size % world:
+                problems.append(f"{what} intermediate size {size}")
     if problems:
         raise ModelError(
             f"{config.name} cannot be split {world} ways by tensor parallelism: "
@@ -82,8 +91,16 @@ def check_tensor_parallel(config: ModelConfig, world: int) -> None:
 def shard_config(config: ModelConfig, world: int) -> ModelConfig:
     """The shapes one rank's layers and KV pool have (head_dim fixed: hidden stays whole)."""
     check_tensor_parallel(config, world)
+    moe = config.moe
+    if moe is not None:
+        moe = dataclasses.replace(
+            moe,
+            intermediate_size=moe.intermediate_size // world,
+            shared_intermediate_size=moe.shared_intermediate_size // world,
+        )
     return dataclasses.replace(
         config,
+        moe=moe,
         num_attention_heads=config.num_attention_heads // world,
         num_key_value_heads=max(1, config.num_key_value_heads // world),
         intermediate_size=config.intermediate_size // world,
@@ -136,6 +153,19 @@ def shard_weights(
             amax[name] = weight.abs().amax(dim=1).to(torch.float32)
         out[name] = weight[:, start:stop].contiguous()
 
+    def split_experts(moe: MoeConfig, layer: int) -> None:
+        """Each expert (and the shared one) split as the dense MLP is; the routers whole."""
+        e0, e1 = shard.part(moe.intermediate_size)
+        for expert in range(moe.num_experts):
+            gate, up, down = moe.expert(layer, expert)
+            out[gate], out[up] = rows(out[gate], e0, e1), rows(out[up], e0, e1)
+            split_columns(down, e0, e1)
+        if moe.shared_intermediate_size:
+            s0, s1 = shard.part(moe.shared_intermediate_size)
+            gate, up, down, _ = moe.shared(layer)
+            out[gate], out[up] = rows(out[gate], s0, s1), rows(out[up], s0, s1)
+            split_columns(down, s0, s1)
+
     for name in ("model.embed_tokens.weight", "lm_head.weight"):
         if name in out:
             out[name] = rows(out[name], v0, v1)
@@ -149,8 +179,11 @@ def shard_weights(
                 out[f"{attn}.{n}_proj.{kind}"] = rows(
                     out[f"{attn}.{n}_proj.{kind}"], k0 * d, k1 * d
                 )
+        split_columns(f"{attn}.o_proj.weight", q0 * d, q1 * d)
+        if config.moe is not None and config.sparse_layer(layer):
+            split_experts(config.moe, layer)
+            continue
         for n in ("gate", "up"):
             out[f"{mlp}.{n}_proj.weight"] = rows(out[f"{mlp}.{n}_proj.weight"], i0, i1)
-        split_columns(f"{attn}.o_proj.weight", q0 * d, q1 * d)
         split_columns(f"{mlp}.down_proj.weight", i0, i1)
     return ShardedWeights(out, amax)

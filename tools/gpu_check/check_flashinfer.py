@@ -16,6 +16,8 @@ Nine sections, each independent (one failing does not stop the others):
   in pure decode (``model_agreement.py``).
 - qwen3: the model section on a random model of Qwen3-0.6B's shape (4 layers): its q/k head
   norms through FlashInfer, the CUDA graphs and the fused rotary + KV append.
+- qwen3_moe: the same on a random model of Qwen3-30B-A3B's shape (2 layers, 32 experts, 8 per
+  token): the experts' routing and gathered matmuls in bf16 (eager: no CUDA graphs).
 - timing: one decode step (every sequence at ~512 tokens of context) at batch 1/8/64 for each
   attention backend, timed with CUDA events around whole ``ModelRunner.forward`` calls
   (plan + all layers + lm_head, host overhead included) (``decode_timing.py``).
@@ -60,7 +62,12 @@ from typing import Any
 
 import torch
 
-from tools.gpu_check.check_model import QWEN3_CONFIG, resolve_model, write_synthetic_model
+from tools.gpu_check.check_model import (
+    QWEN3_CONFIG,
+    QWEN3_MOE_CONFIG,
+    resolve_model,
+    write_synthetic_model,
+)
 from tools.gpu_check.common import Report, parse_ints
 from tools.gpu_check.decode_timing import run_timing_section
 from tools.gpu_check.kernel_cases import (
@@ -76,6 +83,7 @@ SECTIONS = (
     "kernels",
     "model",
     "qwen3",
+    "qwen3_moe",
     "timing",
     "overlap",
     "quant",
@@ -124,9 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model", default="default", help='"default" (SmolLM2), "synthetic", a folder or .gguf'
     )
-    p.add_argument(
-        "--sections", default="kernels,model,qwen3,timing,overlap,quant,sampling,graphs,formats"
-    )
+    p.add_argument("--sections", default=",".join(SECTIONS))
     p.add_argument("--head-configs", default="9/3,32/8", help="q/kv head pairs")
     p.add_argument("--head-dims", default="64")
     p.add_argument("--kernel-tol", type=float, default=KERNEL_TOL)
@@ -170,7 +176,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     head_dims = parse_ints(args.head_dims)
     # The kernels the sections run: the model's head size 64 (SmolLM2), 128 for the graphs
     # section's 8B shape.
-    build_dims = [*head_dims, 64, *([128] if sections & {"graphs", "qwen3"} else [])]
+    build_dims = [*head_dims, 64, *([128] if sections & {"graphs", "qwen3", "qwen3_moe"} else [])]
     if args.prebuild_only:
         prebuilt = prebuild_kernels(build_dims, torch.bfloat16)
         report.set("prebuild", prebuilt)
@@ -230,16 +236,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         except Exception as exc:
             report.error("model", exc)
 
-    if "qwen3" in sections:
+    for name, shape in (("qwen3", QWEN3_CONFIG), ("qwen3_moe", QWEN3_MOE_CONFIG)):
+        if name not in sections:
+            continue
         try:
             from gpu.loader import load_model
 
-            qwen3 = write_synthetic_model(workdir / "qwen3-shape-random", QWEN3_CONFIG)
-            qwen3_model = load_model(qwen3, device=device, dtype=torch.bfloat16, progress=False)
-            run_model_section(args, qwen3_model, qwen3, report, section="qwen3")
-            del qwen3_model
+            synthetic = write_synthetic_model(workdir / f"{name}-shape-random", shape)
+            model = load_model(synthetic, device=device, dtype=torch.bfloat16, progress=False)
+            run_model_section(args, model, synthetic, report, section=name)
+            del model
         except Exception as exc:
-            report.error("qwen3", exc)
+            report.error(name, exc)
 
     if gpu_model is not None and "timing" in sections:
         try:

@@ -52,6 +52,26 @@ QWEN3_CONFIG: dict[str, Any] = {
 }
 
 
+# Qwen3-30B-A3B's shape (experts of 768, 8 of them per token; its attention as Qwen3's) in 2
+# of its 48 layers and with 32 of its 128 experts: the mixture-of-experts path on CUDA
+# (eager: a sparse layer reads its experts' token counts on the host) in seconds.
+QWEN3_MOE_CONFIG: dict[str, Any] = {
+    **QWEN3_CONFIG,
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "num_experts": 32,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 768,
+    "norm_topk_prob": True,
+    "tie_word_embeddings": False,
+}
+
+
 def write_synthetic_model(folder: Path, config: dict[str, Any], seed: int = 0) -> Path:
     """A random model of ``config``'s shape in Hugging Face format (config + safetensors).
 

@@ -1,0 +1,107 @@
+"""A sparse mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE) over a flat batch of tokens.
+
+The router scores every expert per token (softmax in fp32) and keeps the top k; each expert
+then runs once over the tokens that picked it, gathered into one block (tokens sorted by
+expert: one host read of the per-expert counts per layer), and its weighted output is added
+back at their rows. Experts are ordinary linears of the model's weight format (``make_linear``:
+dense, int8, int4, fp8), gate and up fused into one matmul each as in the dense MLP; the
+router and the shared expert's gate stay dense.
+
+Under tensor parallelism every rank holds a slice of every expert (its share of the expert's
+intermediate size, as in the dense MLP) and the whole router: each rank's output is a
+partial sum that the layer's one all-reduce completes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gpu.config import MoeConfig
+from gpu.linear import Linear
+from gpu.ops import TorchOps
+from gpu.quant import BlockWeight
+
+Weight = torch.Tensor | BlockWeight
+
+
+class Expert(nn.Module):
+    """One SwiGLU expert: gate and up in one matmul, then down."""
+
+    def __init__(self, gate_up: Linear, down: Linear) -> None:
+        super().__init__()
+        self.gate_up_proj = gate_up
+        self.down_proj = down
+
+    def __call__(self, x: torch.Tensor, ops: TorchOps) -> torch.Tensor:
+        out: torch.Tensor = self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
+        return out
+
+
+class SparseMoe(nn.Module):
+    def __init__(
+        self,
+        moe: MoeConfig,
+        w: dict[str, Weight],
+        layer: int,
+        linear: Callable[..., Linear],
+        ops: TorchOps,
+        stacked: Callable[[list[Weight]], Weight],
+        owned: Callable[[Weight], nn.Parameter],
+        row_amax: dict[str, torch.Tensor],
+    ) -> None:
+        """``stacked``, ``owned``: the model's helpers (``gpu.model``) that fuse weights along
+        N and keep a small tensor in memory of its own."""
+        super().__init__()
+        self.top_k = moe.top_k
+        self.norm_topk_prob = moe.norm_topk_prob
+        # Mixtral keeps the routing weights in fp32 until they scale the experts' outputs;
+        # the Qwen families cast them to the model's dtype first (as transformers does).
+        self.fp32_weights = moe.names[0] == "block_sparse_moe"
+        self.ops = ops
+        self.router = owned(w[moe.router(layer)])
+
+        def expert(gate: str, up: str, down: str) -> Expert:
+            return Expert(
+                linear(stacked([w[gate], w[up]])), linear(w[down], row_amax=row_amax.get(down))
+            )
+
+        self.experts = nn.ModuleList(expert(*moe.expert(layer, e)) for e in range(moe.num_experts))
+        self.shared: Expert | None = None
+        self.shared_gate: nn.Parameter | None = None
+        if moe.shared_intermediate_size:
+            gate, up, down, shared_gate = moe.shared(layer)
+            self.shared = expert(gate, up, down)
+            self.shared_gate = owned(w[shared_gate])
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's top-k experts ``[T, k]`` and their weights ``[T, k]``."""
+        probs = torch.softmax(F.linear(x, self.router).float(), dim=-1)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return experts, weights if self.fp32_weights else weights.to(x.dtype)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, H]`` normed hidden states -> the MLP's output ``[T, H]``."""
+        experts, weights = self.route(x)
+        out = torch.zeros_like(x)
+        chosen = experts.flatten()
+        order = torch.argsort(chosen, stable=True)  # (token, slot) pairs grouped by expert
+        counts = torch.bincount(chosen, minlength=len(self.experts)).tolist()
+        tokens = order // self.top_k
+        scales = weights.flatten()[order].unsqueeze(1)
+        start = 0
+        for expert, count in zip(self.experts, counts, strict=True):
+            if count:
+                rows = tokens[start : start + count]
+                y = expert(x[rows], self.ops) * scales[start : start + count]
+                out.index_add_(0, rows, y.to(out.dtype))
+                start += count
+        if self.shared is not None and self.shared_gate is not None:
+            gate = torch.sigmoid(F.linear(x, self.shared_gate))
+            out += gate * self.shared(x, self.ops)
+        return out
