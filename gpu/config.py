@@ -35,6 +35,16 @@ _MIXTRAL_NAMES = ("block_sparse_moe", "w1", "w3", "w2")
 _QWEN_MOE_NAMES = ("mlp", "gate_proj", "up_proj", "down_proj")
 
 
+_MOE_DEFAULTS: dict[str, dict[str, int]] = {
+    "mixtral": {"num_experts": 8, "num_experts_per_tok": 2},
+    "qwen2_moe": {
+        "num_experts": 60, "num_experts_per_tok": 4, "moe_intermediate_size": 1408,
+        "shared_intermediate_size": 5632,
+    },
+    "qwen3_moe": {"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768},
+}  # fmt: skip
+
+
 @dataclass(frozen=True)
 class MoeConfig:
     """A sparse mixture-of-experts MLP (Mixtral, Qwen1.5/2-MoE, Qwen3-MoE): a router picks
@@ -83,24 +93,31 @@ class MoeConfig:
         model_type = raw.get("model_type")
         if model_type not in ("mixtral", "qwen2_moe", "qwen3_moe"):
             return None
-        experts = int(raw.get("num_experts") or raw.get("num_local_experts") or 0)
+        # (an unset key: transformers' default for the family)
+        defaults = _MOE_DEFAULTS[model_type]
+        experts = int(
+            raw.get("num_experts") or raw.get("num_local_experts") or defaults["num_experts"]
+        )
+        top_k = int(raw.get("num_experts_per_tok") or defaults["num_experts_per_tok"])
         layers = int(raw["num_hidden_layers"])
         if model_type == "mixtral":
-            return cls(experts, int(raw.get("num_experts_per_tok", 2)),
-                       int(raw["intermediate_size"]), True, names=_MIXTRAL_NAMES)  # fmt: skip
-        if experts <= 0:
-            raise ModelError(f"{model_type} config has num_experts={experts}")
+            return cls(experts, top_k, int(raw["intermediate_size"]), True, names=_MIXTRAL_NAMES)
         step = int(raw.get("decoder_sparse_step") or 1)
         only_dense = set(raw.get("mlp_only_layers") or [])
         dense = tuple(i for i in range(layers) if i in only_dense or (i + 1) % step)
+        shared = 0
+        if model_type == "qwen2_moe":
+            shared = int(
+                raw.get("shared_expert_intermediate_size", defaults["shared_intermediate_size"])
+            )
         return cls(
             num_experts=experts,
-            top_k=int(raw.get("num_experts_per_tok", 8)),
-            intermediate_size=int(raw["moe_intermediate_size"]),
+            top_k=top_k,
+            intermediate_size=int(
+                raw.get("moe_intermediate_size") or defaults["moe_intermediate_size"]
+            ),
             norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
-            shared_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0)
-            if model_type == "qwen2_moe"
-            else 0,
+            shared_intermediate_size=shared,
             dense_layers=dense,
         )
 
@@ -152,6 +169,8 @@ def _refuse_what_is_not_computed(raw: dict[str, Any]) -> None:
     act = raw.get("hidden_act", raw.get("hidden_activation", "silu"))
     if act not in ("silu", "swish"):
         raise ModelError(f"unsupported hidden_act {act!r} (supported: silu)")
+    if raw.get("model_type") == "qwen2_moe" and raw.get("qkv_bias") is False:
+        raise ModelError("unsupported qkv_bias: false for qwen2_moe (its q/k/v carry biases here)")
     for flag in ("attention_bias", "mlp_bias"):
         if raw.get(flag) and raw.get("model_type") not in ("qwen2", "qwen2_moe"):
             raise ModelError(f"unsupported {flag}: true (this runtime puts no bias there)")

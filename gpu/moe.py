@@ -14,7 +14,7 @@ partial sum that the layer's one all-reduce completes.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -45,7 +45,7 @@ class SparseMoe(nn.Module):
     def __init__(
         self,
         moe: MoeConfig,
-        w: dict[str, Weight],
+        w: Mapping[str, Weight],
         layer: int,
         linear: Callable[..., Linear],
         ops: TorchOps,

@@ -16,7 +16,13 @@ from gpu.sampling_params import SamplingParams
 from services.launcher.cli import main as cli_main
 from tests.models import write_tiny_model
 from tools.distill.chat_prompts import distill_prompts
-from tools.distill.recipe import DistillConfig, distill, generate_data, layer_candidates
+from tools.distill.recipe import (
+    DistillConfig,
+    build_student,
+    distill,
+    generate_data,
+    layer_candidates,
+)
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +55,22 @@ def test_layer_candidates_keep_the_ends():
     assert candidates["spread"][0] == 0 and candidates["spread"][-1] == 29
     assert all(len(ids) == 8 and len(set(ids)) == 8 for ids in candidates.values())
     assert candidates["first+last"] == [0, 1, 2, 3, 4, 5, 28, 29]
+
+
+def test_a_student_of_a_mixture_of_experts_keeps_each_layers_kind(tiny_models):
+    """The tiny Qwen3-MoE's layer 1 is dense (``mlp_only_layers``): a student of layers 1 and
+    0 has it dense as its layer 0 and equals the teacher's layers, renumbered."""
+    from tests.models import hf_model
+
+    teacher = hf_model(tiny_models["qwen3_moe"])
+    student = build_student(teacher, [1, 0])
+    assert student.config.mlp_only_layers == [0]
+    source = teacher.state_dict()
+    for name, tensor in student.state_dict().items():
+        parts = name.split(".")
+        if name.startswith("model.layers."):
+            parts[2] = str([1, 0][int(parts[2])])
+        assert torch.equal(tensor, source[".".join(parts)]), name
 
 
 def test_distill_learns_resumes_and_writes_a_draft_the_engine_verifies(teacher, tmp_path):

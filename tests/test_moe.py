@@ -61,10 +61,14 @@ def test_the_config_reads_each_familys_experts() -> None:
     assert ModelConfig.from_hf_dict({**QWEN3_MOE, "model_type": "qwen3"}).moe is None
     with pytest.raises(ModelError, match="num_experts_per_tok=17 must be 1..num_experts=16"):
         ModelConfig.from_hf_dict({**QWEN3_MOE, "num_experts_per_tok": 17})
-    without = dict(QWEN3_MOE)
-    del without["moe_intermediate_size"]
-    with pytest.raises(ModelError, match="lacks required field 'moe_intermediate_size'"):
-        ModelConfig.from_hf_dict(without)
+    # an unset key takes transformers' default for the family
+    unset = {k: v for k, v in shared.items() if "expert" not in k and "moe_" not in k}
+    moe = ModelConfig.from_hf_dict(unset).moe
+    assert moe is not None
+    assert (moe.num_experts, moe.top_k, moe.intermediate_size) == (60, 4, 1408)
+    assert moe.shared_intermediate_size == 5632
+    with pytest.raises(ModelError, match="qkv_bias: false"):
+        ModelConfig.from_hf_dict({**shared, "qkv_bias": False})
 
 
 @pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe"])
@@ -195,3 +199,28 @@ async def test_the_mesh_serves_a_mixture_of_experts_model(moe_mesh, tiny_models)
     texts = await asyncio.gather(*(one(ids, i % 2 == 1) for i, ids in enumerate(prompts)))
     for ids, text in zip(prompts, texts, strict=True):
         assert text == tok.decode(greedy(oracle, ids, 10))
+
+
+def test_weights_are_moved_and_quantized_one_at_a_time(tiny_models, monkeypatch) -> None:
+    """Loading converts each tensor as a layer reads it, and a quantized layer frees its
+    full-precision copy at once: at most a few are held at any time (not every expert of
+    every layer in bf16 before any is quantized)."""
+    import weakref
+
+    from gpu import model as model_module
+
+    read = model_module.DeviceWeights.__getitem__
+    held: list[weakref.ref[Any]] = []
+    peak = 0
+
+    def counting(self: Any, name: str) -> Any:
+        nonlocal peak
+        weight = read(self, name)
+        held.append(weakref.ref(weight))
+        peak = max(peak, sum(ref() is not None for ref in held))
+        return weight
+
+    monkeypatch.setattr(model_module.DeviceWeights, "__getitem__", counting)
+    folder = tiny_models["mixtral"]
+    load_model(folder, dtype=torch.bfloat16, quantization="int8", cpu_kernels=False, progress=False)
+    assert len(held) > 30 and peak <= 3, (len(held), peak)

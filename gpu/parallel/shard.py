@@ -14,7 +14,10 @@ columns, over each expert's intermediate size); the router stays whole on every 
 
 Row-parallel weights are sliced too, and each row's largest magnitude over the whole row is
 kept beside the slice (``row_amax``): int8 and fp8 take their per-row scales from it, so
-every rank multiplies by exactly the codes and scales of the unsplit layer; GGUF blocks split
+every rank multiplies by exactly the codes and scales of the unsplit layer (the result is
+the unsplit one's bits only where each rank's share of the intermediate size, an expert's
+included, is a multiple of 32: the CPU kernels quantize activations, and int4 pads its
+weights, in blocks of 32); GGUF blocks split
 on their 32-weight boundaries (other splits are refused). Only slices move to the device.
 """
 

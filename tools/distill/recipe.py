@@ -214,6 +214,15 @@ def build_student(teacher: Any, layer_ids: list[int]) -> Any:
 
     config = teacher.config.__class__.from_dict(teacher.config.to_dict())
     config.num_hidden_layers = len(layer_ids)
+    if getattr(config, "mlp_only_layers", None) is not None:
+        # a mixture of experts: each kept layer keeps its kind of MLP (sparse or dense) under
+        # its new number
+        step = getattr(config, "decoder_sparse_step", 1) or 1
+        only = set(config.mlp_only_layers)
+        config.mlp_only_layers = [
+            new for new, old in enumerate(layer_ids) if old in only or (old + 1) % step
+        ]
+        config.decoder_sparse_step = 1
     student = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
     source = teacher.state_dict()
     state = {}
