@@ -251,18 +251,21 @@ class DecoderLayer(nn.Module):
 
     def fused_weights(self) -> LayerWeights | None:
         """This layer for ``FusedDecoder``, where every linear has a CPU kernel (a mixture of
-        experts has none: such a model decodes per op)."""
-        if self.moe is not None:
-            return None
-        linears = [self.qkv_proj.packed(), self.o_proj.packed()]
-        linears += [self.gate_up_proj.packed(), self.down_proj.packed()]
-        qkv, o, gate_up, down = linears
-        if qkv is None or o is None or gate_up is None or down is None:
-            return None
+        experts: its one-call MLP)."""
+        qkv, o = self.qkv_proj.packed(), self.o_proj.packed()
         q_norm, k_norm = (None if n is None else n.data for n in (self.q_norm, self.k_norm))
-        return LayerWeights(
-            self.input_norm.data, self.post_attn_norm.data, qkv, o, gate_up, down, q_norm, k_norm
-        )
+        norms = (self.input_norm.data, self.post_attn_norm.data)
+        if qkv is None or o is None:
+            return None
+        if self.moe is not None:
+            moe = self.moe.packed()
+            if moe is None:
+                return None
+            return LayerWeights(*norms, qkv, o, None, None, q_norm, k_norm, moe)
+        gate_up, down = self.gate_up_proj.packed(), self.down_proj.packed()
+        if gate_up is None or down is None:
+            return None
+        return LayerWeights(*norms, qkv, o, gate_up, down, q_norm, k_norm)
 
 
 class CausalLM(nn.Module):

@@ -15,12 +15,14 @@ partial sum that the layer's one all-reduce completes.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from gpu.config import MoeConfig
+from gpu.cpu_kernels.moe import PackedMoe
 from gpu.linear import Linear
 from gpu.ops import TorchOps
 from gpu.quant import BlockWeight
@@ -62,7 +64,8 @@ class SparseMoe(nn.Module):
         # the Qwen families cast them to the model's dtype first (as transformers does).
         self.fp32_weights = moe.names[0] == "block_sparse_moe"
         self.ops = ops
-        self.router = owned(w[moe.router(layer)])
+        # (full precision whatever the experts' format, as vLLM keeps it)
+        self.router = linear(w[moe.router(layer)], quantization="none")
 
         def expert(gate: str, up: str, down: str) -> Expert:
             return Expert(
@@ -76,10 +79,44 @@ class SparseMoe(nn.Module):
             gate, up, down, shared_gate = moe.shared(layer)
             self.shared = expert(gate, up, down)
             self.shared_gate = owned(w[shared_gate])
+        self._packed: PackedMoe | None = None
+        self._packed_built = False
+
+    def _apply(self, *args: Any, **kwargs: Any) -> SparseMoe:
+        # .to() and friends may replace the tensors the packed call points at
+        self._packed, self._packed_built = None, False
+        module: SparseMoe = super()._apply(*args, **kwargs)  # type: ignore[no-untyped-call]
+        return module
+
+    def packed(self) -> PackedMoe | None:
+        """The whole MLP as one CPU kernel call, where every linear has a packed kernel (fp32
+        on the CPU with the kernels; built once)."""
+        if not self._packed_built:
+            self._packed_built = True
+            self._packed = self._build_packed()
+        return self._packed
+
+    def _build_packed(self) -> PackedMoe | None:
+        kernels, router = self.router.kernels, self.router.packed()
+        if kernels is None or router is None:
+            return None
+        experts = []
+        for expert in cast(list[Expert], list(self.experts)):
+            gate_up, down = expert.gate_up_proj.packed(), expert.down_proj.packed()
+            if gate_up is None or down is None:
+                return None
+            experts.append((gate_up, down))
+        shared = None
+        if self.shared is not None and self.shared_gate is not None:
+            gate_up, down = self.shared.gate_up_proj.packed(), self.shared.down_proj.packed()
+            if gate_up is None or down is None:
+                return None
+            shared = (gate_up, down, self.shared_gate.data)
+        return kernels.packed_moe(router, experts, self.top_k, self.norm_topk_prob, shared)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's top-k experts ``[T, k]`` and their weights ``[T, k]``."""
-        probs = torch.softmax(F.linear(x, self.router).float(), dim=-1)
+        probs = torch.softmax(self.router(x).float(), dim=-1)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -87,6 +124,13 @@ class SparseMoe(nn.Module):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, H]`` normed hidden states -> the MLP's output ``[T, H]``."""
+        packed = self.packed()
+        if packed is not None and x.dtype == torch.float32 and x.is_cpu:
+            return packed(x)
+        return self.per_op(x)
+
+    def per_op(self, x: torch.Tensor) -> torch.Tensor:
+        """The MLP in torch ops (CUDA; the CPU without kernels), which ``moe.c`` repeats."""
         experts, weights = self.route(x)
         out = torch.zeros_like(x)
         chosen = experts.flatten()

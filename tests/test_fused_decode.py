@@ -47,12 +47,16 @@ def scattered_sequences(seed: int, lengths: list[int], ps: int, num_pages: int):
 
 @pytest.mark.parametrize(
     ("kind", "fmt"),
-    [("llama", "none"), ("llama", "int8"), ("llama", "int4"), ("qwen3", "none"), ("qwen3", "int8")],
+    [
+        *[("llama", "none"), ("llama", "int8"), ("llama", "int4"), ("qwen3", "none")],
+        *[("qwen3", "int8"), ("qwen2_moe", "none"), ("qwen3_moe", "int8"), ("mixtral", "int4")],
+    ],
 )
 def test_fused_decode_step_gives_the_per_op_bits(tiny_models, kind, fmt):
     """Sequences of different lengths (partial and full last pages, scattered pages): a decode
     step's logits and the K/V it appends are bit-identical on both paths (qwen3: its q/k head
-    norms too, with heads wider than hidden / heads)."""
+    norms too, with heads wider than hidden / heads; the mixtures of experts: their one-call
+    MLPs, a dense layer among them in qwen3_moe, a shared expert in qwen2_moe)."""
     model = load_model(tiny_models[kind], progress=False, quantization=fmt)
     fused = model.fused_decoder()
     assert fused is not None

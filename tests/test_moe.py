@@ -15,7 +15,7 @@ import torch
 
 from gpu.attention.metadata import SeqChunk
 from gpu.config import ModelConfig, ModelError
-from gpu.linear import BlockLinear, Int8Linear
+from gpu.linear import BlockLinear, DenseLinear, Int8Linear
 from gpu.loader import load_model
 from gpu.lora import LoraSet, load_adapter
 from gpu.model import DecoderLayer
@@ -110,7 +110,7 @@ def test_quantized_experts_track_fp32(tiny_models, fmt) -> None:
     kind = Int8Linear if fmt == "int8" else BlockLinear
     for expert in moe.experts:
         assert isinstance(expert.gate_up_proj, kind) and isinstance(expert.down_proj, kind)
-    assert moe.router.dtype == torch.float32
+    assert isinstance(moe.router, DenseLinear) and moe.router.format == "fp32"
     got = log_probs(model)
     kl = (ref.exp() * (ref - got)).sum(-1).mean().item()
     assert 0 < kl < {"int8": 0.002, "int4": 0.05}[fmt]
@@ -147,7 +147,6 @@ def test_the_fused_few_row_layers_refuse_a_mixture_of_experts(tiny_models) -> No
     with pytest.raises(ValueError, match="do not take a mixture of experts"):
         model.use_triton_gemv(8, fuse_layers=True)
     assert model.few_row_layers == 0
-    assert model.fused_decoder() is None  # the one-call CPU decode step: per op instead
 
 
 def test_a_config_naming_more_layers_than_the_checkpoint_has_experts_for(
@@ -224,3 +223,28 @@ def test_weights_are_moved_and_quantized_one_at_a_time(tiny_models, monkeypatch)
     folder = tiny_models["mixtral"]
     load_model(folder, dtype=torch.bfloat16, quantization="int8", cpu_kernels=False, progress=False)
     assert len(held) > 30 and peak <= 3, (len(held), peak)
+
+
+@pytest.mark.parametrize(("kind", "fmt"), [("qwen2_moe", "none"), ("qwen3_moe", "int8")])
+def test_the_one_call_cpu_kernel_computes_the_torch_ops(tiny_models, kind, fmt) -> None:
+    """``moe.c`` (routing, every expert, the shared one) against the module's torch ops over
+    the same packed linears: the same experts and outputs to rounding, for a batch of rows,
+    one row and none; also with every expert taken by every token."""
+    from gpu import cpu_kernels
+
+    if cpu_kernels.load() is None:
+        pytest.skip("CPU kernels need AVX2/FMA and a C compiler")
+    model = load_model(tiny_models[kind], progress=False, quantization=fmt)
+    moe = moe_of(model, 0)
+    assert moe is not None and moe.packed() is not None
+    g = torch.Generator().manual_seed(1)
+    for rows in (37, 1, 0):
+        x = torch.randn(rows, model.config.hidden_size, generator=g)
+        ours, ref = moe(x), moe.per_op(x)
+        assert ours.shape == ref.shape == x.shape
+        if rows:
+            assert float((ours - ref).abs().max() / ref.abs().max()) < 1e-5, rows
+    moe.top_k, moe._packed_built = len(moe.experts), False  # every expert, every token
+    x = torch.randn(5, model.config.hidden_size, generator=g)
+    ours, ref = moe(x), moe.per_op(x)
+    assert float((ours - ref).abs().max() / ref.abs().max()) < 1e-5

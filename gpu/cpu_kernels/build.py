@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 # choice between them is made at run time, by the CPU's flags).
 PARTS = (
     "prelude.h", "linear.c", "blocks.c", "blocks_dot.c", "blocks_linear.c", "ops.c",
-    "attention.c", "shm.c", "decoder.c", "module.c",
+    "attention.c", "shm.c", "moe.c", "decoder.c", "module.c",
 )  # fmt: skip
 _ISAS = (
     ("#define QISA avx2\n#define QVNNI 0\n", ""),

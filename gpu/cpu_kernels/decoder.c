@@ -10,6 +10,8 @@
  * Qwen3's q and k head norms (0 where the model has none), then four linears; a linear is
  * (kind, weight, scale, bias) with kind LIN_F32 (packed fp32, no scale) or a block kind of
  * blocks.c (LIN_INT8 with per-row scales; LIN_Q4_0 / Q4_1 / Q8_0, GGUF blocks, no scale).
+ * A mixture-of-experts layer's last field is the address of its moe.c descriptor (its
+ * gate_up and down fields unused): its MLP is moe_mlp, on moe_scratch and moe_iscratch.
  * `kv` holds each layer's cache [pages, 2, ps, Hkv, D].
  *
  * hidden [T, H] is the residual stream (embeddings in, updated in place); the last layer's MLP
@@ -24,20 +26,9 @@
 typedef int (*reduce_fn)(i64* ctx, float* data, i64 n);
 enum {
     F_IN_NORM, F_POST_NORM, F_Q_NORM, F_K_NORM,
-    F_QKV, F_O = F_QKV + 4, F_GATE_UP = F_O + 4, F_DOWN = F_GATE_UP + 4,
-    LAYER_FIELDS = F_DOWN + 4
+    F_QKV, F_O = F_QKV + 4, F_GATE_UP = F_O + 4, F_DOWN = F_GATE_UP + 4, F_MOE = F_DOWN + 4,
+    LAYER_FIELDS
 };
-
-static void table_linear(const i64* lin, const float* x, i64 M, i64 K, i64 N, float* y,
-                         int nthreads) {
-    const float* scale = (const float*)(intptr_t)lin[2];
-    const float* bias = (const float*)(intptr_t)lin[3];
-    if (lin[0] != LIN_F32)
-        block_linear((int)lin[0], x, M, K, K, (const uint8_t*)(intptr_t)lin[1], N, scale, bias, y,
-                     N, nthreads);
-    else
-        f32_linear(x, M, K, K, (const float*)(intptr_t)lin[1], N, NULL, bias, y, N, nthreads);
-}
 
 int decode_layers(const i64* table, const i64* kv, i64 nlayers, float* hidden, float* delta,
                    i64 T, i64 H, i64 Hq, i64 Hkv, i64 D, i64 I, float eps,
@@ -45,7 +36,7 @@ int decode_layers(const i64* table, const i64* kv, i64 nlayers, float* hidden, f
                    const i64* rows, const i64* append_pages, const i64* append_offsets,
                    const int32_t* kv_indptr, const int32_t* kv_indices, const int32_t* last_len,
                    i64 ps, float scale, float* scratch, int nthreads, reduce_fn reduce,
-                   i64* reduce_ctx) {
+                   i64* reduce_ctx, float* moe_scratch, i64* moe_iscratch) {
     const i64 QKV = (Hq + 2 * Hkv) * D, QD = Hq * D;
     float* x = scratch;              /* [T, H]: the normalised input of a matmul */
     float* qkv = x + T * H;          /* [T, QKV] */
@@ -69,9 +60,14 @@ int decode_layers(const i64* table, const i64* kv, i64 nlayers, float* hidden, f
         table_linear(f + F_O, attn, T, QD, H, o, nthreads);
         if (reduce && reduce(reduce_ctx, o, T * H)) return -1;
         rms_norm(hidden, o, T, H, (const float*)(intptr_t)f[F_POST_NORM], eps, x, nthreads);
-        table_linear(f + F_GATE_UP, x, T, H, 2 * I, gu, nthreads);
-        silu_mul(gu, T, I, act, nthreads);
-        table_linear(f + F_DOWN, act, T, I, H, delta, nthreads);
+        if (f[F_MOE]) {
+            moe_mlp((const i64*)(intptr_t)f[F_MOE], x, T, H, delta, moe_scratch, moe_iscratch,
+                    nthreads);
+        } else {
+            table_linear(f + F_GATE_UP, x, T, H, 2 * I, gu, nthreads);
+            silu_mul(gu, T, I, act, nthreads);
+            table_linear(f + F_DOWN, act, T, I, H, delta, nthreads);
+        }
         if (reduce && reduce(reduce_ctx, delta, T * H)) return -1;
         d = delta;
     }

@@ -16,9 +16,12 @@ from dataclasses import dataclass
 
 import torch
 
+from gpu.cpu_kernels.moe import PackedMoe
 from gpu.cpu_kernels.prepared import DecodeAttention, PackedLinear, check_rope_tables
 
-LAYER_FIELDS = 20  # decoder.c: two norms, q/k head norms, four linears (kind, weight, scale, bias)
+# decoder.c: two norms, q/k head norms, four linears (kind, weight, scale, bias), a moe.c
+# descriptor (0: a dense MLP)
+LAYER_FIELDS = 21
 
 
 class ReduceFailed(RuntimeError):
@@ -33,10 +36,11 @@ class LayerWeights:
     post_attn_norm: torch.Tensor  # fp32 [H]
     qkv: PackedLinear  # H -> (Hq + 2 Hkv) D
     o: PackedLinear  # Hq D -> H
-    gate_up: PackedLinear  # H -> 2 I
-    down: PackedLinear  # I -> H
+    gate_up: PackedLinear | None  # H -> 2 I (None with ``moe``)
+    down: PackedLinear | None  # I -> H
     q_norm: torch.Tensor | None = None  # fp32 [D]: Qwen3's per-head norms (with k_norm)
     k_norm: torch.Tensor | None = None
+    moe: PackedMoe | None = None  # a mixture-of-experts MLP instead of gate_up and down
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,7 @@ class FusedDecoder:
         qkv = (shape.num_heads + 2 * shape.num_kv_heads) * d
         qd = shape.num_heads * d
         rows: list[list[int]] = []
+        moes: list[PackedMoe] = []
         for n, layer in enumerate(layers):
             for name, norm in (("input_norm", layer.input_norm), ("post", layer.post_attn_norm)):
                 if norm.dtype != torch.float32 or not norm.is_contiguous() or norm.shape != (h,):
@@ -74,15 +79,25 @@ class FusedDecoder:
             for norm in (x for x in head_norms if x is not None):
                 if norm.dtype != torch.float32 or not norm.is_contiguous() or norm.shape != (d,):
                     raise ValueError(f"layer {n} q/k norms must be contiguous fp32 [{d}]")
-            dims = ((layer.qkv, h, qkv), (layer.o, qd, h), (layer.gate_up, h, 2 * i))
-            for lin, k, out in (*dims, (layer.down, i, h)):
+            dims = [(layer.qkv, h, qkv), (layer.o, qd, h)]
+            if layer.moe is None:
+                if layer.gate_up is None or layer.down is None:
+                    raise ValueError(f"layer {n} has neither a dense MLP nor experts")
+                dims += [(layer.gate_up, h, 2 * i), (layer.down, i, h)]
+            elif layer.moe.hidden != h:
+                raise ValueError(f"layer {n}: the experts are not {h} wide")
+            for lin, k, out in dims:
                 if (lin.k, lin.n) != (k, out):
                     raise ValueError(f"layer {n}: a linear is [{lin.n}, {lin.k}], not [{out}, {k}]")
             row = [layer.input_norm.data_ptr(), layer.post_attn_norm.data_ptr()]
             row += [0 if x is None else x.data_ptr() for x in head_norms]
-            for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            for lin, _, _ in dims:
                 row.extend(lin.table_entry())
+            row += [0] * (4 * (4 - len(dims)))
+            row.append(0 if layer.moe is None else layer.moe.descriptor.data_ptr())
             rows.append(row)
+            if layer.moe is not None:
+                moes.append(layer.moe)
         self._fn = fn
         self._reduce = reduce_hook[0] or None
         self._reduce_ctx = reduce_hook[1] or None
@@ -90,6 +105,7 @@ class FusedDecoder:
         self.layers = tuple(layers)  # keeps every pointer in the table valid
         self._table = torch.tensor(rows, dtype=torch.int64).reshape(len(rows), LAYER_FIELDS)
         self._scratch_per_token = 2 * h + qkv + qd + 3 * i
+        self._moe = max(moes, key=lambda m: m.floats_per_token, default=None)
         self._kv_key: tuple[tuple[int, ...], ...] = ()
         self._kv = torch.empty(0, dtype=torch.int64)
         self._kv_pages = 0
@@ -145,6 +161,9 @@ class FusedDecoder:
         page_size = self._kv_pointers(kv_layers, attention)
         delta = torch.empty_like(hidden)
         scratch = torch.empty(t * self._scratch_per_token, dtype=torch.float32)
+        moe_floats = moe_ints = None
+        if self._moe is not None:  # (every sparse layer's scratch fits the largest's)
+            moe_floats, moe_ints = self._moe.scratch(t)
         rows, pages, offsets, indptr, indices, last = attention.pointers
         rc = self._fn(
             self._table.data_ptr(), self._kv.data_ptr(), len(self.layers), hidden.data_ptr(),
@@ -152,6 +171,8 @@ class FusedDecoder:
             s.intermediate, s.eps, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), rows,
             pages, offsets, indptr, indices, last, page_size, attention.scale, scratch.data_ptr(),
             torch.get_num_threads(), self._reduce, self._reduce_ctx,
+            None if moe_floats is None else moe_floats.data_ptr(),
+            None if moe_ints is None else moe_ints.data_ptr(),
         )  # fmt: skip
         if rc:
             raise ReduceFailed("a tensor-parallel all-reduce failed in the fused decode step")

@@ -111,16 +111,25 @@ static PyObject* py_paged_decode_attention(PyObject* self, PyObject* const* args
 }
 
 static PyObject* py_decode_layers(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
-    Arg a[27];
-    if (parse(args, nargs, "PPIPPIIIIIIFPPPPPPPPPIFPIPP", a) < 0) return NULL;
+    Arg a[29];
+    if (parse(args, nargs, "PPIPPIIIIIIFPPPPPPPPPIFPIPPPP", a) < 0) return NULL;
     int rc;
     Py_BEGIN_ALLOW_THREADS
     rc = decode_layers(a[0].p, a[1].p, a[2].i, a[3].p, a[4].p, a[5].i, a[6].i, a[7].i, a[8].i,
                   a[9].i, a[10].i, (float)a[11].f, a[12].p, a[13].p, a[14].p, a[15].p, a[16].p,
                   a[17].p, a[18].p, a[19].p, a[20].p, a[21].i, (float)a[22].f, a[23].p,
-                  (int)a[24].i, (reduce_fn)a[25].p, a[26].p);
+                  (int)a[24].i, (reduce_fn)a[25].p, a[26].p, a[27].p, a[28].p);
     Py_END_ALLOW_THREADS
     return PyLong_FromLong(rc);
+}
+
+static PyObject* py_moe_mlp(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    Arg a[8];
+    if (parse(args, nargs, "PPIIPPPI", a) < 0) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    moe_mlp(a[0].p, a[1].p, a[2].i, a[3].i, a[4].p, a[5].p, a[6].p, (int)a[7].i);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
 }
 
 static PyObject* py_shm_allreduce(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
@@ -150,6 +159,7 @@ static PyMethodDef methods[] = {
     {"paged_decode_attention", (PyCFunction)(void (*)(void))py_paged_decode_attention,
      METH_FASTCALL, NULL},
     {"decode_layers", (PyCFunction)(void (*)(void))py_decode_layers, METH_FASTCALL, NULL},
+    {"moe_mlp", (PyCFunction)(void (*)(void))py_moe_mlp, METH_FASTCALL, NULL},
     {"shm_allreduce", (PyCFunction)(void (*)(void))py_shm_allreduce, METH_FASTCALL, NULL},
     {"shm_allreduce_address", (PyCFunction)(void (*)(void))py_shm_allreduce_address,
      METH_FASTCALL, NULL},

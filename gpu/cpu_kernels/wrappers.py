@@ -10,6 +10,7 @@ from types import ModuleType
 import torch
 
 from gpu.cpu_kernels.decoder import DecoderShape, FusedDecoder, LayerWeights
+from gpu.cpu_kernels.moe import PackedMoe
 from gpu.cpu_kernels.prepared import (
     LIN_F32,
     QK,
@@ -35,6 +36,7 @@ class CpuKernels:
         self._qk_norm = module.qk_norm
         self._attention = module.paged_decode_attention
         self._decode_layers = module.decode_layers
+        self._moe_mlp = module.moe_mlp
         self._shm_allreduce = module.shm_allreduce
         self._shm_allreduce_address = module.shm_allreduce_address()
 
@@ -115,6 +117,17 @@ class CpuKernels:
     ) -> FusedDecoder:
         """Every decoder layer of an all-decode step in one call (see ``decoder.py``)."""
         return FusedDecoder(self._decode_layers, shape, layers, reduce_hook)
+
+    def packed_moe(
+        self,
+        router: PackedLinear,
+        experts: Sequence[tuple[PackedLinear, PackedLinear]],
+        top_k: int,
+        renormalise: bool,
+        shared: tuple[PackedLinear, PackedLinear, torch.Tensor] | None = None,
+    ) -> PackedMoe:
+        """A mixture-of-experts MLP in one call (see ``moe.py``)."""
+        return PackedMoe(self._moe_mlp, router, experts, top_k, renormalise, shared)
 
     def shm_allreduce(self, ctx: torch.Tensor, data: torch.Tensor) -> int:
         """``shm.c``'s all-reduce of ``data`` (contiguous CPU fp32, in place); 0 or -1 (a
