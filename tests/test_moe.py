@@ -248,3 +248,45 @@ def test_the_one_call_cpu_kernel_computes_the_torch_ops(tiny_models, kind, fmt) 
     x = torch.randn(5, model.config.hidden_size, generator=g)
     ours, ref = moe(x), moe.per_op(x)
     assert float((ours - ref).abs().max() / ref.abs().max()) < 1e-5
+
+
+def test_the_fused_decode_step_with_experts_computes_the_torch_ops(tmp_path) -> None:
+    """A model of widths no multiple of 8 (hidden 72, experts of 20, 5 experts, 3 a token,
+    a shared expert of 36): a decode step in one C call (``moe.c`` inside the fused step)
+    against the same step with the experts in torch ops, to rounding, on every row."""
+    from gpu import cpu_kernels
+    from tests.test_fused_decode import Counting, scattered_sequences
+    from tools.gpu_check.check_model import write_synthetic_model
+
+    if cpu_kernels.load() is None:
+        pytest.skip("CPU kernels need AVX2/FMA and a C compiler")
+    folder = write_synthetic_model(tmp_path / "m", {
+        "model_type": "qwen2_moe", "vocab_size": 512, "hidden_size": 72,
+        "intermediate_size": 48, "num_hidden_layers": 3, "num_attention_heads": 3,
+        "num_key_value_heads": 1, "head_dim": 24, "max_position_embeddings": 128,
+        "num_experts": 5, "num_experts_per_tok": 3, "moe_intermediate_size": 20,
+        "shared_expert_intermediate_size": 36, "mlp_only_layers": [1],
+    })  # fmt: skip
+    model = load_model(folder, progress=False)
+    sparse = [m for m in (moe_of(model, i) for i in range(3)) if m is not None]
+    assert len(sparse) == 2 and all(m.packed() is not None for m in sparse)
+    fused = model.fused_decoder()
+    assert fused is not None
+    counting = Counting(fused)
+    model._fused = counting  # type: ignore[assignment]
+    runner = ModelRunner(model, 40, PAGE)
+    tables, prompts = scattered_sequences(2, [1, 5, 9, 14], PAGE, 40)
+    prefill = [SeqChunk(t, 0, len(p)) for t, p in zip(tables, prompts, strict=True)]
+    tokens = [[t] for t in runner.execute(prefill, prompts).argmax(-1).tolist()]
+    chunks = [SeqChunk(t, len(p), 1) for t, p in zip(tables, prompts, strict=True)]
+    saved = [c.clone() for c in runner.kv.layers]
+    one_call = runner.execute(chunks, tokens)
+    assert counting.calls == 1
+    for cache, before in zip(runner.kv.layers, saved, strict=True):
+        cache.copy_(before)
+    model.fuse_decode = False
+    for moe in sparse:  # the experts in torch ops
+        moe._packed, moe._packed_built = None, True
+    torch_ops = runner.execute(chunks, tokens)
+    assert counting.calls == 1
+    assert float((one_call - torch_ops).abs().max() / torch_ops.abs().max()) < 1e-5

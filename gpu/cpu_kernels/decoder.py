@@ -105,7 +105,7 @@ class FusedDecoder:
         self.layers = tuple(layers)  # keeps every pointer in the table valid
         self._table = torch.tensor(rows, dtype=torch.int64).reshape(len(rows), LAYER_FIELDS)
         self._scratch_per_token = 2 * h + qkv + qd + 3 * i
-        self._moe = max(moes, key=lambda m: m.floats_per_token, default=None)
+        self._moes = tuple(moes)
         self._kv_key: tuple[tuple[int, ...], ...] = ()
         self._kv = torch.empty(0, dtype=torch.int64)
         self._kv_pages = 0
@@ -162,8 +162,10 @@ class FusedDecoder:
         delta = torch.empty_like(hidden)
         scratch = torch.empty(t * self._scratch_per_token, dtype=torch.float32)
         moe_floats = moe_ints = None
-        if self._moe is not None:  # (every sparse layer's scratch fits the largest's)
-            moe_floats, moe_ints = self._moe.scratch(t)
+        if self._moes:  # one scratch for every sparse layer: the largest need of each kind
+            sizes = [m.scratch_sizes(t) for m in self._moes]
+            moe_floats = torch.empty(max(f for f, _ in sizes), dtype=torch.float32)
+            moe_ints = torch.empty(max(i for _, i in sizes), dtype=torch.int64)
         rows, pages, offsets, indptr, indices, last = attention.pointers
         rc = self._fn(
             self._table.data_ptr(), self._kv.data_ptr(), len(self.layers), hidden.data_ptr(),

@@ -16,7 +16,7 @@ static void table_linear(const i64* lin, const float* x, i64 M, i64 K, i64 N, fl
 /*
  * A sparse mixture-of-experts MLP (gpu/moe.py) over T normalised rows x [T, H], in one call,
  * the same steps as the module's torch path: the router's logits (a linear), a softmax over
- * the E experts, each token's k best (the lower expert of two equal scores first), their
+ * the E experts, each token's k most probable (the lower expert of two equal ones first), their
  * weights renormalised to sum to 1 where `renormalise`; then each expert once, in ascending
  * order, over its tokens gathered in ascending order: gate/up, SwiGLU, down, each row scaled
  * by its token's weight and added into out [T, H] (zeroed here). A shared expert (Qwen2-MoE)
@@ -33,11 +33,16 @@ enum {
     MOE_SHARED, MOE_SHARED_GATE = MOE_SHARED + 8, MOE_FIELDS
 };
 
-static void moe_route(const float* logits, i64 E, i64 k, int renorm, i64* experts,
-                      float* weights) {
+/* `logits` [E] become the probabilities (in place); the k best of those, as torch.topk picks
+   them (two that round to one probability: the lower expert first). */
+static void moe_route(float* logits, i64 E, i64 k, int renorm, i64* experts, float* weights) {
     float top = logits[0], sum = 0.0f;
     for (i64 e = 1; e < E; ++e) top = logits[e] > top ? logits[e] : top;
-    for (i64 e = 0; e < E; ++e) sum += expf(logits[e] - top);
+    for (i64 e = 0; e < E; ++e) {
+        logits[e] = expf(logits[e] - top);
+        sum += logits[e];
+    }
+    for (i64 e = 0; e < E; ++e) logits[e] /= sum;
     for (i64 j = 0; j < k; ++j) { /* k is small: k passes */
         i64 best = -1;
         for (i64 e = 0; e < E; ++e) {
@@ -46,7 +51,7 @@ static void moe_route(const float* logits, i64 E, i64 k, int renorm, i64* expert
             if (!taken && (best < 0 || logits[e] > logits[best])) best = e;
         }
         experts[j] = best;
-        weights[j] = expf(logits[best] - top) / sum;
+        weights[j] = logits[best];
     }
     if (renorm) {
         float total = 0.0f;

@@ -61,11 +61,13 @@ class PackedMoe:
         self.hidden, self.num_experts, self.top_k = h, e, top_k
         self.floats_per_token = e + 2 * h + 3 * max(i, shared_i) + 2 * top_k
 
+    def scratch_sizes(self, tokens: int) -> tuple[int, int]:
+        """How many floats and int64s of scratch moe.c needs for a call over ``tokens`` rows."""
+        return tokens * self.floats_per_token, 2 * self.num_experts + 2 * tokens * self.top_k
+
     def scratch(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """moe.c's float and int64 scratch for a call over ``tokens`` rows."""
-        floats = torch.empty(tokens * self.floats_per_token, dtype=torch.float32)
-        ints = torch.empty(2 * self.num_experts + 2 * tokens * self.top_k, dtype=torch.int64)
-        return floats, ints
+        floats, ints = self.scratch_sizes(tokens)
+        return torch.empty(floats, dtype=torch.float32), torch.empty(ints, dtype=torch.int64)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, H]`` normed rows (CPU fp32) -> the MLP's output ``[T, H]``."""
