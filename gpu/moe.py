@@ -21,13 +21,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gpu.attention.rope_append import available as triton_available
 from gpu.config import MoeConfig
 from gpu.cpu_kernels.moe import PackedMoe
-from gpu.linear import Linear
+from gpu.linear import DenseLinear, Linear
 from gpu.ops import TorchOps
 from gpu.quant import BlockWeight
 
 Weight = torch.Tensor | BlockWeight
+MOE_DTYPES = (torch.float16, torch.bfloat16)  # gpu.triton_moe's
 
 
 class Expert(nn.Module):
@@ -81,6 +83,38 @@ class SparseMoe(nn.Module):
             self.shared_gate = owned(w[shared_gate])
         self._packed: PackedMoe | None = None
         self._packed_built = False
+        # the experts' weights stacked [E, 2I, H] and [E, H, I] for gpu.triton_moe
+        self.stacked_gate_up: torch.Tensor | None = None
+        self.stacked_down: torch.Tensor | None = None
+        first = cast(Expert, self.experts[0]).gate_up_proj
+        if isinstance(first, DenseLinear) and first.layout == "nk" and triton_available():
+            self.stack_experts()
+
+    def stack_experts(self) -> bool:
+        """Run the experts as ``gpu.triton_moe``'s grouped matmuls from now on, where every
+        expert is a dense fp16/bf16 linear: their weights stacked into two tensors (on CUDA
+        each linear then reads its slice of them, so nothing is held twice). Whether it did."""
+        experts = cast(list[Expert], list(self.experts))
+        linears = [(e.gate_up_proj, e.down_proj) for e in experts]
+        if not all(isinstance(x, DenseLinear) for pair in linears for x in pair):
+            return False
+        dense = cast(list[tuple[DenseLinear, DenseLinear]], linears)
+        dtype = dense[0][0].weight.dtype if dense[0][0].layout == "nk" else torch.bfloat16
+        if dtype not in MOE_DTYPES or any(x.bias is not None for p in dense for x in p):
+            return False
+        stacks = []
+        for column in (0, 1):
+            parts = [
+                pair[column].weight if pair[column].layout == "nk"
+                else pair[column].dequantized_weight().to(dtype)
+                for pair in dense
+            ]  # fmt: skip
+            stacks.append(torch.stack(parts))
+            for e, pair in enumerate(dense):
+                if pair[column].layout == "nk":
+                    pair[column].weight = stacks[-1][e]
+        self.stacked_gate_up, self.stacked_down = stacks
+        return True
 
     def _apply(self, *args: Any, **kwargs: Any) -> SparseMoe:
         # .to() and friends may replace the tensors the packed call points at
@@ -127,7 +161,21 @@ class SparseMoe(nn.Module):
         packed = self.packed()
         if packed is not None and x.dtype == torch.float32 and x.is_cpu:
             return packed(x)
+        stacked = self.stacked_gate_up
+        if stacked is not None and self.stacked_down is not None and x.dtype == stacked.dtype:
+            return self.grouped(x)
         return self.per_op(x)
+
+    def grouped(self, x: torch.Tensor) -> torch.Tensor:
+        """The MLP with the experts in two grouped matmuls (``gpu.triton_moe``)."""
+        from gpu.triton_moe import fused_moe
+
+        assert self.stacked_gate_up is not None and self.stacked_down is not None
+        experts, weights = self.route(x)
+        out = fused_moe(
+            x, self.stacked_gate_up, self.stacked_down, experts, weights, self.ops.silu_mul
+        )
+        return self._add_shared(x, out)
 
     def per_op(self, x: torch.Tensor) -> torch.Tensor:
         """The MLP in torch ops (CUDA; the CPU without kernels), which ``moe.c`` repeats."""
@@ -145,6 +193,9 @@ class SparseMoe(nn.Module):
                 y = expert(x[rows], self.ops) * scales[start : start + count]
                 out.index_add_(0, rows, y.to(out.dtype))
                 start += count
+        return self._add_shared(x, out)
+
+    def _add_shared(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         if self.shared is not None and self.shared_gate is not None:
             gate = torch.sigmoid(F.linear(x, self.shared_gate))
             out += gate * self.shared(x, self.ops)

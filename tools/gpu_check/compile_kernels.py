@@ -101,7 +101,7 @@ def recording(
 def record_launches() -> list[Launch]:
     """Call every Triton wrapper of the runtime on small tensors, as the model does, and
     return the launches (nothing runs)."""
-    from gpu import triton_blocks, triton_gemv, triton_quant, triton_w8a16
+    from gpu import triton_blocks, triton_gemv, triton_moe, triton_quant, triton_w8a16
     from gpu.attention import rope_append
 
     launches: list[Launch] = []
@@ -142,6 +142,14 @@ def record_launches() -> list[Launch]:
             triton_quant.quantize_rows(x64, fp8)
     with recording(rope_append, "rope_append", launches):
         rope_append.rope_append_(*_rope_step())
+    with recording(triton_moe, "moe_grouped", launches):
+        experts = torch.tensor([[0, 3], [1, 3], [2, 0]])  # 3 tokens, 2 of 4 experts each
+        for dtype in (bf16, torch.float16):
+            w1, w2 = torch.randn((4, 128, 256)).to(dtype), torch.randn((4, 256, 64)).to(dtype)
+            triton_moe.fused_moe(
+                torch.randn((3, 256)).to(dtype), w1, w2, experts, torch.rand((3, 2)),
+                lambda gu: gu[:, : gu.shape[1] // 2].contiguous(),
+            )  # fmt: skip
     return launches
 
 
