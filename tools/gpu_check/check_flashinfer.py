@@ -17,7 +17,8 @@ Nine sections, each independent (one failing does not stop the others):
 - qwen3: the model section on a random model of Qwen3-0.6B's shape (4 layers): its q/k head
   norms through FlashInfer, the CUDA graphs and the fused rotary + KV append.
 - qwen3_moe: the same on a random model of Qwen3-30B-A3B's shape (2 layers, 32 experts, 8 per
-  token): the experts' routing and gathered matmuls in bf16 (eager: no CUDA graphs).
+  token): the routing and the grouped Triton matmuls of `gpu/triton_moe.py` in bf16 (eager:
+  no CUDA graphs).
 - timing: one decode step (every sequence at ~512 tokens of context) at batch 1/8/64 for each
   attention backend, timed with CUDA events around whole ``ModelRunner.forward`` calls
   (plan + all layers + lm_head, host overhead included) (``decode_timing.py``).
