@@ -145,6 +145,7 @@ class Engine:
         grammar: Any = None,
         guest: bool = False,
         lora: str = "",
+        grammar_after: int | None = None,
     ) -> None:
         """Queue a request; raises ``ModelError``/``ValueError`` naming what is wrong with it.
 
@@ -155,7 +156,8 @@ class Engine:
 
         ``grammar``: an ``xgrammar.CompiledGrammar`` (for this model's vocabulary and
         ``eos_token_ids``) the output must follow (``gpu.grammar``); compiled by the caller,
-        off the step loop.
+        off the step loop; ``grammar_after``: it holds only after the model wrote this token
+        (the end of its reasoning; ``gpu.grammar``).
 
         ``output_token_ids``: tokens this request already generated elsewhere (a request
         migrated off a lost executor). They are prefilled with the prompt, count towards
@@ -163,7 +165,7 @@ class Engine:
         they took, so the continuation is the one an uninterrupted run would have sampled.
         """
         seq = self.new_sequence(
-            request_id, prompt_token_ids, params, output_token_ids, grammar, lora
+            request_id, prompt_token_ids, params, output_token_ids, grammar, lora, grammar_after
         )
         seq.guest = guest
         self.seqs[request_id] = seq
@@ -187,6 +189,7 @@ class Engine:
         output_token_ids: list[int] | None = None,
         grammar: Any = None,
         lora: str = "",
+        grammar_after: int | None = None,
     ) -> Sequence:
         """A checked new sequence (for ``add_request`` and ``gpu.handoff.reserve``)."""
         if request_id in self.seqs or request_id in self.reserved:
@@ -235,7 +238,7 @@ class Engine:
             # a constrained request pays it, not every process that imports the engine.
             from gpu.grammar import GrammarState
 
-            seq.grammar = GrammarState(grammar, sorted(self.eos_token_ids))
+            seq.grammar = GrammarState(grammar, sorted(self.eos_token_ids), grammar_after)
             if not seq.grammar.accept(output_token_ids):
                 raise ValueError("the tokens already generated do not follow the grammar")
         seq.generator = make_generator(params, self.runner.device)

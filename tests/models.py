@@ -169,8 +169,12 @@ CORPUS = [
 ]
 
 
-def write_tiny_tokenizer(folder: Path, vocab_size: int = 512, chat_template: str = CHATML) -> None:
-    """A byte-level BPE (every UTF-8 string encodes) with ChatML specials at ids 0, 1, 2."""
+def write_tiny_tokenizer(
+    folder: Path, vocab_size: int = 512, chat_template: str = CHATML, added: tuple[str, ...] = ()
+) -> None:
+    """A byte-level BPE (every UTF-8 string encodes) with ChatML specials at ids 0, 1, 2;
+    ``added``: tokens of one id each that decode as text (not special), as Qwen3's
+    ``<think>`` and ``</think>``."""
     import json
 
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -186,6 +190,7 @@ def write_tiny_tokenizer(folder: Path, vocab_size: int = 512, chat_template: str
         show_progress=False,
     )
     tok.train_from_iterator(CORPUS * 20, trainer)
+    tok.add_tokens(list(added))
     # pad to the model's vocabulary so every id the model can emit decodes (to nothing)
     tok.add_special_tokens([f"<|reserved_{i}|>" for i in range(vocab_size - tok.get_vocab_size())])
     tok.save(str(folder / "tokenizer.json"))

@@ -18,7 +18,7 @@ from common.wire.tokenizer import ResponseFormat, ToolChoice, WireSamplingParams
 from services.gateway.protocol import ApiRequest
 from services.gateway.responses import ResponseBuilder
 from tests.mesh import MeshHarness, openai_client
-from tests.models import set_chat_template
+from tests.models import write_tiny_tokenizer
 
 
 def split_all(pieces: list[str], opened: bool = False) -> tuple[str, str]:
@@ -166,19 +166,26 @@ def test_off_the_text_is_untouched_and_completions_are_never_split() -> None:
     assert builder.response()["choices"][0]["text"] == "a</think>b"
 
 
-def test_an_answer_a_grammar_forced_is_content() -> None:
-    """The grammar holds from the first token (the prompt's open block notwithstanding): the
-    JSON it forced is what the client asked for, as content."""
+def test_a_constrained_answer_reasons_first_where_its_grammar_waits() -> None:
+    """vLLM's order: the grammar holds after the reasoning (the tokenizer gates it on
+    ``</think>``), so the JSON or the forced call is what follows the block. Where the grammar
+    held from the first token the tokenizer reports the block closed: all of it is content."""
     tools = json.dumps([{"type": "function", "function": {"name": "f"}}])
-    for api in (
-        chat_api(response_format=ResponseFormat("json_object")),
-        chat_api(tools=ToolChoice(tools, "required")),
+    call = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
+    for api, answer in (
+        (chat_api(response_format=ResponseFormat("json_object")), '{"a": 1}'),
+        (chat_api(tools=ToolChoice(tools, "required")), call),
     ):
         builder = ResponseBuilder(api, "id", 0, "hermes", "qwen3")
-        streamed(builder, deltas(['{"a": 1}'], opened=True))
+        streamed(builder, deltas(["so: a.</think>\n\n", answer], opened=True))
         message = builder.response()["choices"][0]["message"]
-        assert "reasoning" not in message
-        assert message["content"] == '{"a": 1}' or message["tool_calls"]
+        assert message["reasoning"] == "so: a."
+        assert message["content"] == "\n\n" + answer or message["tool_calls"]
+        builder = ResponseBuilder(api, "id", 0, "hermes", "qwen3")
+        streamed(builder, [TextDelta("r", answer, "stop", think=CLOSED)])
+        message = builder.response()["choices"][0]["message"]
+        assert message["reasoning"] is None
+        assert message["content"] == answer or message["tool_calls"]
 
 
 def test_tool_calls_are_parsed_from_the_content_after_the_block() -> None:
@@ -249,7 +256,8 @@ USER: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Why is th
 def mesh(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory):
     folder = tmp_path_factory.mktemp("thinking") / "model"
     shutil.copytree(tiny_llama, folder)
-    set_chat_template(folder, THINKING_TEMPLATE)
+    # Qwen3's way: each tag is one token, decoded as text
+    write_tiny_tokenizer(folder, 512, THINKING_TEMPLATE, added=("<think>", "</think>"))
     harness = MeshHarness(folder, gateway_options={"reasoning_parser": "qwen3"}).start()
     yield harness
     harness.stop()
@@ -312,4 +320,38 @@ async def test_a_prompt_that_closes_the_block_makes_the_answer_content(mesh) -> 
     )
     message = whole.model_dump()["choices"][0]["message"]
     assert message["content"] == expected and message["reasoning"] is None
+    await client.close()
+
+
+async def test_a_grammar_holds_after_the_reasoning_as_vllm_orders_them(mesh) -> None:
+    """With the block open, a constrained answer reasons freely first: a token its grammar
+    forbids (forced by logit_bias) is reasoning, and no content comes before ``</think>``;
+    once the model ends the block (``</think>`` forced) the answer is the grammar's. With
+    the block closed the grammar holds from the first token, all of it content."""
+    from common.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_folder(mesh.model)
+    (end,) = tok.encode("</think>", add_special_tokens=False)
+    z = tok.encode("zz", add_special_tokens=False)[0]
+    client = openai_client(mesh.base_url)
+    choice = {"structured_outputs": {"choice": ["yes", "no"]}}
+
+    async def ask(bias: int, **extra: Any) -> Any:
+        out = await client.chat.completions.create(
+            model="tiny", messages=USER, max_tokens=6, temperature=0,
+            logit_bias={str(bias): 100}, extra_body={**choice, **extra},
+        )  # fmt: skip
+        return out.choices[0]
+
+    reasoning = await ask(z)
+    message = reasoning.message.model_dump()
+    assert message["reasoning"] == tok.decode([z] * 6) and message["content"] is None
+    assert reasoning.finish_reason == "length"
+    answered = await ask(end)
+    message = answered.message.model_dump()
+    assert message["reasoning"] == "" or message["reasoning"] is None
+    assert message["content"] in ("yes", "no") and answered.finish_reason == "stop"
+    closed = await ask(z, chat_template_kwargs={"enable_thinking": False})
+    message = closed.message.model_dump()
+    assert message["content"] in ("yes", "no") and message["reasoning"] is None
     await client.close()

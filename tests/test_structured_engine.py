@@ -184,3 +184,57 @@ def test_a_malformed_schema_is_a_400_not_a_crash(bad: dict[str, Any]) -> None:
     with pytest.raises(RequestError) as info:
         grammar_for(None, ToolChoice(tools, "required"), "hermes")
     assert info.value.status == 400 and info.value.param == "tools"
+
+
+def allowed(bitmask: Any, row: int, token: int) -> bool:
+    return bool((int(bitmask[row, token // 32]) >> (token % 32)) & 1)
+
+
+def test_a_grammar_after_reasoning_allows_everything_until_its_token(parts):
+    """``after_token`` (a reasoning model's ``</think>``): every token goes, none reaches the
+    matcher, until that one; then the grammar's first mask. A draft that crosses the token
+    gets free rows before it and the grammar's after it, and leaves the state as it was."""
+    from gpu.grammar import GrammarState, allocate_bitmask
+
+    tok, model, compiled = parts
+    vocab = model.config.vocab_size
+    z, brace = tok.encode("zz")[0], tok.encode("{")[0]
+    end = tok.encode("fox")[0]  # (stands for </think>)
+    state = GrammarState(compiled, sorted(tok.eos_token_ids), after_token=end)
+    bitmask = allocate_bitmask(6, vocab)
+    bitmask.zero_()
+    state.draft_masks([z, end, z, brace], bitmask, 0)
+    assert allowed(bitmask, 0, z) and allowed(bitmask, 1, z)  # still reasoning
+    assert not allowed(bitmask, 2, z) and allowed(bitmask, 2, brace)  # the document starts
+    assert int(bitmask[3].abs().sum()) == 0  # past the rejected z: not filled
+    assert state.waiting_for == end  # the walk committed nothing
+    assert state.accept([z, z, brace])  # any token while reasoning, the brace too
+    assert state.waiting_for == end
+    assert state.accept([end])
+    state.next_mask(bitmask, 4)
+    assert state.waiting_for is None and allowed(bitmask, 4, brace)
+    assert not allowed(bitmask, 4, z) and not state.accept([z])
+
+
+def test_the_engine_runs_the_reasoning_free_and_the_answer_constrained(parts):
+    """With ``grammar_after``: a token the grammar forbids (forced by logit_bias) is emitted
+    while the model reasons; a continuation that reasoned and then ended the block goes on
+    under the grammar: what follows the end token is a valid document."""
+    tok, model, compiled = parts
+    prompt = tok.encode_user_turn("sky")
+    z, end = tok.encode("zz")[0], tok.encode("fox")[0]
+    engine = make_engine(model, tok)
+    forced = SamplingParams(temperature=0.0, max_tokens=5, logit_bias=((z, 100.0),))
+    engine.add_request("free", prompt, forced, grammar=compiled, grammar_after=end)
+    assert run(engine, "free") == [z] * 5  # the grammar never started
+    engine.add_request("held", prompt, forced, grammar=compiled)
+    assert z not in run(engine, "held")  # (without the gate z is masked from the first token)
+    greedy = SamplingParams(temperature=0.0, max_tokens=120)
+    reasoned = [z, z, end]
+    with pytest.raises(ValueError, match="grammar"):
+        engine.add_request("c", prompt, greedy, output_token_ids=reasoned, grammar=compiled)
+    engine.add_request("c", prompt, greedy, output_token_ids=reasoned, grammar=compiled,
+                       grammar_after=end)  # fmt: skip
+    answer = run(engine, "c")
+    valid(tok, answer[:-1])
+    assert answer[-1] in tok.eos_token_ids

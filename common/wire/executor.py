@@ -27,6 +27,10 @@ class WireGrammar(Message):
 
     key: str
     ebnf: str
+    # The grammar holds from the token after this one, the end of the model's reasoning
+    # (vLLM's structured outputs with a reasoning parser: the model thinks freely first);
+    # None: from the first token.
+    after_token: int | None = None
 
 
 @dataclass(frozen=True)

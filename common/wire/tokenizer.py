@@ -148,6 +148,9 @@ class GenerateRequest(Message):
     truncate_prompt_tokens: int | None = None
     # vLLM's --lora-modules: the LoRA adapter the request names as its model ("": the base)
     lora: str = ""
+    # A chat request to a gateway with a --reasoning-parser (deepseek_r1, qwen3): a grammar
+    # starts after the reasoning where the answer starts inside it (``common.reasoning``)
+    reasoning_parser: str = ""
 
     def __post_init__(self) -> None:
         require(

@@ -586,6 +586,7 @@ class ExecutorService:
                         grammar=self.compiled.pop(req.request_id, None),
                         guest=req.guest,
                         lora=req.lora,
+                        grammar_after=req.grammar.after_token if req.grammar else None,
                     )
             except ValueError as exc:  # ModelError included: the request, not the executor
                 self.timelines.finished(req.request_id, "error")

@@ -210,6 +210,9 @@ class MeshClient:
             bad_words=api.bad_words,
             truncate_prompt_tokens=api.truncate_prompt_tokens,
             lora=api.lora,
+            reasoning_parser=self.config.reasoning_parser
+            if api.kind == "chat" and self.config.reasoning_parser != "none"
+            else "",
         )
         payload = request.encode()
         headers = inject(None)  # the trace context of gateway.request

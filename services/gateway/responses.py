@@ -214,10 +214,10 @@ class ResponseBuilder:
     ``delta.tool_calls``; ``finish_reason`` ``tool_calls``). ``reasoning_parser`` (not
     "none"): a chat answer's ``<think>`` block goes to ``reasoning`` (and
     ``reasoning_content``, its older name in vLLM and DeepSeek's API), the tool calls and
-    ``content`` coming from the rest. Not for an answer
-    a grammar forces from its first token (a response format, a required or named tool): the
-    model had no room to think, and what it wrote is the content asked for (vLLM starts the
-    grammar after the reasoning instead)."""
+    ``content`` coming from the rest. A grammar (a response format, a required or named
+    tool) holds from the end of the reasoning, as in vLLM, where the answer starts inside
+    it; an answer it constrains from the first token has no reasoning (the tokenizer then
+    reports a closed block: ``common.reasoning``)."""
 
     def __init__(
         self,
@@ -229,11 +229,8 @@ class ResponseBuilder:
     ) -> None:
         self.api = api
         self.chat = api.kind == "chat"
-        forced = api.tools is not None and api.tools.mode in ("required", "function")
         self.reasoning_parser = reasoning_parser
-        self.reasoning = (
-            reasoning_parser != "none" and self.chat and api.response_format is None and not forced
-        )
+        self.reasoning = reasoning_parser != "none" and self.chat
         self.head: Json = {
             "id": response_id,
             "object": "chat.completion.chunk" if self.chat else "text_completion",

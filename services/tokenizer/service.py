@@ -20,13 +20,13 @@ from opentelemetry import trace
 from common.config import MeshConfig, model_setting, page_size_setting
 from common.generation_defaults import sampling_defaults
 from common.page_hash import namespace_root, page_hashes
-from common.reasoning import think_state
+from common.reasoning import CLOSED, THINK_END, starts_inside, think_state
 from common.runtime import RequestError, Service, context_too_long
 from common.settings import parse, setting
 from common.telemetry import Attr
 from common.tokenizer import Tokenizer, TokenizerError
 from common.tool_formats import detect_tool_format, renders_tools
-from common.wire.executor import TokenizedRequest
+from common.wire.executor import TokenizedRequest, WireGrammar
 from common.wire.tokenizer import (
     ChatMessage,
     DetokenizeReply,
@@ -96,6 +96,7 @@ class TokenizerService:
         # The gateway parses tool calls in the format this template teaches the model.
         self.tool_format = detect_tool_format(self.tokenizer.chat_template_text(tools=True))
         self.svc.facts.tool_format = self.tool_format
+        self.think_end = think_end_token(self.tokenizer)
         self.sampling_defaults = (
             sampling_defaults(folder) if config.generation_config == "auto" else {}
         )
@@ -176,6 +177,18 @@ class TokenizerService:
             field = "messages" if req.messages is not None else "prompt"
             raise RequestError(str(exc), param=field) from exc
         raise RequestError("the request has neither a prompt nor messages", param="prompt")
+
+    def after_reasoning(
+        self, grammar: WireGrammar, parser: str, think: str
+    ) -> tuple[WireGrammar, str]:
+        """A constrained chat answer under a reasoning parser: where it starts inside the
+        reasoning (``starts_inside``) and ``</think>`` is one token here, the grammar holds
+        from after that token, as vLLM orders them; otherwise from the first token, and the
+        answer has no reasoning (the block is reported closed, so the gateway's split takes
+        all of it as content)."""
+        if starts_inside(parser, think) and self.think_end is not None:
+            return dataclasses.replace(grammar, after_token=self.think_end), think
+        return grammar, CLOSED
 
     def truncated(self, req: GenerateRequest, ids: list[int], keep: int) -> list[int]:
         """vLLM's ``truncate_prompt_tokens``: the prompt's last ``keep`` tokens. A text prompt
@@ -289,6 +302,8 @@ class TokenizerService:
                 req, params=dataclasses.replace(req.params, bad_words_token_ids=words)
             )
         grammar = grammar_for(req.response_format, req.tools, self.tool_format)
+        if grammar is not None and req.reasoning_parser:
+            grammar, think = self.after_reasoning(grammar, req.reasoning_parser, think)
         room = self.max_model_len - len(ids)
         if req.params.max_tokens > room:
             if req.max_tokens_chosen and not req.output_token_ids:  # (a continuation passed)
@@ -327,6 +342,13 @@ class TokenizerService:
                     think=think,
                 ),
             )
+
+
+def think_end_token(tokenizer: Tokenizer) -> int | None:
+    """The id of ``</think>`` where the vocabulary has it as one token (Qwen3, QwQ, the R1
+    distills), else None."""
+    ids = tokenizer.encode(THINK_END, add_special_tokens=False)
+    return ids[0] if len(ids) == 1 else None
 
 
 def bad_words_token_ids(tokenizer: Tokenizer, words: list[str]) -> list[list[int]]:
