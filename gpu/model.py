@@ -368,8 +368,16 @@ class CausalLM(nn.Module):
         if rows > MAX_ROWS:
             raise ValueError(f"the Triton matrix-vector kernel takes at most {MAX_ROWS} rows")
         switched = 0
+        grouped = {  # experts that run as gpu.triton_moe's grouped matmuls: left as they are
+            id(linear)
+            for layer in cast(list[DecoderLayer], list(self.layers))
+            if layer.moe is not None and layer.moe.stacked_gate_up is not None
+            for linear in layer.moe.modules()
+        }
         for module in self.modules():
             if not isinstance(module, DenseLinear) or module.layout != "nk":
+                continue
+            if id(module) in grouped:
                 continue
             if module.weight.dtype in DTYPES:
                 module.triton_rows = rows

@@ -30,6 +30,9 @@ from gpu.quant import BlockWeight
 
 Weight = torch.Tensor | BlockWeight
 MOE_DTYPES = (torch.float16, torch.bfloat16)  # gpu.triton_moe's
+# Steps of more tokens (long prompt chunks) run each expert apart, on cuBLAS with many rows:
+# the grouped kernel's blocks of 16 pairs re-read an expert's weights every 16 rows.
+GROUPED_MAX_TOKENS = 128
 
 
 class Expert(nn.Module):
@@ -99,7 +102,9 @@ class SparseMoe(nn.Module):
         if not all(isinstance(x, DenseLinear) for pair in linears for x in pair):
             return False
         dense = cast(list[tuple[DenseLinear, DenseLinear]], linears)
-        dtype = dense[0][0].weight.dtype if dense[0][0].layout == "nk" else torch.bfloat16
+        dtype = dense[0][0].weight.dtype
+        if dtype not in MOE_DTYPES and dense[0][0].layout != "nk":
+            dtype = torch.bfloat16  # (an fp32 CPU model, for the interpreter's tests)
         if dtype not in MOE_DTYPES or any(x.bias is not None for p in dense for x in p):
             return False
         stacks = []
@@ -117,9 +122,14 @@ class SparseMoe(nn.Module):
         return True
 
     def _apply(self, *args: Any, **kwargs: Any) -> SparseMoe:
-        # .to() and friends may replace the tensors the packed call points at
+        # .to() and friends may replace the tensors the packed call points at, and turn the
+        # experts' slices of the stacks into tensors of their own: stacked again after
         self._packed, self._packed_built = None, False
+        stacked = self.stacked_gate_up is not None
+        self.stacked_gate_up = self.stacked_down = None
         module: SparseMoe = super()._apply(*args, **kwargs)  # type: ignore[no-untyped-call]
+        if stacked:
+            module.stack_experts()
         return module
 
     def packed(self) -> PackedMoe | None:
@@ -162,7 +172,12 @@ class SparseMoe(nn.Module):
         if packed is not None and x.dtype == torch.float32 and x.is_cpu:
             return packed(x)
         stacked = self.stacked_gate_up
-        if stacked is not None and self.stacked_down is not None and x.dtype == stacked.dtype:
+        if (
+            stacked is not None
+            and self.stacked_down is not None
+            and x.dtype == stacked.dtype
+            and x.shape[0] <= GROUPED_MAX_TOKENS
+        ):
             return self.grouped(x)
         return self.per_op(x)
 

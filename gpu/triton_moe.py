@@ -42,6 +42,8 @@ def _kernel() -> Any:
     ):  # fmt: skip
         block = tl.program_id(0)
         expert = tl.load(block_expert_ptr + block)
+        if expert < 0:  # a block past the last expert's: no work (and no weights read)
+            return
         pair = tl.load(pairs_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
         pair_ok = (pair < num_pairs) & (expert >= 0)
         row = pair // top_k if ROWS_BY_TOKEN else pair
@@ -105,7 +107,8 @@ def align(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.
     first = torch.cumsum(counts, 0) - counts  # each expert's first place among the pairs
     rank = torch.arange(pairs, device=flat.device) - first[grouped]
     slots = (padded_ends - padded)[grouped] + rank
-    num_blocks = -(-(pairs + num_experts * (BLOCK_M - 1)) // BLOCK_M)
+    # (at most min(E, pairs) experts have pairs, each padded by at most BLOCK_M - 1)
+    num_blocks = -(-(pairs + min(num_experts, pairs) * (BLOCK_M - 1)) // BLOCK_M)
     sorted_pairs = torch.full((num_blocks * BLOCK_M,), pairs, dtype=torch.int64, device=flat.device)
     sorted_pairs[slots] = order
     starts = torch.arange(num_blocks, device=flat.device) * BLOCK_M
@@ -167,5 +170,5 @@ def fused_moe(
     act = silu_mul(h)
     scale = weights.flatten().contiguous()
     y = grouped_matmul(act, down, sorted_pairs, block_expert, k, False, scale)
-    out: torch.Tensor = y.view(t, k, -1).float().sum(1).to(x.dtype)
+    out: torch.Tensor = y.view(t, k, -1).sum(1)  # (accumulated in fp32, rounded once)
     return out

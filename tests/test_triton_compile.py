@@ -44,11 +44,12 @@ def test_every_kernel_builds_for_sm90(tmp_path: Path) -> None:
     # gemv (bf16, int8 with and without a bias, norm + bias, SiLU + add, fp16), the W8A16
     # GEMM (bias or not, fp16), the block matmul (3 types, a bias, fp16), fp8 and int8 row
     # quantization, the fused rotary + KV append, the MoE grouped matmuls (gate/up by token,
-    # down by pair with the routing weights; bf16 and fp16; 5 configurations each)
+    # down by pair with the routing weights; bf16 and fp16, fp32 and bf16 weights, top 2 and
+    # top 1; 5 configurations each)
     assert set(built) == {
         "gemv", "w8a16", "blocks", "blocks_gemv", "quantize_rows", "rope_append", "moe_grouped"
     }  # fmt: skip
-    assert built["moe_grouped"] == 2 * 2 * 5
+    assert built["moe_grouped"] == 3 * 2 * 5
     assert built["blocks_gemv"] >= 7
     assert built["quantize_rows"] == 2 and built["rope_append"] == 1
     assert built["w8a16"] >= 3 and built["blocks"] >= 5 and built["gemv"] >= 6

@@ -37,7 +37,7 @@ def test_align_groups_every_pair_by_expert_in_padded_blocks(tokens, top_k, exper
     bm = triton_moe.BLOCK_M
     # sizes depend on the batch's shape only (what a CUDA graph needs)
     assert sorted_pairs.numel() == block_expert.numel() * bm
-    assert block_expert.numel() == -(-(pairs + experts * (bm - 1)) // bm)
+    assert block_expert.numel() == -(-(pairs + min(experts, pairs) * (bm - 1)) // bm)
     real = sorted_pairs[sorted_pairs < pairs]
     assert sorted(real.tolist()) == list(range(pairs))  # every pair once
     flat = chosen.flatten()
@@ -99,3 +99,32 @@ def test_a_shape_off_every_block(tmp_path) -> None:
     x = torch.randn(7, 40, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     grouped, per_op = moe(x).float(), moe.per_op(x).float()
     assert float((grouped - per_op).abs().max()) / float(per_op.abs().max()) < 2e-2
+
+
+def test_long_steps_run_the_experts_apart_and_a_move_stacks_them_again(
+    tiny_models, monkeypatch
+) -> None:
+    """Steps of more than GROUPED_MAX_TOKENS tokens take the per-expert path (many rows a
+    matmul); after ``.to()`` the stacks are the experts' weights in the new dtype."""
+    from gpu import moe as moe_module
+
+    model, moe = bf16_moe(tiny_models["qwen3_moe"])
+    assert moe.stack_experts()
+    called: list[int] = []
+
+    def grouped(self: SparseMoe, x: torch.Tensor) -> torch.Tensor:
+        called.append(len(x))
+        return x
+
+    monkeypatch.setattr(SparseMoe, "grouped", grouped)
+    gen = torch.Generator().manual_seed(4)
+    long = torch.randn(moe_module.GROUPED_MAX_TOKENS + 1, 64, generator=gen).to(torch.bfloat16)
+    assert float((moe(long) - moe.per_op(long)).abs().max()) == 0.0
+    moe(long[:5])
+    assert called == [5]
+    model.to(torch.float16)
+    assert moe.stacked_gate_up is not None and moe.stacked_gate_up.dtype == torch.float16
+    expert = cast(Any, moe.experts[1])
+    torch.testing.assert_close(
+        moe.stacked_gate_up[1].float(), expert.gate_up_proj.dequantized_weight()
+    )

@@ -144,10 +144,15 @@ def record_launches() -> list[Launch]:
         rope_append.rope_append_(*_rope_step())
     with recording(triton_moe, "moe_grouped", launches):
         experts = torch.tensor([[0, 3], [1, 3], [2, 0]])  # 3 tokens, 2 of 4 experts each
-        for dtype in (bf16, torch.float16):
+        # Mixtral's fp32 routing weights (bf16, fp16), Qwen's in the model's dtype, top 1
+        for dtype, routing, chosen in (
+            (bf16, torch.float32, experts), (torch.float16, torch.float32, experts),
+            (bf16, bf16, experts[:, :1]),
+        ):  # fmt: skip
             w1, w2 = torch.randn((4, 128, 256)).to(dtype), torch.randn((4, 256, 64)).to(dtype)
             triton_moe.fused_moe(
-                torch.randn((3, 256)).to(dtype), w1, w2, experts, torch.rand((3, 2)),
+                torch.randn((3, 256)).to(dtype), w1, w2, chosen,
+                torch.rand(chosen.shape).to(routing),
                 lambda gu: gu[:, : gu.shape[1] // 2].contiguous(),
             )  # fmt: skip
     return launches
