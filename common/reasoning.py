@@ -50,14 +50,17 @@ class ReasoningSplitter:
     writes first anyway is dropped, as vLLM drops it. Otherwise a ``<think>`` the model writes
     first (whitespace before it is dropped) opens one; anywhere else it is content.
     ``</think>`` ends the reasoning (the tag itself is neither); what follows is content, as vLLM
-    keeps it (Qwen3's ``\\n\\n`` after the tag included).
+    keeps it (Qwen3's ``\\n\\n`` after the tag included). ``closed``: the prompt ended the
+    reasoning (``think_state`` CLOSED): all of the output is content, a leading tag included,
+    as vLLM takes it.
     """
 
-    def __init__(self, opened: bool) -> None:
+    def __init__(self, opened: bool, closed: bool = False) -> None:
         self.state = "reasoning" if opened else "content"
         self.pending = ""  # text that may yet be (part of) a tag
         self.reasoned = opened  # a reasoning block opened at all
-        self.leading = True  # nothing out yet: a <think> first (after whitespace) is a tag
+        # nothing out yet: a <think> first (after whitespace) is a tag
+        self.leading = not closed
 
     def feed(self, text: str) -> tuple[str, str]:
         buf, reasoning = self.pending + text, ""

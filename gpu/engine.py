@@ -146,6 +146,7 @@ class Engine:
         guest: bool = False,
         lora: str = "",
         grammar_after: int | None = None,
+        grammar_open: int | None = None,
     ) -> None:
         """Queue a request; raises ``ModelError``/``ValueError`` naming what is wrong with it.
 
@@ -157,7 +158,8 @@ class Engine:
         ``grammar``: an ``xgrammar.CompiledGrammar`` (for this model's vocabulary and
         ``eos_token_ids``) the output must follow (``gpu.grammar``); compiled by the caller,
         off the step loop; ``grammar_after``: it holds only after the model wrote this token
-        (the end of its reasoning; ``gpu.grammar``).
+        (the end of its reasoning), and with ``grammar_open`` only if the answer starts with
+        that one (``gpu.grammar.GrammarState``).
 
         ``output_token_ids``: tokens this request already generated elsewhere (a request
         migrated off a lost executor). They are prefilled with the prompt, count towards
@@ -165,8 +167,9 @@ class Engine:
         they took, so the continuation is the one an uninterrupted run would have sampled.
         """
         seq = self.new_sequence(
-            request_id, prompt_token_ids, params, output_token_ids, grammar, lora, grammar_after
-        )
+            request_id, prompt_token_ids, params, output_token_ids, grammar, lora,
+            (grammar_after, grammar_open),
+        )  # fmt: skip
         seq.guest = guest
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
@@ -189,7 +192,7 @@ class Engine:
         output_token_ids: list[int] | None = None,
         grammar: Any = None,
         lora: str = "",
-        grammar_after: int | None = None,
+        grammar_gate: tuple[int | None, int | None] = (None, None),
     ) -> Sequence:
         """A checked new sequence (for ``add_request`` and ``gpu.handoff.reserve``)."""
         if request_id in self.seqs or request_id in self.reserved:
@@ -238,7 +241,7 @@ class Engine:
             # a constrained request pays it, not every process that imports the engine.
             from gpu.grammar import GrammarState
 
-            seq.grammar = GrammarState(grammar, sorted(self.eos_token_ids), grammar_after)
+            seq.grammar = GrammarState(grammar, sorted(self.eos_token_ids), *grammar_gate)
             if not seq.grammar.accept(output_token_ids):
                 raise ValueError("the tokens already generated do not follow the grammar")
         seq.generator = make_generator(params, self.runner.device)
@@ -459,10 +462,12 @@ class Engine:
             from gpu.grammar import allocate_bitmask
 
             bitmask = allocate_bitmask(len(seqs), logits.shape[1])
-            for i, state in constrained:
-                state.next_mask(bitmask, i)
-            inp.token_bitmask = move(bitmask, logits.device)
-            inp.masked_rows = [i for i, _ in constrained]
+            # (a row whose grammar waits for the end of the reasoning is not limited: the
+            # sampler treats it as free, min_tokens' stop bans included)
+            limited = [i for i, state in constrained if state.next_mask(bitmask, i)]
+            if limited:
+                inp.token_bitmask = move(bitmask, logits.device)
+                inp.masked_rows = limited
         return self.sampler(self._rows_of(logits, rows), inp)
 
     @staticmethod
@@ -570,10 +575,11 @@ class Engine:
         start = 0
         for seq, draft in zip(seqs, drafts, strict=True):
             if seq.grammar is not None:
-                seq.grammar.draft_masks(draft.token_ids, bitmask, start)
-                inp.masked_rows.extend(range(start, start + len(draft) + 1))
+                limited = seq.grammar.draft_masks(draft.token_ids, bitmask, start)
+                inp.masked_rows.extend(start + j for j in limited)
             start += len(draft) + 1
-        inp.token_bitmask = move(bitmask, device)
+        if inp.masked_rows:
+            inp.token_bitmask = move(bitmask, device)
 
     def _sampler_input(self, seqs: list[Sequence]) -> SamplerInput:
         return SamplerInput(

@@ -213,6 +213,42 @@ def test_deepseek_r1_thinks_first_unless_the_prompt_closed_the_block() -> None:
     assert (message["reasoning"], message["content"]) == (None, "4")
 
 
+def test_after_a_prompt_that_closed_the_block_a_leading_tag_is_content() -> None:
+    """vLLM takes the whole output as content where the prompt ended the reasoning."""
+    splitter = ReasoningSplitter(False, closed=True)
+    assert splitter.feed("<think>x</think>y") == ("", "<think>x</think>y")
+
+
+def test_the_tokenizer_gates_a_grammar_as_the_prompt_and_the_parser_say(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    """Open block: after </think>; no tag under qwen3: after </think> if the model opens the
+    block first; closed, or a vocabulary without the tags: from the first token, reported
+    closed (no reasoning)."""
+    from common.config import MeshConfig
+    from common.tokenizer import Tokenizer
+    from common.wire.executor import WireGrammar
+    from services.tokenizer.service import TokenizerConfig, TokenizerService
+
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_llama, folder)
+    write_tiny_tokenizer(folder, 512, THINKING_TEMPLATE, added=("<think>", "</think>"))
+    tok = Tokenizer.from_folder(folder)
+    start, end = tok.token_to_id("<think>"), tok.token_to_id("</think>")
+    grammar = WireGrammar("k", "root ::= [a-z]+")
+    service = TokenizerService(TokenizerConfig(MeshConfig(), str(folder)))
+    gate = service.after_reasoning
+    assert gate(grammar, "qwen3", OPEN) == (WireGrammar("k", grammar.ebnf, end), OPEN)
+    assert gate(grammar, "qwen3", "") == (WireGrammar("k", grammar.ebnf, end, start), "")
+    assert gate(grammar, "deepseek_r1", "") == (WireGrammar("k", grammar.ebnf, end), "")
+    assert gate(grammar, "qwen3", CLOSED) == (grammar, CLOSED)
+    plain = TokenizerService(TokenizerConfig(MeshConfig(), str(tiny_llama)))
+    assert plain.think_end is None and plain.after_reasoning(grammar, "qwen3", OPEN) == (
+        grammar,
+        CLOSED,
+    )
+
+
 def test_a_think_tag_the_model_writes_inside_an_open_block_is_dropped() -> None:
     assert split_all(["\n<th", "ink>\nhm</think>A"], opened=True) == ("\nhm", "A")
     assert split_all(["\nhm <think>"], opened=True) == ("\nhm <think>", "")  # not first

@@ -238,3 +238,50 @@ def test_the_engine_runs_the_reasoning_free_and_the_answer_constrained(parts):
     answer = run(engine, "c")
     valid(tok, answer[:-1])
     assert answer[-1] in tok.eos_token_ids
+
+
+def test_a_model_may_open_its_block_first_and_then_the_grammar_waits(parts):
+    """``open_token`` (Qwen3's own templates, no tag in the prompt): the first mask is the
+    grammar's with the opening tag allowed too; the tag first makes the grammar wait for the
+    end tag, anything else starts the document at once (and the tag is no longer allowed)."""
+    from gpu.grammar import GrammarState, allocate_bitmask
+
+    tok, model, compiled = parts
+    vocab = model.config.vocab_size
+    z, brace = tok.encode("zz")[0], tok.encode("{")[0]
+    start, end = tok.encode("fox")[0], tok.encode("dog")[0]  # (stand for <think>, </think>)
+    stops = sorted(tok.eos_token_ids)
+    bitmask = allocate_bitmask(4, vocab)
+    opened = GrammarState(compiled, stops, after_token=end, open_token=start)
+    assert opened.next_mask(bitmask, 0)  # the first mask: the grammar's, and the tag
+    assert allowed(bitmask, 0, start) and allowed(bitmask, 0, brace)
+    assert not allowed(bitmask, 0, z)
+    assert opened.accept([start, z, z]) and opened.waiting_for == end
+    assert not opened.next_mask(bitmask, 1) and allowed(bitmask, 1, z)
+    assert opened.accept([end]) and opened.next_mask(bitmask, 2)
+    assert not allowed(bitmask, 2, z) and not allowed(bitmask, 2, start)
+    direct = GrammarState(compiled, stops, after_token=end, open_token=start)
+    assert direct.accept([brace]) and direct.waiting_for is None
+    direct.next_mask(bitmask, 3)
+    assert not allowed(bitmask, 3, start)
+    assert not GrammarState(compiled, stops, after_token=end, open_token=start).accept([z])
+    # a draft that opens and closes the block: free rows inside, the grammar's after
+    walk = GrammarState(compiled, stops, after_token=end, open_token=start)
+    assert walk.draft_masks([start, z, end, brace], allocate_bitmask(5, vocab), 0) == [0, 3, 4]
+    assert walk.gate == (start, None)  # nothing committed
+
+
+def test_min_tokens_holds_while_the_model_reasons(parts):
+    """A row whose grammar waits is free, not constrained: min_tokens still bans the stop
+    tokens there (a constrained row leaves them to the grammar)."""
+    tok, model, compiled = parts
+    prompt = tok.encode_user_turn("sky")
+    (eos,) = sorted(tok.eos_token_ids)[:1]
+    end = tok.encode("fox")[0]
+    params = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=5,
+                            logit_bias=((eos, 100.0),))  # fmt: skip
+    engine = make_engine(model, tok)
+    plain = engine.generate([prompt], params)[0]
+    engine.add_request("gated", prompt, params, grammar=compiled, grammar_after=end)
+    gated = run(engine, "gated")
+    assert gated == plain and len(gated) == 6 and gated[-1] == eos

@@ -29,8 +29,10 @@ class WireGrammar(Message):
     ebnf: str
     # The grammar holds from the token after this one, the end of the model's reasoning
     # (vLLM's structured outputs with a reasoning parser: the model thinks freely first);
-    # None: from the first token.
+    # None: from the first token. With ``open_token`` (``<think>``), only if the answer's
+    # first token is that one (the model opens its reasoning itself).
     after_token: int | None = None
+    open_token: int | None = None
 
 
 @dataclass(frozen=True)

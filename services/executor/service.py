@@ -587,6 +587,7 @@ class ExecutorService:
                         guest=req.guest,
                         lora=req.lora,
                         grammar_after=req.grammar.after_token if req.grammar else None,
+                        grammar_open=req.grammar.open_token if req.grammar else None,
                     )
             except ValueError as exc:  # ModelError included: the request, not the executor
                 self.timelines.finished(req.request_id, "error")

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.reasoning import ReasoningSplitter, starts_inside
+from common.reasoning import CLOSED, ReasoningSplitter, starts_inside
 from common.runtime import RequestError
 from common.wire.gateway import TextDelta, TextLogprob, TextPromptLogprobs, Usage
 from services.gateway.protocol import ApiRequest
@@ -320,7 +320,9 @@ class ResponseBuilder:
         choice's splitter starts with its first delta (a resumed stream's first delta finds
         it there), where the prompt's last <think> tag says."""
         if choice.splitter is None:
-            choice.splitter = ReasoningSplitter(starts_inside(self.reasoning_parser, delta.think))
+            choice.splitter = ReasoningSplitter(
+                starts_inside(self.reasoning_parser, delta.think), closed=delta.think == CLOSED
+            )
         thought, text = choice.splitter.feed(text)
         if delta.finish_reason is not None:
             held_thought, held_text = choice.splitter.finish()

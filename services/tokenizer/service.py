@@ -20,7 +20,7 @@ from opentelemetry import trace
 from common.config import MeshConfig, model_setting, page_size_setting
 from common.generation_defaults import sampling_defaults
 from common.page_hash import namespace_root, page_hashes
-from common.reasoning import CLOSED, THINK_END, starts_inside, think_state
+from common.reasoning import CLOSED, THINK_END, THINK_START, starts_inside, think_state
 from common.runtime import RequestError, Service, context_too_long
 from common.settings import parse, setting
 from common.telemetry import Attr
@@ -96,7 +96,9 @@ class TokenizerService:
         # The gateway parses tool calls in the format this template teaches the model.
         self.tool_format = detect_tool_format(self.tokenizer.chat_template_text(tools=True))
         self.svc.facts.tool_format = self.tool_format
-        self.think_end = think_end_token(self.tokenizer)
+        self.think_start = think_token(self.tokenizer, THINK_START)
+        self.think_end = think_token(self.tokenizer, THINK_END)
+        self.warned_think_tokens = False
         self.sampling_defaults = (
             sampling_defaults(folder) if config.generation_config == "auto" else {}
         )
@@ -182,12 +184,23 @@ class TokenizerService:
         self, grammar: WireGrammar, parser: str, think: str
     ) -> tuple[WireGrammar, str]:
         """A constrained chat answer under a reasoning parser: where it starts inside the
-        reasoning (``starts_inside``) and ``</think>`` is one token here, the grammar holds
-        from after that token, as vLLM orders them; otherwise from the first token, and the
-        answer has no reasoning (the block is reported closed, so the gateway's split takes
-        all of it as content)."""
-        if starts_inside(parser, think) and self.think_end is not None:
-            return dataclasses.replace(grammar, after_token=self.think_end), think
+        reasoning (``starts_inside``) the grammar holds from after ``</think>``, as vLLM
+        orders them; where the model may open the block itself (``qwen3``, a prompt with no
+        tag), from after it if the answer starts with ``<think>``, else from the first token.
+        Otherwise (the prompt closed the block; tags of several tokens) the grammar holds from
+        the first token and the answer has no reasoning (the block is reported closed, so the
+        gateway takes all of it as content)."""
+        end, start = self.think_end, self.think_start
+        if end is None or start is None:
+            if not self.warned_think_tokens:
+                self.warned_think_tokens = True
+                log.warning("this vocabulary has no single %s and %s tokens: a constrained "
+                            "answer gets its grammar from its first token, with no reasoning",
+                            THINK_START, THINK_END)  # fmt: skip
+        elif starts_inside(parser, think):
+            return dataclasses.replace(grammar, after_token=end), think
+        elif parser == "qwen3" and not think:  # Qwen3's own templates leave it to the model
+            return dataclasses.replace(grammar, after_token=end, open_token=start), think
         return grammar, CLOSED
 
     def truncated(self, req: GenerateRequest, ids: list[int], keep: int) -> list[int]:
@@ -344,11 +357,14 @@ class TokenizerService:
             )
 
 
-def think_end_token(tokenizer: Tokenizer) -> int | None:
-    """The id of ``</think>`` where the vocabulary has it as one token (Qwen3, QwQ, the R1
-    distills), else None."""
-    ids = tokenizer.encode(THINK_END, add_special_tokens=False)
-    return ids[0] if len(ids) == 1 else None
+def think_token(tokenizer: Tokenizer, tag: str) -> int | None:
+    """The id of ``tag`` (``<think>``, ``</think>``) where the vocabulary has it as one token
+    (Qwen3, QwQ, the R1 distills), else None."""
+    tid = tokenizer.token_to_id(tag)
+    if tid is None:
+        ids = tokenizer.encode(tag, add_special_tokens=False)
+        tid = ids[0] if len(ids) == 1 else None
+    return tid
 
 
 def bad_words_token_ids(tokenizer: Tokenizer, words: list[str]) -> list[list[int]]:
