@@ -31,8 +31,8 @@ SUPPORTED_MODEL_TYPES: dict[str, dict[str, bool]] = {
 _OPT_IN_WINDOW = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
 # Mixtral names its experts' projections w1 (gate), w3 (up), w2 (down) under
 # ``block_sparse_moe``; the Qwen MoE families keep the dense names under ``mlp``.
-_MIXTRAL_NAMES = ("block_sparse_moe", "w1", "w3", "w2")
-_QWEN_MOE_NAMES = ("mlp", "gate_proj", "up_proj", "down_proj")
+MIXTRAL_MOE_NAMES = ("block_sparse_moe", "w1", "w3", "w2")
+QWEN_MOE_NAMES = ("mlp", "gate_proj", "up_proj", "down_proj")
 
 
 _MOE_DEFAULTS: dict[str, dict[str, int]] = {
@@ -60,7 +60,7 @@ class MoeConfig:
     norm_topk_prob: bool
     shared_intermediate_size: int = 0
     dense_layers: tuple[int, ...] = ()
-    names: tuple[str, str, str, str] = _QWEN_MOE_NAMES  # (block, gate, up, down)
+    names: tuple[str, str, str, str] = QWEN_MOE_NAMES  # (block, gate, up, down)
 
     def __post_init__(self) -> None:
         if not 0 < self.top_k <= self.num_experts:
@@ -101,7 +101,7 @@ class MoeConfig:
         top_k = int(raw.get("num_experts_per_tok") or defaults["num_experts_per_tok"])
         layers = int(raw["num_hidden_layers"])
         if model_type == "mixtral":
-            return cls(experts, top_k, int(raw["intermediate_size"]), True, names=_MIXTRAL_NAMES)
+            return cls(experts, top_k, int(raw["intermediate_size"]), True, names=MIXTRAL_MOE_NAMES)
         step = int(raw.get("decoder_sparse_step") or 1)
         only_dense = set(raw.get("mlp_only_layers") or [])
         dense = tuple(i for i in range(layers) if i in only_dense or (i + 1) % step)

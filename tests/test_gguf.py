@@ -70,11 +70,52 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, half, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+# A mixture of experts' tensors (Mixtral's names after block_sparse_moe, the Qwen families'
+# after mlp): the router, the shared expert, and each expert's (stacked by stack_experts)
+_MOE_NAMES = {
+    "gate.weight": "ffn_gate_inp.weight",
+    "shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+    "shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+    "shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+    "shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+}
+_EXPERT_NAMES = {
+    "gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
+    "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps",
+}  # fmt: skip
+
+
 def gguf_name(hf_name: str) -> str:
     if hf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[hf_name]
     _, _, layer, rest = hf_name.split(".", 3)
-    return f"blk.{layer}.{_LAYER_NAMES[rest]}"
+    if rest in _LAYER_NAMES:
+        return f"blk.{layer}.{_LAYER_NAMES[rest]}"
+    rest = rest.split(".", 1)[1]  # (after mlp or block_sparse_moe)
+    if rest.startswith("experts."):  # (stacked: experts.*.<projection>.weight)
+        return f"blk.{layer}.{_EXPERT_NAMES[rest.split('.')[2]]}.weight"
+    return f"blk.{layer}.{_MOE_NAMES[rest]}"
+
+
+def stack_experts(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """llama.cpp's layout of a mixture of experts: each layer's experts' projection stacked
+    into one ``[E, N, K]`` tensor (named ``...experts.*.<projection>.weight`` here), the shared
+    expert's gate a vector."""
+    out: dict[str, np.ndarray] = {}
+    stacks: dict[str, dict[int, np.ndarray]] = {}
+    for name, value in weights.items():
+        parts = name.split(".")
+        if "experts" in parts:
+            at = parts.index("experts")
+            key = ".".join([*parts[:at], "experts", "*", *parts[at + 2 :]])
+            stacks.setdefault(key, {})[int(parts[at + 1])] = value
+        elif name.endswith("shared_expert_gate.weight"):
+            out[name] = value.reshape(-1)
+        else:
+            out[name] = value
+    for key, experts in stacks.items():
+        out[key] = np.stack([experts[e] for e in sorted(experts)])
+    return out
 
 
 def write_gguf(
@@ -92,7 +133,7 @@ def write_gguf(
     """Write the HF model in ``folder`` as a GGUF the way llama.cpp's converter would: F32, or
     for each HF name containing a key of ``qtypes`` (the first that matches), that type."""
     config = json.loads((folder / "config.json").read_text())
-    weights = load_file(str(folder / "model.safetensors"))
+    weights = stack_experts(load_file(str(folder / "model.safetensors")))
     n_head, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // n_head
     rope = config.get("rope_parameters") or {}
@@ -112,6 +153,14 @@ def write_gguf(
         writer.add_value_length(head_dim)
     writer.add_rope_freq_base(theta)
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    experts = config.get("num_local_experts") or config.get("num_experts")
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        if "moe_intermediate_size" in config:
+            writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        if config.get("shared_expert_intermediate_size"):
+            writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
 
     tokens, merges = bpe_vocab_and_merges(tokenizer)
@@ -148,7 +197,7 @@ def write_gguf(
             value = llama_cpp_permute(value, n_kv)
         array = np.ascontiguousarray(value, dtype=np.float32)
         qtype = next((t for key, t in (qtypes or {}).items() if key in name), None)
-        if qtype is None or array.ndim != 2:
+        if qtype is None or array.ndim not in (2, 3):
             writer.add_tensor(gguf_name(name), array)
         else:
             writer.add_tensor(gguf_name(name), gguf.quants.quantize(array, qtype), raw_dtype=qtype)
@@ -180,6 +229,10 @@ CASES = {
     "qwen2": ("qwen2", "qwen2", {}),
     "qwen3": ("qwen3", "qwen3", {}),
     "llama31": ("llama31", "llama", {}),
+    # mixtures of experts: Mixtral is "llama" with experts; this Qwen3-MoE's layer 1 is dense
+    "mixtral": ("mixtral", "llama", {}),
+    "qwen2_moe": ("qwen2_moe", "qwen2moe", {}),
+    "qwen3_moe": ("qwen3_moe", "qwen3moe", {}),
 }
 
 
@@ -202,7 +255,7 @@ def test_round_trip_is_exact(tmp_path: Path, bpe: Any, case: str) -> None:
     original = load_file(str(orig / "model.safetensors"))
     converted = load_file(str(out / "model.safetensors"))
     assert sorted(converted) == sorted(original)
-    assert ("lm_head.weight" in converted) == (case in ("llama", "llama31"))
+    assert ("lm_head.weight" in converted) == (case not in ("llama_tied", "qwen2", "qwen3"))
     for name, value in original.items():
         assert converted[name].dtype == np.float32
         np.testing.assert_array_equal(converted[name], value, err_msg=name)
@@ -341,19 +394,24 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
         convert_gguf(path, tmp_path / "out")
 
 
-def test_a_mixture_of_experts_gguf_is_refused_by_name(tmp_path: Path) -> None:
-    """Mixtral's GGUF files say "llama" and stack their experts: refused, not read as a
-    dense model missing its MLP."""
-    path = tmp_path / "mixtral.gguf"
-    writer = gguf.GGUFWriter(str(path), arch="llama")
+@pytest.mark.parametrize(("arch", "experts"), [("qwen3", 8), ("qwen3moe", 0)])
+def test_experts_that_do_not_fit_the_architecture_are_refused(
+    tmp_path: Path, arch: str, experts: int
+) -> None:
+    """A dense architecture with experts, or a mixture of experts without any."""
+    path = tmp_path / "m.gguf"
+    writer = gguf.GGUFWriter(str(path), arch=arch)
     writer.add_block_count(1)
-    writer.add_expert_count(8)
+    writer.add_embedding_length(64)
+    writer.add_head_count(4)
+    if experts:
+        writer.add_expert_count(experts)
     writer.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ModelError, match=r"mixture-of-experts GGUF \(llama.expert_count=8\)"):
+    with pytest.raises(ModelError, match=f"expert_count={experts} does not fit"):
         convert_gguf(path, tmp_path / "out")
 
 

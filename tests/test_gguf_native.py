@@ -195,3 +195,28 @@ def test_page_accounting_holds(gguf_folder):
         eng.step()
         eng.pages.check_invariants([s.table for s in eng.seqs.values()])
     assert eng.pages.num_free == eng.pages.num_pages
+
+
+@needs_kernels
+def test_a_mixture_of_experts_runs_its_experts_in_their_blocks(tmp_path: Path) -> None:
+    """A Qwen3-MoE GGUF whose experts are Q8_0 and Q4_1 (stacked [E, N, K] in the file, as
+    llama.cpp writes them): each expert keeps its rows' blocks (moe.c runs them), per op and
+    in the fused decode step, close to the dequantized file's model."""
+    bpe = train_byte_level_bpe()
+    orig = write_tiny_model(tmp_path / "orig", "qwen3_moe", vocab_size=bpe.get_vocab_size())
+    qtypes = {"gate_proj": T.Q8_0, "up_proj": T.Q8_0, "down_proj": T.Q4_1}
+    path = write_gguf(orig, tmp_path / "moe.gguf", bpe, arch="qwen3moe", qtypes=qtypes)
+    folder = resolve_model_path(str(path), cache_dir=tmp_path / "cache", progress=False)
+    blocks = load_model(folder, progress=False, quantization="gguf")
+    layers: Any = blocks.layers
+    moe = layers[0].moe
+    assert moe is not None and moe.packed() is not None
+    kinds = {(e.gate_up_proj.qtype, e.down_proj.qtype) for e in moe.experts}
+    assert kinds == {("Q8_0", "Q4_1")}
+    assert layers[1].moe is None  # (the fixture's dense layer)
+    assert blocks.fused_decoder() is not None
+    tokens = prompt(5, 40)
+    ours, ref = logits(blocks, tokens), logits(load_model(folder, progress=False), tokens)
+    assert float((ours - ref).abs().max() / ref.abs().max()) < 5e-2
+    agree = (ours.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    assert agree >= 0.9

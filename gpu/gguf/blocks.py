@@ -20,7 +20,7 @@ import torch
 from gpu.gguf.convert import MARKER_NAME
 from gpu.gguf.hf_config import arch_of
 from gpu.gguf.reader import read_gguf
-from gpu.gguf.weights import hf_tensor_name, unpermute_rope_rows
+from gpu.gguf.weights import expert_names, hf_tensor_name, unpermute_rope_rows
 from gpu.quant import BLOCK_BYTES, BlockWeight
 
 logger = logging.getLogger(__name__)
@@ -49,8 +49,11 @@ def read_block_weights(source: Path, wanted: set[str]) -> dict[str, BlockWeight]
     out: dict[str, BlockWeight] = {}
     skipped: set[str] = set()
     for tensor in g.tensors:
-        name = hf_tensor_name(tensor.name, arch.n_layers)
-        if name is None or name not in wanted or len(tensor.shape) != 2:
+        name = hf_tensor_name(tensor.name, arch.n_layers, arch.model_type)
+        if name is None or len(tensor.shape) not in (2, 3):
+            continue
+        parts = expert_names(name, arch.experts)
+        if not set(parts) <= wanted or (len(tensor.shape) == 3) != (len(parts) > 1):
             continue
         qtype = tensor.tensor_type.name
         if qtype not in BLOCK_BYTES:
@@ -61,6 +64,11 @@ def read_block_weights(source: Path, wanted: set[str]) -> dict[str, BlockWeight]
             rows = unpermute_rope_rows(rows, arch.n_head)
         elif arch.permuted_qk and ".attn_k." in tensor.name:
             rows = unpermute_rope_rows(rows, arch.n_head_kv)
+        if len(parts) > 1:  # the experts' stacked rows: [E, N, bytes], one weight each
+            for part, expert_rows in zip(parts, rows, strict=True):
+                data = torch.from_numpy(np.array(expert_rows, dtype=np.uint8, copy=True))
+                out[part] = BlockWeight(qtype, data, int(tensor.shape[0]))
+            continue
         data = torch.from_numpy(np.array(rows, dtype=np.uint8, copy=True))
         out[name] = BlockWeight(qtype, data, int(tensor.shape[0]))
     if skipped:

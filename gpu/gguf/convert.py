@@ -19,6 +19,7 @@ from gpu.gguf.reader import read_gguf
 from gpu.gguf.tokenizer import build_tokenizer
 from gpu.gguf.weights import (
     dequantize,
+    expert_names,
     hf_tensor_name,
     required_layer_tensors,
     unpermute_rope_rows,
@@ -66,7 +67,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> Pa
         disable=not _progress_enabled(progress),
     )
     for tensor in bar:
-        hf_name = hf_tensor_name(tensor.name, arch.n_layers)
+        hf_name = hf_tensor_name(tensor.name, arch.n_layers, arch.model_type)
         if hf_name is None:
             continue
         value = dequantize(tensor)
@@ -75,6 +76,16 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> Pa
                 value = unpermute_rope_rows(value, arch.n_head)
             elif ".attn_k." in tensor.name:
                 value = unpermute_rope_rows(value, arch.n_head_kv)
+        if hf_name.endswith("shared_expert_gate.weight"):
+            value = value.reshape(1, -1)  # ([H] in the file, a [1, H] linear in transformers)
+        parts = expert_names(hf_name, arch.experts)
+        if len(parts) > 1:  # the experts' stacked [E, N, K]: one tensor each
+            if value.shape[0] != len(parts):
+                raise ModelError(f"{tensor.name} holds {value.shape[0]} experts, not {len(parts)}")
+            weights.update(
+                {name: np.ascontiguousarray(v) for name, v in zip(parts, value, strict=True)}
+            )
+            continue
         weights[hf_name] = value
     missing = [
         f"model.layers.{i}.{suffix}"
@@ -91,7 +102,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> Pa
         raise ModelError(
             f"{gguf_path}: the tokenizer has {n_tokens} tokens but the embedding only {vocab_size}"
         )
-    config = build_config(g, arch, vocab_size, tied)
+    # a mixture of experts' dense layers: those with a dense MLP's tensors
+    dense = tuple(i for i in range(arch.n_layers) if f"blk.{i}.ffn_gate.weight" in names)
+    config = build_config(g, arch, vocab_size, tied, dense if arch.experts else ())
     eos = eos_ids(g)
     generation: dict[str, Any] = {
         "bos_token_id": config["bos_token_id"],

@@ -17,7 +17,12 @@ _ARCHITECTURES: dict[str, tuple[str, str, bool]] = {
     "llama": ("llama", "LlamaForCausalLM", True),
     "qwen2": ("qwen2", "Qwen2ForCausalLM", False),
     "qwen3": ("qwen3", "Qwen3ForCausalLM", False),
+    "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM", False),
+    "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM", False),
 }
+# llama.cpp writes Mixtral as "llama" with experts
+_MIXTRAL = ("mixtral", "MixtralForCausalLM", True)
+_MOE_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 
 @dataclass(frozen=True)
@@ -30,6 +35,7 @@ class _Arch:
     n_head: int
     n_head_kv: int
     head_dim: int
+    experts: int = 0
 
 
 def arch_of(g: Gguf) -> _Arch:
@@ -40,12 +46,12 @@ def arch_of(g: Gguf) -> _Arch:
             f"{', '.join(sorted(_ARCHITECTURES))}"
         )
     model_type, hf_class, permuted = _ARCHITECTURES[arch]
-    if int(g.get(f"{arch}.expert_count", 0) or 0) > 0:
-        # (Mixtral's files say "llama": their experts' stacked tensors are not read here)
+    experts = int(g.get(f"{arch}.expert_count", 0) or 0)
+    if experts and arch == "llama":
+        model_type, hf_class, permuted = _MIXTRAL
+    if (experts > 0) != (model_type in _MOE_TYPES):
         raise ModelError(
-            f"{g.path}: a mixture-of-experts GGUF ({arch}.expert_count="
-            f"{g.get(f'{arch}.expert_count')}) is not supported; load the Hugging Face "
-            "checkpoint (safetensors) instead"
+            f"{g.path}: {arch}.expert_count={experts} does not fit a {model_type} model"
         )
     hidden = int(g.require(f"{arch}.embedding_length"))
     n_head = int(g.require(f"{arch}.attention.head_count"))
@@ -66,6 +72,7 @@ def arch_of(g: Gguf) -> _Arch:
         n_head=n_head,
         n_head_kv=n_head_kv,
         head_dim=head_dim,
+        experts=experts,
     )
 
 
@@ -136,7 +143,10 @@ def eos_ids(g: Gguf) -> list[int]:
     return ids
 
 
-def build_config(g: Gguf, arch: _Arch, vocab_size: int, tied: bool) -> dict[str, Any]:
+def build_config(
+    g: Gguf, arch: _Arch, vocab_size: int, tied: bool, dense_layers: tuple[int, ...] = ()
+) -> dict[str, Any]:
+    """``dense_layers``: a mixture of experts' layers whose MLP is dense (their tensors say)."""
     a = arch.name
     hidden = int(g.require(f"{a}.embedding_length"))
     theta = float(g.get(f"{a}.rope.freq_base", 10000.0))
@@ -147,7 +157,11 @@ def build_config(g: Gguf, arch: _Arch, vocab_size: int, tied: bool) -> dict[str,
         "model_type": arch.model_type,
         "vocab_size": vocab_size,
         "hidden_size": hidden,
-        "intermediate_size": int(g.require(f"{a}.feed_forward_length")),
+        "intermediate_size": int(
+            g.get(f"{a}.feed_forward_length")
+            or g.get(f"{a}.expert_feed_forward_length")
+            or g.require(f"{a}.feed_forward_length")
+        ),
         "num_hidden_layers": arch.n_layers,
         "num_attention_heads": arch.n_head,
         "num_key_value_heads": arch.n_head_kv,
@@ -167,10 +181,12 @@ def build_config(g: Gguf, arch: _Arch, vocab_size: int, tied: bool) -> dict[str,
     scaling = _rope_scaling(g, arch, theta)
     if scaling is not None:
         config["rope_scaling"] = scaling
-    if arch.model_type == "llama":
+    if arch.experts:
+        config.update(_moe_config(g, arch, dense_layers))
+    if arch.model_type in ("llama", "mixtral"):
         config.update(attention_bias=False, mlp_bias=False, attention_dropout=0.0)
-    elif arch.model_type in ("qwen2", "qwen3"):
-        if arch.model_type == "qwen3":
+    elif arch.model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
+        if arch.model_type in ("qwen3", "qwen3_moe"):
             config.update(attention_bias=False)
         config.update(
             use_sliding_window=False,
@@ -178,4 +194,28 @@ def build_config(g: Gguf, arch: _Arch, vocab_size: int, tied: bool) -> dict[str,
             max_window_layers=arch.n_layers,
             attention_dropout=0.0,
         )
+    return config
+
+
+def _moe_config(g: Gguf, arch: _Arch, dense_layers: tuple[int, ...]) -> dict[str, Any]:
+    """A mixture of experts' config.json keys, as transformers names them per family. The
+    routing weights are renormalised as llama.cpp's graphs do: Mixtral and Qwen3-MoE always,
+    Qwen2-MoE never (unless the file says, ``expert_weights_norm``)."""
+    a = arch.name
+    used = int(g.require(f"{a}.expert_used_count"))
+    size = int(g.get(f"{a}.expert_feed_forward_length") or g.require(f"{a}.feed_forward_length"))
+    if arch.model_type == "mixtral":
+        return {"num_local_experts": arch.experts, "num_experts_per_tok": used,
+                "intermediate_size": size}  # fmt: skip
+    config: dict[str, Any] = {
+        "num_experts": arch.experts,
+        "num_experts_per_tok": used,
+        "moe_intermediate_size": size,
+        "norm_topk_prob": bool(g.get(f"{a}.expert_weights_norm", arch.model_type == "qwen3_moe")),
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": list(dense_layers),
+    }
+    if arch.model_type == "qwen2_moe":
+        shared = g.get(f"{a}.expert_shared_feed_forward_length")
+        config["shared_expert_intermediate_size"] = int(shared or 0)
     return config

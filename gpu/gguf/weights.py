@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from gpu.config import ModelError
+from gpu.config import MIXTRAL_MOE_NAMES, QWEN_MOE_NAMES, ModelError
 from gpu.gguf.reader import Tensor
 
 _GLOBAL_TENSORS = {
@@ -31,15 +31,32 @@ LAYER_TENSORS = {
 }
 
 
+# A mixture of experts' MLP: the router, each expert's projections stacked [E, N, K] in one
+# tensor (index into the family's expert names), and Qwen2-MoE's shared expert.
+EXPERT_TENSORS = {"ffn_gate_exps.weight": 1, "ffn_up_exps.weight": 2, "ffn_down_exps.weight": 3}
+MOE_TENSORS = {
+    "ffn_gate_inp.weight": "gate.weight",
+    "ffn_gate_shexp.weight": "shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "shared_expert.down_proj.weight",
+    "ffn_gate_inp_shexp.weight": "shared_expert_gate.weight",
+}
+EXPERT = "{expert}"  # in the names of a stacked tensor's parts
+
+
 def required_layer_tensors(model_type: str) -> list[str]:
     """The Hugging Face names (after ``model.layers.N.``) every layer of ``model_type`` must
-    have: no biases (a file may lack them), the q/k head norms for Qwen3 only."""
-    skipped = set() if model_type == "qwen3" else {"attn_q_norm.weight", "attn_k_norm.weight"}
+    have: no biases (a file may lack them), the q/k head norms for Qwen3 only; a mixture of
+    experts' MLP tensors are checked when the model loads (dense layers may be among them)."""
+    qk_norms = model_type in ("qwen3", "qwen3_moe")
+    skipped = set() if qk_norms else {"attn_q_norm.weight", "attn_k_norm.weight"}
+    moe = model_type in ("mixtral", "qwen2_moe", "qwen3_moe")
     return [
         suffix
         for key, suffix in LAYER_TENSORS.items()
         if not key.endswith(".bias") and key not in skipped
-    ]
+        and not (moe and key.startswith("ffn_") and key != "ffn_norm.weight")
+    ]  # fmt: skip
 
 
 # Tensors that carry no weights of their own in the Hugging Face layout.
@@ -65,18 +82,34 @@ def unpermute_rope_rows(weight: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
-def hf_tensor_name(name: str, n_layers: int) -> str | None:
+def hf_tensor_name(name: str, n_layers: int, model_type: str = "llama") -> str | None:
+    """The Hugging Face name of GGUF tensor ``name`` (None: nothing of its own); a stacked
+    experts' tensor's names hold ``{expert}``, one per expert (``expert_names``)."""
     if name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[name]
     if name in _DERIVED_TENSORS:
         return None
     parts = name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in LAYER_TENSORS:
-        layer = int(parts[1])
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit():
+        layer, key = int(parts[1]), parts[2]
         if layer >= n_layers:
             raise ModelError(f"tensor {name!r} names layer {layer}, but block_count={n_layers}")
-        return f"model.layers.{layer}.{LAYER_TENSORS[parts[2]]}"
+        moe = MIXTRAL_MOE_NAMES if model_type == "mixtral" else QWEN_MOE_NAMES
+        if key in LAYER_TENSORS:
+            return f"model.layers.{layer}.{LAYER_TENSORS[key]}"
+        if key in EXPERT_TENSORS and model_type.endswith(("_moe", "mixtral")):
+            projection = moe[EXPERT_TENSORS[key]]
+            return f"model.layers.{layer}.{moe[0]}.experts.{EXPERT}.{projection}.weight"
+        if key in MOE_TENSORS and model_type.endswith(("_moe", "mixtral")):
+            return f"model.layers.{layer}.{moe[0]}.{MOE_TENSORS[key]}"
     raise ModelError(f"unsupported GGUF tensor {name!r} (no Hugging Face equivalent known)")
+
+
+def expert_names(name: str, experts: int) -> list[str]:
+    """The names of a stacked tensor's parts, one per expert (``name`` itself otherwise)."""
+    if EXPERT not in name:
+        return [name]
+    return [name.replace(EXPERT, str(e)) for e in range(experts)]
 
 
 def dequantize(tensor: Tensor) -> np.ndarray:
