@@ -20,7 +20,7 @@ from tqdm import tqdm
 from gpu.config import ModelConfig, ModelError
 from gpu.cpu_kernels import load as load_cpu_kernels
 from gpu.formats import check_quantization
-from gpu.gguf.blocks import gguf_source, read_block_weights
+from gpu.gguf.blocks import gguf_source, in_source, read_block_weights
 from gpu.model import CausalLM, expected_shapes
 from gpu.parallel.group import TensorParallel
 from gpu.quant import BlockWeight
@@ -109,9 +109,16 @@ def load_model(
         )
     if quantization == "auto":
         quantization = "gguf" if source is not None and kernels is not None else "none"
+    kept = in_source(folder)  # a mixture of experts' experts, left in the GGUF file
+    if kept and source is None:
+        raise ModelError(
+            f"{folder} reads its experts from the GGUF file it was converted from, which is "
+            "gone or has changed: load the .gguf file again (it is converted anew)"
+        )
     blocks: dict[str, BlockWeight] = {}
-    if quantization == "gguf" and source is not None:
-        blocks = read_block_weights(source, set(expected_shapes(config)))
+    if source is not None and (quantization == "gguf" or kept):
+        wanted = set(expected_shapes(config))
+        blocks = read_block_weights(source, wanted if quantization == "gguf" else set(kept))
     weights: dict[str, torch.Tensor | BlockWeight] = dict(
         load_weights(folder, config, progress, frozenset(blocks))
     )

@@ -129,9 +129,11 @@ def write_gguf(
     add_bos: bool = False,
     extra: dict[str, Any] | None = None,
     qtypes: dict[str, gguf.GGMLQuantizationType] | None = None,
+    sizes: bool = True,
 ) -> Path:
     """Write the HF model in ``folder`` as a GGUF the way llama.cpp's converter would: F32, or
-    for each HF name containing a key of ``qtypes`` (the first that matches), that type."""
+    for each HF name containing a key of ``qtypes`` (the first that matches), that type.
+    ``sizes``: a mixture of experts' expert sizes among the keys (early files lack them)."""
     config = json.loads((folder / "config.json").read_text())
     weights = stack_experts(load_file(str(folder / "model.safetensors")))
     n_head, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
@@ -157,9 +159,9 @@ def write_gguf(
     if experts:
         writer.add_expert_count(experts)
         writer.add_expert_used_count(config["num_experts_per_tok"])
-        if "moe_intermediate_size" in config:
+        if "moe_intermediate_size" in config and sizes:
             writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
-        if config.get("shared_expert_intermediate_size"):
+        if config.get("shared_expert_intermediate_size") and sizes:
             writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
 
@@ -413,6 +415,24 @@ def test_experts_that_do_not_fit_the_architecture_are_refused(
     writer.close()
     with pytest.raises(ModelError, match=f"expert_count={experts} does not fit"):
         convert_gguf(path, tmp_path / "out")
+
+
+def test_expert_sizes_come_from_the_tensors(tmp_path: Path, bpe: Any) -> None:
+    """Qwen1.5-MoE files written before llama.cpp stored the experts' sizes: the shared
+    expert and the experts keep theirs (the file's feed_forward_length is neither)."""
+    orig = write_tiny_model(tmp_path / "orig", "qwen2_moe", vocab_size=bpe.get_vocab_size())
+    path = write_gguf(orig, tmp_path / "old.gguf", bpe, arch="qwen2moe", sizes=False)
+    out = convert_gguf(path, tmp_path / "converted", progress=False)
+    moe = ModelConfig.from_folder(out).moe
+    assert moe is not None
+    assert (moe.intermediate_size, moe.shared_intermediate_size) == (32, 64)
+
+
+def test_an_early_mixtral_file_is_named(tmp_path: Path) -> None:
+    from gpu.gguf.weights import hf_tensor_name
+
+    with pytest.raises(ModelError, match="one tensor per expert"):
+        hf_tensor_name("blk.0.ffn_gate.3.weight", 2, "mixtral")
 
 
 def test_unsupported_tokenizer(tmp_path: Path, bpe: Any) -> None:

@@ -220,3 +220,15 @@ def test_a_mixture_of_experts_runs_its_experts_in_their_blocks(tmp_path: Path) -
     assert float((ours - ref).abs().max() / ref.abs().max()) < 5e-2
     agree = (ours.argmax(-1) == ref.argmax(-1)).float().mean().item()
     assert agree >= 0.9
+    # the experts have no fp32 copy in the folder: every load reads them from the file
+    from safetensors import safe_open
+
+    from gpu.gguf.blocks import in_source
+
+    kept = in_source(folder)
+    assert len(kept) == 3 * 8  # layer 0's experts (layer 1 is dense), three projections
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        assert not set(kept) & set(f.keys())
+    path.touch()  # the file changed: what the folder lacks is nowhere
+    with pytest.raises(ModelError, match="reads its experts from the GGUF file"):
+        load_model(folder, progress=False)

@@ -3,7 +3,9 @@ them (Q4_0, Q4_1, Q8_0), renamed and with llama.cpp's q/k row order undone, with
 copy the converted folder holds.
 
 The folder a GGUF file was converted into names its source (``meshserve_gguf.json``); while
-that file is still there (same size and mtime) its blocks are read from it. Rows are whole
+that file is still there (same size and mtime) its blocks are read from it. A mixture of
+experts' experts in a block type are only there (the folder lists them, ``in_source``): every
+load reads them from the file, and formats other than ``gguf`` dequantize them. Rows are whole
 blocks, so llama.cpp's q/k row permutation is undone on the raw bytes, exactly as on the
 dequantized values. Tensors of other types are left to the folder's dequantized copy.
 """
@@ -39,6 +41,17 @@ def gguf_source(folder: Path) -> Path | None:
     ):
         return None
     return source
+
+
+def in_source(folder: Path) -> list[str]:
+    """The tensors ``folder`` leaves in its GGUF file (a mixture of experts' experts of a
+    block type: ``gpu.gguf.convert``), by Hugging Face name."""
+    try:
+        marker = json.loads((folder / MARKER_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return []
+    names = marker.get("in_source") if isinstance(marker, dict) else None
+    return [str(n) for n in names] if isinstance(names, list) else []
 
 
 def read_block_weights(source: Path, wanted: set[str]) -> dict[str, BlockWeight]:

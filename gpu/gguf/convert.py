@@ -24,6 +24,7 @@ from gpu.gguf.weights import (
     required_layer_tensors,
     unpermute_rope_rows,
 )
+from gpu.quant import BLOCK_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -66,9 +67,17 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> Pa
         unit="tensor",
         disable=not _progress_enabled(progress),
     )
+    in_source: list[str] = []  # experts left in the file's blocks (no fp32 copy written)
     for tensor in bar:
         hf_name = hf_tensor_name(tensor.name, arch.n_layers, arch.model_type)
         if hf_name is None:
+            continue
+        parts = expert_names(hf_name, arch.experts)
+        if len(parts) > 1 and tensor.tensor_type.name in BLOCK_BYTES:
+            # The bulk of a mixture of experts (a Qwen3-30B-A3B's 29 of 30 B weights): an fp32
+            # copy would be 4-8x the file. The loader reads them from the file, in blocks or
+            # dequantized one at a time (gpu.gguf.blocks).
+            in_source += parts
             continue
         value = dequantize(tensor)
         if arch.permuted_qk:
@@ -78,7 +87,6 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> Pa
                 value = unpermute_rope_rows(value, arch.n_head_kv)
         if hf_name.endswith("shared_expert_gate.weight"):
             value = value.reshape(1, -1)  # ([H] in the file, a [1, H] linear in transformers)
-        parts = expert_names(hf_name, arch.experts)
         if len(parts) > 1:  # the experts' stacked [E, N, K]: one tensor each
             if value.shape[0] != len(parts):
                 raise ModelError(f"{tensor.name} holds {value.shape[0]} experts, not {len(parts)}")
@@ -130,6 +138,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, *, progress: bool = True) -> Pa
             "source_size": stat.st_size,
             "source_mtime_ns": stat.st_mtime_ns,
             "files": files,
+            "in_source": in_source,
         }
         _write_json(tmp / MARKER_NAME, marker)
         _finish_files(tmp)

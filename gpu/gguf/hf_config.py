@@ -200,10 +200,14 @@ def build_config(
 def _moe_config(g: Gguf, arch: _Arch, dense_layers: tuple[int, ...]) -> dict[str, Any]:
     """A mixture of experts' config.json keys, as transformers names them per family. The
     routing weights are renormalised as llama.cpp's graphs do: Mixtral and Qwen3-MoE always,
-    Qwen2-MoE never (unless the file says, ``expert_weights_norm``)."""
+    Qwen2-MoE never (unless the file says, ``expert_weights_norm``). The experts' sizes are
+    their tensors' (files written before llama.cpp stored ``expert_feed_forward_length`` and
+    ``expert_shared_feed_forward_length`` lack those keys)."""
     a = arch.name
     used = int(g.require(f"{a}.expert_used_count"))
-    size = int(g.get(f"{a}.expert_feed_forward_length") or g.require(f"{a}.feed_forward_length"))
+    size = _rows_of(g, "ffn_gate_exps.weight") or int(
+        g.get(f"{a}.expert_feed_forward_length") or g.require(f"{a}.feed_forward_length")
+    )
     if arch.model_type == "mixtral":
         return {"num_local_experts": arch.experts, "num_experts_per_tok": used,
                 "intermediate_size": size}  # fmt: skip
@@ -216,6 +220,16 @@ def _moe_config(g: Gguf, arch: _Arch, dense_layers: tuple[int, ...]) -> dict[str
         "mlp_only_layers": list(dense_layers),
     }
     if arch.model_type == "qwen2_moe":
-        shared = g.get(f"{a}.expert_shared_feed_forward_length")
-        config["shared_expert_intermediate_size"] = int(shared or 0)
+        shared = _rows_of(g, "ffn_gate_shexp.weight")
+        config["shared_expert_intermediate_size"] = shared or int(
+            g.get(f"{a}.expert_shared_feed_forward_length") or 0
+        )
     return config
+
+
+def _rows_of(g: Gguf, suffix: str) -> int:
+    """The output rows of the first layer's tensor ``blk.N.<suffix>`` (0: no layer has it)."""
+    for tensor in g.tensors:
+        if tensor.name.startswith("blk.") and tensor.name.endswith("." + suffix):
+            return int(tensor.shape[1])
+    return 0

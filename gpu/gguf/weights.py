@@ -102,6 +102,11 @@ def hf_tensor_name(name: str, n_layers: int, model_type: str = "llama") -> str |
             return f"model.layers.{layer}.{moe[0]}.experts.{EXPERT}.{projection}.weight"
         if key in MOE_TENSORS and model_type.endswith(("_moe", "mixtral")):
             return f"model.layers.{layer}.{moe[0]}.{MOE_TENSORS[key]}"
+        if key.startswith(("ffn_gate.", "ffn_up.", "ffn_down.")) and key.count(".") == 2:
+            raise ModelError(
+                f"tensor {name!r}: an early Mixtral GGUF with one tensor per expert (llama.cpp "
+                "no longer reads these either): use a newer conversion of the model"
+            )
     raise ModelError(f"unsupported GGUF tensor {name!r} (no Hugging Face equivalent known)")
 
 
