@@ -457,3 +457,34 @@ def test_max_client_priority_flag_env_and_check(monkeypatch: pytest.MonkeyPatch)
     assert "lower value runs first" in help_text
     with pytest.raises(ValueError, match="max_client_priority"):
         GatewayConfig(max_client_priority=-1)
+
+
+async def test_a_client_that_never_finishes_its_headers_is_disconnected(
+    nats_server: LocalNatsServer,
+) -> None:
+    """--http-idle-timeout-s bounds the header read (bytes that trickle in do not extend it)
+    and the idle wait; a request in flight longer than it is not cut."""
+    async with running(nats_server.url, http_idle_timeout_s=0.5) as env:
+        reader, writer = await asyncio.open_connection("127.0.0.1", env.server.port)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        closed = False
+        for _ in range(20):  # a header every 0.2 s for 4 s: the headers never end
+            await asyncio.sleep(0.2)
+            try:
+                writer.write(b"X-Slow: 1\r\n")
+                await writer.drain()
+            except ConnectionError:
+                closed = True
+                break
+            if reader.at_eof():
+                closed = True
+                break
+        writer.close()
+        assert closed  # the gateway hung up long before the client stopped trickling
+        body = {"prompt": "hang", "stream": True, "max_tokens": 3}
+        async with env.http.post(env.url + CMP, json=body) as resp:
+            assert resp.status == 200
+            assert (await resp.content.readline()).startswith(b"data: ")
+            await asyncio.sleep(1.5)  # three timeouts' worth of waiting for the next token
+            assert resp.connection is not None and not resp.content.at_eof()
+        await still_serving(env)

@@ -131,6 +131,7 @@ SERVICES: dict[str, list[Row]] = {
         ("--presence-ttl-s", "MESHSERVE_PRESENCE_TTL_S", "1.5"),
         ("--startup-grace-s", "MESHSERVE_STARTUP_GRACE_S", "0.5"),
         ("--shutdown-timeout-s", "MESHSERVE_SHUTDOWN_TIMEOUT_S", "5"),
+        ("--http-idle-timeout-s", "MESHSERVE_HTTP_IDLE_TIMEOUT_S", "5"),
         ("--max-resumes", "MESHSERVE_MAX_RESUMES", "0"),
         ("--api-key", "MESHSERVE_API_KEYS", "k1"),
         ("--allow-unauthenticated", "MESHSERVE_ALLOW_UNAUTHENTICATED", None),

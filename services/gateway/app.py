@@ -471,8 +471,15 @@ class GatewayServer:
         await self.mesh.start()
         # handler_cancellation: a client that disconnects cancels its handler at once (even
         # while it waits for tokens), and the handler's cleanup aborts the request mesh-wide.
+        # keepalive_timeout: aiohttp arms it when a connection opens and when a response
+        # ends, and disarms it only once a whole request has arrived: bytes that trickle in
+        # do not extend it, so it bounds the header read as well as the idle wait (its
+        # default is an hour).
         runner = web.AppRunner(
-            self.app, handler_cancellation=True, shutdown_timeout=self.config.shutdown_timeout_s
+            self.app,
+            handler_cancellation=True,
+            shutdown_timeout=self.config.shutdown_timeout_s,
+            keepalive_timeout=self.config.http_idle_timeout_s,
         )
         await runner.setup()
         await web.TCPSite(runner, self.config.host, self.config.port).start()

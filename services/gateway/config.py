@@ -86,6 +86,12 @@ class GatewayConfig:
     shutdown_timeout_s: float = setting(
         30.0, "on SIGTERM, requests in flight get this long to finish"
     )
+    http_idle_timeout_s: float = setting(
+        30.0,
+        "a connection that has not sent a whole request line and headers this long after it "
+        "opened or its last response ended is closed (a client that never finishes its "
+        "headers holds no connection for long); requests in flight are never cut",
+    )
     max_resumes: int = setting(
         3,
         "times one choice whose tokens were lost in transit (a NATS server died with them) "
@@ -140,6 +146,7 @@ class GatewayConfig:
             "presence_ttl_s must be > 0": self.presence_ttl_s > 0,
             "startup_grace_s must be >= 0": self.startup_grace_s >= 0,
             "shutdown_timeout_s must be >= 0": self.shutdown_timeout_s >= 0,
+            "http_idle_timeout_s must be > 0": self.http_idle_timeout_s > 0,
             "max_resumes must be >= 0": self.max_resumes >= 0,
         }
         failed = [message for message, ok in checks.items() if not ok]
