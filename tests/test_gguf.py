@@ -11,6 +11,7 @@ import functools
 import json
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ from gpu.gguf import (
     resolve_model_path,
     unpermute_rope_rows,
 )
-from tests.models import hf_model, write_tiny_model
+from tests.models import CORPUS, hf_model, write_tiny_model
 from tests.test_tokenizer import CHATML, bpe_vocab_and_merges, train_byte_level_bpe
 
 TEXTS = [
@@ -165,15 +166,22 @@ def write_gguf(
             writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
 
-    tokens, merges = bpe_vocab_and_merges(tokenizer)
-    writer.add_tokenizer_model(tokenizer_model)
-    writer.add_tokenizer_pre(pre)
-    writer.add_token_list(tokens)
-    writer.add_token_types([3 if t.startswith("<|") else 1 for t in tokens])
-    writer.add_token_merges([f"{a} {b}" for a, b in merges])
+    if isinstance(tokenizer, SentencePieceVocab):
+        writer.add_tokenizer_model("llama")
+        writer.add_token_list(tokenizer.tokens)
+        writer.add_token_scores(tokenizer.scores)
+        writer.add_token_types(tokenizer.types)
+        writer.add_unk_token_id(0)
+    else:
+        tokens, merges = bpe_vocab_and_merges(tokenizer)
+        writer.add_tokenizer_model(tokenizer_model)
+        writer.add_tokenizer_pre(pre)
+        writer.add_token_list(tokens)
+        writer.add_token_types([3 if t.startswith("<|") else 1 for t in tokens])
+        writer.add_token_merges([f"{a} {b}" for a, b in merges])
+        writer.add_pad_token_id(0)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
-    writer.add_pad_token_id(0)
     writer.add_add_bos_token(add_bos)
     writer.add_chat_template(CHATML)
     for key, value in (extra or {}).items():
@@ -437,9 +445,62 @@ def test_an_early_mixtral_file_is_named(tmp_path: Path) -> None:
 
 def test_unsupported_tokenizer(tmp_path: Path, bpe: Any) -> None:
     orig = write_tiny_model(tmp_path / "orig", "llama", vocab_size=bpe.get_vocab_size())
-    path = write_gguf(orig, tmp_path / "spm.gguf", bpe, tokenizer_model="llama")
-    with pytest.raises(ModelError, match="tokenizer model 'llama' is not supported"):
+    path = write_gguf(orig, tmp_path / "wp.gguf", bpe, tokenizer_model="bert")
+    with pytest.raises(ModelError, match="tokenizer model 'bert' is not supported"):
         convert_gguf(path, tmp_path / "out")
+
+
+@dataclass(frozen=True)
+class SentencePieceVocab:
+    """A llama.cpp SentencePiece vocabulary (``tokenizer.ggml.model`` ``llama``): ``<unk>``,
+    ``<s>``, ``</s>``, the 256 byte tokens, then pieces with ``▁`` for spaces, each scored
+    by when its merge came (llama.cpp merges the best-scored pair first)."""
+
+    tokens: list[str]
+    scores: list[float]
+    types: list[int]
+
+
+def sentencepiece_vocab(size: int = 400) -> SentencePieceVocab:
+    from tokenizers import Tokenizer as HfTokenizer
+    from tokenizers import models, pre_tokenizers, trainers
+
+    tok = HfTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.train_from_iterator(CORPUS * 20, trainers.BpeTrainer(vocab_size=size, show_progress=False))
+    merges = json.loads(tok.to_str())["model"]["merges"]
+    rank = {"".join(m if isinstance(m, list) else m.split(" ")): i for i, m in enumerate(merges)}
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256))]
+    scores, types = [0.0] * len(tokens), [2, 3, 3, *[6] * 256]
+    vocab = tok.get_vocab()
+    for piece in sorted(vocab, key=vocab.__getitem__):
+        tokens.append(piece)
+        scores.append(-1.0 - rank[piece] if piece in rank else 0.0)
+        types.append(1)
+    return SentencePieceVocab(tokens, scores, types)
+
+
+def test_a_sentencepiece_vocabulary_tokenizes_as_transformers_reads_the_file(
+    tmp_path: Path,
+) -> None:
+    """Llama 2, Mistral and Mixtral files (``tokenizer.ggml.model`` ``llama``): the converted
+    folder encodes and decodes as transformers' own reading of the GGUF (what vLLM serves
+    it with), BOS first as llama.cpp adds it; the model converts as any other."""
+    from transformers import AutoTokenizer
+
+    spm = sentencepiece_vocab()
+    orig = write_tiny_model(tmp_path / "orig", "mixtral", vocab_size=len(spm.tokens))
+    path = write_gguf(orig, tmp_path / "spm.gguf", spm, add_bos=True)
+    out = convert_gguf(path, tmp_path / "out", progress=False)
+    ours = Tokenizer.from_folder(out)
+    ref = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="spm.gguf")
+    for text in TEXTS:
+        ids = ours.encode(text)
+        assert ids == ref(text).input_ids and ids[0] == 1
+        assert ours.decode(ids, skip_special_tokens=True) == ref.decode(
+            ids, skip_special_tokens=True
+        )
+    assert ModelConfig.from_folder(out).moe is not None
 
 
 def test_resolve_folder_errors(tmp_path: Path) -> None:

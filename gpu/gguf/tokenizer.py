@@ -1,4 +1,7 @@
-"""A Hugging Face ``tokenizers.Tokenizer`` rebuilt from a GGUF byte-level BPE vocabulary."""
+"""A Hugging Face ``tokenizers.Tokenizer`` rebuilt from a GGUF vocabulary: byte-level BPE
+(``tokenizer.ggml.model`` ``gpt2``: Llama 3, Qwen, SmolLM) here, SentencePiece (``llama``:
+Llama 2, Mistral, Mixtral) by transformers' own GGUF tokenizer conversion (what vLLM serves
+such a file with)."""
 
 from __future__ import annotations
 
@@ -73,16 +76,45 @@ def _byte_level_pre_tokenizer(pre: str) -> tuple[Any, bool]:
 
 
 def build_tokenizer(g: Gguf) -> tuple[Any, dict[str, Any]]:
-    """``(tokenizers.Tokenizer, tokenizer_config dict)`` for a byte-level BPE GGUF vocabulary."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, processors
+    """``(tokenizers.Tokenizer, tokenizer_config dict)`` for the file's vocabulary."""
+    from tokenizers import processors
 
     model_kind = g.get("tokenizer.ggml.model")
-    if model_kind != "gpt2":
-        raise ModelError(
-            f"{g.path}: tokenizer model {model_kind!r} is not supported (only byte-level BPE, "
-            f"tokenizer.ggml.model 'gpt2', is)"
-        )
     tokens: list[str] = list(g.require("tokenizer.ggml.tokens"))
+    if model_kind == "gpt2":
+        tok = _byte_level_tokenizer(g, tokens)
+        post: list[Any] = [processors.ByteLevel(trim_offsets=False)]
+        add_bos_default = False
+    elif model_kind == "llama":
+        tok = _sentencepiece_tokenizer(g)
+        post, add_bos_default = [], True  # (llama.cpp adds BOS unless the file says not)
+    else:
+        raise ModelError(
+            f"{g.path}: tokenizer model {model_kind!r} is not supported (byte-level BPE, "
+            "'gpt2', and SentencePiece, 'llama', are)"
+        )
+    return tok, _finish(g, tok, tokens, post, add_bos_default)
+
+
+def _sentencepiece_tokenizer(g: Gguf) -> Any:
+    """transformers' conversion of a SentencePiece GGUF vocabulary (BPE over the scores'
+    merges, byte fallback, the ``▁`` space)."""
+    try:
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+            convert_gguf_tokenizer,
+            get_gguf_tokenizer,
+        )
+
+        architecture, tokenizer_dict, _ = get_gguf_tokenizer(str(g.path))
+        tok, _ = convert_gguf_tokenizer(architecture, tokenizer_dict)
+    except (ImportError, KeyError, ValueError) as exc:
+        raise ModelError(f"{g.path}: cannot convert its SentencePiece vocabulary: {exc}") from exc
+    return tok
+
+
+def _byte_level_tokenizer(g: Gguf, tokens: list[str]) -> Any:
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
+
     merges_raw: list[str] = list(g.require("tokenizer.ggml.merges"))
     types: list[int] = [int(t) for t in g.get("tokenizer.ggml.token_type") or [1] * len(tokens)]
     pre = str(g.get("tokenizer.ggml.pre") or "default")
@@ -131,15 +163,23 @@ def build_tokenizer(g: Gguf) -> tuple[Any, dict[str, Any]]:
     user_defined = [t for t in added if not t.special]
     if user_defined:
         tok.add_tokens(user_defined)
+    return tok
+
+
+def _finish(
+    g: Gguf, tok: Any, tokens: list[str], post: list[Any], add_bos_default: bool
+) -> dict[str, Any]:
+    """The BOS / EOS the file asks to add (on ``tok``'s post-processor, after ``post``) and
+    the tokenizer_config: special tokens, the chat templates."""
+    from tokenizers import processors
 
     def token_str(tid: int | None) -> str | None:
         return tokens[tid] if tid is not None and 0 <= tid < len(tokens) else None
 
     bos_id, eos_id = token_id(g, "bos"), token_id(g, "eos")
     bos, eos = token_str(bos_id), token_str(eos_id)
-    add_bos = bool(g.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
+    add_bos = bool(g.get("tokenizer.ggml.add_bos_token", add_bos_default)) and bos is not None
     add_eos = bool(g.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
-    post: list[Any] = [processors.ByteLevel(trim_offsets=False)]
     head: list[str] = []
     tail: list[str] = []
     template_tokens: dict[str, int] = {}
@@ -155,7 +195,8 @@ def build_tokenizer(g: Gguf) -> tuple[Any, dict[str, Any]]:
                 special_tokens=list(template_tokens.items()),
             )
         )
-    tok.post_processor = processors.Sequence(post)
+    if post:
+        tok.post_processor = processors.Sequence(post)
 
     tok_config: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -180,4 +221,4 @@ def build_tokenizer(g: Gguf) -> tuple[Any, dict[str, Any]]:
         tok_config["chat_template"] = [{"name": k, "template": v} for k, v in named.items()]
     elif template:
         tok_config["chat_template"] = str(template)
-    return tok, tok_config
+    return tok_config
