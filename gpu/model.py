@@ -307,7 +307,10 @@ class CausalLM(nn.Module):
         row_amax: dict[str, torch.Tensor] = {}
         if tp is not None:  # this rank's slices (only they move to the device below)
             scaled_per_row = quantization in ("int8", "fp8")
-            sharded = shard_weights(config, weights, tp.shard, row_amax=scaled_per_row)
+            sharded = shard_weights(
+                config, weights, tp.shard, row_amax=scaled_per_row,
+                keep_blocks=quantization in ("gguf", "auto"),
+            )  # fmt: skip
             weights, row_amax = sharded.weights, sharded.row_amax
             self.vocab_start = tp.shard.vocab_range(config.vocab_size)[0]
         device = torch.device(device)

@@ -229,6 +229,10 @@ def test_a_mixture_of_experts_runs_its_experts_in_their_blocks(tmp_path: Path) -
     assert len(kept) == 3 * 8  # layer 0's experts (layer 1 is dense), three projections
     with safe_open(str(folder / "model.safetensors"), "pt") as f:
         assert not set(kept) & set(f.keys())
+    from gpu.gguf.blocks import require_whole_folder
+
+    with pytest.raises(ModelError, match="transformers does not read"):
+        require_whole_folder(folder, "distillation's teacher")
     path.touch()  # the file changed: what the folder lacks is nowhere
     with pytest.raises(ModelError, match="reads its experts from the GGUF file"):
         load_model(folder, progress=False)

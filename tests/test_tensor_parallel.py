@@ -363,3 +363,26 @@ def test_every_rank_builds_its_triton_matmuls_before_it_is_ready(
     worker.serve(replace(specs[0], device="cpu"), 1, write_fd)
     os.close(read_fd)
     assert events == [([model], 96, torch.float16), b"R", "steps", "closed"]
+
+
+def test_a_gguf_mixture_of_experts_splits_its_blocks_under_any_format(tmp_path: Path) -> None:
+    """Q8_0 experts of 32 rows read from the file (not in the converted folder) split 2 ways
+    into 16-row shares, which no 32-weight block boundary allows: dequantized first unless
+    the format keeps blocks, so the split replica decodes what the unsplit one does."""
+    from gguf import GGMLQuantizationType as T
+
+    from gpu.gguf import resolve_model_path
+    from tests.test_gguf import write_gguf
+    from tests.test_tokenizer import train_byte_level_bpe
+
+    bpe = train_byte_level_bpe()
+    orig = write_tiny_model(tmp_path / "orig", "qwen2_moe")  # (512 ids: more than the BPE)
+    path = write_gguf(orig, tmp_path / "moe.gguf", bpe, arch="qwen2moe",
+                      qtypes={"experts": T.Q8_0})  # fmt: skip
+    folder = resolve_model_path(str(path), cache_dir=tmp_path / "cache", progress=False)
+    prompts = prompts_for(13, [5, 17, 3, 26, 9, 12, 30])
+    max_tokens = [12, 20, 7, 15, 25, 10, 18]
+    for one, two in runners(folder):
+        assert churn(engine_on(two), prompts, max_tokens) == churn(
+            engine_on(one), prompts, max_tokens
+        )

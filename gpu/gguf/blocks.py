@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from gpu.config import ModelError
 from gpu.gguf.convert import MARKER_NAME
 from gpu.gguf.hf_config import arch_of
 from gpu.gguf.reader import read_gguf
@@ -52,6 +53,16 @@ def in_source(folder: Path) -> list[str]:
         return []
     names = marker.get("in_source") if isinstance(marker, dict) else None
     return [str(n) for n in names] if isinstance(names, list) else []
+
+
+def require_whole_folder(folder: Path | str, user: str) -> None:
+    """Raise ``ModelError`` where ``folder`` leaves tensors in its GGUF file (``in_source``):
+    ``user`` (a tool that loads the folder with transformers) would get random weights."""
+    if in_source(Path(folder)):
+        raise ModelError(
+            f"{folder} keeps its experts in the GGUF file it was converted from, which "
+            f"transformers does not read: {user} needs the model's Hugging Face checkpoint"
+        )
 
 
 def read_block_weights(source: Path, wanted: set[str]) -> dict[str, BlockWeight]:

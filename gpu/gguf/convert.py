@@ -29,7 +29,7 @@ from gpu.quant import BLOCK_BYTES
 logger = logging.getLogger(__name__)
 
 # Bump when the converter's output changes, so stale cache folders are rebuilt.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2
 MARKER_NAME = "meshserve_gguf.json"
 
 

@@ -128,11 +128,17 @@ class ShardedWeights:
 
 
 def shard_weights(
-    config: ModelConfig, weights: dict[str, Weight], shard: Shard, row_amax: bool = True
+    config: ModelConfig,
+    weights: dict[str, Weight],
+    shard: Shard,
+    row_amax: bool = True,
+    keep_blocks: bool = True,
 ) -> ShardedWeights:
     """This rank's share of every split tensor; norms stay whole. ``row_amax``: keep the whole
     rows' magnitudes of the row-parallel weights (only int8 and fp8 read them; each is a pass
-    over the whole weight)."""
+    over the whole weight). ``keep_blocks``: GGUF blocks split as blocks (the ``gguf``
+    format); else they are dequantized first, so any split the shapes allow works and int8
+    and fp8 take whole-row scales (a mixture of experts' GGUF experts under other formats)."""
     if shard.world == 1:
         return ShardedWeights(weights, {})
     check_tensor_parallel(config, shard.world)
@@ -143,6 +149,13 @@ def shard_weights(
     v0, v1 = shard.vocab_range(config.vocab_size)
     out = dict(weights)
     amax: dict[str, torch.Tensor] = {}
+
+    def unblocked(*names: str) -> None:
+        """GGUF blocks dequantized where the format does not keep them (one at a time)."""
+        for name in names:
+            weight = out[name]
+            if isinstance(weight, BlockWeight) and not keep_blocks:
+                out[name] = weight.dequantize()
 
     def split_columns(name: str, start: int, stop: int) -> None:
         weight = out[name]
@@ -161,11 +174,13 @@ def shard_weights(
         e0, e1 = shard.part(moe.intermediate_size)
         for expert in range(moe.num_experts):
             gate, up, down = moe.expert(layer, expert)
+            unblocked(gate, up, down)
             out[gate], out[up] = rows(out[gate], e0, e1), rows(out[up], e0, e1)
             split_columns(down, e0, e1)
         if moe.shared_intermediate_size:
             s0, s1 = shard.part(moe.shared_intermediate_size)
             gate, up, down, _ = moe.shared(layer)
+            unblocked(gate, up, down)
             out[gate], out[up] = rows(out[gate], s0, s1), rows(out[up], s0, s1)
             split_columns(down, s0, s1)
 

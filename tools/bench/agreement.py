@@ -19,6 +19,7 @@ import torch
 from common.tokenizer import Tokenizer
 from gpu.engine import Engine, EngineConfig
 from gpu.gguf import resolve_model_path
+from gpu.gguf.blocks import require_whole_folder
 from gpu.loader import load_model
 from gpu.runner import ModelRunner
 from gpu.sampling_params import SamplingParams
@@ -72,6 +73,7 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = Tokenizer.from_folder(folder)
     prompts = [tokenizer.encode_user_turn(text) for text in held_out_prompts(args.prompts)]
     outs = answers(str(folder), prompts, args.max_tokens, list(tokenizer.eos_token_ids))
+    require_whole_folder(folder, "the agreement benchmark")
     load = AutoModelForCausalLM.from_pretrained
     target = load(folder, dtype=torch.float32).eval()  # type: ignore[no-untyped-call]
     draft = load(args.draft, dtype=torch.float32).eval()  # type: ignore[no-untyped-call]

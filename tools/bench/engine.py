@@ -23,6 +23,7 @@ import torch
 from common.tokenizer import Tokenizer
 from gpu.engine import Engine, EngineConfig
 from gpu.gguf import resolve_model_path
+from gpu.gguf.blocks import require_whole_folder
 from gpu.loader import load_model
 from gpu.runner import ModelRunner
 from gpu.sampling_params import SamplingParams
@@ -87,6 +88,7 @@ def load_hf(folder: str) -> Any:
     # module for its prompts and engine runs only.
     from transformers import AutoModelForCausalLM
 
+    require_whole_folder(folder, "the transformers baseline")
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     model.eval()  # type: ignore[no-untyped-call]
     model.generation_config.eos_token_id = None

@@ -42,6 +42,7 @@ from tqdm import tqdm
 
 from common.tokenizer import Tokenizer
 from gpu.engine import Engine, EngineConfig
+from gpu.gguf.blocks import require_whole_folder
 from gpu.loader import load_model
 from gpu.runner import ModelRunner
 from gpu.sampling_params import SamplingParams
@@ -317,6 +318,7 @@ def distill(cfg: DistillConfig) -> Path:
     cfg.work.mkdir(parents=True, exist_ok=True)
     samples = generate_data(cfg)
     val, train = samples[: cfg.val_samples], samples[cfg.val_samples :]
+    require_whole_folder(cfg.teacher, "distillation's teacher")
     teacher = AutoModelForCausalLM.from_pretrained(cfg.teacher, dtype=torch.float32)
     ckpt_path = cfg.work / "checkpoint.pt"
     ckpt: dict[str, Any] | None = None
