@@ -16,7 +16,7 @@ import subprocess
 import sys
 import types
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -405,3 +405,23 @@ def test_flashinfer_model_matches_cpu_reference(cuda_device, tmp_path):
     assert isinstance(runner.backend, fb.FlashInferPagedAttention)
     result = ma.model_section(ref_runner, {"flashinfer": runner}, "flashinfer", prompts, 8, 5e-2)
     assert result["ok"], result["table"]
+
+
+def test_the_moe_timing_takes_turns_and_leaves_the_experts_grouped(tiny_models):
+    """The check's qwen3_moe timing on the CPU (Triton's interpreter): both modes at each
+    batch size, and the experts grouped again after."""
+    from tools.gpu_check import moe_timing as mt
+
+    model = load_model(tiny_models["qwen3_moe"], dtype=torch.bfloat16, cpu_kernels=False)
+    moe = cast(Any, model.layers[0]).moe
+    assert moe is not None and moe.stack_experts()
+    stacked = moe.stacked_gate_up
+    result = mt.moe_timing(model, [1, 2], context=20, iters=1)
+    assert result["ok"], result
+    assert [(r["mode"], r["batch"]) for r in result["results"]] == [
+        (mode, batch) for batch in (1, 2) for mode in mt.MODES
+    ]
+    assert all(r["ms_per_step"] > 0 for r in result["results"])
+    assert moe.stacked_gate_up is stacked
+    unstacked = load_model(tiny_models["qwen3_moe"], dtype=torch.bfloat16, cpu_kernels=False)
+    assert not mt.moe_timing(unstacked, [1], context=20, iters=1)["ok"]

@@ -18,7 +18,8 @@ Nine sections, each independent (one failing does not stop the others):
   norms through FlashInfer, the CUDA graphs and the fused rotary + KV append.
 - qwen3_moe: the same on a random model of Qwen3-30B-A3B's shape (2 layers, 32 experts, 8 per
   token): the routing and the grouped Triton matmuls of `gpu/triton_moe.py` in bf16 (eager:
-  no CUDA graphs).
+  no CUDA graphs); then a decode step at each batch size with the grouped experts and with
+  one expert at a time (``moe_timing.py``).
 - timing: one decode step (every sequence at ~512 tokens of context) at batch 1/8/64 for each
   attention backend, timed with CUDA events around whole ``ModelRunner.forward`` calls
   (plan + all layers + lm_head, host overhead included) (``decode_timing.py``).
@@ -78,6 +79,7 @@ from tools.gpu_check.kernel_cases import (
     kernels_section,
 )
 from tools.gpu_check.model_agreement import LOGITS_TOL, run_model_section
+from tools.gpu_check.moe_timing import run_moe_timing
 from tools.gpu_check.prebuild import export_aot, prebuild_kernels
 
 SECTIONS = (
@@ -246,6 +248,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             synthetic = write_synthetic_model(workdir / f"{name}-shape-random", shape)
             model = load_model(synthetic, device=device, dtype=torch.bfloat16, progress=False)
             run_model_section(args, model, synthetic, report, section=name)
+            if name == "qwen3_moe":  # the grouped experts against one at a time
+                run_moe_timing(args, model, report)
             del model
         except Exception as exc:
             report.error(name, exc)
