@@ -1,7 +1,7 @@
 """A mixture-of-experts model through the engine, against its dense twin and transformers.
 
     python -m tools.bench.moe [--concurrency 16] [--output-tokens 48] [--rounds 3]
-        [--hf-requests 4]
+        [--hf-requests 4] [--quantization none|int8|int4]
 
 Writes two random models of one shape with SmolLM2's tokenizer and vocabulary (hidden 576,
 9 query and 3 KV heads, 12 layers, tied embeddings): a Qwen3-MoE whose every MLP routes each
@@ -10,7 +10,9 @@ rows), and a dense Qwen3 whose MLP is those 1024 rows: the same work per token, 
 gap between them is what routing, gathering and running experts apart costs. Then, in one
 process, interleaved per round (``tools/bench/engine.py``'s runs): a single stream's decode and
 ``--concurrency`` concurrent requests through the engine for each model, and transformers'
-``generate()`` on the MoE model, one request after another. Each side's median round. fp32 CPU.
+``generate()`` on the MoE model, one request after another. Each side's median round. fp32 CPU;
+``--quantization`` puts both engines' linears (experts included, routers not) in that format
+(transformers stays fp32).
 """
 
 from __future__ import annotations
@@ -68,8 +70,9 @@ def write_models(root: Path) -> dict[str, Path]:
     return folders
 
 
-def engine_for(folder: Path, concurrency: int) -> Engine:
-    runner = ModelRunner(load_model(folder, progress=False), num_pages=2048, page_size=16)
+def engine_for(folder: Path, concurrency: int, quantization: str = "none") -> Engine:
+    model = load_model(folder, progress=False, quantization=quantization)
+    runner = ModelRunner(model, num_pages=2048, page_size=16)
     config = EngineConfig(max_num_batched_tokens=1024, max_num_seqs=max(64, concurrency))
     return Engine(runner, config, [])
 
@@ -82,12 +85,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output-tokens", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--hf-requests", type=int, default=4)
+    parser.add_argument("--quantization", default="none", choices=("none", "int8", "int4"))
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="moe-bench-") as tmp:
         folders = write_models(Path(tmp))
         tokenizer = Tokenizer.from_folder(folders["moe"])
         prompts = chat_prompts(tokenizer, args.concurrency)
-        engines = {name: engine_for(folder, args.concurrency) for name, folder in folders.items()}
+        engines = {
+            name: engine_for(folder, args.concurrency, args.quantization)
+            for name, folder in folders.items()
+        }
         hf = load_hf(str(folders["moe"]))
         hf_prompts = prompts[: args.hf_requests]
         for engine in engines.values():  # the same untimed warm-up for every side
@@ -108,7 +115,8 @@ def main(argv: list[str] | None = None) -> None:
     names = [f"{model}, {side}" for model in engines for side in ("1 stream", "concurrent")]
     names.append("transformers generate() on moe, sequential")
     print(
-        f"\nfp32 CPU, {torch.get_num_threads()} threads, {args.output_tokens} output tokens per "
+        f"\nlinears in {args.quantization} on the CPU, "
+        f"{torch.get_num_threads()} threads, {args.output_tokens} output tokens per "
         f"request, {args.concurrency} concurrent, median of {args.rounds} interleaved rounds\n"
     )
     print(f"| {'run':<44} | requests | tokens/s |")
