@@ -168,7 +168,7 @@ class Engine:
         """
         seq = self.new_sequence(
             request_id, prompt_token_ids, params, output_token_ids, grammar, lora,
-            (grammar_after, grammar_open),
+            grammar_after, grammar_open,
         )  # fmt: skip
         seq.guest = guest
         self.seqs[request_id] = seq
@@ -192,7 +192,8 @@ class Engine:
         output_token_ids: list[int] | None = None,
         grammar: Any = None,
         lora: str = "",
-        grammar_gate: tuple[int | None, int | None] = (None, None),
+        grammar_after: int | None = None,
+        grammar_open: int | None = None,
     ) -> Sequence:
         """A checked new sequence (for ``add_request`` and ``gpu.handoff.reserve``)."""
         if request_id in self.seqs or request_id in self.reserved:
@@ -241,7 +242,9 @@ class Engine:
             # a constrained request pays it, not every process that imports the engine.
             from gpu.grammar import GrammarState
 
-            seq.grammar = GrammarState(grammar, sorted(self.eos_token_ids), *grammar_gate)
+            seq.grammar = GrammarState(
+                grammar, sorted(self.eos_token_ids), grammar_after, grammar_open
+            )
             if not seq.grammar.accept(output_token_ids):
                 raise ValueError("the tokens already generated do not follow the grammar")
         seq.generator = make_generator(params, self.runner.device)

@@ -24,14 +24,13 @@ one fixed configuration each.
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 import torch
 
 from gpu.quant import BLOCK_BYTES, QK
 from gpu.triton_gemv import MAX_ROWS as FEW_ROWS  # the int8 decode kernel's limit, too
-from gpu.triton_launch import on_device
+from gpu.triton_launch import interpreted, on_device
 from gpu.triton_w8a16 import DTYPES, prune_to_bucket, row_bucket
 
 # The kernel's QTYPE by GGML type name.
@@ -127,7 +126,7 @@ def _kernel() -> Any:
         out = y_ptr + rows[:, None].to(tl.int64) * stride_y + cols[None, :]
         tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if interpreted():
         return blocks_kernel, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_B": 2, "GROUP_M": 4}
     configs = [
         triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_B": b, "GROUP_M": 8},
@@ -222,7 +221,7 @@ def _gemv_kernel() -> Any:
         out = y_ptr + rows[:, None].to(tl.int64) * stride_y + cols[None, :]
         tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if interpreted():
         return blocks_gemv_kernel, {"BLOCK_N": 8, "BLOCK_B": 2}
     # No tl.dot, so no software pipelining: one stage. The accumulator [BLOCK_M, BLOCK_N,
     # BLOCK_B, 16 or 32] and a step's products live in registers (pruned to 64 fp32 a thread

@@ -28,12 +28,11 @@ configuration; Triton is imported only when the kernel first runs.
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 import torch
 
-from gpu.triton_launch import on_device
+from gpu.triton_launch import interpreted, on_device
 
 MAX_ROWS = 8
 DTYPES = (torch.float16, torch.bfloat16)
@@ -87,7 +86,7 @@ def _kernel() -> Any:
             acc += tl.load(out, mask=out_ok, other=0.0).to(tl.float32)
         tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=out_ok)
 
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if interpreted():
         return gemv_kernel, {"BLOCK_N": 16, "BLOCK_K": 64}
     # No tl.dot, so no software pipelining: one stage. The product tile is held in registers
     # (BLOCK_M * BLOCK_N * BLOCK_K fp32 over the program's threads): tiles past 64 a thread

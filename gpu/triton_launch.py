@@ -9,6 +9,7 @@ kernels guard on their tensors' device; the Triton launches (``gpu/triton_gemv.p
 
 from __future__ import annotations
 
+import os
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Protocol
 
@@ -18,6 +19,12 @@ import torch
 class _OnADevice(Protocol):
     @property
     def device(self) -> torch.device: ...
+
+
+def interpreted() -> bool:
+    """Whether Triton runs under its interpreter (``TRITON_INTERPRET=1``: the CPU tests), where
+    the kernels take one fixed block configuration instead of tuning."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def on_device(tensor: _OnADevice) -> AbstractContextManager[Any]:

@@ -17,12 +17,11 @@ block configuration; Triton is imported only when the kernel first runs.
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 import torch
 
-from gpu.triton_launch import on_device
+from gpu.triton_launch import interpreted, on_device
 
 BLOCK_M = 16  # pairs per block: each expert's pair list is padded to a multiple of it
 DTYPES = (torch.float16, torch.bfloat16)
@@ -45,12 +44,12 @@ def _kernel() -> Any:
         if expert < 0:  # a block past the last expert's: no work (and no weights read)
             return
         pair = tl.load(pairs_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
-        pair_ok = (pair < num_pairs) & (expert >= 0)
+        pair_ok = pair < num_pairs
         row = pair // top_k if ROWS_BY_TOKEN else pair
         row = tl.where(pair_ok, row, 0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < N
-        w_base = w_ptr + tl.maximum(expert, 0).to(tl.int64) * stride_we
+        w_base = w_ptr + expert.to(tl.int64) * stride_we
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
@@ -83,12 +82,6 @@ def _kernel() -> Any:
         )
     ]  # fmt: skip
     return triton.autotune(configs, key=["N", "K", "ROWS_BY_TOKEN"])(grouped_kernel), {}
-
-
-def interpreted() -> bool:
-    """Under Triton's interpreter (the CPU tests), whose numpy dot reads bf16 tiles as
-    garbage: the kernel widens them to fp32 first there."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def align(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,7 +139,7 @@ def grouped_matmul(
             a, weights, out, sorted_pairs, block_expert, scale if scale is not None else out,
             n, a.stride(0), weights.stride(0), weights.stride(1), out.stride(0), pairs, top_k,
             K=k, ROWS_BY_TOKEN=rows_by_token, SCALED=scale is not None, BLOCK_M=BLOCK_M,
-            DOT_IN_FP32=interpreted(), **fixed,
+            DOT_IN_FP32=interpreted(), **fixed,  # (the interpreter's dot misreads bf16)
         )  # fmt: skip
     return out
 

@@ -20,12 +20,11 @@ interpreter with one fixed configuration; Triton is imported only when the kerne
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 import torch
 
-from gpu.triton_launch import on_device
+from gpu.triton_launch import interpreted, on_device
 
 DTYPES = (torch.float16, torch.bfloat16)
 # Rows are bucketed by powers of two for tuning, up to this (longer steps share its tuning).
@@ -94,7 +93,7 @@ def _kernel() -> Any:
         out = y_ptr + rows[:, None].to(tl.int64) * stride_y + cols[None, :]
         tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if interpreted():
         return w8a16_kernel, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4}
     configs = [
         triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8},

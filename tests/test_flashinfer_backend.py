@@ -267,17 +267,23 @@ def test_attend_before_plan_is_an_error():
         backend.attend(x, x[:, :2], x[:, :2], torch.zeros((1, 2, 16, 2, 16), dtype=torch.bfloat16))
 
 
-def test_model_section_with_stand_in(tiny_llama):
-    """The check's whole-model comparison: bf16 model + stand-in vs fp32 model + torch."""
+def stand_in_section(folder):
+    """The model section's parts for ``folder``: the stand-in, the prompts, the pages they
+    need, the fp32 reference runner, and the bf16 model on the stand-in and on torch."""
     fake = make_fake_flashinfer()
     prompts = ma.random_prompts(512, (1, 7, 40, 90), seed=1)
     pages = ma.pages_needed(prompts, 5)
-    ref_runner = ModelRunner(load_model(tiny_llama), pages, 16)
-    bf16 = load_model(tiny_llama, dtype=torch.bfloat16)
+    ref_runner = ModelRunner(load_model(folder), pages, 16)
+    bf16 = load_model(folder, dtype=torch.bfloat16)
     cfg = bf16.config
     backend = fake_backend(fake, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
     runner = ModelRunner(bf16, pages, 16, backend=backend)
-    baseline = ModelRunner(bf16, pages, 16)
+    return fake, prompts, pages, ref_runner, runner, ModelRunner(bf16, pages, 16)
+
+
+def test_model_section_with_stand_in(tiny_llama):
+    """The check's whole-model comparison: bf16 model + stand-in vs fp32 model + torch."""
+    fake, prompts, pages, ref_runner, runner, baseline = stand_in_section(tiny_llama)
     # a quantized runner is reported: its error neither sets the bound nor fails the section
     int8 = ModelRunner(load_model(tiny_llama, quantization="int8"), pages, 16)
     # and one whose kernels fail is a row of its own, not the section's end
@@ -305,18 +311,8 @@ def test_model_section_with_stand_in_on_a_mixture_of_experts(tiny_models):
     """The check's qwen3_moe section on the tiny Qwen3-MoE: in bf16 its routing may pick
     other experts than fp32's on near ties, and the section still holds it to the bf16
     baseline's bound."""
-    folder = tiny_models["qwen3_moe"]
-    fake = make_fake_flashinfer()
-    prompts = ma.random_prompts(512, (1, 7, 40, 90), seed=1)
-    pages = ma.pages_needed(prompts, 5)
-    ref_runner = ModelRunner(load_model(folder), pages, 16)
-    bf16 = load_model(folder, dtype=torch.bfloat16)
-    cfg = bf16.config
-    backend = fake_backend(fake, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
-    runners = {
-        "stand-in": ModelRunner(bf16, pages, 16, backend=backend),
-        "torch": ModelRunner(bf16, pages, 16),
-    }
+    _, prompts, _, ref_runner, runner, baseline = stand_in_section(tiny_models["qwen3_moe"])
+    runners = {"stand-in": runner, "torch": baseline}
     result = ma.model_section(ref_runner, runners, "stand-in", prompts, 5, 5e-2, chunk=16)
     assert result["ok"], result["table"]
     assert result["stand-in"]["steps"]["decode_only"] > 0

@@ -59,11 +59,11 @@ class PackedMoe:
         self._held = (router, tuple(experts), shared)
         self._fn = fn
         self.hidden, self.num_experts, self.top_k = h, e, top_k
-        self.floats_per_token = e + 2 * h + 3 * max(i, shared_i) + 2 * top_k
+        self._floats_per_token = e + 2 * h + 3 * max(i, shared_i) + 2 * top_k
 
     def scratch_sizes(self, tokens: int) -> tuple[int, int]:
         """How many floats and int64s of scratch moe.c needs for a call over ``tokens`` rows."""
-        return tokens * self.floats_per_token, 2 * self.num_experts + 2 * tokens * self.top_k
+        return tokens * self._floats_per_token, 2 * self.num_experts + 2 * tokens * self.top_k
 
     def scratch(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         floats, ints = self.scratch_sizes(tokens)
@@ -76,7 +76,7 @@ class PackedMoe:
             raise ValueError(f"x must be CPU fp32 [T, {h}], got {x.dtype} {tuple(x.shape)}")
         x = x.contiguous()
         t = x.shape[0]
-        out = torch.zeros_like(x)
+        out = torch.empty_like(x)  # (moe.c zeroes it first)
         if t:
             floats, ints = self.scratch(t)
             self._fn(
