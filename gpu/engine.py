@@ -30,6 +30,7 @@ from gpu.attention.metadata import SeqChunk
 from gpu.config import ModelError
 from gpu.overlap import OverlappedSteps, overlap_blocker
 from gpu.page_manager import KVEvent, PageManager
+from gpu.pooling import HiddenTap, PromptPooling
 from gpu.prompt_logprobs import PromptLogprobs, PromptScoring
 from gpu.runner import ModelRunner
 from gpu.sampling import SampledOnHost, Sampler, SamplerInput, SamplerOutput
@@ -92,6 +93,8 @@ class StepOutput:
     stop_token: bool = False
     # With the first token of a request that asked for them (``gpu.prompt_logprobs``)
     prompt_logprobs: PromptLogprobs | None = None
+    # With the first token of an embedding request: its vector (``gpu.pooling``)
+    embedding: list[float] | None = None
 
 
 class Engine:
@@ -237,6 +240,14 @@ class Engine:
         if params.prompt_logprobs is not None and not output_token_ids:
             # (a continuation's client has them: they came with its first token)
             seq.prompt_scoring = PromptScoring(params.prompt_logprobs)
+        if params.pooling and not output_token_ids:  # (a continuation's client has it too)
+            dims = params.pooling_dimensions
+            if dims is not None and dims > self.runner.config.hidden_size:
+                raise ValueError(
+                    f"pooling_dimensions {dims} is more than the model's hidden size "
+                    f"{self.runner.config.hidden_size}"
+                )
+            seq.pooling = PromptPooling(params.pooling, dims, params.pooling_normalize is not False)
         if grammar is not None:
             # gpu.grammar loads xgrammar (~0.6 s more than torch): only an engine that meets
             # a constrained request pays it, not every process that imports the engine.
@@ -380,7 +391,9 @@ class Engine:
             seq.draft = None  # recomputed from scratch; a new draft comes when it decodes
         if not plan.scheduled:
             return []
-        logits = self._forward(plan)
+        tap = self._pooling_tap(plan)
+        logits = self._forward(plan, tap)
+        self._take_pooled(plan, tap)
         return self._postprocess(plan, logits)
 
     @staticmethod
@@ -404,7 +417,38 @@ class Engine:
                 logits, first_row, seq.num_computed, num_new, seq.prompt_token_ids
             )
 
-    def _forward(self, plan: SchedulerOutput) -> torch.Tensor:
+    @staticmethod
+    def _pooling_tap(plan: SchedulerOutput) -> HiddenTap | None:
+        """The step's rows whose final hidden states its embedding sequences pool."""
+        indices: list[int] = []
+        flat = 0
+        for item in plan.scheduled:
+            seq = item.seq
+            if seq.pooling is not None:
+                prompt_len = len(seq.prompt_token_ids)
+                for position in seq.pooling.positions(seq.num_computed, item.num_new, prompt_len):
+                    indices.append(flat + position - seq.num_computed)
+            flat += item.num_new
+        return HiddenTap(torch.tensor(indices, dtype=torch.int64)) if indices else None
+
+    @staticmethod
+    def _take_pooled(plan: SchedulerOutput, tap: HiddenTap | None) -> None:
+        """Hand each embedding sequence its rows of ``tap`` (before ``num_computed`` moves
+        past the chunk)."""
+        if tap is None:
+            return
+        assert tap.rows is not None, "the forward pass filled no tap"
+        row = 0
+        for item in plan.scheduled:
+            seq = item.seq
+            if seq.pooling is None:
+                continue
+            prompt_len = len(seq.prompt_token_ids)
+            positions = seq.pooling.positions(seq.num_computed, item.num_new, prompt_len)
+            seq.pooling.take(tap.rows[row : row + len(positions)], positions, prompt_len)
+            row += len(positions)
+
+    def _forward(self, plan: SchedulerOutput, tap: HiddenTap | None = None) -> torch.Tensor:
         chunks = []
         tokens: list[list[int]] = []
         rows = []
@@ -417,7 +461,7 @@ class Engine:
             rows.append(self._logits_rows(seq, item.num_new))
         several = any(n > 1 for n in rows)
         self.num_forward_passes += 1
-        return self.runner.execute(chunks, tokens, num_logits=rows if several else None)
+        return self.runner.execute(chunks, tokens, num_logits=rows if several else None, tap=tap)
 
     def _postprocess(self, plan: SchedulerOutput, logits: torch.Tensor) -> list[StepOutput]:
         # Only sequences that caught up with their real tokens sample (or verify their draft);
@@ -609,6 +653,10 @@ class Engine:
         if seq.prompt_scoring is not None:
             prompt_logprobs = seq.prompt_scoring.result(seq.prompt_token_ids)
             seq.prompt_scoring = None
+        embedding = None
+        if seq.pooling is not None:
+            embedding = seq.pooling.vector()
+            seq.pooling = None
         output = StepOutput(
             request_id=seq.request_id,
             new_token_ids=tokens,
@@ -619,6 +667,7 @@ class Engine:
             logprobs=logprobs,
             stop_token=reason is not None and self._is_stop_token(seq.params, tokens[-1]),
             prompt_logprobs=prompt_logprobs,
+            embedding=embedding,
         )
         if reason is not None:
             seq.status = SeqStatus.FINISHED

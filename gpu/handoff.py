@@ -40,6 +40,7 @@ def reserve(
     seq = engine.new_sequence(request_id, prompt_token_ids, params, lora=lora)
     seq.guest = guest
     seq.prompt_scoring = None  # the prefill side scores the prompt and sends them
+    seq.pooling = None  # (and pools it, for an embedding)
     # The pages may have been freed while a step still writes to them (a step runs on after
     # its call returns); the prefill side's writes do not queue behind it on the stream.
     engine.settle_device()

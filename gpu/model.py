@@ -36,6 +36,7 @@ from gpu.moe import SparseMoe
 from gpu.ops import RopeStep, TorchOps, make_ops
 from gpu.parallel.group import TensorParallel
 from gpu.parallel.shard import shard_config, shard_weights
+from gpu.pooling import HiddenTap
 from gpu.quant import BlockWeight
 from gpu.rope import RotaryEmbedding
 
@@ -469,18 +470,21 @@ class CausalLM(nn.Module):
         kv_layers: list[torch.Tensor],
         logits_indices: torch.Tensor | None = None,
         lora: LoraStep | None = None,
+        tap: HiddenTap | None = None,
     ) -> torch.Tensor:
         """Logits ``[len(logits_indices), vocab]`` (every token's when ``logits_indices`` is None).
 
         ``backend.plan(meta)`` must have been called for this step. ``lora``: the step's LoRA
-        adapters and their rows (``gpu.lora``); such a step takes the per-op path.
+        adapters and their rows (``gpu.lora``); such a step takes the per-op path. ``tap``:
+        rows whose final hidden states (after the final norm) are handed back in ``tap.rows``
+        (``gpu.pooling``).
         """
         if lora is not None and self.tp is not None:
             raise ModelError("LoRA adapters are not supported with tensor parallelism")
         hidden = self.embed(input_ids)
         rope = self.ops.rope_step(self.rope, meta.positions)
         if 0 < hidden.shape[0] <= self.few_row_layers and lora is None:
-            return self._forward_few_rows(hidden, rope, backend, kv_layers, logits_indices)
+            return self._forward_few_rows(hidden, rope, backend, kv_layers, logits_indices, tap)
         decodes = backend.decode_only() if isinstance(backend, TorchPagedAttention) else None
         fused = None
         if decodes is not None and self.fuse_decode and lora is None:
@@ -495,6 +499,11 @@ class CausalLM(nn.Module):
         else:
             for layer, kv_cache in zip(self.layers, kv_layers, strict=True):
                 delta = layer(hidden, delta, rope, backend, kv_cache, lora)
+        if tap is not None:  # (gathered copies: the rows below still add delta themselves)
+            rows = None if delta is None else delta[tap.indices]
+            tap.rows = self.ops.add_rms_norm(
+                hidden[tap.indices], rows, self.norm, self.config.rms_norm_eps
+            )
         if logits_indices is not None:
             hidden = hidden[logits_indices]
             delta = None if delta is None else delta[logits_indices]
@@ -512,11 +521,16 @@ class CausalLM(nn.Module):
         backend: AttentionBackend,
         kv_layers: list[torch.Tensor],
         logits_indices: torch.Tensor | None,
+        tap: HiddenTap | None = None,
     ) -> torch.Tensor:
         from gpu.triton_gemv import gemv
 
         for layer, kv_cache in zip(self.layers, kv_layers, strict=True):
             cast(DecoderLayer, layer).forward_few_rows(hidden, rope, backend, kv_cache)
+        if tap is not None:  # (hidden is the whole residual here: the layers added in place)
+            tap.rows = self.ops.add_rms_norm(
+                hidden[tap.indices], None, self.norm, self.config.rms_norm_eps
+            )
         if logits_indices is not None:
             hidden = hidden[logits_indices]
         head = cast(DenseLinear, self.lm_head)

@@ -144,9 +144,11 @@ class OverlappedSteps:
         num_rows = [engine._logits_rows(item.seq, item.num_new) for item in plan.scheduled]
         several = any(n > 1 for n in num_rows)
         engine.num_forward_passes += 1
+        tap = engine._pooling_tap(plan)
         logits = engine.runner.execute(
-            chunks, tokens, feed=feed, num_logits=num_rows if several else None
+            chunks, tokens, feed=feed, num_logits=num_rows if several else None, tap=tap
         )
+        engine._take_pooled(plan, tap)
         samplers = []
         row = 0
         for item, n in zip(plan.scheduled, num_rows, strict=True):

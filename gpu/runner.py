@@ -25,6 +25,7 @@ from gpu.lora import LoraAdapter, LoraSet, LoraStep
 from gpu.model import CausalLM
 from gpu.parallel.launch import RankGroup
 from gpu.parallel.step import pack_step
+from gpu.pooling import HiddenTap
 from gpu.quant import FP8
 from gpu.transfers import move, to_device
 
@@ -187,12 +188,14 @@ class ModelRunner:
         all_logits: bool = False,
         num_logits: Sequence[int] | None = None,
         feed: TokenFeed | None = None,
+        tap: HiddenTap | None = None,
     ) -> torch.Tensor:
         """Run one forward pass; logits of each sequence's last new token ``[B, V]``, or of
         every new token ``[T, V]`` when ``all_logits`` (tests), or of each sequence's last
         ``num_logits[b]`` new tokens, concatenated in batch order (speculative verification:
         the last real token and the drafts after it; the lm_head runs on those rows only).
-        ``feed``: the tokens ``new_tokens`` holds as ``INFLIGHT_TOKEN``, on the device."""
+        ``feed``: the tokens ``new_tokens`` holds as ``INFLIGHT_TOKEN``, on the device.
+        ``tap``: rows whose final hidden states to hand back too (``gpu.pooling``)."""
         flat: list[int] = []
         for chunk, tokens in zip(chunks, new_tokens, strict=True):
             if len(tokens) != chunk.num_new:
@@ -221,7 +224,7 @@ class ModelRunner:
             lora = self.loras.step(
                 [c.adapter for c in chunks], [c.num_new for c in chunks], self.device
             )
-        return self.forward(input_ids, meta, all_logits, indices, feed, lora)
+        return self.forward(input_ids, meta, all_logits, indices, feed, lora, tap)
 
     @torch.inference_mode()
     def forward(
@@ -232,12 +235,13 @@ class ModelRunner:
         logits_indices: torch.Tensor | None = None,
         feed: TokenFeed | None = None,
         lora: LoraStep | None = None,
+        tap: HiddenTap | None = None,
     ) -> torch.Tensor:
         if self.peers is None:
-            return self._forward(input_ids, meta, all_logits, logits_indices, feed, lora)
+            return self._forward(input_ids, meta, all_logits, logits_indices, feed, lora, tap)
         self.peers.send_step(pack_step(input_ids, meta, all_logits, logits_indices))
-        try:
-            return self._forward(input_ids, meta, all_logits, logits_indices)
+        try:  # (the tap is rank 0's alone: every rank holds the whole hidden state)
+            return self._forward(input_ids, meta, all_logits, logits_indices, tap=tap)
         except BaseException as exc:
             self.peers.mark_failed(exc)
             raise
@@ -250,9 +254,10 @@ class ModelRunner:
         logits_indices: torch.Tensor | None,
         feed: TokenFeed | None = None,
         lora: LoraStep | None = None,
+        tap: HiddenTap | None = None,
     ) -> torch.Tensor:
-        # (never with peers: no TP graphs; a step with LoRA rows runs eagerly)
-        if self.graphs is not None and not all_logits and lora is None:
+        # (never with peers: no TP graphs; a step with LoRA rows or a tap runs eagerly)
+        if self.graphs is not None and not all_logits and lora is None and tap is None:
             bucket = self.graphs.bucket(meta, logits_indices)
             if bucket is not None:
                 return self.graphs.run(bucket, input_ids, meta, feed)
@@ -261,6 +266,8 @@ class ModelRunner:
             input_ids = move(input_ids, self.device)
             if logits_indices is not None:
                 logits_indices = move(logits_indices, self.device)
+            if tap is not None:
+                tap.indices = move(tap.indices, self.device)
         if feed is not None:
             feed.apply(input_ids)
         self.backend.plan(meta)
@@ -268,7 +275,7 @@ class ModelRunner:
         if logits_indices is not None:
             indices = logits_indices
         logits: torch.Tensor = self.model(
-            input_ids, meta, self.backend, self.kv.layers, indices, lora
+            input_ids, meta, self.backend, self.kv.layers, indices, lora, tap
         )
         return logits
 

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from gpu.pooler_config import POOLING_TYPES
+
 # Temperatures below this are treated as greedy (vLLM's _SAMPLING_EPS): dividing by a
 # vanishing temperature only approximates argmax, badly, in fp32.
 GREEDY_EPS = 1e-5
@@ -59,6 +61,12 @@ class SamplingParams:
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     # vLLM's: each prompt token's logprob, rank and top-N alternatives (gpu.prompt_logprobs)
     prompt_logprobs: int | None = None
+    # An embedding request (gpu.pooling): its prompt's final hidden states pooled ("last",
+    # "mean" or "cls"; "": none), cut to the first ``pooling_dimensions`` and L2-normalized
+    # unless ``pooling_normalize`` is False; it comes with the one token generated.
+    pooling: str = ""
+    pooling_dimensions: int | None = None
+    pooling_normalize: bool | None = None
 
     def __post_init__(self) -> None:
         def real_in(name: str, lo: float, hi: float, lo_open: bool = False) -> None:
@@ -124,6 +132,16 @@ class SamplingParams:
                 f"{self.bad_words_token_ids!r}"
             )
         object.__setattr__(self, "bad_words_token_ids", words)
+        if self.pooling not in ("", *POOLING_TYPES):
+            raise ValueError(
+                f"pooling must be one of {', '.join(POOLING_TYPES)} (or empty), got "
+                f"{self.pooling!r}"
+            )
+        dims = self.pooling_dimensions
+        if dims is not None and (not _is_int(dims) or dims < 1):
+            raise ValueError(f"pooling_dimensions must be None or an integer >= 1, got {dims!r}")
+        if self.pooling_normalize is not None and not isinstance(self.pooling_normalize, bool):
+            raise ValueError(f"pooling_normalize must be a bool, got {self.pooling_normalize!r}")
 
     @property
     def is_greedy(self) -> bool:

@@ -159,9 +159,11 @@ class Scheduler:
     def _admit(self, budget: int, scheduled: list[ScheduledSeq]) -> int:
         while self.waiting and budget > 0 and self.num_slots_taken < self.config.max_num_seqs:
             seq = self.waiting[0]
-            # A cached position has no logits to score the prompt with (gpu/prompt_logprobs)
-            scoring = seq.prompt_scoring is not None
-            cached = 0 if scoring else self.pages.match_prefix(seq.table, seq.all_token_ids)
+            cached = (
+                0
+                if seq.every_prompt_position
+                else self.pages.match_prefix(seq.table, seq.all_token_ids)
+            )
             seq.num_computed = cached
             if not seq.admitted:
                 seq.num_cached_prompt_tokens = min(cached, len(seq.prompt_token_ids))

@@ -15,6 +15,7 @@ from gpu.spec_decode import DraftLength, Proposal
 
 if TYPE_CHECKING:  # xgrammar (~0.9 s to import) loads with the first constrained request
     from gpu.grammar import GrammarState
+    from gpu.pooling import PromptPooling
     from gpu.prompt_logprobs import PromptScoring
 
 
@@ -66,7 +67,18 @@ class Sequence:
     num_inflight: int = 0
     # vLLM's prompt_logprobs, scored by the prefill chunks until the first token carries them
     prompt_scoring: PromptScoring | None = None
+    # An embedding request's vector (gpu.pooling), pooled by the prefill chunks
+    pooling: PromptPooling | None = None
     adapter: int = 0  # its LoRA adapter's slot in the runner (``gpu.lora.LoraSet``; 0: none)
+
+    @property
+    def every_prompt_position(self) -> bool:
+        """Whether every prompt position must be computed here, none taken from the prefix
+        cache: a cached position has no logits to score (``gpu.prompt_logprobs``) and no
+        hidden state to pool (mean and CLS pooling, ``gpu.pooling``)."""
+        return self.prompt_scoring is not None or (
+            self.pooling is not None and self.pooling.every_position
+        )
 
     @property
     def all_token_ids(self) -> list[int]:

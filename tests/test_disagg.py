@@ -12,6 +12,7 @@ import time
 import aiohttp
 import pytest
 import torch
+import torch.nn.functional as F
 
 from common.nats_server import free_port_range
 from common.tokenizer import Tokenizer
@@ -90,6 +91,12 @@ async def test_pair_equals_mixed_engine_and_transformers(process_mesh, offline, 
         assert len(scored) == len(ids) + 3 and scored[0] is None
         assert scored[1 : len(ids)] == pytest.approx(want.squeeze(1).tolist(), abs=2e-4)
         assert metric(mesh, "prefill-0", "meshserve:kv_transfer_bytes_total") > 0
+        # An embedding: the prefill executor pools the prompt and ends the request there.
+        async with session.post(f"{base}/embeddings", json={"input": PROMPTS[2]}) as resp:
+            vector = torch.tensor((await resp.json())["data"][0]["embedding"])
+        with torch.no_grad():
+            hidden = hf_model(tiny_llama).model(torch.tensor([ids])).last_hidden_state[0, -1]
+        torch.testing.assert_close(vector, F.normalize(hidden, dim=0), atol=2e-5, rtol=1e-4)
         for prompt in PROMPTS:
             greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
             ours, hf = offline(prompt, greedy)

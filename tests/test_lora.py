@@ -304,6 +304,7 @@ async def test_a_request_naming_an_adapter_runs_with_it(
         seen.append(TokenizedRequest.decode(msg.data))
 
     sub = await tokenizer.nc.subscribe(subject, cb=watch)
+    await tokenizer.nc.flush()  # (the server has the subscription before the request goes)
     await client.completions.create(model="all", prompt=ids, max_tokens=1)
     await asyncio.sleep(0.2)
     await sub.unsubscribe()

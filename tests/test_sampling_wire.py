@@ -36,6 +36,9 @@ WIRE = WireSamplingParams(
     bad_words_token_ids=[[4, 5], [6]],
     prompt_logprobs=2,
     echo=True,
+    pooling="mean",
+    pooling_dimensions=8,
+    pooling_normalize=False,
 )
 
 

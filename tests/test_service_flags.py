@@ -119,6 +119,8 @@ SERVICES: dict[str, list[Row]] = {
         ("--request-timeout-s", "MESHSERVE_REQUEST_TIMEOUT_S", "5"),
         ("--max-n", "MESHSERVE_MAX_N", "2"),
         ("--max-batch-choices", "MESHSERVE_MAX_BATCH_CHOICES", "16"),
+        ("--max-embedding-inputs", "MESHSERVE_MAX_EMBEDDING_INPUTS", "16"),
+        ("--embedding-concurrency", "MESHSERVE_EMBEDDING_CONCURRENCY", "4"),
         ("--reasoning-parser", "MESHSERVE_REASONING_PARSER", "qwen3"),
         ("--lora-modules", "MESHSERVE_LORA_MODULES", "a=/x"),
         ("--allow-runtime-lora-updating", "MESHSERVE_ALLOW_RUNTIME_LORA_UPDATING", None),

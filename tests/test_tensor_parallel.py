@@ -126,6 +126,24 @@ def test_prefix_cache_hits_under_tp2(llama_pair, tiny_llama: Path) -> None:
     assert [t for o in outs for t in o.new_token_ids] == hf_greedy(oracle, second, 6)
 
 
+def test_embeddings_under_tp2(llama_pair, tiny_llama: Path) -> None:
+    """Rank 0 pools the hidden state every rank holds whole: the mean and the last token's,
+    as transformers' base model gives them."""
+    _, two = llama_pair
+    engine = engine_on(two)
+    ids = prompts_for(4, [23])[0]
+    for mode in ("mean", "last"):
+        params = SamplingParams(max_tokens=1, pooling=mode, pooling_normalize=False, **GREEDY)
+        engine.add_request(mode, ids, params)
+    outs = {}
+    while engine.has_unfinished():
+        outs.update({o.request_id: o.embedding for o in engine.step()})
+    with torch.no_grad():
+        hidden = hf_model(tiny_llama).model(torch.tensor([ids])).last_hidden_state[0]
+    for mode, want in (("mean", hidden.mean(0)), ("last", hidden[-1])):
+        torch.testing.assert_close(torch.tensor(outs[mode]), want, atol=2e-5, rtol=1e-4)
+
+
 def test_seeded_sampling_equal_under_tp2(llama_pair) -> None:
     one, two = llama_pair
     prompts = prompts_for(9, [6, 11, 4])

@@ -5,6 +5,8 @@ request/reply).
 
 from __future__ import annotations
 
+import sys
+from array import array
 from dataclasses import dataclass, field
 
 from common.wire.codec import Message
@@ -89,6 +91,8 @@ class SeqTokens(Message):
     stop_token: bool = False
     # With a request's first token, when it asked for them
     prompt_logprobs: WirePromptLogprobs | None = None
+    # With an embedding request's token: its vector, float32 little-endian (``gpu.pooling``)
+    embedding: bytes | None = None
 
 
 @dataclass(frozen=True)
@@ -124,3 +128,22 @@ class StreamProgressReply(Message):
 
     streamed: dict[str, list[int]]
     ended: list[str] = field(default_factory=list)
+
+
+def float32_bytes(values: list[float]) -> bytes:
+    """An embedding as it travels: float32, little-endian (what OpenAI's base64 encodes)."""
+    packed = array("f", values)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def float32_values(data: bytes) -> array[float]:
+    """``float32_bytes`` read back (a ValueError for a length that is not whole floats)."""
+    if len(data) % 4:
+        raise ValueError(f"an embedding of {len(data)} bytes is not float32 values")
+    packed = array("f")
+    packed.frombytes(data)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed

@@ -67,6 +67,8 @@ class TextDelta(Message):
     # On a stream's first delta: the prompt's last <think> tag (``common.reasoning.think_state``:
     # where the gateway's reasoning parser starts)
     think: str = ""
+    # An embedding request's vector, float32 little-endian (``SeqTokens.embedding``)
+    embedding: bytes | None = None
 
 
 @dataclass(frozen=True)

@@ -62,6 +62,13 @@ class WireSamplingParams(Message):
     # text prompt's own text)
     prompt_logprobs: int | None = None
     echo: bool = False
+    # /v1/embeddings: the prompt's final hidden states pooled into one vector, sent with the
+    # one token generated (``gpu.pooling``). The gateway sends "model" and the request's
+    # dimensions and normalize (None: the model's default); the tokenizer puts the model's own
+    # pooling ("last", "mean", "cls") and normalization in their place.
+    pooling: str = ""
+    pooling_dimensions: int | None = None
+    pooling_normalize: bool | None = None
 
 
 @dataclass(frozen=True)

@@ -116,6 +116,7 @@ class Stream:
     prompt_logprobs: TextPromptLogprobs | None = None
     prompt_text: str | None = None
     think: str = ""  # the prompt's last <think> tag (StreamStart.think)
+    embedding: bytes | None = None  # an embedding request's vector (SeqTokens.embedding)
 
 
 class DetokenizerService:
@@ -305,6 +306,8 @@ class DetokenizerService:
         ids, logprobs_in = seq.token_ids, seq.logprobs
         if seq.prompt_logprobs is not None:
             stream.prompt_logprobs = self.prompt_logprobs(seq.prompt_logprobs)
+        if seq.embedding is not None:
+            stream.embedding = seq.embedding
         # The stop token that ended it (an EOS, a stop_token_ids entry) has no text in the
         # completion, as in vLLM: "<|im_end|>" with skip_special_tokens off, say.
         # (include_stop_str_in_output keeps it, as it keeps a stop string)
@@ -374,8 +377,9 @@ class DetokenizerService:
             "prompt_logprobs": stream.prompt_logprobs,
             "prompt_text": stream.prompt_text,
             "think": stream.think,
+            "embedding": stream.embedding,
         }
-        stream.prompt_logprobs = stream.prompt_text = None
+        stream.prompt_logprobs = stream.prompt_text = stream.embedding = None
         stream.think = ""
         return taken
 

@@ -43,6 +43,7 @@ from common.wire.detokenizer import (
     StreamStart,
     WirePromptLogprobs,
     WireTokenLogprob,
+    float32_bytes,
 )
 from common.wire.executor import (
     AbortRequests,
@@ -730,6 +731,7 @@ class ExecutorService:
                     else None,
                     stop_token=out.stop_token,
                     prompt_logprobs=prompt_logprobs,
+                    embedding=None if out.embedding is None else float32_bytes(out.embedding),
                 )
             )
         limit = self.svc.nc.max_payload - PAYLOAD_HEADROOM

@@ -31,6 +31,7 @@ from common.wire.gateway import TextDelta
 from common.wire.tokenizer import DetokenizeReply, TokenizeReply
 from services.gateway.body import check_unicode
 from services.gateway.config import GatewayConfig
+from services.gateway.embeddings import embed, parse_embedding
 from services.gateway.lora_admin import lora_routes
 from services.gateway.mesh_client import MeshClient, nats_header_bytes, too_large_for_the_bus
 from services.gateway.observe import request_span
@@ -274,6 +275,16 @@ class Routes:
                 "No tokenizer answered; retry.", 503, "server_error", None, "service_unavailable"
             ) from exc
 
+    async def embeddings(self, request: web.Request) -> web.Response:
+        """OpenAI's ``/v1/embeddings`` (``services.gateway.embeddings``), under one
+        ``gateway.request`` span."""
+        with request_span(self.mesh.service.tracer, request.headers, request.path) as span:
+            ask = parse_embedding(await read_json(request, self.config.max_body_bytes), self.config)
+            response_id = f"embd-{uuid.uuid4().hex}"
+            body = await embed(self.mesh, ask, response_id, self.config.embedding_concurrency)
+            span.set_attribute(Attr.HTTP_STATUS, 200)
+            return json_response(body, headers={"X-Request-Id": response_id})
+
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self.generate(request, parse_completion, "cmpl")
 
@@ -423,6 +434,7 @@ def build_app(config: GatewayConfig, mesh: MeshClient) -> web.Application:
     routes = Routes(config, mesh)
     app.router.add_post("/v1/completions", routes.completions)
     app.router.add_post("/v1/chat/completions", routes.chat)
+    app.router.add_post("/v1/embeddings", routes.embeddings)
     app.router.add_get("/v1/models", routes.models)
     app.router.add_get("/v1/models/{model:.+}", routes.model)  # (names hold a "/")
     app.router.add_post("/tokenize", routes.tokenize)

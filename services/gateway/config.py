@@ -37,6 +37,14 @@ class GatewayConfig:
     max_batch_choices: int = setting(
         64, "most choices (prompts x n) a completions request that batches prompts may ask for"
     )
+    max_embedding_inputs: int = setting(
+        2048, "most inputs one /v1/embeddings request may batch (OpenAI's limit)"
+    )
+    embedding_concurrency: int = setting(
+        64,
+        "most inputs of one /v1/embeddings request in the mesh at once (the next is sent as "
+        "one finishes)",
+    )
     lora_modules: tuple[str, ...] = lora_modules_setting()
     allow_runtime_lora_updating: bool = setting(
         False,
@@ -134,6 +142,8 @@ class GatewayConfig:
             "request_timeout_s must be > 0": self.request_timeout_s > 0,
             f"max_n must be within 1..{MAX_CHOICES}": 1 <= self.max_n <= MAX_CHOICES,
             "max_batch_choices must be >= 1": self.max_batch_choices >= 1,
+            "max_embedding_inputs must be >= 1": self.max_embedding_inputs >= 1,
+            "embedding_concurrency must be >= 1": self.embedding_concurrency >= 1,
             "max_body_bytes must be >= 1024": self.max_body_bytes >= 1024,
             "max_stop must be >= 0": self.max_stop >= 0,
             f"max_client_priority must be in 0..{MAX_PRIORITY}": (

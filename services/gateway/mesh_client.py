@@ -222,7 +222,7 @@ class MeshClient:
                 size, nc.max_payload, "messages" if api.kind == "chat" else "prompt"
             )
         stream = self.inbox.open(request.choice_ids(), self.config.request_timeout_s, base_id)
-        stream.observer = RequestObserver(self.metrics, span, api.n, api.echo_only)
+        stream.observer = RequestObserver(self.metrics, span, api.n, api.prompt_only)
         stream.origin, stream.resubmitter = request, self
         stream.max_resumes = self.config.max_resumes
         try:

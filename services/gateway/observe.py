@@ -100,14 +100,14 @@ class RequestObserver:
     finished (its reason), failed with the request, or aborted when the client left."""
 
     def __init__(
-        self, metrics: GatewayMetrics, span: Span, n: int = 1, echo_only: bool = False
+        self, metrics: GatewayMetrics, span: Span, n: int = 1, prompt_only: bool = False
     ) -> None:
         self.metrics = metrics
         self.span = span
         self.n = n
-        # max_tokens 0 with echo: the one token generated is not the client's (the response
-        # says "length" and 0 completion tokens; so do the metrics)
-        self.echo_only = echo_only
+        # max_tokens 0 with echo, an embedding: the one token generated is not the client's
+        # (the response says "length" and 0 completion tokens; so do the metrics)
+        self.prompt_only = prompt_only
         self.ended = False  # failed or left: the choices still open were counted then
         self.started = time.perf_counter()
         trace_id = trace_id_hex(span)
@@ -134,7 +134,7 @@ class RequestObserver:
             self.finished(index, delta, now)
 
     def finished(self, index: int, delta: TextDelta, now: float) -> None:
-        if self.echo_only:
+        if self.prompt_only:
             delta = scored_only(delta)
         assert delta.finish_reason is not None
         self.metrics.e2e.observe(now - self.started, self.exemplar)

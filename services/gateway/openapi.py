@@ -225,6 +225,43 @@ SPEC: dict[str, Any] = {
                 "responses": _RESPONSES,
             }
         },
+        "/v1/embeddings": {
+            "post": {
+                "operationId": "createEmbedding",
+                "requestBody": _body(
+                    {
+                        "model": {"type": "string"},
+                        "input": {
+                            "oneOf": [
+                                {"type": "string", "minLength": 1},
+                                {"type": "array", "items": {"type": "integer", "minimum": 0}},
+                                {
+                                    "type": "array",
+                                    "items": {"type": "string", "minLength": 1},
+                                    "maxItems": 2048,
+                                },
+                                {
+                                    "type": "array",
+                                    "items": {
+                                        "type": "array",
+                                        "items": {"type": "integer", "minimum": 0},
+                                    },
+                                    "maxItems": 2048,
+                                },
+                            ]
+                        },
+                        "encoding_format": {"enum": ["float", "base64"]},
+                        "dimensions": {"type": "integer", "minimum": 1},
+                        "normalize": {"type": "boolean"},
+                        "user": {"type": "string"},
+                        "priority": _COMMON["priority"],
+                        "truncate_prompt_tokens": _COMMON["truncate_prompt_tokens"],
+                    },
+                    ["input"],
+                ),
+                "responses": {**_RESPONSES, "200": {"description": "The inputs' embeddings"}},
+            }
+        },
         "/tokenize": {
             "post": {
                 "operationId": "tokenize",

@@ -27,7 +27,7 @@ from services.gateway.structured import (
     parse_tools,
 )
 
-Kind = Literal["completion", "chat"]
+Kind = Literal["completion", "chat", "embedding"]
 
 MAX_TOKEN_ID = 2**31 - 1
 # What a chat template gets from the request itself (chat_template_kwargs may not set them)
@@ -110,6 +110,12 @@ class ApiRequest:
     # completions' batched prompts: one request each (this one's fields, its own prompt); the
     # choices of prompt k are k * n ... k * n + n - 1, as OpenAI orders them
     batch: list[ApiRequest] = dataclasses.field(default_factory=list)
+
+    @property
+    def prompt_only(self) -> bool:
+        """The one token generated is not the client's (echo with max_tokens 0, an
+        embedding): its response and the metrics count none."""
+        return self.echo_only or self.kind == "embedding"
 
     @property
     def prompts(self) -> list[ApiRequest]:
@@ -288,20 +294,22 @@ def parse_model(body: Body, config: GatewayConfig) -> str:
     return model
 
 
-def parse_prompts(value: Any, limit: int) -> list[tuple[str | None, list[int] | None]]:
+def parse_prompts(
+    value: Any, limit: int, param: str = "prompt"
+) -> list[tuple[str | None, list[int] | None]]:
     """A string or an array of token ids, or a batch of either (an array of them, at most
     ``limit``): each prompt as (text, None) or (None, ids)."""
     if value is None:
-        raise bad_request("Missing required parameter: 'prompt'.", "prompt", "missing_required")
+        raise bad_request(f"Missing required parameter: '{param}'.", param, "missing_required")
     if not (isinstance(value, list) and value and isinstance(value[0], str | list)):
-        return [parse_prompt(value, "prompt")]
+        return [parse_prompt(value, param)]
     if len(value) > limit:
         raise bad_request(
-            f"'prompt' may batch at most {limit} prompts, got {len(value)}.",
-            "prompt",
+            f"'{param}' may batch at most {limit} prompts, got {len(value)}.",
+            param,
             "invalid_value",
         )
-    return [parse_prompt(v, f"prompt[{i}]") for i, v in enumerate(value)]
+    return [parse_prompt(v, f"{param}[{i}]") for i, v in enumerate(value)]
 
 
 def parse_prompt(value: Any, param: str) -> tuple[str | None, list[int] | None]:

@@ -38,6 +38,7 @@ from common.wire.tokenizer import (
 )
 from gpu.config import ModelConfig
 from gpu.gguf import resolve_model_path
+from gpu.pooler_config import PoolerConfig, PoolingError
 from services.tokenizer.grammars import grammar_for
 
 log = logging.getLogger("meshserve.tokenizer")
@@ -88,6 +89,7 @@ class TokenizerService:
         self.requests: Subscription | None = None  # its backlog: messages not yet handled
         self.tokenizer = Tokenizer.from_folder(folder)
         self.max_model_len = ModelConfig.from_folder(folder).max_position_embeddings
+        self.pooler = PoolerConfig.from_folder(folder)  # (how /v1/embeddings pool)
         self.svc = Service("tokenizer", config.mesh)
         # Announced with its presence: the scheduler refuses executors paging differently
         # (their caches would never match these hashes); the gateway learns the shards.
@@ -179,6 +181,27 @@ class TokenizerService:
             field = "messages" if req.messages is not None else "prompt"
             raise RequestError(str(exc), param=field) from exc
         raise RequestError("the request has neither a prompt nor messages", param="prompt")
+
+    def pooling(self, req: GenerateRequest) -> GenerateRequest:
+        """An embedding request with the model's own pooling and, unless the request chose,
+        its normalization (``gpu.pooler_config``); a 400 where the model serves no
+        embeddings or not in the requested size."""
+        params = req.params
+        if params.pooling != "model":
+            raise RequestError(f"unknown pooling {params.pooling!r}", param="input")
+        if self.pooler.unsupported:
+            raise RequestError(self.pooler.unsupported, param="model")
+        try:
+            self.pooler.check(params.pooling_dimensions)
+        except PoolingError as exc:
+            raise RequestError(str(exc), param="dimensions") from None
+        normalize = params.pooling_normalize
+        pooled = dataclasses.replace(
+            params,
+            pooling=self.pooler.pooling,
+            pooling_normalize=self.pooler.normalize if normalize is None else normalize,
+        )
+        return dataclasses.replace(req, params=pooled)
 
     def after_reasoning(
         self, grammar: WireGrammar, parser: str, think: str
@@ -307,6 +330,8 @@ class TokenizerService:
                 param=field,
                 code="context_length_exceeded",
             )
+        if req.params.pooling:
+            req = self.pooling(req)
         if defaults := {k: v for k, v in self.sampling_defaults.items() if k in req.sampling_unset}:
             req = dataclasses.replace(req, params=dataclasses.replace(req.params, **defaults))
         if req.bad_words:

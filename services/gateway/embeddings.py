@@ -1,0 +1,221 @@
+"""OpenAI's ``/v1/embeddings``: each input a request through the mesh like a completion's.
+
+An input is encoded by a tokenizer (which puts in the model's own pooling: last token, mean or
+CLS, normalized or not, ``gpu.pooler_config``), routed by the scheduler (cached prefixes
+count), prefilled by an executor that pools its final hidden states (``gpu.pooling``), and its
+vector comes back through a detokenizer with the one token the executor generates (greedy,
+never shown, not counted). So embeddings share the mesh's batching, routing, priorities,
+LoRA adapters, moves off a lost executor and resumes.
+
+A request batches up to ``--max-embedding-inputs`` inputs (OpenAI's 2048); at most
+``--embedding-concurrency`` of them are in the mesh at once, the next sent as one finishes,
+so one large batch neither fills the scheduler's queue (429s to everyone) nor holds all of
+an executor's slots by itself. The first input that fails fails the request; the rest are
+aborted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from opentelemetry import trace
+
+from common.runtime import RequestError
+from common.telemetry import Attr
+from common.wire.detokenizer import float32_values
+from common.wire.tokenizer import WireSamplingParams
+from services.gateway.body import Body, bad_request, wrong_type
+from services.gateway.config import GatewayConfig
+from services.gateway.mesh_client import MeshClient
+from services.gateway.protocol import (
+    MAX_INT,
+    ApiRequest,
+    parse_model,
+    parse_priority,
+    parse_prompts,
+    parse_truncation,
+)
+
+ENCODINGS = ("float", "base64")
+
+
+@dataclass(frozen=True)
+class EmbeddingRequest:
+    model: str
+    inputs: list[tuple[str | None, list[int] | None]]  # each as (text, None) or (None, ids)
+    encoding_format: str = "float"
+    dimensions: int | None = None
+    normalize: bool | None = None  # vLLM's; None: as the model's pipeline says
+    priority: int = 0
+    truncate_prompt_tokens: int | None = None
+    lora: str = ""
+
+    def requests(self) -> list[ApiRequest]:
+        """One prompt-only request per input: greedy, one token (never shown), pooled."""
+        params = WireSamplingParams(
+            max_tokens=1,
+            temperature=0.0,
+            ignore_eos=True,
+            pooling="model",
+            pooling_dimensions=self.dimensions,
+            pooling_normalize=self.normalize,
+        )
+        return [
+            ApiRequest(
+                kind="embedding",
+                model=self.model,
+                n=1,
+                stream=False,
+                include_usage=False,
+                params=params,
+                prompt=text,
+                prompt_token_ids=ids,
+                priority=self.priority,
+                max_tokens_chosen=False,
+                truncate_prompt_tokens=self.truncate_prompt_tokens,
+                lora=self.lora,
+            )
+            for text, ids in self.inputs
+        ]
+
+
+def parse_embedding(raw: Any, config: GatewayConfig) -> EmbeddingRequest:
+    body = Body(raw)
+    model = parse_model(body, config)
+    if body.get("input") is None:
+        raise bad_request("Missing required parameter: 'input'.", "input", "missing_required")
+    inputs = parse_prompts(body.get("input"), config.max_embedding_inputs, "input")
+    for k, (text, _) in enumerate(inputs):
+        if text == "":
+            where = "input" if len(inputs) == 1 else f"input[{k}]"
+            raise bad_request(f"'{where}' must not be an empty string.", where, "invalid_value")
+    encoding = body.string("encoding_format") or "float"
+    if encoding not in ENCODINGS:
+        raise bad_request(
+            f"'encoding_format' must be one of {', '.join(ENCODINGS)}, got {encoding!r}.",
+            "encoding_format",
+            "invalid_value",
+        )
+    normalize = body.get("normalize")
+    if normalize is not None and not isinstance(normalize, bool):
+        raise wrong_type("normalize", "a boolean", normalize)
+    if not body.boolean("add_special_tokens", True):  # (vLLM's; its default is what runs)
+        raise bad_request(
+            "'add_special_tokens': false is not supported.",
+            "add_special_tokens",
+            "unsupported_parameter",
+        )
+    body.string("user")  # accepted and ignored, but it must be a string
+    return EmbeddingRequest(
+        model=model,
+        inputs=inputs,
+        encoding_format=encoding,
+        dimensions=body.optional_integer("dimensions", 1, MAX_INT),
+        normalize=normalize,
+        priority=parse_priority(body, config.max_client_priority),
+        truncate_prompt_tokens=parse_truncation(body, config),
+        lora="" if model == config.served_model_name else model,
+    )
+
+
+@dataclass
+class Embedded:
+    vector: bytes
+    prompt_tokens: int
+
+
+async def embed(
+    mesh: MeshClient, ask: EmbeddingRequest, response_id: str, concurrency: int
+) -> dict[str, Any]:
+    """Every input's vector, as OpenAI's response; ``response_id``'s requests are
+    ``<id>-<k>``."""
+    room = asyncio.Semaphore(concurrency)
+    tracer = mesh.service.tracer
+    results: dict[int, Embedded] = {}
+
+    async def one(k: int, api: ApiRequest) -> None:
+        async with room:
+            # Each input's own span (its latency, tokens and the mesh's spans below it) under
+            # gateway.request, ended when its stream is released.
+            span = tracer.start_span("gateway.prompt", attributes={Attr.PROMPT_INDEX: k})
+            try:
+                with trace.use_span(span):
+                    stream = await mesh.submit(api, f"{response_id}-{k}")
+            except BaseException:
+                span.end()
+                raise
+            stream.span = span
+            try:
+                vector, prompt_tokens = None, 0
+                async for _, delta in stream:
+                    vector = delta.embedding or vector
+                    if delta.usage is not None:
+                        prompt_tokens = delta.usage.prompt_tokens
+                if vector is None:
+                    raise RequestError("The mesh returned no embedding.", 500, "server_error")
+                results[k] = Embedded(vector, prompt_tokens)
+            except RequestError as exc:
+                stream.failure = stream.failure or f"embedding input {k} failed: {exc!r}"
+                if exc.param != "prompt":  # (the tokenizer names the prompt; here: the input)
+                    raise
+                where = "input" if len(ask.inputs) == 1 else f"input[{k}]"
+                raise RequestError(str(exc), exc.status, exc.type, where, exc.code) from None
+            except Exception as exc:  # (a cancellation: the client left, or another input failed)
+                stream.failure = stream.failure or f"embedding input {k} failed: {exc!r}"
+                raise
+            finally:
+                await mesh.release(stream)
+
+    trace.get_current_span().set_attributes({Attr.REQUEST_ID: response_id, Attr.N: len(ask.inputs)})
+    try:
+        async with asyncio.TaskGroup() as group:
+            for k, api in enumerate(ask.requests()):
+                group.create_task(one(k, api))
+    except BaseExceptionGroup as failed:
+        raise first_failure(failed) from None
+    return embedding_response(ask, response_id, [results[k] for k in range(len(ask.inputs))])
+
+
+def first_failure(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The error to answer with: a client's (a 4xx) over the mesh's, any over a cancellation."""
+    errors = [e for e in _leaves(group) if not isinstance(e, asyncio.CancelledError)]
+    requests = [e for e in errors if isinstance(e, RequestError)]
+    return min(requests, key=lambda e: e.status >= 500, default=None) or (
+        errors[0] if errors else asyncio.CancelledError()
+    )
+
+
+def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
+    out: list[BaseException] = []
+    for exc in group.exceptions:
+        out += _leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc]
+    return out
+
+
+def embedding_response(
+    ask: EmbeddingRequest, response_id: str, embedded: list[Embedded]
+) -> dict[str, Any]:
+    prompt_tokens = sum(e.prompt_tokens for e in embedded)
+    return {
+        "id": response_id,
+        "object": "list",
+        "created": int(time.time()),
+        "model": ask.model,
+        "data": [
+            {"object": "embedding", "index": k, "embedding": encoded(e.vector, ask.encoding_format)}
+            for k, e in enumerate(embedded)
+        ],
+        "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
+    }
+
+
+def encoded(vector: bytes, encoding: str) -> list[float] | str:
+    """OpenAI's two forms: numbers (each float32 written with the 9 significant digits that
+    bring it back exactly, not float64's 17), or base64 of the little-endian float32 bytes."""
+    if encoding == "base64":
+        return base64.b64encode(vector).decode("ascii")
+    return [float(f"{v:.9g}") for v in float32_values(vector)]

@@ -1,0 +1,231 @@
+"""OpenAI's /v1/embeddings through the whole mesh: the openai client's two encodings, batches
+of text and token ids held to transformers' base model pooled as the model's
+sentence-transformers files say, Matryoshka sizes, vLLM's normalize, and the 4xx answers;
+and the gateway's window over a large batch, with what it aborts when one input fails."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import shutil
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from common.runtime import RequestError
+from common.tokenizer import Tokenizer
+from common.wire.detokenizer import float32_bytes
+from common.wire.gateway import TextDelta, Usage
+from services.gateway.config import GatewayConfig
+from services.gateway.embeddings import embed, parse_embedding
+from tests.mesh import MeshHarness, metric_value, openai_client
+from tests.models import hf_model
+
+TEXTS = ["The quick brown fox", "jumps over the lazy dog", "The quick brown fox"]
+ST = "sentence_transformers.models."
+
+
+@pytest.fixture(scope="module")
+def embedder(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model as a sentence-transformers embedder: mean pooling, normalized,
+    Matryoshka."""
+    folder = tmp_path_factory.mktemp("embedder") / "model"
+    shutil.copytree(tiny_llama, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "is_matryoshka": True}))
+    modules = [("Transformer", ""), ("Pooling", "1_Pooling"), ("Normalize", "2_Normalize")]
+    (folder / "modules.json").write_text(
+        json.dumps([{"idx": i, "path": p, "type": ST + k} for i, (k, p) in enumerate(modules)])
+    )
+    (folder / "1_Pooling").mkdir()
+    (folder / "1_Pooling" / "config.json").write_text(
+        json.dumps({"pooling_mode_mean_tokens": True})
+    )
+    return folder
+
+
+@pytest.fixture(scope="module")
+def mesh(embedder: Path):
+    harness = MeshHarness(embedder, gateway_options={"max_embedding_inputs": 8}).start()
+    yield harness
+    harness.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(embedder: Path) -> Any:
+    """transformers' mean of the final hidden states of ``ids``, cut and normalized."""
+    model = hf_model(embedder)
+
+    def mean(ids: list[int], dims: int | None = None, normalize: bool = True) -> np.ndarray:
+        with torch.no_grad():
+            vector = model.model(torch.tensor([ids])).last_hidden_state[0].float().mean(0)
+        vector = vector[:dims]
+        return (F.normalize(vector, dim=0) if normalize else vector).numpy()
+
+    return mean
+
+
+@pytest.fixture(scope="module")
+def tok(embedder: Path) -> Tokenizer:
+    return Tokenizer.from_folder(embedder)
+
+
+@pytest.fixture
+async def client(mesh: MeshHarness):
+    async with openai_client(mesh.base_url) as c:
+        yield c
+
+
+def close(got: Any, want: np.ndarray) -> None:
+    np.testing.assert_allclose(np.asarray(got, dtype=np.float32), want, atol=2e-5, rtol=1e-4)
+
+
+async def post(mesh: MeshHarness, body: dict[str, Any]) -> tuple[int, Any]:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(mesh.base_url + "/embeddings", json=body) as response,
+    ):
+        return response.status, await response.json()
+
+
+async def test_the_openai_client_gets_each_inputs_embedding(client, reference, tok) -> None:
+    """A batch of texts (the client asks for base64 by default and decodes it), one of them
+    twice: each vector is transformers' mean pooled and normalized, in input order; usage
+    counts the prompt tokens only."""
+    out = await client.embeddings.create(model="tiny", input=TEXTS)
+    assert [d.index for d in out.data] == [0, 1, 2] and out.model == "tiny"
+    for text, item in zip(TEXTS, out.data, strict=True):
+        close(item.embedding, reference(tok.encode(text)))
+    tokens = sum(len(tok.encode(t)) for t in TEXTS)
+    assert out.usage.prompt_tokens == out.usage.total_tokens == tokens
+    assert out.data[0].embedding == out.data[2].embedding
+
+
+async def test_float_encoding_token_ids_dimensions_and_normalize(mesh, reference, tok) -> None:
+    """encoding_format float (numbers that are the float32 values exactly), inputs of token
+    ids, a Matryoshka size (cut, then normalized), and vLLM's normalize false."""
+    ids = [tok.encode(t) for t in TEXTS[:2]]
+    status, body = await post(
+        mesh, {"input": ids, "encoding_format": "float", "dimensions": 16, "normalize": False}
+    )
+    assert status == 200, body
+    for one, item in zip(ids, body["data"], strict=True):
+        assert len(item["embedding"]) == 16
+        close(item["embedding"], reference(one, dims=16, normalize=False))
+        exact = np.asarray(item["embedding"], dtype=np.float32)
+        assert [float(f"{v:.9g}") for v in exact] == item["embedding"]
+    status, body = await post(
+        mesh, {"input": TEXTS[0], "dimensions": 8, "encoding_format": "base64"}
+    )
+    vector = np.frombuffer(base64.b64decode(body["data"][0]["embedding"]), dtype="<f4")
+    close(vector, reference(tok.encode(TEXTS[0]), dims=8))
+    assert abs(float(np.linalg.norm(vector)) - 1.0) < 1e-5
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param", "text"),
+    [
+        ({}, 400, "input", "Missing required parameter"),
+        ({"input": ""}, 400, "input", "must not be an empty string"),
+        ({"input": ["a", ""]}, 400, "input[1]", "must not be an empty string"),
+        ({"input": ["x"] * 9}, 400, "input", "at most 8"),
+        ({"input": "a", "encoding_format": "hex"}, 400, "encoding_format", "float, base64"),
+        ({"input": "a", "dimensions": 0}, 400, "dimensions", "between 1"),
+        ({"input": "a", "dimensions": 65}, 400, "dimensions", "within 1..64"),
+        ({"input": "a", "normalize": "yes"}, 400, "normalize", "boolean"),
+        ({"input": "a", "model": "other"}, 404, "model", "does not exist"),
+        ({"input": [[5, 10**6]]}, 400, "input", "out of range"),
+        ({"input": ["a", "a " * 5000]}, 400, "input[1]", "maximum context length"),
+    ],
+)
+async def test_bad_requests_are_clear_4xx(mesh, body, status, param, text) -> None:
+    got, answer = await post(mesh, body)
+    assert got == status, answer
+    assert answer["error"]["param"] == param and text in answer["error"]["message"]
+
+
+async def test_no_generated_token_is_counted_and_the_mesh_serves_on(mesh, client) -> None:
+    """The one token each input generates is not the client's: the gateway's generated-token
+    count does not move; completions still answer."""
+    url = f"http://127.0.0.1:{mesh.port}/metrics"
+    before = metric_value(url, "meshserve:request_generation_tokens_sum")
+    await client.embeddings.create(model="tiny", input=TEXTS)
+    assert metric_value(url, "meshserve:request_generation_tokens_sum") == before
+    out = await client.completions.create(model="tiny", prompt="alive?", max_tokens=3)
+    assert out.choices[0].finish_reason
+
+
+# --- the gateway's window, against a stand-in mesh ------------------------------------------
+
+
+class FakeStream:
+    def __init__(self, k: int, fail: bool) -> None:
+        self.k, self.fail = k, fail
+        self.span: Any = None
+        self.failure: str | None = None
+
+    def __aiter__(self) -> AsyncIterator[tuple[int, TextDelta]]:
+        return self.deltas()
+
+    async def deltas(self) -> AsyncIterator[tuple[int, TextDelta]]:
+        await asyncio.sleep(0.01)
+        if self.fail:
+            raise RequestError("input 3 is bad", 400, param="prompt")
+        vector = float32_bytes([float(self.k), 1.0])
+        yield 0, TextDelta("r", "", "length", Usage(self.k + 1, 1), embedding=vector)
+
+
+class FakeMesh:
+    """Submits, counts how many inputs are in the mesh at once, records releases."""
+
+    def __init__(self, fail_at: int | None = None) -> None:
+        from opentelemetry import trace
+
+        self.service = type("S", (), {"tracer": trace.get_tracer("test")})()
+        self.fail_at = fail_at
+        self.open = self.most_open = 0
+        self.submitted: list[int] = []
+        self.released: list[int] = []
+
+    async def submit(self, api: Any, request_id: str) -> FakeStream:
+        k = int(request_id.rsplit("-", 1)[1])
+        self.submitted.append(k)
+        self.open += 1
+        self.most_open = max(self.most_open, self.open)
+        return FakeStream(k, k == self.fail_at)
+
+    async def release(self, stream: FakeStream) -> None:
+        self.open -= 1
+        self.released.append(stream.k)
+
+
+async def test_a_large_batch_goes_through_a_window() -> None:
+    config = GatewayConfig(max_embedding_inputs=20)
+    ask = parse_embedding(
+        {"input": [f"t{k}" for k in range(20)], "encoding_format": "float"}, config
+    )
+    mesh = FakeMesh()
+    body = await embed(mesh, ask, "embd-x", concurrency=3)  # type: ignore[arg-type]
+    assert mesh.most_open == 3 and sorted(mesh.released) == list(range(20))
+    assert [d["embedding"] for d in body["data"]] == [[float(k), 1.0] for k in range(20)]
+    assert body["usage"] == {"prompt_tokens": sum(range(1, 21)), "total_tokens": sum(range(1, 21))}
+
+
+async def test_one_failed_input_fails_the_request_and_releases_every_other() -> None:
+    """Input 3 fails: the request answers its 400; every input submitted is released (the
+    mesh aborts what still runs) and none is submitted after."""
+    config = GatewayConfig(max_embedding_inputs=20)
+    ask = parse_embedding({"input": [f"t{k}" for k in range(20)]}, config)
+    mesh = FakeMesh(fail_at=3)
+    with pytest.raises(RequestError, match="input 3 is bad") as caught:
+        await embed(mesh, ask, "embd-y", concurrency=4)  # type: ignore[arg-type]
+    assert caught.value.status == 400
+    assert sorted(mesh.released) == sorted(mesh.submitted) and mesh.open == 0
+    assert len(mesh.submitted) < 20
