@@ -207,7 +207,9 @@ class Engine:
         output_token_ids = output_token_ids or []
         self.runner.check_prompt([*prompt_token_ids, *output_token_ids])
         total = len(prompt_token_ids) + len(output_token_ids)
-        if total >= self.max_seq_len:
+        if params.pooling and total == self.max_seq_len:
+            pass  # an embedding's one token is never computed: the prompt may fill the context
+        elif total >= self.max_seq_len:
             raise ModelError(
                 f"prompt has {total} tokens; at most {self.max_seq_len - 1} fit "
                 "with room for one output token"

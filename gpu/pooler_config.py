@@ -49,6 +49,9 @@ class PoolerConfig:
     # Matryoshka: any size up to hidden_size may be asked for (``dimensions``), or only these
     matryoshka: bool = False
     matryoshka_dimensions: tuple[int, ...] = ()
+    # sentence-transformers' max_seq_length (sentence_bert_config.json): the longest input it
+    # embeds (vLLM caps the context with it); 0: the model's context
+    max_seq_length: int = 0
     # Set where the folder's sentence-transformers pipeline does what meshserve does not (a
     # Dense projection, max pooling): every embedding request is refused with it, while the
     # model still serves completions.
@@ -57,13 +60,16 @@ class PoolerConfig:
     @classmethod
     def from_folder(cls, folder: Path) -> PoolerConfig:
         raw = _read_json(folder / "config.json") or {}
-        dims = raw.get("matryoshka_dimensions") or ()
-        base = cls(
-            hidden_size=int(raw.get("hidden_size", 0)),
-            matryoshka=bool(raw.get("is_matryoshka") or dims),
-            matryoshka_dimensions=tuple(int(d) for d in dims),
-        )
+        base = cls(hidden_size=int(raw.get("hidden_size", 0)))
         try:
+            dims = raw.get("matryoshka_dimensions") or []
+            if not isinstance(dims, list) or not all(isinstance(d, int) for d in dims):
+                raise PoolingError(f"config.json's matryoshka_dimensions is malformed: {dims!r}")
+            base = dataclasses.replace(
+                base,
+                matryoshka=bool(raw.get("is_matryoshka") or dims),
+                matryoshka_dimensions=tuple(dims),
+            )
             return base.with_pipeline(folder)
         except PoolingError as exc:  # (the model still serves completions)
             return dataclasses.replace(base, unsupported=str(exc))
@@ -83,20 +89,24 @@ class PoolerConfig:
                 "This model's sentence-transformers pipeline has modules meshserve does not "
                 f"run ({', '.join(others)}), so it serves no embeddings."
             )
-        pooling = self.pooling
-        if (_ST + "Pooling") in kinds:
-            settings = _read_json(folder / kinds[_ST + "Pooling"] / "config.json") or {}
-            chosen = [mode for key, mode in _ST_MODES.items() if settings.get(key)]
-            other = [key for key in _ST_OTHER_MODES if settings.get(key)]
-            if other or len(chosen) != 1:
-                named = ", ".join(other + [k for k in _ST_MODES if settings.get(k)]) or "none"
-                raise PoolingError(
-                    f"This model's sentence-transformers pooling ({named}) is not one "
-                    "meshserve computes (one of last token, mean, CLS), so it serves no "
-                    "embeddings."
-                )
-            pooling = chosen[0]
-        return dataclasses.replace(self, pooling=pooling, normalize=(_ST + "Normalize") in kinds)
+        if (_ST + "Pooling") not in kinds:  # (vLLM too then keeps its default)
+            return self
+        settings = _read_json(folder / kinds[_ST + "Pooling"] / "config.json") or {}
+        chosen = [mode for key, mode in _ST_MODES.items() if settings.get(key)]
+        other = [key for key in _ST_OTHER_MODES if settings.get(key)]
+        if other or len(chosen) != 1:
+            named = ", ".join(other + [k for k in _ST_MODES if settings.get(k)]) or "none"
+            raise PoolingError(
+                f"This model's sentence-transformers pooling ({named}) is not one meshserve "
+                "computes (one of last token, mean, CLS), so it serves no embeddings."
+            )
+        longest = (_read_json(folder / "sentence_bert_config.json") or {}).get("max_seq_length")
+        return dataclasses.replace(
+            self,
+            pooling=chosen[0],
+            normalize=(_ST + "Normalize") in kinds,
+            max_seq_length=longest if isinstance(longest, int) and longest > 0 else 0,
+        )
 
     def check(self, dimensions: int | None) -> None:
         """Raise ``PoolingError`` unless this model embeds, in ``dimensions`` if given (vLLM's

@@ -91,9 +91,16 @@ async def test_pair_equals_mixed_engine_and_transformers(process_mesh, offline, 
         assert len(scored) == len(ids) + 3 and scored[0] is None
         assert scored[1 : len(ids)] == pytest.approx(want.squeeze(1).tolist(), abs=2e-4)
         assert metric(mesh, "prefill-0", "meshserve:kv_transfer_bytes_total") > 0
-        # An embedding: the prefill executor pools the prompt and ends the request there.
+        # An embedding runs whole on the prefill executor: nothing is reserved on the decode
+        # executor or moved to it.
+        moved = metric(mesh, "prefill-0", "meshserve:kv_transfer_bytes_total")
+        decoded = metric(mesh, "decode-0", "meshserve:prompt_tokens_total", absent=0)
+        prefilled = metric(mesh, "prefill-0", "meshserve:prompt_tokens_total")
         async with session.post(f"{base}/embeddings", json={"input": PROMPTS[2]}) as resp:
             vector = torch.tensor((await resp.json())["data"][0]["embedding"])
+        assert metric(mesh, "prefill-0", "meshserve:prompt_tokens_total") == prefilled + len(ids)
+        assert metric(mesh, "decode-0", "meshserve:prompt_tokens_total", absent=0) == decoded
+        assert metric(mesh, "prefill-0", "meshserve:kv_transfer_bytes_total") == moved
         with torch.no_grad():
             hidden = hf_model(tiny_llama).model(torch.tensor([ids])).last_hidden_state[0, -1]
         torch.testing.assert_close(vector, F.normalize(hidden, dim=0), atol=2e-5, rtol=1e-4)

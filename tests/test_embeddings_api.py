@@ -142,13 +142,24 @@ async def test_float_encoding_token_ids_dimensions_and_normalize(mesh, reference
         ({"input": "a", "normalize": "yes"}, 400, "normalize", "boolean"),
         ({"input": "a", "model": "other"}, 404, "model", "does not exist"),
         ({"input": [[5, 10**6]]}, 400, "input", "out of range"),
-        ({"input": ["a", "a " * 5000]}, 400, "input[1]", "maximum context length"),
+        ({"input": ["a", "a " * 5000]}, 400, "input[1]", "maximum input length"),
+        ({"input": ["a", [5, 6]]}, 400, "input", "not a mix"),
     ],
 )
 async def test_bad_requests_are_clear_4xx(mesh, body, status, param, text) -> None:
     got, answer = await post(mesh, body)
     assert got == status, answer
     assert answer["error"]["param"] == param and text in answer["error"]["message"]
+
+
+async def test_a_long_input_truncated_to_the_whole_context(mesh, reference, tok) -> None:
+    """truncate_prompt_tokens -1 keeps the input's last tokens that fill the context (256 on
+    the tiny model): an embedding needs no room for a token."""
+    ids = [5 + (i * 7) % 400 for i in range(300)]
+    status, body = await post(mesh, {"input": ids, "truncate_prompt_tokens": -1})
+    assert status == 200, body
+    assert body["usage"]["prompt_tokens"] == 256
+    close(body["data"][0]["embedding"], reference(ids[-256:]))
 
 
 async def test_no_generated_token_is_counted_and_the_mesh_serves_on(mesh, client) -> None:
@@ -165,17 +176,26 @@ async def test_no_generated_token_is_counted_and_the_mesh_serves_on(mesh, client
 # --- the gateway's window, against a stand-in mesh ------------------------------------------
 
 
+class FakeObserver:
+    def __init__(self) -> None:
+        self.failed_with: RequestError | None = None
+
+    def failed(self, error: RequestError) -> None:
+        self.failed_with = error
+
+
 class FakeStream:
     def __init__(self, k: int, fail: bool) -> None:
         self.k, self.fail = k, fail
         self.span: Any = None
         self.failure: str | None = None
+        self.observer = FakeObserver()
 
     def __aiter__(self) -> AsyncIterator[tuple[int, TextDelta]]:
         return self.deltas()
 
     async def deltas(self) -> AsyncIterator[tuple[int, TextDelta]]:
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0.005 if self.fail else 0.05)
         if self.fail:
             raise RequestError("input 3 is bad", 400, param="prompt")
         vector = float32_bytes([float(self.k), 1.0])
@@ -192,7 +212,7 @@ class FakeMesh:
         self.fail_at = fail_at
         self.open = self.most_open = 0
         self.submitted: list[int] = []
-        self.released: list[int] = []
+        self.released: list[FakeStream] = []
 
     async def submit(self, api: Any, request_id: str) -> FakeStream:
         k = int(request_id.rsplit("-", 1)[1])
@@ -203,7 +223,7 @@ class FakeMesh:
 
     async def release(self, stream: FakeStream) -> None:
         self.open -= 1
-        self.released.append(stream.k)
+        self.released.append(stream)
 
 
 async def test_a_large_batch_goes_through_a_window() -> None:
@@ -213,19 +233,23 @@ async def test_a_large_batch_goes_through_a_window() -> None:
     )
     mesh = FakeMesh()
     body = await embed(mesh, ask, "embd-x", concurrency=3)  # type: ignore[arg-type]
-    assert mesh.most_open == 3 and sorted(mesh.released) == list(range(20))
+    assert mesh.most_open == 3 and sorted(s.k for s in mesh.released) == list(range(20))
     assert [d["embedding"] for d in body["data"]] == [[float(k), 1.0] for k in range(20)]
     assert body["usage"] == {"prompt_tokens": sum(range(1, 21)), "total_tokens": sum(range(1, 21))}
 
 
 async def test_one_failed_input_fails_the_request_and_releases_every_other() -> None:
-    """Input 3 fails: the request answers its 400; every input submitted is released (the
-    mesh aborts what still runs) and none is submitted after."""
+    """Input 3 fails: the request answers its 400, naming the input; every input submitted
+    is released (the mesh aborts what still runs) and none is submitted after; those still
+    running fail with it (counted so, not as a client that left)."""
     config = GatewayConfig(max_embedding_inputs=20)
     ask = parse_embedding({"input": [f"t{k}" for k in range(20)]}, config)
     mesh = FakeMesh(fail_at=3)
     with pytest.raises(RequestError, match="input 3 is bad") as caught:
         await embed(mesh, ask, "embd-y", concurrency=4)  # type: ignore[arg-type]
-    assert caught.value.status == 400
-    assert sorted(mesh.released) == sorted(mesh.submitted) and mesh.open == 0
+    assert caught.value.status == 400 and caught.value.param == "input[3]"
+    assert sorted(s.k for s in mesh.released) == sorted(mesh.submitted) and mesh.open == 0
     assert len(mesh.submitted) < 20
+    others = [s for s in mesh.released if s.k != 3]
+    assert others and all(s.observer.failed_with is caught.value for s in others)
+    assert all(s.failure and "another input failed" in s.failure for s in others)

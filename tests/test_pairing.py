@@ -206,3 +206,32 @@ def test_guest_executors_are_decode_executors_when_the_region_is_disaggregated()
     assert route(r, guest(), {}, placement=placement) == Route("d0", "p0")
     assert route(r, request(PROMPT), {}, placement=placement) == Route("d1", "p0")
     assert placement.spare_seqs(r, reserve_seqs=1) == 3  # d0's 3 free (d1's are the reserve)
+
+
+def embedding(mode: str = "last") -> TokenizedRequest:
+    req = request(PROMPT)
+    return dataclasses.replace(req, params=dataclasses.replace(req.params, pooling=mode))
+
+
+def test_an_embedding_runs_whole_on_a_prefill_executor():
+    """It never decodes: no decode executor reserves for it; it waits for a prefill
+    executor's room, and goes to a decode one only where no prefill executor serves it."""
+    r = mesh(beat("p0", "prefill"), beat("p1", "prefill"), beat("d0", "decode"))
+    assert route(r, embedding(), {"p1": 40}) == Route("p1")
+    full = dataclasses.replace(beat("p0", "prefill"), running=64, waiting=64)
+    busy = mesh(full, beat("d0", "decode"))
+    assert route(busy, embedding(), {}) is None
+    assert route(mesh(beat("d0", "decode")), embedding(), {}) == Route("d0")
+
+
+def test_mean_pooling_and_prompt_logprobs_take_no_credit_for_cached_pages():
+    """They compute every prompt position wherever they run: the lighter executor wins
+    over the one holding the prefix (a last-token embedding still goes to the prefix)."""
+    r = mesh(beat("m0", "mixed", pending=300), beat("m1", "mixed"))
+    assert route(r, embedding("last"), {"m0": 40}) == Route("m0")
+    assert route(r, embedding("mean"), {"m0": 40}) == Route("m1")
+    scored = request(PROMPT)
+    scored = dataclasses.replace(
+        scored, params=dataclasses.replace(scored.params, prompt_logprobs=0)
+    )
+    assert route(r, scored, {"m0": 40}) == Route("m1")

@@ -70,7 +70,7 @@ def run(engine: Engine, requests: dict[str, tuple[list[int], SamplingParams]]) -
             firsts.setdefault(out.request_id, out)
             if out is not firsts[out.request_id]:
                 assert out.embedding is None  # only with the first token
-            tokens[out.request_id] += out.new_token_ids
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
     return {"first": firsts, "tokens": tokens}
 
 
@@ -169,6 +169,41 @@ def test_a_sequence_preempted_midway_pools_each_position_once(
     assert_close(result["first"]["a"].embedding, expected(oracle, a, "mean"))
 
 
+def test_the_fused_cpu_decode_step_hands_back_the_tap(
+    model: CausalLM, oracle: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A one-token embedding joining a decoding sequence: an all-decode step, which the fused
+    CPU decoder runs (one C call); its last-token vector is still transformers'."""
+    engine = engine_for(model)
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    engine.add_request("d", prompt(8, 9), greedy)
+    engine.step()  # d's prompt: it decodes from here on
+    fused = model.fused_decoder()
+    if fused is None:
+        pytest.skip("the CPU kernels did not build: no fused decode step")
+    rows: list[int] = []
+
+    def spy(hidden: torch.Tensor, *args: Any) -> Any:
+        rows.append(hidden.shape[0])
+        return fused(hidden, *args)
+
+    monkeypatch.setattr(model, "fused_decoder", lambda: spy)
+    got = run(engine, {"e": ([11], embed("last"))})
+    assert 2 in rows  # (d's decode and e's one-token prompt in one fused call)
+    assert_close(got["first"]["e"].embedding, expected(oracle, [11], "last"))
+
+
+def test_an_input_may_fill_the_context(model: CausalLM, oracle: Any) -> None:
+    """Its one token is never computed: a prompt of the whole context embeds (a generating
+    one must leave room for a token)."""
+    engine = engine_for(model, budget=64, num_pages=256)
+    ids = prompt(9, engine.max_seq_len)
+    got = run(engine, {"full": (ids, embed("mean"))})["first"]["full"]
+    assert_close(got.embedding, expected(oracle, ids, "mean"))
+    with pytest.raises(ValueError, match="room for one output token"):
+        engine.add_request("gen", ids, SamplingParams(max_tokens=1))
+
+
 @pytest.mark.parametrize("kind", ["qwen3", "qwen2_moe"])
 def test_other_architectures(tiny_models: dict[str, Path], kind: str) -> None:
     """Qwen3 (head norms; what Qwen3-Embedding is) and a mixture of experts pool as
@@ -244,6 +279,15 @@ def test_pooler_config_from_a_folder(tmp_path: Path) -> None:
     write(tmp_path, "modules.json", st_modules("Transformer", "Pooling", "Dense", "Normalize"))
     with pytest.raises(PoolingError, match="Dense"):
         PoolerConfig.from_folder(tmp_path).check(None)
+    write(tmp_path, "modules.json", st_modules("Transformer", "Normalize"))
+    assert PoolerConfig.from_folder(tmp_path) == PoolerConfig("last", True, 64)  # (no Pooling)
+    write(tmp_path, "modules.json", st_modules("Transformer", "Pooling"))
+    write(tmp_path, "sentence_bert_config.json", {"max_seq_length": 32})
+    assert PoolerConfig.from_folder(tmp_path).max_seq_length == 32
+    write(tmp_path, "config.json", {"hidden_size": 64, "matryoshka_dimensions": "all"})
+    with pytest.raises(PoolingError, match="matryoshka_dimensions is malformed"):
+        PoolerConfig.from_folder(tmp_path).check(None)
+    write(tmp_path, "config.json", {"hidden_size": 64})
     (tmp_path / "modules.json").write_text("{not json")
     with pytest.raises(PoolingError, match="modules.json"):
         PoolerConfig.from_folder(tmp_path).check(None)

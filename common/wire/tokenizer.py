@@ -70,6 +70,13 @@ class WireSamplingParams(Message):
     pooling_dimensions: int | None = None
     pooling_normalize: bool | None = None
 
+    @property
+    def every_prompt_position(self) -> bool:
+        """Its executor computes every prompt position, taking none from its prefix cache
+        (``gpu.sequence.Sequence.every_prompt_position``): prompt logprobs, mean or CLS
+        pooling. The router then credits no executor with the prompt's cached pages."""
+        return self.prompt_logprobs is not None or self.pooling in ("mean", "cls")
+
 
 @dataclass(frozen=True)
 class ChatMessage(Message):

@@ -328,6 +328,8 @@ class ExecutorService:
         """Prompt tokens the prefix cache would serve ``req`` now. Load reports count only the
         rest: a waiting cache hit is not a full prefill, and the kv router must not see it as
         one (it would push requests away from the executor holding their prefix)."""
+        if req.params.every_prompt_position:  # (it takes no cache hit)
+            return 0
         cache = self.engine.pages.hash_to_page
         pages = 0
         for page_hash in req.page_hashes:  # dict lookups only: safe while a step runs

@@ -89,6 +89,12 @@ def parse_embedding(raw: Any, config: GatewayConfig) -> EmbeddingRequest:
     if body.get("input") is None:
         raise bad_request("Missing required parameter: 'input'.", "input", "missing_required")
     inputs = parse_prompts(body.get("input"), config.max_embedding_inputs, "input")
+    if len({text is None for text, _ in inputs}) > 1:  # (as OpenAI and vLLM answer)
+        raise bad_request(
+            "'input' must be all strings or all arrays of token ids, not a mix.",
+            "input",
+            "invalid_value",
+        )
     for k, (text, _) in enumerate(inputs):
         if text == "":
             where = "input" if len(inputs) == 1 else f"input[{k}]"
@@ -136,6 +142,14 @@ async def embed(
     room = asyncio.Semaphore(concurrency)
     tracer = mesh.service.tracer
     results: dict[int, Embedded] = {}
+    failed: list[RequestError] = []  # the error of the first input that failed, and so all
+
+    def named(exc: RequestError, k: int) -> RequestError:
+        """The tokenizer names the prompt; the client sent an input."""
+        if exc.param != "prompt":
+            return exc
+        where = "input" if len(ask.inputs) == 1 else f"input[{k}]"
+        return RequestError(str(exc), exc.status, exc.type, where, exc.code)
 
     async def one(k: int, api: ApiRequest) -> None:
         async with room:
@@ -145,6 +159,10 @@ async def embed(
             try:
                 with trace.use_span(span):
                     stream = await mesh.submit(api, f"{response_id}-{k}")
+            except RequestError as exc:
+                span.end()
+                failed.append(named(exc, k))
+                raise failed[-1] from None
             except BaseException:
                 span.end()
                 raise
@@ -159,13 +177,14 @@ async def embed(
                     raise RequestError("The mesh returned no embedding.", 500, "server_error")
                 results[k] = Embedded(vector, prompt_tokens)
             except RequestError as exc:
-                stream.failure = stream.failure or f"embedding input {k} failed: {exc!r}"
-                if exc.param != "prompt":  # (the tokenizer names the prompt; here: the input)
-                    raise
-                where = "input" if len(ask.inputs) == 1 else f"input[{k}]"
-                raise RequestError(str(exc), exc.status, exc.type, where, exc.code) from None
-            except Exception as exc:  # (a cancellation: the client left, or another input failed)
-                stream.failure = stream.failure or f"embedding input {k} failed: {exc!r}"
+                stream.failure = stream.failure or f"embedding input {k} failed: {exc}"
+                failed.append(named(exc, k))
+                raise failed[-1] from None
+            except asyncio.CancelledError:
+                if failed:  # another input failed: this one fails with it (not "client left")
+                    if stream.observer is not None:
+                        stream.observer.failed(failed[0])
+                    stream.failure = stream.failure or f"another input failed: {failed[0]}"
                 raise
             finally:
                 await mesh.release(stream)
@@ -175,18 +194,16 @@ async def embed(
         async with asyncio.TaskGroup() as group:
             for k, api in enumerate(ask.requests()):
                 group.create_task(one(k, api))
-    except BaseExceptionGroup as failed:
-        raise first_failure(failed) from None
+    except BaseExceptionGroup as group_failed:
+        raise (failed[0] if failed else first_failure(group_failed)) from None
     return embedding_response(ask, response_id, [results[k] for k in range(len(ask.inputs))])
 
 
 def first_failure(group: BaseExceptionGroup[BaseException]) -> BaseException:
-    """The error to answer with: a client's (a 4xx) over the mesh's, any over a cancellation."""
+    """What failed the request where no input's ``RequestError`` did: the first error that is
+    not a cancellation (a cancellation if all are)."""
     errors = [e for e in _leaves(group) if not isinstance(e, asyncio.CancelledError)]
-    requests = [e for e in errors if isinstance(e, RequestError)]
-    return min(requests, key=lambda e: e.status >= 500, default=None) or (
-        errors[0] if errors else asyncio.CancelledError()
-    )
+    return errors[0] if errors else asyncio.CancelledError()
 
 
 def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:

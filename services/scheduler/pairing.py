@@ -8,7 +8,8 @@
   the decode executor reserved (disaggregation). The prefill side is
   chosen as a mixed executor is (cached overlap and load: only it computes the prompt); the
   decode side by load, then by free pages, among those whose free pages hold the prompt.
-- Prefill executors take a request alone (as mixed ones) only when no decode executor lives.
+- Prefill executors take a request alone (as mixed ones) only when no decode executor lives,
+  or when it is an embedding (it never decodes: nothing for a decode executor to reserve).
 - A prompt shorter than ``min_prompt_tokens`` once its cached pages on the decode executor
   are counted out is prefilled there (vLLM's and Dynamo's conditional disaggregation): a
   few dozen tokens cost the decode batch less than a hop to the prefill executor and a KV
@@ -53,6 +54,14 @@ def route(
     live = router.live_roles()
     if "decode" not in live:
         among = pool_candidates(router, req, MIXED_POOL, keep_free, placement)
+        executor = router.pick(req, overlaps, among)
+        return Route(executor) if executor else None
+    if req.params.pooling and "prefill" in live and router.serving(req.lora, ("prefill",)):
+        # An embedding never decodes: a prefill executor runs it whole, no decode executor
+        # reserves pages or a slot for it
+        among = pool_candidates(
+            router, req, ("prefill",), max(keep_free, prefill_keep_free), placement
+        )
         executor = router.pick(req, overlaps, among)
         return Route(executor) if executor else None
     decode = pick_decode(router, req, keep_free, placement)

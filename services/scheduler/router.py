@@ -292,6 +292,8 @@ class Router:
         return self.policy == "kv"
 
     def overlap(self, executor: str, req: TokenizedRequest, reported: dict[str, int]) -> int:
+        if req.params.every_prompt_position:  # (no cached page spares it any work)
+            return 0
         recent = self.recent.overlap(executor, req.page_hashes, time.monotonic())
         return max(reported.get(executor, 0), recent)
 

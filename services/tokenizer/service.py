@@ -90,6 +90,11 @@ class TokenizerService:
         self.tokenizer = Tokenizer.from_folder(folder)
         self.max_model_len = ModelConfig.from_folder(folder).max_position_embeddings
         self.pooler = PoolerConfig.from_folder(folder)  # (how /v1/embeddings pool)
+        # An embedding's input may fill the context (its one token is never computed), or
+        # sentence-transformers' max_seq_length where the model has one
+        self.embedding_context = min(
+            self.max_model_len, self.pooler.max_seq_length or self.max_model_len
+        )
         self.svc = Service("tokenizer", config.mesh)
         # Announced with its presence: the scheduler refuses executors paging differently
         # (their caches would never match these hashes); the gateway learns the shards.
@@ -309,8 +314,10 @@ class TokenizerService:
         if req.deadline and req.deadline < time.time():
             raise RequestError("The request timed out.", 504, "timeout_error", None, "timeout")
         ids, field, think = self.encode(req)
+        pooled = bool(req.params.pooling)
         if req.truncate_prompt_tokens is not None:
-            ids = self.truncated(req, ids, req.truncate_prompt_tokens)
+            keep = req.truncate_prompt_tokens
+            ids = self.truncated(req, ids, min(keep, self.embedding_context) if pooled else keep)
         trace.get_current_span().set_attribute(Attr.PROMPT_TOKENS, len(ids))
         if not ids:
             raise RequestError("the prompt is empty", param=field)
@@ -323,7 +330,15 @@ class TokenizerService:
                 "(ask for fewer alternatives, or a shorter prompt).",
                 param="prompt_logprobs",
             )
-        if len(ids) >= self.max_model_len:
+        if pooled and len(ids) > self.embedding_context:
+            raise RequestError(
+                f"This model's maximum input length for embeddings is {self.embedding_context} "
+                f"tokens. However, your input resulted in {len(ids)} tokens (truncate_prompt_"
+                "tokens: -1 keeps its last tokens that fit).",
+                param=field,
+                code="context_length_exceeded",
+            )
+        if len(ids) >= self.max_model_len and not pooled:
             raise RequestError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, "
                 f"your {field} resulted in {len(ids)} tokens.",
@@ -343,7 +358,7 @@ class TokenizerService:
         if grammar is not None and req.reasoning_parser:
             grammar, think = self.after_reasoning(grammar, req.reasoning_parser, think)
         room = self.max_model_len - len(ids)
-        if req.params.max_tokens > room:
+        if req.params.max_tokens > room and not pooled:  # (its one token is never computed)
             if req.max_tokens_chosen and not req.output_token_ids:  # (a continuation passed)
                 raise context_too_long(
                     self.max_model_len, len(ids), req.params.max_tokens, field, "max_tokens"

@@ -96,7 +96,7 @@ async def embed_mesh(
             while batches:
                 chosen = batches.pop(0)
                 body = {"model": "bench", "input": [texts[i] for i in chosen]}
-                async with session.post(f"{url}/embeddings", json=body) as response:
+                async with session.post(f"{url}/v1/embeddings", json=body) as response:
                     data = await response.json()
                     assert response.status == 200, data
                 for i, item in zip(chosen, data["data"], strict=True):
@@ -153,9 +153,10 @@ def main(argv: list[str] | None = None) -> None:
     tokens = statistics.mean(round_tokens)
     pooled = f"{pooler.pooling}{', normalized' if pooler.normalize else ''}"
     print(
-        f"\nmodel {folder.name} (fp32, CPU, pooling: {pooled}), {args.texts} passages of 40-160 "
-        f"tokens (~{tokens:.0f} tokens a round), mesh: {args.clients} clients x {args.batch} "
-        f"passages a request, {args.rounds} rounds\n"
+        f"\nmodel {folder.name} (CPU; the mesh's weights as up loads them: --quantization "
+        f"{up.quantization}; transformers: fp32; pooling: {pooled}), {args.texts} passages "
+        f"of 40-160 tokens (~{tokens:.0f} tokens a round), mesh: {args.clients} clients x "
+        f"{args.batch} passages a request, {args.rounds} rounds\n"
     )
     print("| side | round seconds | median s | passages/s | tokens/s | vs one by one |")
     print("|---|---|---|---|---|---|")
