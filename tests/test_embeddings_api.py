@@ -173,6 +173,77 @@ async def test_no_generated_token_is_counted_and_the_mesh_serves_on(mesh, client
     assert out.choices[0].finish_reason
 
 
+async def call(mesh: MeshHarness, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+    url = mesh.base_url.removesuffix("/v1") + path
+    async with aiohttp.ClientSession() as session, session.post(url, json=body) as response:
+        return response.status, await response.json()
+
+
+def cos(a: np.ndarray, b: np.ndarray) -> float:
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+DOCS = ["the lazy dog sleeps", "a quick brown fox", "jumps over the lazy dog", "fox"]
+
+
+async def test_score_pairs_1_to_n_and_n_to_n(mesh, reference, tok) -> None:
+    """vLLM's /score with an embedding model: each pair's cosine similarity (1:N, N:N)."""
+    vectors = {t: reference(tok.encode(t)) for t in [TEXTS[0], *DOCS]}
+    status, body = await call(mesh, "/score", {"text_1": TEXTS[0], "text_2": DOCS})
+    assert status == 200, body
+    assert [d["index"] for d in body["data"]] == [0, 1, 2, 3]
+    for doc, item in zip(DOCS, body["data"], strict=True):
+        assert item["object"] == "score"
+        assert item["score"] == pytest.approx(cos(vectors[TEXTS[0]], vectors[doc]), abs=1e-5)
+    tokens = sum(len(tok.encode(t)) for t in [TEXTS[0], *DOCS])
+    assert body["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
+    status, body = await call(mesh, "/v1/score", {"text_1": DOCS[:2], "text_2": DOCS[2:]})
+    want = [cos(vectors[DOCS[0]], vectors[DOCS[2]]), cos(vectors[DOCS[1]], vectors[DOCS[3]])]
+    assert [d["score"] for d in body["data"]] == pytest.approx(want, abs=1e-5)
+
+
+async def test_rerank_sorts_the_documents_by_score(mesh, reference, tok) -> None:
+    """vLLM's /rerank (Jina's and Cohere's shape): highest first, top_n of them, each with
+    its index and text; the same on /v1/rerank and /v2/rerank."""
+    query = "where is the fox"
+    want = {
+        i: cos(reference(tok.encode(query)), reference(tok.encode(d))) for i, d in enumerate(DOCS)
+    }
+    order = sorted(want, key=lambda i: -want[i])
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        status, body = await call(mesh, path, {"query": query, "documents": DOCS, "top_n": 3})
+        assert status == 200, body
+        got = body["results"]
+        assert [r["index"] for r in got] == order[:3]
+        for r in got:
+            assert r["document"] == {"text": DOCS[r["index"]]}
+            assert r["relevance_score"] == pytest.approx(want[r["index"]], abs=1e-5)
+    status, body = await call(mesh, "/rerank", {"query": query, "documents": DOCS})
+    assert len(body["results"]) == 4 and body["usage"]["total_tokens"] > 0
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param", "text"),
+    [
+        ("/score", {"text_2": "a"}, "text_1", "Missing required"),
+        ("/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_1", "1:1, 1:N or N:N"),
+        ("/score", {"text_1": "a", "text_2": []}, "text_2", "non-empty array"),
+        ("/score", {"text_1": "a", "text_2": ["b", ""]}, "text_2[1]", "empty string"),
+        ("/score", {"text_1": "a", "text_2": ["b", "a " * 5000]}, "text_2[1]", "maximum input"),
+        ("/rerank", {"query": "q", "documents": "d"}, "documents", "array of strings"),
+        ("/rerank", {"query": ["q"], "documents": ["d"]}, "query", "a string"),
+        ("/rerank", {"query": "q", "documents": ["d"], "top_n": -1}, "top_n", "between 0"),
+        ("/rerank", {"query": "q", "documents": ["d"] * 8}, "documents", "at most 8"),
+        ("/rerank", {"query": "q", "documents": ["d"], "return_documents": False},
+         "return_documents", "not supported"),
+    ],
+)  # fmt: skip
+async def test_score_and_rerank_bad_requests(mesh, path, body, param, text) -> None:
+    status, answer = await call(mesh, path, body)
+    assert status == 400, answer
+    assert answer["error"]["param"] == param and text in answer["error"]["message"]
+
+
 # --- the gateway's window, against a stand-in mesh ------------------------------------------
 
 

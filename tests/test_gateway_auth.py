@@ -180,3 +180,13 @@ async def test_a_body_that_stops_arriving_is_a_408(
     status_line = await asyncio.wait_for(reader.readline(), 5)
     writer.close()
     assert b" 408 " in status_line
+
+
+@pytest.mark.parametrize(
+    "path", ["/v1/embeddings", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank"]
+)
+async def test_embedding_and_score_routes_need_an_api_key(with_keys: Client, path: str):
+    """They spend the mesh's executors as /v1 does, on any of vLLM's paths."""
+    async with with_keys.post(path, json={"input": "x", "query": "q"}) as resp:
+        assert resp.status == 401
+        assert (await resp.json())["error"]["code"] == "invalid_api_key"

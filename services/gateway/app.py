@@ -46,6 +46,13 @@ from services.gateway.responses import (
     error_from,
     sse,
 )
+from services.gateway.scores import (
+    parse_rerank,
+    parse_score,
+    rerank_response,
+    score_pairs,
+    score_response,
+)
 from services.gateway.streams import BatchedStreams, RequestStream
 from services.gateway.tokenize import (
     TOKENIZE_TIMEOUT_S,
@@ -124,7 +131,7 @@ def bearer_token(header: str) -> bytes | None:
 
 # Paths outside /v1/ that need the API key too (vLLM leaves /tokenize open; here it spends the
 # mesh's tokenizers, so it is the key holders')
-PROTECTED = frozenset({"/metrics", "/tokenize", "/detokenize"})
+PROTECTED = frozenset({"/metrics", "/tokenize", "/detokenize", "/score", "/rerank", "/v2/rerank"})
 
 
 def require_api_key(keys: tuple[str, ...]) -> Any:
@@ -285,6 +292,31 @@ class Routes:
             span.set_attribute(Attr.HTTP_STATUS, 200)
             return json_response(body, headers={"X-Request-Id": response_id})
 
+    async def score(self, request: web.Request) -> web.Response:
+        """vLLM's ``/score``: the cosine similarity of each pair's embeddings
+        (``services.gateway.scores``)."""
+        with request_span(self.mesh.service.tracer, request.headers, request.path) as span:
+            ask = parse_score(await read_json(request, self.config.max_body_bytes), self.config)
+            response_id = f"score-{uuid.uuid4().hex}"
+            created = int(time.time())
+            concurrency = self.config.embedding_concurrency
+            scores, tokens = await score_pairs(self.mesh, ask, response_id, concurrency)
+            span.set_attribute(Attr.HTTP_STATUS, 200)
+            body = score_response(ask, response_id, created, scores, tokens)
+            return json_response(body, headers={"X-Request-Id": response_id})
+
+    async def rerank(self, request: web.Request) -> web.Response:
+        """vLLM's ``/rerank`` (Jina's and Cohere's shape): the documents by the cosine
+        similarity of their embeddings to the query's."""
+        with request_span(self.mesh.service.tracer, request.headers, request.path) as span:
+            ask = parse_rerank(await read_json(request, self.config.max_body_bytes), self.config)
+            response_id = f"rerank-{uuid.uuid4().hex}"
+            concurrency = self.config.embedding_concurrency
+            scores, tokens = await score_pairs(self.mesh, ask, response_id, concurrency)
+            span.set_attribute(Attr.HTTP_STATUS, 200)
+            body = rerank_response(ask, response_id, scores, tokens)
+            return json_response(body, headers={"X-Request-Id": response_id})
+
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self.generate(request, parse_completion, "cmpl")
 
@@ -435,6 +467,10 @@ def build_app(config: GatewayConfig, mesh: MeshClient) -> web.Application:
     app.router.add_post("/v1/completions", routes.completions)
     app.router.add_post("/v1/chat/completions", routes.chat)
     app.router.add_post("/v1/embeddings", routes.embeddings)
+    for path in ("/score", "/v1/score"):
+        app.router.add_post(path, routes.score)
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        app.router.add_post(path, routes.rerank)
     app.router.add_get("/v1/models", routes.models)
     app.router.add_get("/v1/models/{model:.+}", routes.model)  # (names hold a "/")
     app.router.add_post("/tokenize", routes.tokenize)

@@ -53,6 +53,7 @@ class EmbeddingRequest:
     priority: int = 0
     truncate_prompt_tokens: int | None = None
     lora: str = ""
+    names: tuple[str, ...] = ()  # each input's field, for errors (the score APIs'); else input[k]
 
     def requests(self) -> list[ApiRequest]:
         """One prompt-only request per input: greedy, one token (never shown), pooled."""
@@ -137,8 +138,15 @@ class Embedded:
 async def embed(
     mesh: MeshClient, ask: EmbeddingRequest, response_id: str, concurrency: int
 ) -> dict[str, Any]:
-    """Every input's vector, as OpenAI's response; ``response_id``'s requests are
-    ``<id>-<k>``."""
+    """Every input's vector, as OpenAI's response."""
+    embedded = await embed_inputs(mesh, ask, response_id, concurrency)
+    return embedding_response(ask, response_id, embedded)
+
+
+async def embed_inputs(
+    mesh: MeshClient, ask: EmbeddingRequest, response_id: str, concurrency: int
+) -> list[Embedded]:
+    """Every input's vector, in input order; ``response_id``'s requests are ``<id>-<k>``."""
     room = asyncio.Semaphore(concurrency)
     tracer = mesh.service.tracer
     results: dict[int, Embedded] = {}
@@ -149,6 +157,8 @@ async def embed(
         if exc.param != "prompt":
             return exc
         where = "input" if len(ask.inputs) == 1 else f"input[{k}]"
+        if ask.names:
+            where = ask.names[k]
         return RequestError(str(exc), exc.status, exc.type, where, exc.code)
 
     async def one(k: int, api: ApiRequest) -> None:
@@ -196,7 +206,7 @@ async def embed(
                 group.create_task(one(k, api))
     except BaseExceptionGroup as group_failed:
         raise (failed[0] if failed else first_failure(group_failed)) from None
-    return embedding_response(ask, response_id, [results[k] for k in range(len(ask.inputs))])
+    return [results[k] for k in range(len(ask.inputs))]
 
 
 def first_failure(group: BaseExceptionGroup[BaseException]) -> BaseException:

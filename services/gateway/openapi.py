@@ -87,6 +87,8 @@ _TOOL = {
         },
     },
 }
+_TEXT = {"type": "string", "minLength": 1}
+_TEXTS = {"oneOf": [_TEXT, {"type": "array", "items": _TEXT, "minItems": 1, "maxItems": 64}]}
 _ERROR = {
     "description": "An OpenAI error object",
     "content": {
@@ -260,6 +262,39 @@ SPEC: dict[str, Any] = {
                     ["input"],
                 ),
                 "responses": {**_RESPONSES, "200": {"description": "The inputs' embeddings"}},
+            }
+        },
+        "/v1/score": {
+            "post": {
+                "operationId": "score",
+                "requestBody": _body(
+                    {
+                        "model": {"type": "string"},
+                        "text_1": _TEXTS,
+                        "text_2": _TEXTS,
+                        "priority": _COMMON["priority"],
+                        "truncate_prompt_tokens": _COMMON["truncate_prompt_tokens"],
+                    },
+                    ["text_1", "text_2"],
+                ),
+                "responses": {**_RESPONSES, "200": {"description": "Each pair's score"}},
+            }
+        },
+        "/v1/rerank": {
+            "post": {
+                "operationId": "rerank",
+                "requestBody": _body(
+                    {
+                        "model": {"type": "string"},
+                        "query": {"type": "string", "minLength": 1},
+                        "documents": {"type": "array", "items": _TEXT, "minItems": 1},
+                        "top_n": {"type": "integer", "minimum": 0},
+                        "priority": _COMMON["priority"],
+                        "truncate_prompt_tokens": _COMMON["truncate_prompt_tokens"],
+                    },
+                    ["query", "documents"],
+                ),
+                "responses": {**_RESPONSES, "200": {"description": "The documents, ranked"}},
             }
         },
         "/tokenize": {

@@ -1,0 +1,186 @@
+"""vLLM's score and rerank APIs for an embedding model (a bi-encoder): each text is embedded
+once through the mesh (``services.gateway.embeddings``), and a pair's score is the cosine
+similarity of its two vectors, as vLLM scores with embedding models.
+
+- ``/score`` (``/v1/score``): ``text_1`` and ``text_2``, each a string or a list of strings,
+  paired 1:1, 1:N (the one ``text_1`` against each ``text_2``) or N:N; ``data[i].score``.
+- ``/rerank`` (``/v1/rerank``, ``/v2/rerank``; Jina's and Cohere's shape): ``query`` and
+  ``documents``; the results sorted by ``relevance_score``, highest first, the first
+  ``top_n`` of them (0: all), each with its document's index and text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from common.wire.detokenizer import float32_values
+from services.gateway.body import Body, bad_request, unicode_text, wrong_type
+from services.gateway.config import GatewayConfig
+from services.gateway.embeddings import Embedded, EmbeddingRequest, embed_inputs
+from services.gateway.mesh_client import MeshClient
+from services.gateway.protocol import (
+    MAX_INT,
+    parse_model,
+    parse_priority,
+    parse_truncation,
+)
+
+
+@dataclass(frozen=True)
+class ScoreRequest:
+    """Pairs of texts to score: ``firsts[i]`` with ``seconds[i]``, or the one first text with
+    every second one."""
+
+    model: str
+    firsts: list[str]
+    seconds: list[str]
+    priority: int = 0
+    truncate_prompt_tokens: int | None = None
+    lora: str = ""
+    top_n: int = 0  # rerank: how many results (0: all)
+    names: tuple[str, ...] = ()  # each text's field, for errors ("text_2[3]")
+
+    @property
+    def texts(self) -> list[str]:
+        return self.firsts + self.seconds
+
+    def embedding_request(self) -> EmbeddingRequest:
+        return EmbeddingRequest(
+            model=self.model,
+            inputs=[(text, None) for text in self.texts],
+            priority=self.priority,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
+            lora=self.lora,
+            names=self.names,
+        )
+
+
+def texts(body: Body, name: str, limit: int, one_only: bool = False) -> list[str]:
+    """A required string, or (unless ``one_only``) a non-empty list of them."""
+    value = body.get(name)
+    if value is None:
+        raise bad_request(f"Missing required parameter: '{name}'.", name, "missing_required")
+    values = [value] if isinstance(value, str) or one_only else value
+    if not isinstance(values, list) or not values:
+        expected = "a string" if one_only else "a string or a non-empty array of strings"
+        raise wrong_type(name, expected, value)
+    if len(values) > limit:
+        raise bad_request(f"'{name}' may hold at most {limit} texts, got {len(values)}.", name)
+    out = []
+    for i, text in enumerate(values):
+        where = name if isinstance(value, str) or one_only else f"{name}[{i}]"
+        if not isinstance(text, str):
+            raise wrong_type(where, "a string", text)
+        if not text:
+            raise bad_request(f"'{where}' must not be an empty string.", where, "invalid_value")
+        out.append(unicode_text(text, where))
+    return out
+
+
+def common(
+    body: Body,
+    config: GatewayConfig,
+    firsts: list[str],
+    seconds: list[str],
+    fields: tuple[str, str],
+) -> ScoreRequest:
+    model = parse_model(body, config)
+    if len(firsts) + len(seconds) > config.max_embedding_inputs:
+        raise bad_request(
+            f"The request holds {len(firsts) + len(seconds)} texts; at most "
+            f"{config.max_embedding_inputs} (--max-embedding-inputs).",
+            fields[1],
+        )
+    one = isinstance(body.get(fields[0]), str)  # (a list of one is still named by index)
+    names = [fields[0] if one else f"{fields[0]}[{i}]" for i in range(len(firsts))]
+    names += [f"{fields[1]}[{i}]" for i in range(len(seconds))]
+    return ScoreRequest(
+        model=model,
+        firsts=firsts,
+        seconds=seconds,
+        names=tuple(names),
+        priority=parse_priority(body, config.max_client_priority),
+        truncate_prompt_tokens=parse_truncation(body, config),
+        lora="" if model == config.served_model_name else model,
+    )
+
+
+def parse_score(raw: Any, config: GatewayConfig) -> ScoreRequest:
+    body = Body(raw)
+    firsts = texts(body, "text_1", config.max_embedding_inputs)
+    seconds = texts(body, "text_2", config.max_embedding_inputs)
+    if len(firsts) not in (1, len(seconds)):
+        raise bad_request(
+            f"'text_1' and 'text_2' pair 1:1, 1:N or N:N; got {len(firsts)}:{len(seconds)}.",
+            "text_1",
+            "invalid_value",
+        )
+    return common(body, config, firsts, seconds, ("text_1", "text_2"))
+
+
+def parse_rerank(raw: Any, config: GatewayConfig) -> ScoreRequest:
+    body = Body(raw)
+    query = texts(body, "query", 1, one_only=True)
+    documents = texts(body, "documents", config.max_embedding_inputs)
+    if isinstance(body.get("documents"), str):
+        raise wrong_type("documents", "an array of strings", body.get("documents"))
+    top_n = body.integer("top_n", 0, 0, MAX_INT)
+    if not body.boolean("return_documents", True):  # (Cohere's; vLLM always returns them)
+        raise bad_request(
+            "'return_documents': false is not supported.",
+            "return_documents",
+            "unsupported_parameter",
+        )
+    ask = common(body, config, query, documents, ("query", "documents"))
+    return dataclasses.replace(ask, top_n=top_n)
+
+
+async def score_pairs(
+    mesh: MeshClient, ask: ScoreRequest, response_id: str, concurrency: int
+) -> tuple[list[float], int]:
+    """Each pair's cosine similarity, and the prompt tokens of every text embedded."""
+    embedded = await embed_inputs(mesh, ask.embedding_request(), response_id, concurrency)
+    firsts, seconds = embedded[: len(ask.firsts)], embedded[len(ask.firsts) :]
+    if len(firsts) == 1:
+        firsts = firsts * len(seconds)
+    scores = [cosine(a, b) for a, b in zip(firsts, seconds, strict=True)]
+    return scores, sum(e.prompt_tokens for e in embedded)
+
+
+def cosine(a: Embedded, b: Embedded) -> float:
+    x, y = float32_values(a.vector), float32_values(b.vector)
+    dot = math.fsum(p * q for p, q in zip(x, y, strict=True))
+    norms = math.sqrt(math.fsum(p * p for p in x)) * math.sqrt(math.fsum(q * q for q in y))
+    return dot / norms if norms > 0 else 0.0
+
+
+def score_response(
+    ask: ScoreRequest, response_id: str, created: int, scores: list[float], tokens: int
+) -> dict[str, Any]:
+    return {
+        "id": response_id,
+        "object": "list",
+        "created": created,
+        "model": ask.model,
+        "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }
+
+
+def rerank_response(
+    ask: ScoreRequest, response_id: str, scores: list[float], tokens: int
+) -> dict[str, Any]:
+    order = sorted(range(len(scores)), key=lambda i: -scores[i])  # (stable: ties keep order)
+    chosen = order[: ask.top_n] if ask.top_n > 0 else order
+    return {
+        "id": response_id,
+        "model": ask.model,
+        "usage": {"total_tokens": tokens},
+        "results": [
+            {"index": i, "document": {"text": ask.seconds[i]}, "relevance_score": scores[i]}
+            for i in chosen
+        ],
+    }
