@@ -18,8 +18,11 @@ import jsonschema
 import openai
 import pydantic
 import pytest
+import xgrammar as xgr
 
 from common.tokenizer import Tokenizer
+from common.wire.tokenizer import ResponseFormat
+from services.tokenizer.grammars import grammar_for
 from tests.mesh import MeshHarness, openai_client
 from tests.models import QWEN_TOOLS, set_chat_template, write_tiny_model
 
@@ -460,3 +463,23 @@ async def test_speculative_decoding_keeps_outputs_valid(tools_model):
         assert spec.num_draft_tokens > 0  # drafts were proposed and checked
     finally:
         harness.stop()
+
+
+@pytest.mark.parametrize("bound", [{"maxLength": 8}, {"minLength": 2}])
+def test_a_string_of_bounded_length_takes_no_raw_control_character(bound):
+    """xgrammar's bounded strings admitted a raw ESC, which JSON forbids (json.loads refused
+    the document a random model wrote); the grammar now refuses it."""
+    from xgrammar.testing import _is_grammar_accept_string
+
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", **bound}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    fmt = ResponseFormat("json_schema", json.dumps(schema))
+    wire = grammar_for(fmt, None, "hermes")
+    assert wire is not None
+    grammar = xgr.Grammar.from_ebnf(wire.ebnf)
+    assert _is_grammar_accept_string(grammar, '{"city": "Paris"}')
+    assert not _is_grammar_accept_string(grammar, '{"city": "a\x1bb"}')

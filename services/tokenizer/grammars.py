@@ -90,8 +90,20 @@ def _wire(grammar: xgr.Grammar) -> WireGrammar:
     return WireGrammar(hashlib.blake2b(text.encode(), digest_size=16).hexdigest(), text)
 
 
+# xgrammar 0.2's strings of bounded length (maxLength, minLength) take any character but a
+# quote, a backslash, CR and LF: a raw control character too, which JSON forbids (the
+# document then fails json.loads). Its other strings exclude every control character; the
+# bounded ones are made to as well.
+_BOUNDED_CHARACTER = '[^\\"\\\\\\r\\n]'
+_JSON_CHARACTER = '[^\\0-\\x1f\\"\\\\]'
+
+
 def _from_schema(schema: str, *, strict: bool = True) -> xgr.Grammar:
-    return xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=strict)
+    grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=strict)
+    text = str(grammar)
+    if _BOUNDED_CHARACTER not in text:
+        return grammar
+    return xgr.Grammar.from_ebnf(text.replace(_BOUNDED_CHARACTER, _JSON_CHARACTER))
 
 
 @functools.lru_cache(maxsize=CACHE_SIZE)
