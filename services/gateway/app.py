@@ -46,6 +46,7 @@ from services.gateway.responses import (
     error_from,
     sse,
 )
+from services.gateway.responses_api import ResponsesView, new_id, parse_responses
 from services.gateway.scores import (
     parse_rerank,
     parse_score,
@@ -317,6 +318,76 @@ class Routes:
             body = rerank_response(ask, response_id, scores, tokens)
             return json_response(body, headers={"X-Request-Id": response_id})
 
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        """OpenAI's Responses API, as a view of a chat completion
+        (``services.gateway.responses_api``)."""
+        with request_span(self.mesh.service.tracer, request.headers, request.path) as span:
+            api, echoed = parse_responses(
+                await read_json(request, self.config.max_body_bytes), self.config
+            )
+            response_id, created = new_id("resp"), int(time.time())
+            stream = await self.submit(api, response_id)
+            try:
+                builder = ResponseBuilder(
+                    api,
+                    response_id,
+                    created,
+                    self.mesh.liveness.tool_format,
+                    self.config.reasoning_parser,
+                )
+                view = ResponsesView(response_id, created, api.model, echoed)
+                first = await anext(stream)  # nothing sent yet: a failure is an HTTP error
+                if api.stream:
+                    response = await self.stream_responses(request, builder, view, stream, first)
+                else:
+                    view.add(builder.add(*first))
+                    async for index, delta in stream:
+                        view.add(builder.add(index, delta))
+                    view.closing(builder.usage())
+                    headers = {"X-Request-Id": response_id}
+                    response = json_response(view.response(), headers=headers)
+                span.set_attribute(Attr.HTTP_STATUS, response.status)
+                return response
+            except Exception as exc:
+                stream.failure = stream.failure or f"gateway error: {exc!r}"
+                raise
+            finally:
+                await self.mesh.release(stream)
+
+    async def stream_responses(
+        self,
+        request: web.Request,
+        builder: ResponseBuilder,
+        view: ResponsesView,
+        stream: RequestStream | BatchedStreams,
+        first: tuple[int, TextDelta],
+    ) -> web.StreamResponse:
+        """The Responses events as SSE (``event:`` and ``data:`` lines; no ``[DONE]``)."""
+        response = web.StreamResponse(headers={**SSE_HEADERS, "X-Request-Id": view.id})
+        try:
+            await response.prepare(request)
+            await send(response, named_events(view.opening() + view.add(builder.add(*first))))
+            try:
+                async for index, delta in stream:
+                    events = view.add(builder.add(index, delta))
+                    if events:
+                        await send(response, named_events(events))
+                await send(response, named_events(view.closing(builder.usage())))
+            except RequestError as exc:  # a stage failed mid-stream: an error event
+                error = {"code": exc.code, "message": str(exc), "param": exc.param}
+                await send(response, named_events([view.event("error", **error)]))
+            except ConnectionResetError:
+                raise
+            except Exception as exc:
+                log.exception("gateway: response %s failed", view.id)
+                stream.failure = f"gateway error: {exc!r}"
+                error = {"code": "server_error", "message": "The server had an error."}
+                await send(response, named_events([view.event("error", param=None, **error)]))
+            await response.write_eof()
+        except ConnectionResetError:
+            log.info("gateway: client left response %s", view.id)
+        return response
+
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self.generate(request, parse_completion, "cmpl")
 
@@ -457,6 +528,11 @@ def encode(chunks: list[Json]) -> bytes:
     return b"".join(sse(chunk) for chunk in chunks)
 
 
+def named_events(events: list[Json]) -> bytes:
+    """Server-sent events with their ``event:`` line (the Responses API's framing)."""
+    return b"".join(b"event: " + event["type"].encode() + b"\n" + sse(event) for event in events)
+
+
 def build_app(config: GatewayConfig, mesh: MeshClient) -> web.Application:
     middlewares = [openai_errors]
     if config.api_keys:
@@ -467,6 +543,7 @@ def build_app(config: GatewayConfig, mesh: MeshClient) -> web.Application:
     app.router.add_post("/v1/completions", routes.completions)
     app.router.add_post("/v1/chat/completions", routes.chat)
     app.router.add_post("/v1/embeddings", routes.embeddings)
+    app.router.add_post("/v1/responses", routes.responses)
     for path in ("/score", "/v1/score"):
         app.router.add_post(path, routes.score)
     for path in ("/rerank", "/v1/rerank", "/v2/rerank"):

@@ -89,6 +89,15 @@ _TOOL = {
 }
 _TEXT = {"type": "string", "minLength": 1}
 _TEXTS = {"oneOf": [_TEXT, {"type": "array", "items": _TEXT, "minItems": 1, "maxItems": 64}]}
+_RESPONSES_TOOL = {
+    "type": "object",
+    "required": ["type", "name"],
+    "properties": {
+        "type": {"const": "function"},
+        "name": {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"},
+        "parameters": {"type": "object"},
+    },
+}
 _ERROR = {
     "description": "An OpenAI error object",
     "content": {
@@ -262,6 +271,53 @@ SPEC: dict[str, Any] = {
                     ["input"],
                 ),
                 "responses": {**_RESPONSES, "200": {"description": "The inputs' embeddings"}},
+            }
+        },
+        "/v1/responses": {
+            "post": {
+                "operationId": "createResponse",
+                "requestBody": _body(
+                    {
+                        "model": {"type": "string"},
+                        "input": {
+                            "oneOf": [
+                                {"type": "string"},
+                                {
+                                    "type": "array",
+                                    "minItems": 1,
+                                    "maxItems": 8,
+                                    "items": {
+                                        "type": "object",
+                                        "required": ["role", "content"],
+                                        "properties": {
+                                            "role": {"enum": ["system", "user", "assistant"]},
+                                            "content": {"type": "string"},
+                                        },
+                                    },
+                                },
+                            ]
+                        },
+                        "instructions": {"type": "string"},
+                        "max_output_tokens": {"type": "integer", "minimum": 1},
+                        "temperature": _COMMON["temperature"],
+                        "top_p": _COMMON["top_p"],
+                        "stream": {"type": "boolean"},
+                        "tools": {"type": "array", "maxItems": 8, "items": _RESPONSES_TOOL},
+                        "tool_choice": {"enum": ["none", "auto", "required"]},
+                        "text": {
+                            "type": "object",
+                            "properties": {
+                                "format": {
+                                    "type": "object",
+                                    "required": ["type"],
+                                    "properties": {"type": {"enum": ["text", "json_object"]}},
+                                }
+                            },
+                        },
+                    },
+                    ["input"],
+                ),
+                "responses": {**_RESPONSES, "200": {"description": "A response, or its events"}},
             }
         },
         "/v1/score": {
