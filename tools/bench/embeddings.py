@@ -1,7 +1,7 @@
 """Embeddings through the whole mesh against transformers, as a document indexer sends them.
 
     python -m tools.bench.embeddings [--model PATH] [--texts 256] [--batch 64] [--clients 4] \\
-        [--rounds 3]
+        [--rounds 3] [--quantization none]
 
 ``--texts`` passages of 40 to 160 tokens (random words), embedded by three sides that take
 turns for ``--rounds`` rounds, warmed alike, each round's passages new to them all (the mesh's
@@ -116,12 +116,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--clients", type=int, default=4, help="concurrent mesh requests")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--port", type=int, default=8125)
+    parser.add_argument(
+        "--quantization",
+        default=None,
+        help="the mesh's weights (meshserve up's --quantization; default: up's, auto)",
+    )
     args = parser.parse_args(argv)
     folder = resolve_model_path(args.model)
     tokenizer = Tokenizer.from_folder(folder)
     pooler = PoolerConfig.from_folder(folder)
     up = parse_up_args([])
     up.model, up.port, up.served_model_name = str(folder), args.port, "bench"
+    if args.quantization is not None:
+        up.quantization = args.quantization
     hf = Transformers(folder, pooler)
     mesh = LocalMesh(up, folder)
     seconds: dict[str, list[float]] = {"mesh": [], "transformers batched": [], "one by one": []}
