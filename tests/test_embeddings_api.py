@@ -220,6 +220,10 @@ async def test_rerank_sorts_the_documents_by_score(mesh, reference, tok) -> None
             assert r["relevance_score"] == pytest.approx(want[r["index"]], abs=1e-5)
     status, body = await call(mesh, "/rerank", {"query": query, "documents": DOCS})
     assert len(body["results"]) == 4 and body["usage"]["total_tokens"] > 0
+    assert body["usage"]["prompt_tokens"] == body["usage"]["total_tokens"]
+    bare = {"query": query, "documents": DOCS, "return_documents": False}
+    status, body = await call(mesh, "/rerank", bare)
+    assert [set(r) for r in body["results"]] == [{"index", "relevance_score"}] * 4
 
 
 @pytest.mark.parametrize(
@@ -234,8 +238,8 @@ async def test_rerank_sorts_the_documents_by_score(mesh, reference, tok) -> None
         ("/rerank", {"query": ["q"], "documents": ["d"]}, "query", "a string"),
         ("/rerank", {"query": "q", "documents": ["d"], "top_n": -1}, "top_n", "between 0"),
         ("/rerank", {"query": "q", "documents": ["d"] * 8}, "documents", "at most 8"),
-        ("/rerank", {"query": "q", "documents": ["d"], "return_documents": False},
-         "return_documents", "not supported"),
+        ("/score", {"text_1": ["a", "b"], "text_2": "c"}, "text_1", "1:1, 1:N or N:N"),
+        ("/score", {"text_1": "a", "text_2": "a " * 5000}, "text_2", "maximum input"),
     ],
 )  # fmt: skip
 async def test_score_and_rerank_bad_requests(mesh, path, body, param, text) -> None:

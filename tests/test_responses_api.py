@@ -14,7 +14,9 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from services.gateway.responses_api import ResponsesView
+from services.gateway.config import GatewayConfig
+from services.gateway.responses_api import parse_responses
+from services.gateway.responses_view import ResponsesView
 from tests.mesh import MeshHarness, openai_client
 from tests.models import QWEN_TOOLS, set_chat_template, write_tiny_model
 
@@ -205,7 +207,31 @@ async def test_structured_output_through_text_format(client) -> None:
         ({"model": "tiny"}, "input", "Missing required"),
         ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id", "not stored"),
         ({"input": "x", "background": True}, "background", "not supported"),
-        ({"input": "x", "include": ["file_search_call.results"]}, "include", "not supported"),
+        ({"input": "x", "include": ["file_search_call.results"]}, "include[0]", "not supported"),
+        (
+            {"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]},
+            "input[0].call_id",
+            "a string",
+        ),
+        ({"input": "x", "max_output_tokens": 5000}, "max_output_tokens", "'max_output_tokens'"),
+        (
+            {
+                "input": "x",
+                "tools": [
+                    {
+                        "type": "function",
+                        "name": "f",
+                        "parameters": {
+                            "type": "object",
+                            "properties": {"a": {"type": "string", "pattern": "(?<=a)b"}},
+                        },
+                    }
+                ],
+                "tool_choice": "required",
+            },
+            "tools",
+            "",
+        ),
         ({"input": "x", "max_output_tokens": 0}, "max_output_tokens", "between 1"),
         ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type", "function tools"),
         (
@@ -245,3 +271,92 @@ def test_reasoning_then_an_answer_are_two_items() -> None:
     assert message["content"][0]["text"] == "Hi"
     assert events[-1]["type"] == "response.completed"
     Response.model_validate(view.response())
+
+
+def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+    return {"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
+
+def call(index: int, arguments: str, call_id: str = "", name: str = "") -> dict[str, Any]:
+    entry: dict[str, Any] = {"index": index, "function": {"arguments": arguments}}
+    if call_id:
+        entry |= {"id": call_id, "type": "function"}
+        entry["function"]["name"] = name
+    return {"tool_calls": [entry]}
+
+
+ECHOED = {"tools": [], "tool_choice": "auto", "parallel_tool_calls": True}
+
+
+def test_text_before_a_call_in_one_delta_and_fragments_after_text() -> None:
+    """(Unit.) The chat builder sends a delta's call before its text, even where the text
+    came first: the message is still item 0 and the call item 1; the call stays open while
+    text after it arrives, so its last fragment lands, and the events all validate."""
+    view = ResponsesView("resp_x", 0, "m", ECHOED)
+    deltas = [
+        [chunk(call(0, '{"city": ', "call_1", "get_weather")), chunk({"content": "Sure."})],
+        [chunk({"content": " Checking"}), chunk(call(0, '"Paris"}'))],
+        [chunk(call(1, "{}", "call_2", "get_time")), chunk({}, "tool_calls")],
+    ]
+    events = view.opening()
+    for chunks in deltas:
+        events += view.add(chunks)
+    usage = {"prompt_tokens": 3, "completion_tokens": 9, "total_tokens": 12}
+    events += view.closing(usage)
+    for event in events:
+        EVENT.validate_python(event)
+    out = view.response()["output"]
+    assert [item["type"] for item in out] == [
+        "message",
+        "function_call",
+        "message",
+        "function_call",
+    ]
+    assert out[1]["arguments"] == '{"city": "Paris"}' and out[3]["name"] == "get_time"
+    assert out[0]["content"][0]["text"] == "Sure." and out[2]["content"][0]["text"] == " Checking"
+    assert all(item["status"] == "completed" for item in out)
+    Response.model_validate(view.response())
+
+
+def test_a_failure_mid_stream_ends_with_response_failed() -> None:
+    view = ResponsesView("resp_x", 0, "m", ECHOED)
+    events = view.opening() + view.add([chunk({"content": "Hel"})])
+    events += view.failing("delivery_failed", "lost", None, 503)
+    for event in events:
+        EVENT.validate_python(event)
+    assert [e["type"] for e in events[-5:]] == [
+        "error",
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.failed",
+    ]
+    failed = events[-1]["response"]
+    assert failed["status"] == "failed" and failed["error"]["code"] == "server_error"
+    assert events[-5]["code"] == "delivery_failed"
+    assert failed["output"][0]["status"] == "incomplete"
+
+
+def test_a_replayed_output_is_one_assistant_turn() -> None:
+    """A response's output sent back (its message, then its calls) and the calls' outputs:
+    one assistant turn holding the text and both calls, then the tool turns."""
+    body = {
+        "input": [
+            {"role": "user", "content": ASK},
+            {"type": "message", "role": "assistant",
+             "content": [{"type": "output_text", "text": "Checking."}]},
+            {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+            {"type": "function_call", "call_id": "c2", "name": "get_weather", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1",
+             "output": [{"type": "input_text", "text": "21 C"}]},
+            {"type": "reasoning", "summary": []},
+        ],
+        "include": ["reasoning.encrypted_content"],
+        "tools": [WEATHER],
+    }  # fmt: skip
+    ask = parse_responses(body, GatewayConfig(served_model_name="tiny"))
+    messages = ask.api.messages
+    assert messages is not None
+    assert [m.role for m in messages] == ["user", "assistant", "tool"]
+    assert messages[1].content == "Checking." and len(json.loads(messages[1].tool_calls)) == 2
+    assert messages[2].content == "21 C" and messages[2].tool_call_id == "c1"

@@ -46,7 +46,8 @@ from services.gateway.responses import (
     error_from,
     sse,
 )
-from services.gateway.responses_api import ResponsesView, new_id, parse_responses
+from services.gateway.responses_api import ResponsesRequest, parse_responses
+from services.gateway.responses_view import ResponsesView, new_id
 from services.gateway.scores import (
     parse_rerank,
     parse_score,
@@ -320,11 +321,10 @@ class Routes:
 
     async def responses(self, request: web.Request) -> web.StreamResponse:
         """OpenAI's Responses API, as a view of a chat completion
-        (``services.gateway.responses_api``)."""
+        (``services.gateway.responses_api``, ``responses_view``)."""
         with request_span(self.mesh.service.tracer, request.headers, request.path) as span:
-            api, echoed = parse_responses(
-                await read_json(request, self.config.max_body_bytes), self.config
-            )
+            ask = parse_responses(await read_json(request, self.config.max_body_bytes), self.config)
+            api = ask.api
             response_id, created = new_id("resp"), int(time.time())
             stream = await self.submit(api, response_id)
             try:
@@ -335,10 +335,15 @@ class Routes:
                     self.mesh.liveness.tool_format,
                     self.config.reasoning_parser,
                 )
-                view = ResponsesView(response_id, created, api.model, echoed)
-                first = await anext(stream)  # nothing sent yet: a failure is an HTTP error
+                view = ResponsesView(response_id, created, api.model, ask.echoed)
+                try:  # nothing sent yet: a failure is an HTTP error, in the body's names
+                    first = await anext(stream)
+                except RequestError as exc:
+                    raise ask.renamed(exc) from None
                 if api.stream:
-                    response = await self.stream_responses(request, builder, view, stream, first)
+                    response = await self.stream_responses(
+                        request, builder, view, stream, first, ask
+                    )
                 else:
                     view.add(builder.add(*first))
                     async for index, delta in stream:
@@ -361,8 +366,10 @@ class Routes:
         view: ResponsesView,
         stream: RequestStream | BatchedStreams,
         first: tuple[int, TextDelta],
+        ask: ResponsesRequest,
     ) -> web.StreamResponse:
-        """The Responses events as SSE (``event:`` and ``data:`` lines; no ``[DONE]``)."""
+        """The Responses events as SSE (``event:`` and ``data:`` lines; no ``[DONE]``); a
+        stage that fails mid-stream ends it with ``error`` and ``response.failed``."""
         response = web.StreamResponse(headers={**SSE_HEADERS, "X-Request-Id": view.id})
         try:
             await response.prepare(request)
@@ -373,16 +380,17 @@ class Routes:
                     if events:
                         await send(response, named_events(events))
                 await send(response, named_events(view.closing(builder.usage())))
-            except RequestError as exc:  # a stage failed mid-stream: an error event
-                error = {"code": exc.code, "message": str(exc), "param": exc.param}
-                await send(response, named_events([view.event("error", **error)]))
+            except RequestError as exc:
+                failed = ask.renamed(exc)
+                events = view.failing(failed.code, str(failed), failed.param, failed.status)
+                await send(response, named_events(events))
             except ConnectionResetError:
                 raise
             except Exception as exc:
                 log.exception("gateway: response %s failed", view.id)
                 stream.failure = f"gateway error: {exc!r}"
-                error = {"code": "server_error", "message": "The server had an error."}
-                await send(response, named_events([view.event("error", param=None, **error)]))
+                events = view.failing("server_error", "The server had an error.", None)
+                await send(response, named_events(events))
             await response.write_eof()
         except ConnectionResetError:
             log.info("gateway: client left response %s", view.id)

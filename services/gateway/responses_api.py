@@ -18,8 +18,7 @@ nothing is stored, ``store`` is reported false), built-in tools (web or file sea
 
 from __future__ import annotations
 
-import copy
-import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from common.runtime import RequestError
@@ -37,15 +36,26 @@ SHARED = (
 # Chat's field names in a parser's 400 -> the Responses body's
 RENAMED = {
     "max_completion_tokens": "max_output_tokens",
+    "max_tokens": "max_output_tokens",
+    "response_format.json_schema": "text.format",
     "response_format": "text.format",
+    "tool_choice.function": "tool_choice",
 }
+# include values that change nothing here (no reasoning is encrypted: none is stored)
+IGNORED_INCLUDES = frozenset({"reasoning.encrypted_content"})
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
+@dataclass(frozen=True)
+class ResponsesRequest:
+    api: ApiRequest  # the chat request it means
+    echoed: Json  # the settings the response repeats
+    origins: list[str]  # each chat message's field in the Responses body
+
+    def renamed(self, exc: RequestError) -> RequestError:
+        return renamed(exc, self.origins)
 
 
-def parse_responses(raw: Any, config: GatewayConfig) -> tuple[ApiRequest, Json]:
+def parse_responses(raw: Any, config: GatewayConfig) -> ResponsesRequest:
     """The chat request the body means, and the request's settings the response echoes."""
     body = Body(raw)
     refuse_unsupported(body)
@@ -57,8 +67,10 @@ def parse_responses(raw: Any, config: GatewayConfig) -> tuple[ApiRequest, Json]:
         messages.append({"role": "system", "content": instructions})
         origins.append("instructions")
     for message, origin in input_messages(body.get("input")):
-        if message.get("tool_calls") and messages and messages[-1].get("tool_calls"):
-            messages[-1]["tool_calls"] += message["tool_calls"]  # (one turn, several calls)
+        last = messages[-1] if messages else {}
+        if message.get("tool_calls") and last.get("role") == "assistant":
+            # one turn: what the model wrote, then its calls (as a response's output replays)
+            last["tool_calls"] = last.get("tool_calls", []) + message["tool_calls"]
             continue
         messages.append(message)
         origins.append(origin)
@@ -86,12 +98,13 @@ def parse_responses(raw: Any, config: GatewayConfig) -> tuple[ApiRequest, Json]:
         "top_p": api.params.top_p,
         "tools": raw.get("tools") or [],
         "tool_choice": raw.get("tool_choice") or "auto",
-        "parallel_tool_calls": raw.get("parallel_tool_calls", True),
+        "parallel_tool_calls": body.boolean("parallel_tool_calls", True),
         "text": {"format": (text or {}).get("format") or {"type": "text"}},
         "metadata": raw.get("metadata") or {},
         "user": raw.get("user"),
+        "truncation": "auto" if raw.get("truncation") == "auto" else "disabled",
     }
-    return api, echoed
+    return ResponsesRequest(api, echoed, origins)
 
 
 def refuse_unsupported(body: Body) -> None:
@@ -108,9 +121,16 @@ def refuse_unsupported(body: Body) -> None:
             "background",
             "unsupported_parameter",
         )
-    include = body.get("include")
-    if include:
-        raise bad_request("'include' is not supported.", "include", "unsupported_parameter")
+    include = body.get("include") or []
+    if not isinstance(include, list):
+        raise wrong_type("include", "an array of strings", include)
+    for i, value in enumerate(include):
+        if value not in IGNORED_INCLUDES:
+            raise bad_request(
+                f"'include' of {value!r} is not supported.",
+                f"include[{i}]",
+                "unsupported_parameter",
+            )
     if body.get("input") is None:
         raise bad_request("Missing required parameter: 'input'.", "input", "missing_required")
 
@@ -130,18 +150,23 @@ def input_messages(value: Any) -> list[tuple[Json, str]]:
         if kind == "message":
             out.append((message(item, where), where))
         elif kind == "function_call":
-            call = {
-                "id": item.get("call_id"),
-                "type": "function",
-                "function": {"name": item.get("name"), "arguments": item.get("arguments")},
-            }
+            fields = [item.get(k) for k in ("call_id", "name", "arguments")]
+            for key, value in zip(("call_id", "name", "arguments"), fields, strict=True):
+                if not isinstance(value, str):
+                    raise wrong_type(f"{where}.{key}", "a string", value)
+            call_id, name, arguments = fields
+            call = {"id": call_id, "type": "function"}
+            call["function"] = {"name": name, "arguments": arguments}
             out.append(({"role": "assistant", "content": "", "tool_calls": [call]}, where))
         elif kind == "function_call_output":
-            output = item.get("output")
+            call_id, output = item.get("call_id"), item.get("output")
+            if not isinstance(call_id, str):
+                raise wrong_type(f"{where}.call_id", "a string", call_id)
+            if isinstance(output, list):  # (input_text parts)
+                output = "".join(p.get("text", "") for p in output if isinstance(p, dict))
             if not isinstance(output, str):
-                raise wrong_type(f"{where}.output", "a string", output)
-            turn = {"role": "tool", "tool_call_id": item.get("call_id"), "content": output}
-            out.append((turn, where))
+                raise wrong_type(f"{where}.output", "a string or text parts", output)
+            out.append(({"role": "tool", "tool_call_id": call_id, "content": output}, where))
         elif kind != "reasoning":  # (earlier reasoning is not sent back to the model)
             raise bad_request(
                 f"Input items of type {kind!r} are not supported (message, function_call, "
@@ -221,194 +246,14 @@ def renamed(exc: RequestError, origins: list[str]) -> RequestError:
             param = origins[int(index)] + rest
     elif param == "messages":
         param = "input"
+    elif param.startswith("tools[") and ".function." in param:
+        param = param.replace(".function.", ".", 1)  # (Responses' tools are flat)
     else:
-        head, dot, rest = param.partition(".")
-        param = RENAMED.get(head, head) + dot + rest if head else param
-    return RequestError(str(exc), exc.status, exc.type, param or None, exc.code)
-
-
-class ResponsesView:
-    """The chat stream's chunks as Responses output items and events (``events``), and the
-    whole response (``response``)."""
-
-    def __init__(self, response_id: str, created: int, model: str, echoed: Json) -> None:
-        self.id, self.created, self.model, self.echoed = response_id, created, model, echoed
-        self.items: list[Json] = []
-        self.open: Json | None = None  # the item being streamed
-        self.sequence = 0
-        self.status = "in_progress"
-        self.incomplete: Json | None = None
-        self.usage: Json | None = None
-
-    # --- events ---------------------------------------------------------------------------
-
-    def event(self, kind: str, **fields: Any) -> Json:
-        """One event, a snapshot: the items it shows go on changing until it is sent."""
-        event = {"type": kind, "sequence_number": self.sequence, **copy.deepcopy(fields)}
-        self.sequence += 1
-        return event
-
-    def opening(self) -> list[Json]:
-        snapshot = self.response()
-        return [
-            self.event("response.created", response=snapshot),
-            self.event("response.in_progress", response=snapshot),
-        ]
-
-    def add(self, chunks: list[Json]) -> list[Json]:
-        """The events of a chat stream's chunks (the role's opening chunk brings none)."""
-        events: list[Json] = []
-        for chunk in chunks:
-            for choice in chunk.get("choices", []):
-                delta = choice.get("delta") or {}
-                if delta.get("reasoning"):
-                    events += self.text("reasoning", delta["reasoning"])
-                for call in delta.get("tool_calls") or []:
-                    events += self.call(call)
-                if delta.get("content"):
-                    events += self.text("message", delta["content"])
-                if choice.get("finish_reason") is not None:
-                    events += self.close()
-                    self.finish(choice["finish_reason"])
-        return events
-
-    def text(self, kind: str, delta: str) -> list[Json]:
-        """Reasoning or answer text, into the open item of its kind (opened if need be)."""
-        events = []
-        if self.open is None or self.open["type"] != kind:
-            events += self.close()
-            part = {"type": "reasoning_text", "text": ""} if kind == "reasoning" else OUTPUT_TEXT
-            item: Json = (
-                {"id": new_id("rs"), "type": "reasoning", "summary": [], "content": []}
-                if kind == "reasoning"
-                else {"id": new_id("msg"), "type": "message", "role": "assistant", "content": []}
-            )
-            item["status"] = "in_progress"
-            self.open = item
-            events.append(self.event("response.output_item.added", **self.where(), item=item))
-            item["content"].append(copy.deepcopy(part))
-            events.append(
-                self.event(
-                    "response.content_part.added", **self.where(), content_index=0, part=part
-                )
-            )
-        assert self.open is not None
-        self.open["content"][0]["text"] += delta
-        name = (
-            "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
-        )
-        extra: Json = {} if kind == "reasoning" else {"logprobs": []}
-        events.append(self.event(name, **self.where(), content_index=0, delta=delta, **extra))
-        return events
-
-    def call(self, call: Json) -> list[Json]:
-        """A tool call's fragment: its first opens a ``function_call`` item."""
-        events = []
-        function = call.get("function") or {}
-        if call.get("id"):
-            events += self.close()
-            self.open = {
-                "id": new_id("fc"),
-                "type": "function_call",
-                "call_id": call["id"],
-                "name": function.get("name", ""),
-                "arguments": "",
-                "status": "in_progress",
-            }
-            events.append(self.event("response.output_item.added", **self.where(), item=self.open))
-        assert self.open is not None and self.open["type"] == "function_call"
-        fragment = function.get("arguments") or ""
-        if fragment:
-            self.open["arguments"] += fragment
-            events.append(
-                self.event("response.function_call_arguments.delta", **self.where(), delta=fragment)
-            )
-        return events
-
-    def close(self) -> list[Json]:
-        """The open item's closing events; it joins the output."""
-        item, self.open = self.open, None
-        if item is None:
-            return []
-        self.items.append(item)
-        where = {"item_id": item["id"], "output_index": len(self.items) - 1}
-        item["status"] = "completed"
-        events = []
-        if item["type"] == "function_call":
-            events.append(
-                self.event(
-                    "response.function_call_arguments.done",
-                    **where,
-                    name=item["name"],
-                    arguments=item["arguments"],
-                )
-            )
-        else:
-            part = item["content"][0]
-            done = (
-                "response.reasoning_text.done"
-                if item["type"] == "reasoning"
-                else ("response.output_text.done")
-            )
-            extra: Json = {} if item["type"] == "reasoning" else {"logprobs": []}
-            events.append(self.event(done, **where, content_index=0, text=part["text"], **extra))
-            events.append(
-                self.event("response.content_part.done", **where, content_index=0, part=part)
-            )
-        events.append(
-            self.event("response.output_item.done", output_index=where["output_index"], item=item)
-        )
-        return events
-
-    def where(self) -> Json:
-        assert self.open is not None
-        return {"item_id": self.open["id"], "output_index": len(self.items)}
-
-    def finish(self, reason: str) -> None:
-        if reason == "length":
-            self.status, self.incomplete = "incomplete", {"reason": "max_output_tokens"}
-        else:
-            self.status = "completed"
-
-    def closing(self, usage: Json) -> list[Json]:
-        self.usage = responses_usage(usage)
-        kind = "response.incomplete" if self.status == "incomplete" else "response.completed"
-        return [*self.close(), self.event(kind, response=self.response())]
-
-    # --- the whole response ---------------------------------------------------------------
-
-    def response(self) -> Json:
-        return {
-            "id": self.id,
-            "object": "response",
-            "created_at": self.created,
-            "status": self.status,
-            "background": False,
-            "error": None,
-            "incomplete_details": self.incomplete,
-            "model": self.model,
-            "output": self.items,
-            "previous_response_id": None,
-            "reasoning": {"effort": None, "summary": None},
-            "store": False,
-            "truncation": "disabled",
-            "usage": self.usage,
-            **self.echoed,
-        }
-
-
-OUTPUT_TEXT: Json = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-
-
-def responses_usage(usage: Json) -> Json:
-    """Chat's usage in the Responses names."""
-    return {
-        "input_tokens": usage["prompt_tokens"],
-        "input_tokens_details": {
-            "cached_tokens": usage.get("prompt_tokens_details", {}).get("cached_tokens", 0),
-            "cache_write_tokens": 0,
-        },
-        "output_tokens": usage["completion_tokens"],
-        "output_tokens_details": {"reasoning_tokens": 0},
-        "total_tokens": usage["total_tokens"],
-    }
+        for chat, ours in RENAMED.items():  # (longest first: the dict lists them so)
+            if param == chat or param.startswith(chat + "."):
+                param = ours + param[len(chat) :]
+                break
+    message = str(exc)
+    if exc.param and param != exc.param:  # (the message names the field too)
+        message = message.replace(f"'{exc.param}'", f"'{param}'")
+    return RequestError(message, exc.status, exc.type, param or None, exc.code)
