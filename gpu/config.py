@@ -156,15 +156,20 @@ class RopeScaling:
         )
 
 
+# Pre-quantized checkpoints the loader reads (gpu.prequantized checks the rest of their config)
+READ_QUANT_METHODS = ("awq", "gptq")
+
+
 def _refuse_what_is_not_computed(raw: dict[str, Any]) -> None:
     """Config settings transformers honours and this runtime does not: a clear error, where
     they were read past and the model computed something else (logits off by ~2 at once)."""
     quantized = raw.get("quantization_config") or raw.get("compression_config")
-    if quantized:
-        method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else "?"
+    method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else "?"
+    if quantized and (method not in READ_QUANT_METHODS or "compression_config" in raw):
         raise ModelError(
-            f"pre-quantized checkpoints are not supported (quant_method {method!r}): load "
-            "the unquantized weights and quantize them at load time (--quantization)"
+            f"pre-quantized checkpoints of quant_method {method!r} are not supported (awq and "
+            "gptq, 4-bit, are): load the unquantized weights and quantize them at load time "
+            "(--quantization)"
         )
     act = raw.get("hidden_act", raw.get("hidden_activation", "silu"))
     if act not in ("silu", "swish"):

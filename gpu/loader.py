@@ -2,7 +2,8 @@
 
 GGUF files are first converted to such a folder (``gpu.gguf``), so there is one load path;
 with ``--quantization gguf`` (or ``auto`` on CPU) the linear weights come from the folder's
-source GGUF file in their own blocks instead (``gpu.gguf.blocks``).
+source GGUF file in their own blocks instead (``gpu.gguf.blocks``). An AWQ or GPTQ folder's
+linears are read into the same blocks (``gpu.prequantized``).
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from gpu.config import ModelConfig, ModelError
 from gpu.cpu_kernels import load as load_cpu_kernels
 from gpu.formats import check_quantization
 from gpu.gguf.blocks import gguf_source, in_source, read_block_weights
-from gpu.model import CausalLM, expected_shapes
+from gpu.model import CausalLM, Weight, expected_shapes
 from gpu.parallel.group import TensorParallel
+from gpu.prequantized import PARTS, Prequantized
 from gpu.quant import BlockWeight
 
 
@@ -45,24 +47,44 @@ def weight_files(folder: Path) -> list[Path]:
 
 
 def load_weights(
-    folder: Path, config: ModelConfig, progress: bool = True, skip: frozenset[str] = frozenset()
-) -> dict[str, torch.Tensor]:
+    folder: Path,
+    config: ModelConfig,
+    progress: bool = True,
+    skip: frozenset[str] = frozenset(),
+    prequantized: Prequantized | None = None,
+    keep_blocks: bool = False,
+) -> dict[str, Weight]:
     """Read only the tensors the model uses (less ``skip``); a progress bar shows on a
-    terminal."""
-    wanted = set(expected_shapes(config)) - skip
-    weights: dict[str, torch.Tensor] = {}
+    terminal. ``prequantized``: the folder's AWQ or GPTQ linears, read from their parts (as
+    blocks where ``keep_blocks``, else dequantized exactly)."""
+    shapes = expected_shapes(config)
+    wanted = set(shapes) - skip
+    quantized = {n.removesuffix(".weight") for n in wanted if n.endswith(".weight")}
+    weights: dict[str, Weight] = {}
+    parts: dict[str, dict[str, torch.Tensor]] = {}  # a quantized linear's name -> its parts
     files = weight_files(folder)
     show = progress and sys.stderr.isatty()
     for path in tqdm(files, desc=f"loading {folder.name}", unit="file", disable=not show):
         try:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    linear, _, part = name.rpartition(".")
                     if name in wanted:
                         weights[name] = f.get_tensor(name)
+                    elif prequantized is not None and part in PARTS and linear in quantized:
+                        parts.setdefault(linear, {})[part] = f.get_tensor(name)
         except Exception as exc:  # safetensors raises its own error types
             raise ModelError(f"cannot read weight file {path}: {exc}") from exc
+    for linear, its_parts in parts.items():
+        name = f"{linear}.weight"
+        if prequantized is not None and name not in weights:
+            out_features, in_features = shapes[name]
+            shape = (out_features, in_features)
+            weights[name] = prequantized.weight(linear, its_parts, shape, keep_blocks)
     for name, tensor in weights.items():
-        if tensor.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        if isinstance(tensor, torch.Tensor) and tensor.dtype not in (
+            torch.float32, torch.float16, torch.bfloat16,
+        ):  # fmt: skip
             # quantized codes (fp8, int8) whose scales live in other tensors: read as values,
             # they gave logits of nothing
             raise ModelError(
@@ -96,19 +118,21 @@ def load_model(
     if not folder.is_dir():
         raise ModelError(f"model folder {folder} does not exist")
     config = ModelConfig.from_folder(folder)
+    prequantized = Prequantized.from_config(json.loads((folder / "config.json").read_text()))
     if dtype is None:
         dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     kernels = None
     if cpu_kernels and torch.device(device).type == "cpu":
         kernels = load_cpu_kernels()
     source = gguf_source(folder)
-    if quantization == "gguf" and source is None:
+    if quantization == "gguf" and source is None and prequantized is None:
         raise ModelError(
-            f"--quantization gguf needs a model converted from a GGUF file that is still there; "
-            f"{folder} is not one (use auto, none, int8 or int4)"
+            f"--quantization gguf needs a model converted from a GGUF file that is still there, "
+            f"or an AWQ or GPTQ checkpoint; {folder} is neither (use auto, none, int8 or int4)"
         )
     if quantization == "auto":
-        quantization = "gguf" if source is not None and kernels is not None else "none"
+        blocks_here = source is not None or prequantized is not None
+        quantization = "gguf" if blocks_here and kernels is not None else "none"
     kept = in_source(folder)  # a mixture of experts' experts, left in the GGUF file
     if kept and source is None:
         raise ModelError(
@@ -119,8 +143,8 @@ def load_model(
     if source is not None and (quantization == "gguf" or kept):
         wanted = set(expected_shapes(config))
         blocks = read_block_weights(source, wanted if quantization == "gguf" else set(kept))
-    weights: dict[str, torch.Tensor | BlockWeight] = dict(
-        load_weights(folder, config, progress, frozenset(blocks))
+    weights: dict[str, Weight] = load_weights(
+        folder, config, progress, frozenset(blocks), prequantized, quantization == "gguf"
     )
     weights.update(blocks)
     model = CausalLM(config, weights, device, dtype, quantization, kernels, tp)

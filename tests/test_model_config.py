@@ -42,7 +42,7 @@ def test_a_sliding_window_cuts_the_context_to_it() -> None:
     [
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"quantization_config": {"quant_method": "fbgemm_fp8"}}, "pre-quantized.*fbgemm_fp8"),
-        ({"quantization_config": {"quant_method": "gptq", "bits": 4}}, "pre-quantized.*gptq"),
+        ({"quantization_config": {"quant_method": "bitsandbytes"}}, "pre-quantized.*bitsandbytes"),
         ({"compression_config": {"format": "int-quantized"}}, "pre-quantized"),
         ({"model_type": "llama", "attention_bias": True}, "attention_bias"),
         ({"model_type": "llama", "mlp_bias": True}, "mlp_bias"),
