@@ -525,8 +525,9 @@ def make_linear(
     ``dtype`` is the activations' (and, for ``none``, the weight's) dtype; quantized formats
     take ``weight`` in any float dtype and quantize it from fp32. A ``BlockWeight`` (GGUF
     blocks, ``gguf`` / ``auto``) runs as it is on the CPU kernels or CUDA's block matmul
-    (``blocks_run_on``; else the same math in torch); any other format dequantizes it first,
-    except ``int4``, which quantizes into blocks again.
+    (``blocks_run_on``; else the same math in torch); ``int4`` keeps 4-bit blocks as they
+    are (Q8_0 blocks, and the LM head's, are quantized again); any other format dequantizes
+    it first.
     """
     check_quantization(quantization)
     if isinstance(weight, BlockWeight):
@@ -534,6 +535,8 @@ def make_linear(
             # The block kernels, or (no compiler) the same math in torch (CausalLM dequantizes
             # blocks for other devices and dtypes).
             return BlockLinear(weight, bias, kernels)
+        if quantization == "int4" and weight.qtype in ("Q4_0", "Q4_1") and not lm_head:
+            return BlockLinear(weight, bias, kernels, "int4")  # (4-bit already: as they are)
         weight = weight.dequantize()
     if quantization == "int4":
         quantize = quantize_q8_0 if lm_head else quantize_q4_1

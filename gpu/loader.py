@@ -22,6 +22,7 @@ from gpu.config import ModelConfig, ModelError
 from gpu.cpu_kernels import load as load_cpu_kernels
 from gpu.formats import check_quantization
 from gpu.gguf.blocks import gguf_source, in_source, read_block_weights
+from gpu.linear import blocks_run_on
 from gpu.model import CausalLM, Weight, expected_shapes
 from gpu.parallel.group import TensorParallel
 from gpu.prequantized import PARTS, Prequantized
@@ -52,11 +53,10 @@ def load_weights(
     progress: bool = True,
     skip: frozenset[str] = frozenset(),
     prequantized: Prequantized | None = None,
-    keep_blocks: bool = False,
 ) -> dict[str, Weight]:
     """Read only the tensors the model uses (less ``skip``); a progress bar shows on a
-    terminal. ``prequantized``: the folder's AWQ or GPTQ linears, read from their parts (as
-    blocks where ``keep_blocks``, else dequantized exactly)."""
+    terminal. ``prequantized``: the folder's AWQ or GPTQ linears, read from their parts into
+    blocks (``gpu.prequantized``)."""
     shapes = expected_shapes(config)
     wanted = set(shapes) - skip
     quantized = {n.removesuffix(".weight") for n in wanted if n.endswith(".weight")}
@@ -80,7 +80,7 @@ def load_weights(
         if prequantized is not None and name not in weights:
             out_features, in_features = shapes[name]
             shape = (out_features, in_features)
-            weights[name] = prequantized.weight(linear, its_parts, shape, keep_blocks)
+            weights[name] = prequantized.weight(linear, its_parts, shape)
     for name, tensor in weights.items():
         if isinstance(tensor, torch.Tensor) and tensor.dtype not in (
             torch.float32, torch.float16, torch.bfloat16,
@@ -118,7 +118,7 @@ def load_model(
     if not folder.is_dir():
         raise ModelError(f"model folder {folder} does not exist")
     config = ModelConfig.from_folder(folder)
-    prequantized = Prequantized.from_config(json.loads((folder / "config.json").read_text()))
+    prequantized = Prequantized.from_folder(folder)
     if dtype is None:
         dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     kernels = None
@@ -130,9 +130,11 @@ def load_model(
             f"--quantization gguf needs a model converted from a GGUF file that is still there, "
             f"or an AWQ or GPTQ checkpoint; {folder} is neither (use auto, none, int8 or int4)"
         )
+    if quantization == "auto" and prequantized is not None:
+        # a 4-bit checkpoint stays 4-bit wherever blocks run (its bf16 form may not fit)
+        quantization = "gguf" if blocks_run_on(torch.device(device), dtype) else "none"
     if quantization == "auto":
-        blocks_here = source is not None or prequantized is not None
-        quantization = "gguf" if blocks_here and kernels is not None else "none"
+        quantization = "gguf" if source is not None and kernels is not None else "none"
     kept = in_source(folder)  # a mixture of experts' experts, left in the GGUF file
     if kept and source is None:
         raise ModelError(
@@ -144,7 +146,7 @@ def load_model(
         wanted = set(expected_shapes(config))
         blocks = read_block_weights(source, wanted if quantization == "gguf" else set(kept))
     weights: dict[str, Weight] = load_weights(
-        folder, config, progress, frozenset(blocks), prequantized, quantization == "gguf"
+        folder, config, progress, frozenset(blocks), prequantized
     )
     weights.update(blocks)
     model = CausalLM(config, weights, device, dtype, quantization, kernels, tp)

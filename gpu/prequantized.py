@@ -24,8 +24,10 @@ Layouts (as AutoAWQ and AutoGPTQ / GPTQModel write them; ``W`` is ``[out, in]``)
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -45,6 +47,22 @@ class Prequantized:
     method: str  # "awq" | "gptq"
     group_size: int  # -1: one group a row
     zero_offset: int = 0  # added to the stored zero points (GPTQ's original format: 1)
+    desc_act: bool = False  # GPTQ: groups in the order of g_idx (else g_idx is not read)
+
+    @classmethod
+    def from_folder(cls, folder: Path) -> Prequantized | None:
+        """From ``config.json``'s ``quantization_config``, or where older checkpoints keep it
+        (``quantize_config.json``, AutoGPTQ's; ``quant_config.json``, AutoAWQ's), as vLLM
+        reads them."""
+        raw = json.loads((folder / "config.json").read_text())
+        if raw.get("quantization_config"):
+            return cls.from_config(raw)
+        for name, method in (("quantize_config.json", "gptq"), ("quant_config.json", "awq")):
+            path = folder / name
+            if path.is_file():
+                q = json.loads(path.read_text())
+                return cls.from_config({"quantization_config": {"quant_method": method, **q}})
+        return None
 
     @classmethod
     def from_config(cls, raw: dict[str, Any]) -> Prequantized | None:
@@ -80,38 +98,42 @@ class Prequantized:
         fmt = str(q.get("checkpoint_format", "gptq")).lower()
         if fmt not in ("gptq", "gptq_v2"):
             raise ModelError(f"GPTQ checkpoint_format {fmt!r} is not supported (gptq, gptq_v2)")
-        return cls("gptq", group, zero_offset=1 if fmt == "gptq" else 0)
+        if q.get("dynamic"):
+            raise ModelError(
+                "GPTQ checkpoints with per-module settings (dynamic) are not supported"
+            )
+        offset = 1 if fmt == "gptq" else 0
+        return cls("gptq", group, zero_offset=offset, desc_act=bool(q.get("desc_act")))
 
-    def weight(
-        self,
-        name: str,
-        parts: dict[str, torch.Tensor],
-        shape: tuple[int, int],
-        blocks: bool = True,
-    ) -> Any:
-        """The weight ``[out, in]`` of the linear whose tensors are ``parts``: Q4_1 blocks
-        where its groups span whole blocks and ``blocks`` (the model keeps them), else
-        dequantized (fp32, exactly ``s * (q - z)``)."""
+    def weight(self, name: str, parts: dict[str, torch.Tensor], shape: tuple[int, int]) -> Any:
+        """The weight ``[out, in]`` of the linear whose tensors are ``parts``: blocks where
+        its groups span whole blocks of 32 (Q4_0 where every zero point is 8, GPTQ's
+        symmetric default: exact; else Q4_1), dequantized exactly (``s * (q - z)``, fp32)
+        otherwise. Blocks are kept as blocks even where the model will not run them: it
+        dequantizes one tensor at a time as it builds each layer (``gpu.model.DeviceWeights``),
+        where a whole checkpoint in fp32 would take 8x its size at once."""
         out_features, in_features = shape
         missing = [p for p in PARTS[:3] if p not in parts]
         if missing:
             raise ModelError(f"{name}: the checkpoint lacks its {', '.join(missing)}")
         codes, zeros, scales = self.unpack(parts, out_features, in_features)
         groups = scales.shape[0]
-        group_of = self.group_of(parts.get("g_idx"), in_features, groups, name)
+        group_of = self.group_of(parts.get("g_idx") if self.desc_act else None, in_features,
+                                 groups, name)  # fmt: skip
         if codes.shape != (in_features, out_features) or zeros.shape != (groups, out_features):
             raise ModelError(f"{name}: its quantized tensors do not make a [{out_features}, "
                              f"{in_features}] weight")  # fmt: skip
         aligned = in_features % QK == 0 and bool(
             (group_of.view(-1, QK) == group_of.view(-1, QK)[:, :1]).all()
         )
-        if not aligned or not blocks:
-            if blocks:
-                log.info("%s: groups not in blocks of %d input features: dequantized", name, QK)
+        if not aligned:
+            log.info("%s: groups not in blocks of %d input features: dequantized", name, QK)
             z, s = zeros[group_of].float(), scales[group_of].float()
             return ((codes.float() - z) * s).t().contiguous()
         first = group_of.view(-1, QK)[:, 0]  # each block's group
         d = scales[first].t().contiguous()  # [out, blocks], fp16 as stored
+        if bool((zeros == 8).all()):
+            return BlockWeight("Q4_0", q4_0_rows(codes.t(), d), in_features)
         m = (-(scales[first].float() * zeros[first].float())).to(torch.float16).t().contiguous()
         return BlockWeight("Q4_1", q4_1_rows(codes.t(), d, m), in_features)
 
@@ -137,11 +159,17 @@ class Prequantized:
     def group_of(
         self, g_idx: torch.Tensor | None, in_features: int, groups: int, name: str
     ) -> torch.Tensor:
-        """Each input feature's group."""
+        """Each input feature's group: by ``g_idx`` (GPTQ's desc_act), else consecutive runs
+        of group_size, which must be what the tensors hold (a config that disagrees with
+        them would read every weight with another group's scale)."""
         size = in_features if self.group_size == -1 else self.group_size
-        default = torch.arange(in_features) // size
         if g_idx is None:
-            return default
+            if -(-in_features // size) != groups:
+                raise ModelError(
+                    f"{name}: {groups} groups of scales for {in_features} input features, but "
+                    f"the config's group_size is {self.group_size}"
+                )
+            return torch.arange(in_features) // size
         g = g_idx.to(torch.int64)
         if g.shape != (in_features,) or int(g.min()) < 0 or int(g.max()) >= groups:
             raise ModelError(f"{name}: its g_idx does not give each input feature a group")
@@ -154,9 +182,19 @@ def nibbles_along_columns(packed: torch.Tensor) -> torch.Tensor:
 
 
 def natural_gptq_zeros(zeros: torch.Tensor, offset: int) -> torch.Tensor:
-    """GPTQ's stored zero points as the formula uses them (the original format stores
-    ``z - 1``; a stored 15 then wraps to 0, as its own kernels read it)."""
-    return (zeros + offset) & 15
+    """GPTQ's stored zero points as the formula uses them: the original format stores
+    ``z - 1``, read back as vLLM's and AutoGPTQ's kernels read it (a stored 15 is 16)."""
+    return zeros + offset
+
+
+def q4_0_rows(codes: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """Codes ``uint8 [n, k]`` with fp16 ``d`` ``[n, k / 32]`` -> Q4_0 rows ``uint8 [n, k /
+    32 * 18]`` (``w = d * (q - 8)``: each block's d, then its codes as Q4_1's)."""
+    n, k = codes.shape
+    q = codes.reshape(n, k // QK, QK)
+    packed = q[..., :16] | (q[..., 16:] << 4)
+    head = d.contiguous().view(torch.uint8).reshape(n, k // QK, 2)
+    return torch.cat([head, packed], dim=-1).reshape(n, k // QK * 18).contiguous()
 
 
 def q4_1_rows(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:

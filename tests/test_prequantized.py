@@ -30,9 +30,9 @@ LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 
 
-def quantize(w: torch.Tensor, group: int, g_idx: torch.Tensor) -> tuple[Any, Any, Any]:
-    """Asymmetric 4-bit per group of input features: codes ``[in, out]``, zero points and
-    fp16 scales ``[groups, out]``."""
+def quantize(w: torch.Tensor, g_idx: torch.Tensor, sym: bool = False) -> tuple[Any, Any, Any]:
+    """4-bit per group of input features, asymmetric or (``sym``, zero point 8) symmetric:
+    codes ``[in, out]``, zero points and fp16 scales ``[groups, out]``."""
     out_f = w.shape[0]
     groups = int(g_idx.max()) + 1
     wt = w.t().float()  # [in, out]
@@ -40,9 +40,13 @@ def quantize(w: torch.Tensor, group: int, g_idx: torch.Tensor) -> tuple[Any, Any
     zeros = torch.empty(groups, out_f, dtype=torch.int64)
     for g in range(groups):
         rows = wt[g_idx == g]
+        if sym:
+            s = (rows.abs().amax(0) / 7.5).clamp(min=1e-6).half().float()
+            scales[g], zeros[g] = s, 8
+            continue
         lo, hi = rows.amin(0).clamp(max=0), rows.amax(0).clamp(min=0)
         s = ((hi - lo) / 15).clamp(min=1e-6).half().float()
-        scales[g], zeros[g] = s, torch.round(-lo / s).clamp(0, 15).long()
+        scales[g], zeros[g] = s, torch.round(-lo / s).clamp(1, 15).long()
     codes = torch.round(wt / scales[g_idx] + zeros[g_idx]).clamp(0, 15).long()
     return codes, zeros, scales.half()
 
@@ -67,7 +71,13 @@ def pack_rows(values: torch.Tensor) -> torch.Tensor:
 
 
 def write_quantized(
-    base: Path, folder: Path, method: str, group: int, desc_act: bool = False, v2: bool = False
+    base: Path,
+    folder: Path,
+    method: str,
+    group: int,
+    desc_act: bool = False,
+    v2: bool = False,
+    sym: bool = False,
 ) -> Path:
     """``base`` with its decoder linears as ``method`` writes them; the weights they stand
     for, dequantized, in ``folder``/reference (an ordinary folder)."""
@@ -88,7 +98,7 @@ def write_quantized(
         g_idx = torch.arange(in_f) // size
         if desc_act:
             g_idx = g_idx[torch.randperm(in_f, generator=gen)]
-        codes, zeros, scales = quantize(w, size, g_idx)
+        codes, zeros, scales = quantize(w, g_idx, sym)
         plain[name] = ((codes - zeros[g_idx]).float() * scales[g_idx].float()).t().contiguous()
         if method == "awq":
             packed[f"{prefix}.qweight"] = pack_columns(codes, AWQ_ORDER)
@@ -106,26 +116,26 @@ def write_quantized(
     if method == "awq":
         q |= {"version": "gemm", "zero_point": True}
     else:
-        q |= {"desc_act": desc_act, "sym": False}
+        q |= {"desc_act": desc_act, "sym": sym}
         q |= {"checkpoint_format": "gptq_v2"} if v2 else {}
     (folder / "config.json").write_text(json.dumps({**config, "quantization_config": q}))
     return folder
 
 
-CASES = {
-    "awq g32": ("awq", 32, False, False),
-    "awq g64": ("awq", 64, False, False),
-    "gptq g64": ("gptq", 64, False, False),
-    "gptq v2 whole rows": ("gptq", -1, False, True),
-    "gptq desc_act": ("gptq", 32, True, False),
+CASES = {  # method, group size, desc_act, gptq_v2, sym
+    "awq g32": ("awq", 32, False, False, False),
+    "awq g64": ("awq", 64, False, False, False),
+    "gptq g64": ("gptq", 64, False, False, False),
+    "gptq v2 whole rows": ("gptq", -1, False, True, False),
+    "gptq desc_act": ("gptq", 32, True, False, False),
+    "gptq sym": ("gptq", 128, False, False, True),
 }
 
 
 @pytest.fixture(scope="module", params=list(CASES))
 def checkpoint(request: Any, tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    method, group, desc_act, v2 = CASES[request.param]
     folder = tmp_path_factory.mktemp("prequantized") / request.param.replace(" ", "-")
-    return request.param, write_quantized(tiny_llama, folder, method, group, desc_act, v2)
+    return request.param, write_quantized(tiny_llama, folder, *CASES[request.param])
 
 
 def logits(model: Any, ids: list[int]) -> torch.Tensor:
@@ -134,30 +144,67 @@ def logits(model: Any, ids: list[int]) -> torch.Tensor:
 
 
 def test_the_weights_are_the_checkpoints_and_blocks_where_groups_allow(checkpoint) -> None:
-    """Dequantized (--quantization none): the reference folder's weights exactly, so the
-    logits are transformers' on it; kept (auto): Q4_1 blocks for aligned groups, whose
-    dequantized values are the reference's up to fp16's rounding of s * z."""
+    """Aligned groups are blocks: Q4_0 (exact) for a symmetric checkpoint, else Q4_1, whose
+    values are the reference's up to fp16's rounding of s * z (2^-11 of it); groups across
+    blocks (desc_act) are dequantized, exactly. Dequantized (--quantization none), the model
+    is transformers' on the reference folder to that rounding."""
     case, folder = checkpoint
     ids = [1, 17, 200, 45, 3, 99, 311, 8]
     ours = load_model(folder, quantization="none", cpu_kernels=False, progress=False)
-    ref = load_model(folder / "reference", quantization="none", cpu_kernels=False, progress=False)
-    torch.testing.assert_close(logits(ours, ids), logits(ref, ids), atol=2e-5, rtol=1e-5)
     with torch.no_grad():
         want = hf_model(folder / "reference")(torch.tensor([ids])).logits[0].float()
-    torch.testing.assert_close(logits(ours, ids), want, atol=2e-4, rtol=1e-4)
-    pre = Prequantized.from_config(json.loads((folder / "config.json").read_text()))
+    exact = "desc_act" in case or "sym" in case
+    tol = 2e-4 if exact else 5e-3
+    torch.testing.assert_close(logits(ours, ids), want, atol=tol, rtol=1e-4)
+    pre = Prequantized.from_folder(folder)
     assert pre is not None
     tensors = load_file(str(folder / "model.safetensors"))
     linear = "model.layers.0.mlp.down_proj"
     parts = {k.rsplit(".", 1)[1]: v for k, v in tensors.items() if k.startswith(linear + ".")}
-    weight = pre.weight(linear, parts, (64, 128), blocks=True)
+    weight = pre.weight(linear, parts, (64, 128))
     want_w = load_file(str(folder / "reference" / "model.safetensors"))[linear + ".weight"]
     if "desc_act" in case:
         assert isinstance(weight, torch.Tensor)  # (groups across blocks: dequantized)
         torch.testing.assert_close(weight, want_w, atol=0, rtol=0)
-    else:
-        assert isinstance(weight, BlockWeight) and weight.qtype == "Q4_1"
-        torch.testing.assert_close(weight.dequantize(), want_w, atol=1e-3, rtol=0)
+        return
+    assert isinstance(weight, BlockWeight)
+    assert weight.qtype == ("Q4_0" if "sym" in case else "Q4_1")
+    torch.testing.assert_close(weight.dequantize(), want_w, atol=0 if exact else 2.5e-4, rtol=0)
+
+
+def test_int4_keeps_the_checkpoints_blocks(checkpoint) -> None:
+    """--quantization int4 on a 4-bit checkpoint runs its blocks as they are (quantizing
+    them again would round each block of 32 onto a new grid)."""
+    case, folder = checkpoint
+    if "desc_act" in case:
+        return
+    model = load_model(folder, quantization="int4", progress=False)
+    linear = model.layers[0].down_proj
+    assert isinstance(linear, BlockLinear) and linear.format == "int4"
+    want = load_file(str(folder / "reference" / "model.safetensors"))
+    got = linear.dequantized_weight()
+    reference = want["model.layers.0.mlp.down_proj.weight"]
+    torch.testing.assert_close(got, reference, atol=0 if "sym" in case else 2.5e-4, rtol=0)
+
+
+def test_a_group_size_the_tensors_contradict_and_an_older_config_file(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    """A config whose group_size disagrees with the scales is an error (every weight would
+    take another group's scale); AutoGPTQ's quantize_config.json is read where config.json
+    has no quantization_config."""
+    folder = write_quantized(tiny_llama, tmp_path / "g64", "gptq", 64, v2=True)
+    raw = json.loads((folder / "config.json").read_text())
+    wrong = {**raw, "quantization_config": {**raw["quantization_config"], "group_size": 32}}
+    (folder / "config.json").write_text(json.dumps(wrong))
+    with pytest.raises(ModelError, match="groups of scales"):
+        load_model(folder, progress=False)
+    q = raw.pop("quantization_config")
+    q.pop("quant_method")
+    (folder / "config.json").write_text(json.dumps(raw))
+    (folder / "quantize_config.json").write_text(json.dumps(q))
+    model = load_model(folder, quantization="auto", progress=False)
+    assert isinstance(model.layers[0].down_proj, BlockLinear)
 
 
 @pytest.mark.skipif(load_cpu_kernels() is None, reason="the CPU kernels did not build")
@@ -169,7 +216,8 @@ def test_auto_runs_the_blocks_on_the_cpu_kernels(checkpoint) -> None:
     ids = [1, 17, 200, 45, 3, 99, 311, 8, 64, 65, 66, 7, 300, 12, 5, 140]
     auto = load_model(folder, quantization="auto", progress=False)
     formats = {m.format for m in auto.modules() if isinstance(m, (BlockLinear, DenseLinear))}
-    assert ("gguf-q4_1" in formats) == ("desc_act" not in case), formats
+    kind = "gguf-q4_0" if "sym" in case else "gguf-q4_1"
+    assert (kind in formats) == ("desc_act" not in case), formats
     # each linear against the same math in torch, on the same input (whole models drift
     # apart: an input 1e-7 away can round its int8 activations to the next code)
     torch_math = load_model(folder, quantization="gguf", cpu_kernels=False, progress=False)

@@ -151,7 +151,8 @@ def shard_weights(
     amax: dict[str, torch.Tensor] = {}
 
     def unblocked(*names: str) -> None:
-        """GGUF blocks dequantized where the format does not keep them (one at a time)."""
+        """Blocks (GGUF, AWQ, GPTQ) dequantized where the format does not keep them (one at
+        a time)."""
         for name in names:
             weight = out[name]
             if isinstance(weight, BlockWeight) and not keep_blocks:
@@ -197,11 +198,13 @@ def shard_weights(
                 out[f"{attn}.{n}_proj.{kind}"] = rows(
                     out[f"{attn}.{n}_proj.{kind}"], k0 * d, k1 * d
                 )
+        unblocked(f"{attn}.o_proj.weight")  # (an AWQ or GPTQ checkpoint's, under int8 ...)
         split_columns(f"{attn}.o_proj.weight", q0 * d, q1 * d)
         if config.moe is not None and config.sparse_layer(layer):
             split_experts(config.moe, layer)
             continue
         for n in ("gate", "up"):
             out[f"{mlp}.{n}_proj.weight"] = rows(out[f"{mlp}.{n}_proj.weight"], i0, i1)
+        unblocked(f"{mlp}.down_proj.weight")
         split_columns(f"{mlp}.down_proj.weight", i0, i1)
     return ShardedWeights(out, amax)
