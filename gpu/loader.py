@@ -75,12 +75,10 @@ def load_weights(
                         parts.setdefault(linear, {})[part] = f.get_tensor(name)
         except Exception as exc:  # safetensors raises its own error types
             raise ModelError(f"cannot read weight file {path}: {exc}") from exc
-    for linear, its_parts in parts.items():
-        name = f"{linear}.weight"
-        if prequantized is not None and name not in weights:
-            out_features, in_features = shapes[name]
-            shape = (out_features, in_features)
-            weights[name] = prequantized.weight(linear, its_parts, shape)
+        # each linear converted once its parts are in (its packed tensors then let go: the
+        # peak is a file's parts more than the blocks, not the whole checkpoint's)
+        convert_parts(parts, weights, shapes, prequantized, complete_only=True)
+    convert_parts(parts, weights, shapes, prequantized, complete_only=False)
     for name, tensor in weights.items():
         if isinstance(tensor, torch.Tensor) and tensor.dtype not in (
             torch.float32, torch.float16, torch.bfloat16,
@@ -92,6 +90,28 @@ def load_weights(
                 "(load the unquantized weights; --quantization quantizes them at load time)"
             )
     return weights
+
+
+def convert_parts(
+    parts: dict[str, dict[str, torch.Tensor]],
+    weights: dict[str, Weight],
+    shapes: dict[str, tuple[int, ...]],
+    prequantized: Prequantized | None,
+    complete_only: bool,
+) -> None:
+    """The AWQ / GPTQ linears whose parts are read (all of them, unless ``complete_only``),
+    converted into ``weights`` and dropped from ``parts``."""
+    if prequantized is None:
+        return
+    needed = {"qweight", "qzeros", "scales"} | ({"g_idx"} if prequantized.desc_act else set())
+    for linear in list(parts):
+        if complete_only and not needed <= set(parts[linear]):
+            continue
+        its_parts = parts.pop(linear)
+        name = f"{linear}.weight"
+        if name not in weights:
+            out_features, in_features = shapes[name]
+            weights[name] = prequantized.weight(linear, its_parts, (out_features, in_features))
 
 
 def load_model(

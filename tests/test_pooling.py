@@ -7,7 +7,6 @@ from its sentence-transformers files (``gpu/pooler_config.py``)."""
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 from typing import Any
 
@@ -15,15 +14,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpu.engine import Engine, EngineConfig, StepOutput
+from gpu.engine import Engine, StepOutput
 from gpu.loader import load_model
 from gpu.model import CausalLM
 from gpu.pooler_config import PoolerConfig, PoolingError
 from gpu.pooling import PromptPooling
-from gpu.runner import ModelRunner
 from gpu.sampling_params import SamplingParams
 from gpu.scheduler import Scheduler
 from gpu.sequence import Sequence
+from tests.engine_helpers import engine_for, prompt
 from tests.models import hf_model
 
 
@@ -35,18 +34,6 @@ def model(tiny_llama: Path) -> CausalLM:
 @pytest.fixture(scope="module")
 def oracle(tiny_llama: Path) -> Any:
     return hf_model(tiny_llama)
-
-
-def engine_for(
-    model: CausalLM, budget: int = 16, num_pages: int = 256, overlap: bool = False
-) -> Engine:
-    config = EngineConfig(budget, 8, overlap_steps=overlap)
-    return Engine(ModelRunner(model, num_pages, 4), config, eos_token_ids=[2])
-
-
-def prompt(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 500) for _ in range(n)]
 
 
 def embed(mode: str, dims: int | None = None, normalize: bool = True) -> SamplingParams:

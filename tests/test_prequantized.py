@@ -250,3 +250,21 @@ def test_checkpoints_not_read_are_refused(tiny_llama: Path, tmp_path: Path, conf
     (folder / "config.json").write_text(json.dumps({**raw, "quantization_config": config}))
     with pytest.raises(ModelError, match=text):
         load_model(folder, progress=False)
+
+
+def test_a_linears_parts_in_two_shard_files(tiny_llama: Path, tmp_path: Path) -> None:
+    """Each linear is converted once all its parts are read, whichever files hold them."""
+    folder = write_quantized(tiny_llama, tmp_path / "awq", "awq", 32)
+    tensors = load_file(str(folder / "model.safetensors"))
+    (folder / "model.safetensors").unlink()
+    first = {k: v for k, v in tensors.items() if not k.endswith((".scales", ".qzeros"))}
+    second = {k: v for k, v in tensors.items() if k not in first}
+    save_file(first, str(folder / "model-00001-of-00002.safetensors"))
+    save_file(second, str(folder / "model-00002-of-00002.safetensors"))
+    index = {k: "model-00001-of-00002.safetensors" for k in first}
+    index |= {k: "model-00002-of-00002.safetensors" for k in second}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": index}))
+    ids = [1, 17, 200, 45, 3, 99, 311, 8]
+    split = logits(load_model(folder, quantization="none", progress=False), ids)
+    ref = logits(load_model(folder / "reference", quantization="none", progress=False), ids)
+    torch.testing.assert_close(split, ref, atol=5e-3, rtol=1e-4)

@@ -4,21 +4,20 @@ holds, a batch shared with decoding sequences, preemption midway and the overlap
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from gpu.engine import Engine, EngineConfig, StepOutput
+from gpu.engine import Engine, StepOutput
 from gpu.loader import load_model
 from gpu.model import CausalLM
 from gpu.prompt_logprobs import PromptLogprobs, PromptScoring
-from gpu.runner import ModelRunner
 from gpu.sampling_params import SamplingParams
 from gpu.scheduler import Scheduler
 from gpu.sequence import Sequence
+from tests.engine_helpers import engine_for, prompt
 from tests.models import hf_model
 
 TOP = 3
@@ -32,18 +31,6 @@ def model(tiny_llama: Path) -> CausalLM:
 @pytest.fixture(scope="module")
 def oracle(tiny_llama: Path):
     return hf_model(tiny_llama)
-
-
-def engine_for(
-    model: CausalLM, budget: int = 16, num_pages: int = 256, overlap: bool = False
-) -> Engine:
-    config = EngineConfig(budget, 8, overlap_steps=overlap)
-    return Engine(ModelRunner(model, num_pages, 4), config, eos_token_ids=[2])
-
-
-def prompt(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 500) for _ in range(n)]
 
 
 def run(engine: Engine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, Any]:
