@@ -184,6 +184,42 @@ async def test_a_function_call_out_and_its_output_back_in(mesh, client) -> None:
     assert follow.output[0].type == "message"
 
 
+async def test_logprobs_of_the_answer(mesh, client) -> None:
+    """include message.output_text.logprobs with top_logprobs (what the Agents SDK sends):
+    each answer token's logprob and its top 2, the chat completion's; streamed on each text
+    delta, the same in all."""
+    body = {
+        "model": "tiny",
+        "input": ASK,
+        "max_output_tokens": 6,
+        "temperature": 0,
+        "top_logprobs": 2,
+        "include": ["message.output_text.logprobs"],
+        "ignore_eos": True,
+    }
+    status, raw = await post(mesh, body)
+    assert status == 200, raw
+    Response.model_validate(raw)
+    part = raw["output"][0]["content"][0]
+    chat = await client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": ASK}],
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
+    want = [c.model_dump() for c in chat.choices[0].logprobs.content]
+    assert part["logprobs"] == want and len(want) == 6
+    assert all(len(entry["top_logprobs"]) == 2 for entry in part["logprobs"])
+    events = await events_of(mesh, body)
+    streamed = [
+        lp for e in events if e["type"] == "response.output_text.delta" for lp in e["logprobs"]
+    ]
+    assert streamed == want and raw["top_logprobs"] == 2
+
+
 async def test_structured_output_through_text_format(client) -> None:
     schema = {
         "type": "object",

@@ -8,6 +8,7 @@ from prometheus_client import CollectorRegistry
 
 from common.metrics import ExecutorMetrics
 from gpu.engine import StepOutput
+from gpu.sequence import FinishReason
 from services.executor.timeline import HANDOFF, Timelines
 
 
@@ -55,3 +56,20 @@ def test_a_prompt_handed_to_its_decode_executor_has_no_decode_time_here() -> Non
         first_token(t, rid)
         t.finished(rid, reason)
     assert value(registry, "meshserve:request_decode_time_seconds_count") == 1
+
+
+def test_an_embeddings_token_is_not_counted_as_generated() -> None:
+    """Its one greedy token carries the vector and is dropped: counting it made embedding
+    traffic look like generation on the dashboard (its prompt tokens count)."""
+    t, registry = timelines()
+    t.received("embd", 10)
+    t.stepped(
+        1,
+        2,
+        [StepOutput("embd", [7], FinishReason.LENGTH, 10, 1, 0, embedding=[0.5])],
+        lambda r: True,
+    )
+    t.received("gen", 10)
+    first_token(t, "gen")
+    assert value(registry, "meshserve:generation_tokens_total") == 1
+    assert value(registry, "meshserve:prompt_tokens_total") == 20

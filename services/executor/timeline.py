@@ -88,7 +88,8 @@ class Timelines:
         batch = len(outputs)
         generated = 0
         for out in outputs:
-            generated += len(out.new_token_ids)
+            if out.embedding is None:  # (an embedding's one token is not output: none counts)
+                generated += len(out.new_token_ids)
             timeline = self.active.get(out.request_id)
             if timeline is None:
                 continue

@@ -13,7 +13,8 @@ Responses events (``response.created`` ... ``response.output_text.delta`` ...
 
 Not offered (a 400 says so): stored responses (``previous_response_id``, ``background``;
 nothing is stored, ``store`` is reported false), built-in tools (web or file search, ...),
-``include``, and input other than text (images, files).
+``include`` but the answer's logprobs (and ``reasoning.encrypted_content``, which changes
+nothing: no reasoning is encrypted), and input other than text (images, files).
 """
 
 from __future__ import annotations
@@ -40,9 +41,12 @@ RENAMED = {
     "response_format.json_schema": "text.format",
     "response_format": "text.format",
     "tool_choice.function": "tool_choice",
+    "top_logprobs": "top_logprobs",
 }
-# include values that change nothing here (no reasoning is encrypted: none is stored)
+# include values that change nothing here (no reasoning is encrypted: none is stored), and
+# the one that asks for the answer's logprobs
 IGNORED_INCLUDES = frozenset({"reasoning.encrypted_content"})
+LOGPROBS = "message.output_text.logprobs"
 
 
 @dataclass(frozen=True)
@@ -77,6 +81,10 @@ def parse_responses(raw: Any, config: GatewayConfig) -> ResponsesRequest:
     chat["messages"] = messages
     if raw.get("max_output_tokens") is not None:
         chat["max_completion_tokens"] = raw["max_output_tokens"]
+    top = raw.get("top_logprobs")
+    if LOGPROBS in (raw.get("include") or []) or top:  # (the Agents SDK sends both)
+        chat["logprobs"] = True
+        chat["top_logprobs"] = top if top is not None else 0
     if raw.get("tools") is not None:
         chat["tools"] = chat_tools(raw["tools"])
     if raw.get("tool_choice") is not None:
@@ -103,6 +111,7 @@ def parse_responses(raw: Any, config: GatewayConfig) -> ResponsesRequest:
         "metadata": raw.get("metadata") or {},
         "user": raw.get("user"),
         "truncation": "auto" if raw.get("truncation") == "auto" else "disabled",
+        "top_logprobs": api.params.logprobs,
     }
     return ResponsesRequest(api, echoed, origins)
 
@@ -125,7 +134,7 @@ def refuse_unsupported(body: Body) -> None:
     if not isinstance(include, list):
         raise wrong_type("include", "an array of strings", include)
     for i, value in enumerate(include):
-        if value not in IGNORED_INCLUDES:
+        if value not in IGNORED_INCLUDES and value != LOGPROBS:
             raise bad_request(
                 f"'include' of {value!r} is not supported.",
                 f"include[{i}]",

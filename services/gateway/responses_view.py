@@ -68,14 +68,16 @@ class ResponsesView:
             for call in delta.get("tool_calls") or []:
                 events += self.add_call(call)
             if delta.get("content"):
-                events += self.add_text("message", delta["content"])
+                entries = (choice.get("logprobs") or {}).get("content") or []
+                events += self.add_text("message", delta["content"], entries)
             if choice.get("finish_reason") is not None:
                 self.finish(choice["finish_reason"])
         return events
 
-    def add_text(self, kind: str, delta: str) -> list[Json]:
+    def add_text(self, kind: str, delta: str, logprobs: list[Json] | None = None) -> list[Json]:
         """Reasoning or answer text, into the open text item of its kind (opened if need
-        be: a new text item closes the last one)."""
+        be: a new text item closes the last one); an answer's tokens' ``logprobs`` (chat's
+        entries, the Responses shape: token, logprob, bytes, top_logprobs) with it."""
         events = []
         if self.text is None or self.text["type"] != kind:
             events += self.close_text()
@@ -98,7 +100,9 @@ class ResponsesView:
         name = (
             "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
         )
-        extra: Json = {} if kind == "reasoning" else {"logprobs": []}
+        extra: Json = {} if kind == "reasoning" else {"logprobs": logprobs or []}
+        if logprobs:
+            item["content"][0]["logprobs"] += logprobs
         events.append(self.event(name, **where(item), content_index=0, delta=delta, **extra))
         return events
 
@@ -148,7 +152,7 @@ class ResponsesView:
         done = "response.reasoning_text.done" if item["type"] == "reasoning" else (
             "response.output_text.done"
         )  # fmt: skip
-        extra: Json = {} if item["type"] == "reasoning" else {"logprobs": []}
+        extra: Json = {} if item["type"] == "reasoning" else {"logprobs": part["logprobs"]}
         return [
             self.event(done, **where(item), content_index=0, text=part["text"], **extra),
             self.event("response.content_part.done", **where(item), content_index=0, part=part),
