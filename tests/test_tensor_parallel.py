@@ -176,6 +176,24 @@ def test_int8_under_tp2(tiny_llama: Path) -> None:
         )
 
 
+@pytest.mark.parametrize("quantization", ["auto", "int8"])
+def test_an_awq_checkpoint_under_tp2(tiny_llama: Path, tmp_path: Path, quantization: str) -> None:
+    """An AWQ checkpoint's blocks split on their 32-weight blocks (auto keeps them) or, for a
+    format that does not keep blocks, dequantized first: the split replica generates what
+    the unsplit one does."""
+    from tests.test_prequantized import write_quantized
+
+    folder = write_quantized(tiny_llama, tmp_path / "awq", "awq", 32)
+    prompts = prompts_for(13, [5, 17, 3, 26, 9, 12, 30])
+    max_tokens = [12, 20, 7, 15, 25, 10, 18]
+    for one, two in runners(folder, quantization):
+        fmt = cast(DecoderLayer, two.model.layers[0]).o_proj.format
+        assert fmt == ("gguf-q4_1" if quantization == "auto" else "int8")
+        assert churn(engine_on(two), prompts, max_tokens) == churn(
+            engine_on(one), prompts, max_tokens
+        )
+
+
 def test_heads_that_do_not_divide_are_refused(tiny_llama: Path, tmp_path: Path) -> None:
     """A clear error before any rank starts; fewer KV heads than ranks are replicated."""
     with pytest.raises(ModelError) as err:
