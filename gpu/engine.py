@@ -207,13 +207,11 @@ class Engine:
         output_token_ids = output_token_ids or []
         self.runner.check_prompt([*prompt_token_ids, *output_token_ids])
         total = len(prompt_token_ids) + len(output_token_ids)
-        if params.pooling and total == self.max_seq_len:
-            pass  # an embedding's one token is never computed: the prompt may fill the context
-        elif total >= self.max_seq_len:
-            raise ModelError(
-                f"prompt has {total} tokens; at most {self.max_seq_len - 1} fit "
-                "with room for one output token"
-            )
+        # (an embedding's one token is never computed: its prompt may fill the context)
+        fits = self.max_seq_len if params.pooling else self.max_seq_len - 1
+        if total > fits:
+            room = "" if params.pooling else " with room for one output token"
+            raise ModelError(f"prompt has {total} tokens; at most {fits} fit{room}")
         if len(output_token_ids) >= params.max_tokens:
             raise ValueError("the request already generated max_tokens tokens")
         listed = {
@@ -395,7 +393,8 @@ class Engine:
             return []
         tap = self._pooling_tap(plan)
         logits = self._forward(plan, tap)
-        self._take_pooled(plan, tap)
+        if tap is not None:
+            tap.hand_out()
         return self._postprocess(plan, logits)
 
     @staticmethod
@@ -422,33 +421,16 @@ class Engine:
     @staticmethod
     def _pooling_tap(plan: SchedulerOutput) -> HiddenTap | None:
         """The step's rows whose final hidden states its embedding sequences pool."""
-        indices: list[int] = []
+        tap = HiddenTap()
         flat = 0
         for item in plan.scheduled:
             seq = item.seq
             if seq.pooling is not None:
-                prompt_len = len(seq.prompt_token_ids)
-                for position in seq.pooling.positions(seq.num_computed, item.num_new, prompt_len):
-                    indices.append(flat + position - seq.num_computed)
+                tap.add(
+                    seq.pooling, flat, seq.num_computed, item.num_new, len(seq.prompt_token_ids)
+                )
             flat += item.num_new
-        return HiddenTap(torch.tensor(indices, dtype=torch.int64)) if indices else None
-
-    @staticmethod
-    def _take_pooled(plan: SchedulerOutput, tap: HiddenTap | None) -> None:
-        """Hand each embedding sequence its rows of ``tap`` (before ``num_computed`` moves
-        past the chunk)."""
-        if tap is None:
-            return
-        assert tap.rows is not None, "the forward pass filled no tap"
-        row = 0
-        for item in plan.scheduled:
-            seq = item.seq
-            if seq.pooling is None:
-                continue
-            prompt_len = len(seq.prompt_token_ids)
-            positions = seq.pooling.positions(seq.num_computed, item.num_new, prompt_len)
-            seq.pooling.take(tap.rows[row : row + len(positions)], positions, prompt_len)
-            row += len(positions)
+        return tap if tap.parts else None
 
     def _forward(self, plan: SchedulerOutput, tap: HiddenTap | None = None) -> torch.Tensor:
         chunks = []

@@ -148,7 +148,8 @@ class OverlappedSteps:
         logits = engine.runner.execute(
             chunks, tokens, feed=feed, num_logits=num_rows if several else None, tap=tap
         )
-        engine._take_pooled(plan, tap)
+        if tap is not None:
+            tap.hand_out()
         samplers = []
         row = 0
         for item, n in zip(plan.scheduled, num_rows, strict=True):

@@ -13,23 +13,54 @@ midway is recomputed from its first token, and positions already pooled are not 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from gpu.pooler_config import POOLING_TYPES
-from gpu.transfers import HostCopy
+from gpu.transfers import HostCopy, move
 
 
 @dataclass
 class HiddenTap:
     """The rows of a step (flat token indices) whose final hidden states the forward pass
     hands back beside the logits: ``rows[i]`` is row ``indices[i]``'s, after the final norm,
-    in the model's dtype (set by ``CausalLM.forward``)."""
+    in the model's dtype (set by ``CausalLM.forward``); ``parts``: which sequence pools which
+    of them (its positions, and its prompt's length), in row order."""
 
-    indices: torch.Tensor
+    index_list: list[int] = field(default_factory=list)
+    parts: list[tuple[PromptPooling, range, int]] = field(default_factory=list)
     rows: torch.Tensor | None = None
+    _indices: torch.Tensor | None = None
+
+    @property
+    def indices(self) -> torch.Tensor:
+        if self._indices is None:
+            self._indices = torch.tensor(self.index_list, dtype=torch.int64)
+        return self._indices
+
+    def to(self, device: torch.device) -> None:
+        """The indices on the step's device (without a host wait)."""
+        self._indices = move(self.indices, device)
+
+    def add(
+        self, pooling: PromptPooling, flat: int, start: int, num_new: int, prompt_len: int
+    ) -> None:
+        """A sequence's chunk ``[start, start + num_new)``, its first row ``flat`` of the
+        step: the rows of the positions it pools."""
+        positions = pooling.positions(start, num_new, prompt_len)
+        if positions:
+            self.index_list += [flat + p - start for p in positions]
+            self.parts.append((pooling, positions, prompt_len))
+
+    def hand_out(self) -> None:
+        """Each sequence its rows (before its ``num_computed`` moves past the chunk)."""
+        assert self.rows is not None, "the forward pass filled no tap"
+        row = 0
+        for pooling, positions, prompt_len in self.parts:
+            pooling.take(self.rows[row : row + len(positions)], positions, prompt_len)
+            row += len(positions)
 
 
 @dataclass

@@ -267,7 +267,7 @@ class ModelRunner:
             if logits_indices is not None:
                 logits_indices = move(logits_indices, self.device)
             if tap is not None:
-                tap.indices = move(tap.indices, self.device)
+                tap.to(self.device)
         if feed is not None:
             feed.apply(input_ids)
         self.backend.plan(meta)

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpu.engine import Engine, StepOutput
+from gpu.engine import Engine
 from gpu.loader import load_model
 from gpu.model import CausalLM
 from gpu.pooler_config import PoolerConfig, PoolingError
@@ -23,6 +23,7 @@ from gpu.sampling_params import SamplingParams
 from gpu.scheduler import Scheduler
 from gpu.sequence import Sequence
 from tests.engine_helpers import engine_for, prompt
+from tests.engine_helpers import run as run_requests
 from tests.models import hf_model
 
 
@@ -48,17 +49,7 @@ def embed(mode: str, dims: int | None = None, normalize: bool = True) -> Samplin
 
 
 def run(engine: Engine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, Any]:
-    for rid, (ids, params) in requests.items():
-        engine.add_request(rid, ids, params)
-    firsts: dict[str, StepOutput] = {}
-    tokens: dict[str, list[int]] = {rid: [] for rid in requests}
-    while engine.has_unfinished():
-        for out in engine.step():
-            firsts.setdefault(out.request_id, out)
-            if out is not firsts[out.request_id]:
-                assert out.embedding is None  # only with the first token
-            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-    return {"first": firsts, "tokens": tokens}
+    return run_requests(engine, requests, "embedding")
 
 
 def expected(

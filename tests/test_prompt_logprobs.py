@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from gpu.engine import Engine, StepOutput
+from gpu.engine import Engine
 from gpu.loader import load_model
 from gpu.model import CausalLM
 from gpu.prompt_logprobs import PromptLogprobs, PromptScoring
@@ -18,6 +18,7 @@ from gpu.sampling_params import SamplingParams
 from gpu.scheduler import Scheduler
 from gpu.sequence import Sequence
 from tests.engine_helpers import engine_for, prompt
+from tests.engine_helpers import run as run_requests
 from tests.models import hf_model
 
 TOP = 3
@@ -34,17 +35,7 @@ def oracle(tiny_llama: Path):
 
 
 def run(engine: Engine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, Any]:
-    for rid, (ids, params) in requests.items():
-        engine.add_request(rid, ids, params)
-    firsts: dict[str, StepOutput] = {}
-    tokens: dict[str, list[int]] = {rid: [] for rid in requests}
-    while engine.has_unfinished():
-        for out in engine.step():
-            firsts.setdefault(out.request_id, out)
-            if out is not firsts[out.request_id]:
-                assert out.prompt_logprobs is None  # only with the first token
-            tokens[out.request_id] += out.new_token_ids
-    return {"first": firsts, "tokens": tokens}
+    return run_requests(engine, requests, "prompt_logprobs")
 
 
 def assert_matches_transformers(got: PromptLogprobs | None, ids: list[int], oracle) -> None:

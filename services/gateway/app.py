@@ -48,13 +48,7 @@ from services.gateway.responses import (
 )
 from services.gateway.responses_api import ResponsesRequest, parse_responses
 from services.gateway.responses_view import ResponsesView, new_id
-from services.gateway.scores import (
-    parse_rerank,
-    parse_score,
-    rerank_response,
-    score_pairs,
-    score_response,
-)
+from services.gateway.scores import parse_rerank, parse_score, rerank, score
 from services.gateway.streams import BatchedStreams, RequestStream
 from services.gateway.tokenize import (
     TOKENIZE_TIMEOUT_S,
@@ -285,38 +279,33 @@ class Routes:
             ) from exc
 
     async def embeddings(self, request: web.Request) -> web.Response:
-        """OpenAI's ``/v1/embeddings`` (``services.gateway.embeddings``), under one
-        ``gateway.request`` span."""
-        with request_span(self.mesh.service.tracer, request.headers, request.path) as span:
-            ask = parse_embedding(await read_json(request, self.config.max_body_bytes), self.config)
-            response_id = f"embd-{uuid.uuid4().hex}"
-            body = await embed(self.mesh, ask, response_id, self.config.embedding_concurrency)
-            span.set_attribute(Attr.HTTP_STATUS, 200)
-            return json_response(body, headers={"X-Request-Id": response_id})
+        """OpenAI's ``/v1/embeddings`` (``services.gateway.embeddings``)."""
+        return await self.pooled(request, parse_embedding, "embd", embed)
 
     async def score(self, request: web.Request) -> web.Response:
         """vLLM's ``/score``: the cosine similarity of each pair's embeddings
         (``services.gateway.scores``)."""
-        with request_span(self.mesh.service.tracer, request.headers, request.path) as span:
-            ask = parse_score(await read_json(request, self.config.max_body_bytes), self.config)
-            response_id = f"score-{uuid.uuid4().hex}"
-            created = int(time.time())
-            concurrency = self.config.embedding_concurrency
-            scores, tokens = await score_pairs(self.mesh, ask, response_id, concurrency)
-            span.set_attribute(Attr.HTTP_STATUS, 200)
-            body = score_response(ask, response_id, created, scores, tokens)
-            return json_response(body, headers={"X-Request-Id": response_id})
+        return await self.pooled(request, parse_score, "score", score)
 
     async def rerank(self, request: web.Request) -> web.Response:
         """vLLM's ``/rerank`` (Jina's and Cohere's shape): the documents by the cosine
         similarity of their embeddings to the query's."""
+        return await self.pooled(request, parse_rerank, "rerank", rerank)
+
+    async def pooled(
+        self,
+        request: web.Request,
+        parse: Callable[[Any, GatewayConfig], Any],
+        id_prefix: str,
+        answer: Callable[[MeshClient, Any, str, int], Awaitable[Json]],
+    ) -> web.Response:
+        """A request whose inputs are embedded through the mesh, answered whole, under one
+        ``gateway.request`` span."""
         with request_span(self.mesh.service.tracer, request.headers, request.path) as span:
-            ask = parse_rerank(await read_json(request, self.config.max_body_bytes), self.config)
-            response_id = f"rerank-{uuid.uuid4().hex}"
-            concurrency = self.config.embedding_concurrency
-            scores, tokens = await score_pairs(self.mesh, ask, response_id, concurrency)
+            ask = parse(await read_json(request, self.config.max_body_bytes), self.config)
+            response_id = f"{id_prefix}-{uuid.uuid4().hex}"
+            body = await answer(self.mesh, ask, response_id, self.config.embedding_concurrency)
             span.set_attribute(Attr.HTTP_STATUS, 200)
-            body = rerank_response(ask, response_id, scores, tokens)
             return json_response(body, headers={"X-Request-Id": response_id})
 
     async def responses(self, request: web.Request) -> web.StreamResponse:

@@ -34,6 +34,7 @@ from services.gateway.mesh_client import MeshClient
 from services.gateway.protocol import (
     MAX_INT,
     ApiRequest,
+    adapter_of,
     parse_model,
     parse_priority,
     parse_prompts,
@@ -125,7 +126,7 @@ def parse_embedding(raw: Any, config: GatewayConfig) -> EmbeddingRequest:
         normalize=normalize,
         priority=parse_priority(body, config.max_client_priority),
         truncate_prompt_tokens=parse_truncation(body, config),
-        lora="" if model == config.served_model_name else model,
+        lora=adapter_of(model, config),
     )
 
 

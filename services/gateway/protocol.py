@@ -272,11 +272,16 @@ def finish(
         kind, model, n, stream, include_usage, params, prompt, prompt_token_ids, messages,
         priority, sampling_unset=unset, continuous_usage=continuous_usage,
         bad_words=parse_bad_words(body), truncate_prompt_tokens=parse_truncation(body, config),
-        lora="" if model == config.served_model_name else model,
+        lora=adapter_of(model, config),
     )  # fmt: skip
 
 
 # --- fields -------------------------------------------------------------------------------------
+
+
+def adapter_of(model: str, config: GatewayConfig) -> str:
+    """The LoRA adapter a request names as its model ("": the base model)."""
+    return "" if model == config.served_model_name else model
 
 
 def parse_model(body: Body, config: GatewayConfig) -> str:

@@ -30,7 +30,7 @@ from services.gateway.responses import Json
 
 # Fields copied to the chat body as they are (the rest are translated or refused)
 SHARED = (
-    "model", "stream", "temperature", "top_p", "tools", "parallel_tool_calls", "user",
+    "model", "stream", "temperature", "top_p", "parallel_tool_calls", "user",
     "priority", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty",
     "frequency_penalty", "ignore_eos", "min_tokens",
 )  # fmt: skip
@@ -41,7 +41,6 @@ RENAMED = {
     "response_format.json_schema": "text.format",
     "response_format": "text.format",
     "tool_choice.function": "tool_choice",
-    "top_logprobs": "top_logprobs",
 }
 # include values that change nothing here (no reasoning is encrypted: none is stored), and
 # the one that asks for the answer's logprobs
@@ -63,7 +62,7 @@ def parse_responses(raw: Any, config: GatewayConfig) -> ResponsesRequest:
     """The chat request the body means, and the request's settings the response echoes."""
     body = Body(raw)
     refuse_unsupported(body)
-    chat: Json = {k: raw[k] for k in SHARED if raw.get(k) is not None and k != "tools"}
+    chat: Json = {k: raw[k] for k in SHARED if raw.get(k) is not None}
     origins: list[str] = []  # each chat message's field in the Responses body
     messages: list[Json] = []
     instructions = body.string("instructions")

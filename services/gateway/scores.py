@@ -12,17 +12,20 @@ similarity of its two vectors, as vLLM scores with embedding models.
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from common.wire.detokenizer import float32_values
 from services.gateway.body import Body, bad_request, unicode_text, wrong_type
 from services.gateway.config import GatewayConfig
 from services.gateway.embeddings import Embedded, EmbeddingRequest, embed_inputs
 from services.gateway.mesh_client import MeshClient
 from services.gateway.protocol import (
     MAX_INT,
+    adapter_of,
     parse_model,
     parse_priority,
     parse_truncation,
@@ -106,7 +109,7 @@ def common(
         names=tuple(names),
         priority=parse_priority(body, config.max_client_priority),
         truncate_prompt_tokens=parse_truncation(body, config),
-        lora="" if model == config.served_model_name else model,
+        lora=adapter_of(model, config),
     )
 
 
@@ -137,6 +140,22 @@ def parse_rerank(raw: Any, config: GatewayConfig) -> ScoreRequest:
     )
 
 
+async def score(
+    mesh: MeshClient, ask: ScoreRequest, response_id: str, concurrency: int
+) -> dict[str, Any]:
+    """vLLM's ``/score`` response."""
+    scores, tokens = await score_pairs(mesh, ask, response_id, concurrency)
+    return score_response(ask, response_id, scores, tokens)
+
+
+async def rerank(
+    mesh: MeshClient, ask: ScoreRequest, response_id: str, concurrency: int
+) -> dict[str, Any]:
+    """vLLM's ``/rerank`` response."""
+    scores, tokens = await score_pairs(mesh, ask, response_id, concurrency)
+    return rerank_response(ask, response_id, scores, tokens)
+
+
 async def score_pairs(
     mesh: MeshClient, ask: ScoreRequest, response_id: str, concurrency: int
 ) -> tuple[list[float], int]:
@@ -154,19 +173,19 @@ def cosines(firsts: list[Embedded], seconds: list[Embedded]) -> list[float]:
 
 
 def unit_rows(embedded: list[Embedded]) -> np.ndarray:
-    rows = np.stack([np.frombuffer(e.vector, dtype="<f4") for e in embedded]).astype(np.float64)
+    rows = np.stack([np.asarray(float32_values(e.vector)) for e in embedded]).astype(np.float64)
     norms = np.linalg.norm(rows, axis=1, keepdims=True)
     unit: np.ndarray = np.divide(rows, norms, out=np.zeros_like(rows), where=norms > 0)
     return unit
 
 
 def score_response(
-    ask: ScoreRequest, response_id: str, created: int, scores: list[float], tokens: int
+    ask: ScoreRequest, response_id: str, scores: list[float], tokens: int
 ) -> dict[str, Any]:
     return {
         "id": response_id,
         "object": "list",
-        "created": created,
+        "created": int(time.time()),
         "model": ask.model,
         "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
